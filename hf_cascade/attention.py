@@ -1,0 +1,125 @@
+"""The attention and mask functions registered as ``attn_implementation="cascade"``.
+
+With K/V that a :class:`~hf_cascade.cache.CascadeCache` just stored, attention runs as a cascade
+over the paged pool (shared prefix once per group, each row's suffix, log-sum-exp merge), except
+for a prefill into an empty cache, which runs densely over the fresh K/V exactly like sdpa. Any
+other K/V (no cache, ``use_cache=False``, a DynamicCache: Trainer's loss pass) take the dense
+fallback, transformers' own sdpa.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+from . import kernels
+from .cache import take_handoff
+
+NAME = "cascade"
+
+
+class CascadeMask:
+    """What the mask function hands to every layer: the 2D padding mask plus the recipe of the
+    dense sdpa mask, which is only built (once per forward) if some layer takes the dense path."""
+
+    def __init__(self, **mask_kwargs):
+        self.mask_kwargs = mask_kwargs
+        self.padding_mask = mask_kwargs.get("attention_mask")       # bool [B, kv_len] or None
+        self.plain_causal = mask_kwargs.get("mask_function") is causal_mask_function
+        self._dense = None
+        self._built = False
+
+    def dense(self):
+        """The mask stock sdpa would get (a 4D bool tensor, or None for plain causal)."""
+        if not self._built:
+            self._dense, self._built = sdpa_mask(**self.mask_kwargs), True
+        return self._dense
+
+    def __repr__(self):
+        shape = None if self.padding_mask is None else tuple(self.padding_mask.shape)
+        return f"CascadeMask(padding_mask={shape}, plain_causal={self.plain_causal})"
+
+
+def cascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                 attention_mask=None, **kwargs):
+    """Mask function registered for "cascade": defers the dense mask until a layer needs it."""
+    return CascadeMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                       kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+
+
+def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    if isinstance(attention_mask, CascadeMask):
+        attention_mask = attention_mask.dense()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
+    """Refuse what the cascade path would silently get wrong."""
+    reasons = []
+    if kwargs.get("softcap") is not None:
+        reasons.append("attention logit softcapping")
+    if kwargs.get("s_aux") is not None:
+        reasons.append("attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        reasons.append("an additive position bias")
+    if dropout:
+        reasons.append("attention dropout (the model is in training mode; call model.eval())")
+    window = kwargs.get("sliding_window")
+    if window is not None and note.layer.cache.logical_length > window:
+        reasons.append(f"a sliding window of {window} tokens exceeded by a sequence of "
+                       f"{note.layer.cache.logical_length}")
+    if isinstance(attention_mask, CascadeMask):
+        if not attention_mask.plain_causal and window is None:
+            reasons.append("a mask that is not plain causal (e.g. bidirectional image tokens or packed sequences)")
+    elif attention_mask is not None:
+        reasons.append("a 4D attention mask passed by the caller")
+    if reasons:
+        raise NotImplementedError(
+            f"{type(module).__name__} (layer {note.layer.layer_idx}) uses {', '.join(reasons)}, which the cascade "
+            "attention does not support yet. Load the model with attn_implementation='sdpa' instead.")
+
+
+def _check_padding_known(note, attention_mask) -> None:
+    """A padded multi-token step whose padding the cache was not told would store pad tokens."""
+    if note.plan.src_index is not None or not isinstance(attention_mask, CascadeMask):
+        return
+    padding = attention_mask.padding_mask
+    if padding is None:
+        return
+    new = padding[:, -note.plan.q_len:]
+    if not bool(new.all()):   # one host sync, only for multi-token steps of a padded batch
+        raise ValueError(
+            "A padded batch reached a CascadeCache that was not told which tokens are padding, so pad tokens would "
+            "be stored. Use model.generate(...), or hf_cascade.prefill(model, cache, input_ids, attention_mask).")
+
+
+def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
+    note = take_handoff(module.layer_idx)
+    if note is None:
+        return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if note.key is not key or note.value is not value:
+        raise RuntimeError(
+            f"{type(module).__name__} changed the K/V between cache.update and the attention call; the cascade "
+            "attention reads K/V from its cache and cannot follow. Use attn_implementation='sdpa' for this model.")
+    _check_supported(module, note, attention_mask, dropout, kwargs)
+    if note.plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
+        return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if note.plan.q_len > 1 and note.layer.layer_idx == min(note.layer.cache._layers_in_step):
+        _check_padding_known(note, attention_mask)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    pool = note.layer.pool
+    dp = note.plan.on(pool.device)
+    backend = kernels.get_backend(note.layer.cache.cascade_config.backend)
+    q = query.transpose(1, 2)                                          # [R, q, Hq, D]
+    out = backend.cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                                    dp.suffix_table, dp.q_limit, scale)
+    return out.contiguous(), None
+
+
+def register() -> None:
+    """Register "cascade" with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, cascade_attention)
+    AttentionMaskInterface.register(NAME, cascade_mask)

@@ -1,0 +1,163 @@
+"""From block tables to one step's cascade plan, built once per forward and reused by every layer.
+
+Level 0 groups rows whose tables begin with the same full blocks (the beams or samples of one
+prompt): their queries read that shared prefix once. Level 1 is each row's own rest of the table,
+block-aligned after its group's prefix. Writes (where this step's new tokens go, and the
+copy-on-write copies that must happen first) ride along so each layer's update is a few index ops.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepPlan:
+    """Index tensors of one step (numpy on the host; :meth:`on` gives torch tensors on a device).
+
+    Shapes: R rows, Lq query tokens per row, G prefix groups.
+
+    - ``fresh``: no row held any token before this step (a prefill into an empty cache): attention
+      needs no cache reads and runs densely over the new K/V.
+    - ``q_len``: Lq; ``num_new``: tokens written this step (pads are not written).
+    - ``src_index`` int64 [num_new] or None: which of the R*Lq incoming tokens (row-major) are
+      written; None means all of them.
+    - ``write_block``/``write_offset`` int64 [num_new]; ``copy_src``/``copy_dst`` int64 [C]:
+      copy-on-write block copies, applied before the writes.
+    - ``group_rows`` int32 [G, Rg] (-1 pad), ``prefix_table`` int32 [G, Mp] (-1 pad),
+      ``prefix_len`` int32 [G]: level 0.
+    - ``suffix_table`` int32 [R, Ms] (-1 pad), ``q_limit`` int32 [R, Lq]: level 1; query i of row r
+      sees the first ``q_limit[r, i]`` tokens of its suffix.
+    """
+
+    fresh: bool
+    q_len: int
+    src_index: np.ndarray | None
+    write_block: np.ndarray
+    write_offset: np.ndarray
+    copy_src: np.ndarray
+    copy_dst: np.ndarray
+    group_rows: np.ndarray
+    prefix_table: np.ndarray
+    prefix_len: np.ndarray
+    suffix_table: np.ndarray
+    q_limit: np.ndarray
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_groups(self) -> int:
+        return self.group_rows.shape[0]
+
+    def on(self, device: torch.device) -> "DevicePlan":
+        """The plan's tensors on ``device``, uploaded once per step and device (layers may sit on several)."""
+        device = torch.device(device)
+        key = str(device)
+        if key not in self._on_device:
+            def t(a, dtype):
+                return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+            self._on_device[key] = DevicePlan(
+                src_index=t(self.src_index, torch.long),
+                write_block=t(self.write_block, torch.long), write_offset=t(self.write_offset, torch.long),
+                copy_src=t(self.copy_src, torch.long), copy_dst=t(self.copy_dst, torch.long),
+                group_rows=t(self.group_rows, torch.int32), prefix_table=t(self.prefix_table, torch.int32),
+                prefix_len=t(self.prefix_len, torch.int32), suffix_table=t(self.suffix_table, torch.int32),
+                q_limit=t(self.q_limit, torch.int32))
+        return self._on_device[key]
+
+
+@dataclass
+class DevicePlan:
+    src_index: torch.Tensor | None
+    write_block: torch.Tensor
+    write_offset: torch.Tensor
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    group_rows: torch.Tensor
+    prefix_table: torch.Tensor
+    prefix_len: torch.Tensor
+    suffix_table: torch.Tensor
+    q_limit: torch.Tensor
+
+
+def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, min_rows: int):
+    """Rows sharing their leading full blocks.
+
+    Returns ``(groups, prefix_blocks)``: a list of row-index arrays and, per group, how many
+    leading blocks all its rows share (only blocks filled before this step: those are never written).
+    """
+    full_before = prev_lengths // block_size                     # blocks each row had completely filled
+    candidates = np.nonzero(full_before >= 1)[0]
+    if candidates.size < min_rows:
+        return [], []
+    first = tables[candidates, 0]
+    order = np.argsort(first, kind="stable")
+    first_sorted = first[order]
+    starts = np.flatnonzero(np.r_[True, first_sorted[1:] != first_sorted[:-1]])
+    ends = np.r_[starts[1:], first_sorted.size]
+    groups, prefix_blocks = [], []
+    for s, e in zip(starts, ends):                               # one iteration per group (a prompt), not per block
+        if e - s < min_rows:
+            continue
+        rows = np.sort(candidates[order[s:e]])
+        limit = int(full_before[rows].min())
+        sub = tables[rows, :limit]
+        same = (sub == sub[0]).all(axis=0)
+        shared = limit if same.all() else int(np.argmin(same))
+        if shared >= 1:
+            groups.append(rows)
+            prefix_blocks.append(shared)
+    return groups, prefix_blocks
+
+
+def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray, new_mask: np.ndarray | None,
+                    q_len: int, append_plan, block_size: int, min_group_rows: int) -> StepPlan:
+    """Plan one forward step after the block manager has appended this step's tokens.
+
+    Args:
+        tables: int32 [R, W] block tables after the append (-1 pad).
+        lengths: int64 [R] tokens per row after the append.
+        counts: int64 [R] tokens appended this step per row.
+        new_mask: bool [R, q_len], which incoming tokens are real (None: all of them).
+        append_plan: the block manager's AppendPlan for this step.
+    """
+    num_rows = tables.shape[0]
+    prev = lengths - counts
+    fresh = bool((prev == 0).all())
+    if new_mask is None:
+        seen_new = np.broadcast_to(np.arange(1, q_len + 1, dtype=np.int64), (num_rows, q_len))
+        src_index = None
+    else:
+        seen_new = np.cumsum(new_mask, axis=1, dtype=np.int64)  # real new tokens up to and including each query
+        src_index = np.flatnonzero(new_mask.reshape(-1)).astype(np.int64)
+
+    groups, prefix_blocks = ([], []) if fresh else find_prefix_groups(tables, prev, block_size, min_group_rows)
+    num_groups = len(groups)
+    rows_per_group = max((len(g) for g in groups), default=0)
+    group_rows = np.full((num_groups, rows_per_group), -1, dtype=np.int32)
+    prefix_table = np.full((num_groups, max(prefix_blocks, default=0)), -1, dtype=np.int32)
+    prefix_len = np.zeros(num_groups, dtype=np.int32)
+    row_prefix_blocks = np.zeros(num_rows, dtype=np.int64)
+    for g, (rows, nb) in enumerate(zip(groups, prefix_blocks)):
+        group_rows[g, : len(rows)] = rows
+        prefix_table[g, :nb] = tables[rows[0], :nb]
+        prefix_len[g] = nb * block_size
+        row_prefix_blocks[rows] = nb
+
+    # Level 1: each row's table shifted past its group's prefix.
+    row_blocks = -(-lengths // block_size)
+    suffix_blocks = row_blocks - row_prefix_blocks
+    width = int(suffix_blocks.max(initial=0))
+    padded = np.concatenate([tables, np.full((num_rows, width + 1), -1, dtype=np.int32)], axis=1)
+    cols = row_prefix_blocks[:, None] + np.arange(width)[None, :]
+    suffix_table = np.where(np.arange(width)[None, :] < suffix_blocks[:, None],
+                            np.take_along_axis(padded, cols, axis=1), -1).astype(np.int32)
+    q_limit = (prev - row_prefix_blocks * block_size)[:, None] + seen_new
+
+    return StepPlan(
+        fresh=fresh, q_len=q_len, src_index=src_index,
+        write_block=append_plan.write_block.astype(np.int64), write_offset=append_plan.write_offset.astype(np.int64),
+        copy_src=append_plan.copy_src.astype(np.int64), copy_dst=append_plan.copy_dst.astype(np.int64),
+        group_rows=group_rows, prefix_table=prefix_table, prefix_len=prefix_len,
+        suffix_table=suffix_table, q_limit=q_limit.astype(np.int32))

@@ -1,0 +1,11 @@
+"""The few places where hf_cascade changes transformers' behaviour (installed as ``hf_cascade.patches``).
+
+Each patch is guarded by the transformers version it was written against and acts only on models
+whose ``config._attn_implementation`` is "cascade"; each has a test that fails if upstream changes
+under it (tests/test_patches.py).
+"""
+from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
+
+
+def apply() -> None:
+    apply_generate_patch()
