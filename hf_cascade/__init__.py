@@ -13,6 +13,24 @@ __all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "cascade_generate", "p
 
 register()
 
-from . import patches as _patches  # noqa: E402  (installed from the top-level patches/ folder)
 
-_patches.apply()
+def _import_patches():
+    """``hf_cascade.patches`` is installed from the top-level patches/ folder; in a source checkout
+    used without installing (PYTHONPATH=.), load it from there under the same name."""
+    try:
+        from . import patches
+        return patches
+    except ImportError:
+        import importlib.util
+        import pathlib
+        import sys
+        init = pathlib.Path(__file__).resolve().parent.parent / "patches" / "__init__.py"
+        spec = importlib.util.spec_from_file_location(__name__ + ".patches", init,
+                                                      submodule_search_locations=[str(init.parent)])
+        patches = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = patches
+        spec.loader.exec_module(patches)
+        return patches
+
+
+_import_patches().apply()

@@ -105,18 +105,15 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
             f"{type(module).__name__} changed the K/V between cache.update and the attention call; the cascade "
             "attention reads K/V from its cache and cannot follow. Use attn_implementation='sdpa' for this model.")
     _check_supported(module, note, attention_mask, dropout, kwargs)
+    if note.plan.q_len > 1 and note.first_in_step:
+        _check_padding_known(note, attention_mask)
     if note.plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if note.plan.q_len > 1 and note.layer.layer_idx == min(note.layer.cache._layers_in_step):
-        _check_padding_known(note, attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = note.layer.pool
-    dp = note.plan.on(pool.device)
-    backend = kernels.get_backend(note.layer.cache.cascade_config.backend)
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
-    out = backend.cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                                    dp.suffix_table, dp.q_limit, scale)
-    return out.contiguous(), None
+    backend = kernels.select(note.layer.cache.cascade_config.backend, q, pool, note.plan)
+    return backend.attend(q, pool, note.plan, scale).contiguous(), None
 
 
 def register() -> None:

@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .blocks import BlockManager
 from .config import CascadeConfig
-from .memory import BlockStorage
+from .memory import make_storage
 from .plan import StepPlan, build_step_plan
 
 # update() -> attention hand-off. transformers <5.24 gives the attention function neither the cache
@@ -33,6 +33,7 @@ class Handoff:
     value: torch.Tensor
     plan: StepPlan
     step_id: int
+    first_in_step: bool         # the first layer written this step (per-step checks run once)
 
 
 def take_handoff(layer_idx: int) -> Handoff | None:
@@ -66,13 +67,13 @@ class CascadeLayer(CacheLayerMixin):
     def __init__(self, cache: "CascadeCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.storage: BlockStorage | None = None
+        self.storage = None   # a memory.make_storage(...) object, created with the first K/V
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, num_heads, _, head_dim = key_states.shape
         block_shape = (2, self.cache.block_size, num_heads, head_dim)
         self.cache._set_block_cap(block_shape, key_states.dtype)
-        self.storage = BlockStorage(block_shape, key_states.dtype, key_states.device,
+        self.storage = make_storage(block_shape, key_states.dtype, key_states.device,
                                     self.cache.cascade_config.memory, self.cache.blocks.max_blocks)
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
@@ -115,8 +116,10 @@ class CascadeLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        """Drop the pool: its memory goes back to the device, and the next K/V may have another shape."""
         if self.storage is not None:
             self.storage.release()
+        self.storage, self.is_initialized = None, False
 
     def reorder_cache(self, beam_idx):
         raise RuntimeError("CascadeLayer is reordered by its CascadeCache (cache.reorder_cache), never alone.")
@@ -163,10 +166,11 @@ class CascadeCache(Cache):
                 "attn_implementation='cascade' (after `import hf_cascade`), or use a DynamicCache.")
         if self._plan is None or layer_idx in self._layers_in_step:
             self._begin_step(key_states)
+        first = not self._layers_in_step
         self._layers_in_step.add(layer_idx)
         layer = self.layers[layer_idx]
         layer.write(key_states, value_states, self._plan)
-        _handoff.note = Handoff(layer, key_states, value_states, self._plan, self._step_id)
+        _handoff.note = Handoff(layer, key_states, value_states, self._plan, self._step_id, first)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "flashinfer", "cuda", "reference")
 MEMORY_POLICIES = ("grow", "static")
 
 

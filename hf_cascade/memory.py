@@ -67,3 +67,8 @@ class BlockStorage:
         """Give the pool's memory back (``static`` keeps its fixed allocation)."""
         if self.policy != "static":
             self.tensor = self._allocate(0)
+
+
+def make_storage(block_shape, dtype: torch.dtype, device, policy: str = "grow", max_blocks: int | None = None):
+    """The storage object of one layer's pool for the configured policy."""
+    return BlockStorage(block_shape, dtype, device, policy, max_blocks)

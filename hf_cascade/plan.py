@@ -45,6 +45,7 @@ class StepPlan:
     suffix_table: np.ndarray
     q_limit: np.ndarray
     _on_device: dict = field(default_factory=dict, repr=False)
+    scratch: dict = field(default_factory=dict, repr=False)   # per-step state of kernel backends (their own plans)
 
     @property
     def num_groups(self) -> int:

@@ -1,6 +1,17 @@
-"""Attention kernel backends. Each backend is a module with the same functions:
-``prefix_attention``, ``suffix_attention``, ``merge_state`` and ``cascade_attention``
-(see :mod:`hf_cascade.kernels.reference` for shapes and semantics)."""
+"""Attention kernel backends behind one small interface.
+
+A backend is a module with:
+
+- ``unsupported_reason(q, pool, plan) -> str | None``: why it cannot take this step (dtype, head_dim,
+  device, missing package ...), or None;
+- ``attend(q, pool, plan, scale) -> o``: the cascade attention of one layer for one step.
+  ``q`` [R, Lq, Hq, D] (may be a non-contiguous view), ``pool`` the layer's KV pool
+  ``[num_blocks, 2, block_size, Hkv, D]``, ``plan`` the step's :class:`~hf_cascade.plan.StepPlan`
+  (``plan.on(device)`` gives its index tensors; ``plan.scratch`` holds a backend's own per-step
+  state, built by the first layer and reused by the others). Returns o [R, Lq, Hq, D] in q's dtype.
+
+:mod:`hf_cascade.kernels.reference` documents the semantics; every backend must match it.
+"""
 from __future__ import annotations
 
 import importlib
@@ -9,30 +20,54 @@ from types import ModuleType
 
 logger = logging.getLogger("hf_cascade")
 
-# Preference order for backend="auto"; a backend that cannot load is skipped with one logged line.
-AUTO_ORDER = ("reference",)
-_loaded: dict[str, ModuleType] = {}
-_auto: ModuleType | None = None
+# Preference order for backend="auto"; a backend that cannot load or take a shape falls through to
+# the next with one logged line.
+AUTO_ORDER = ("flashinfer", "cuda", "reference")
+BACKENDS = AUTO_ORDER
+_loaded: dict[str, ModuleType | Exception] = {}
+_logged: set = set()
 
 
-def _load(name: str) -> ModuleType:
+def load(name: str) -> ModuleType:
+    """Import backend ``name`` (raises ImportError with the reason if it cannot load here)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS} or 'auto'")
     if name not in _loaded:
-        _loaded[name] = importlib.import_module(f"{__name__}.{name}")
-    return _loaded[name]
+        try:
+            _loaded[name] = importlib.import_module(f"{__name__}.{name}")
+        except Exception as err:  # an optional backend missing here is expected
+            _loaded[name] = err
+    found = _loaded[name]
+    if isinstance(found, Exception):
+        raise ImportError(f"kernel backend {name!r} is unavailable: {found}") from found
+    return found
 
 
-def get_backend(name: str = "auto") -> ModuleType:
-    """The kernel module for ``name`` ("auto" picks the first that loads, logged once)."""
-    global _auto
+def _log_once(key, message, *args):
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
+
+
+def select(name: str, q, pool, plan) -> ModuleType:
+    """The backend that runs this step: ``name``, or for "auto" the first in AUTO_ORDER that can."""
     if name != "auto":
-        return _load(name)
-    if _auto is None:
-        for candidate in AUTO_ORDER:
-            try:
-                _auto = _load(candidate)
-            except Exception as err:  # an optional backend missing is expected
-                logger.info("hf_cascade: backend %r unavailable (%s); trying the next one", candidate, err)
-                continue
-            logger.info("hf_cascade: attention backend %r", candidate)
-            break
-    return _auto
+        backend = load(name)
+        reason = backend.unsupported_reason(q, pool, plan)
+        if reason is not None:
+            raise NotImplementedError(f"kernel backend {name!r} cannot run this step: {reason}. "
+                                      "Use CascadeConfig(backend='auto') or 'reference'.")
+        return backend
+    key = (q.device.type, q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], plan.src_index is None)
+    for candidate in AUTO_ORDER:
+        try:
+            backend = load(candidate)
+        except ImportError as err:
+            _log_once((candidate, "import"), "hf_cascade: %s", err)
+            continue
+        reason = backend.unsupported_reason(q, pool, plan)
+        if reason is None:
+            _log_once((candidate, key), "hf_cascade: attention backend %r for %s", candidate, key)
+            return backend
+        _log_once((candidate, key, reason), "hf_cascade: backend %r skipped (%s)", candidate, reason)
+    raise RuntimeError("no kernel backend can run this step")  # unreachable: reference takes everything

@@ -1,0 +1,172 @@
+"""PyTorch reference backend for cascade decode attention over a paged KV cache.
+
+Level 0 (``prefix_attention``): all queries of all rows of a group attend to the
+group's shared prefix (non-causal, the prefix precedes every query).
+Level 1 (``suffix_attention``): every query of a row attends to the first
+``q_limit[r, i]`` tokens of that row's own suffix.
+The two partial states (o, lse) are combined with ``merge_state``.
+
+Conventions
+-----------
+* ``k_cache``/``v_cache`` are ``pool[:, 0]``/``pool[:, 1]`` of a pool shaped
+  ``[num_blocks, 2, block_size, Hkv, D]``; only the referenced blocks are gathered
+  (advanced indexing on the block dim), the pool is never copied whole.
+* LSE is base 2.  float64 inputs are computed in float64 (float64 LSE); every
+  other dtype is computed in float32 (float32 LSE) and o is returned in q.dtype.
+* An empty key set gives (o = 0, lse = -inf); nothing ever becomes NaN, even if
+  unused cache slots / padding blocks contain NaN garbage.
+* GQA: query head h uses KV head h // (Hq // Hkv); K/V are never repeated, the
+  queries are reshaped to [..., Hkv, group, ...] instead.
+* Index tensors are int32 (-1 = padding); they are converted to int64 internally.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "attend", "unsupported_reason"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _gather_tokens(cache: Tensor, table: Tensor) -> Tensor:
+    """cache [N, bs, Hkv, D], table int [B, M] -> [B, M*bs, Hkv, D].
+
+    Padding entries (-1) read block 0; those tokens must be masked by the caller.
+    Only the selected blocks are copied.
+    """
+    blocks = table.long().clamp_min(0)
+    return cache[blocks].flatten(1, 2)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: Tensor, scale: float):
+    """Masked softmax attention with base-2 LSE.
+
+    q: [B, Hkv, M, D] (compute dtype); k, v: [B, T, Hkv, D] (cache dtype)
+    key_valid: bool [B, T] (tokens that hold real data; V outside is zeroed so
+    garbage such as NaN cannot leak through 0 * NaN)
+    mask: bool, broadcastable to [B, Hkv, M, T] (which key each query may see)
+    returns o [B, Hkv, M, D], lse [B, Hkv, M] in the compute dtype.
+    """
+    B, Hkv, M, D = q.shape
+    cdt = q.dtype
+    if k.shape[1] == 0:
+        return q.new_zeros(B, Hkv, M, D), q.new_full((B, Hkv, M), float("-inf"))
+    k = k.to(cdt).transpose(1, 2)  # [B, Hkv, T, D]
+    v = v.to(cdt).masked_fill(~key_valid[:, :, None, None], 0.0).transpose(1, 2)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scale * _LOG2E)  # log2 domain
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked -> exp2(-inf) = 0
+    p = torch.exp2(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p, v) / torch.where(l > 0, l, torch.ones_like(l))
+    lse = (m + torch.log2(l)).squeeze(-1)  # l == 0 -> -inf
+    return o, lse
+
+
+def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale):
+    """Level 0: every query of every row of group g attends to all prefix_len[g] tokens of the group's prefix (non-causal: the prefix precedes all queries).
+    q: [R, Lq, Hq, D]; k_cache/v_cache: [N, bs, Hkv, D]
+    group_rows: int32 [G, Rg] rows of each group, -1 = padding (a row is in at most one group; groups may have different sizes)
+    prefix_table: int32 [G, Mp] block ids of each group's prefix in order, -1 padding
+    prefix_len: int32 [G] prefix tokens (<= Mp*bs; token t lives at block prefix_table[g, t // bs], slot t % bs)
+    returns o [R, Lq, Hq, D] (q.dtype), lse [R, Lq, Hq]; rows in no group and groups with prefix_len 0 get o=0, lse=-inf."""
+    R, Lq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
+    grp = Hq // Hkv
+    G, Rg = group_rows.shape
+    cdt = _compute_dtype(q.dtype)
+    dev = q.device
+
+    rows = group_rows.long()
+    # queries of each group: [G, Rg, Lq, Hq, D] -> [G, Hkv, Rg*Lq*grp, D]
+    qg = q[rows.clamp_min(0)].to(cdt)
+    qg = qg.reshape(G, Rg, Lq, Hkv, grp, D).permute(0, 3, 1, 2, 4, 5).reshape(G, Hkv, Rg * Lq * grp, D)
+
+    k = _gather_tokens(k_cache, prefix_table)  # [G, T, Hkv, D]
+    v = _gather_tokens(v_cache, prefix_table)
+    T = k.shape[1]
+    key_valid = torch.arange(T, device=dev)[None, :] < prefix_len.to(dev).long()[:, None]  # [G, T]
+    o, lse = _masked_attention(qg, k, v, key_valid, key_valid[:, None, None, :], scale)
+
+    o = o.reshape(G, Hkv, Rg, Lq, grp, D).permute(0, 2, 3, 1, 4, 5).reshape(G * Rg, Lq, Hq, D)
+    lse = lse.reshape(G, Hkv, Rg, Lq, grp).permute(0, 2, 3, 1, 4).reshape(G * Rg, Lq, Hq)
+
+    # scatter back to rows; padding entries go to a dummy row R that is dropped (no host sync)
+    dst = torch.where(rows >= 0, rows, torch.full_like(rows, R)).flatten()
+    o_out = q.new_zeros(R + 1, Lq, Hq, D)
+    lse_out = torch.full((R + 1, Lq, Hq), float("-inf"), dtype=cdt, device=dev)
+    o_out[dst] = o.to(q.dtype)
+    lse_out[dst] = lse
+    return o_out[:R], lse_out[:R]
+
+
+def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale):
+    """Level 1: query i of row r attends to the first q_limit[r, i] tokens of row r's suffix (laid out in suffix_table[r]'s blocks in order; token t at block suffix_table[r, t // bs], slot t % bs).
+    suffix_table: int32 [R, Ms] (-1 padding); q_limit: int32 [R, Lq] (0 allowed -> o=0, lse=-inf). Causality within a tail is expressed by q_limit alone.
+    returns o [R, Lq, Hq, D], lse [R, Lq, Hq]."""
+    R, Lq, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    assert Hq % Hkv == 0, "Hq must be a multiple of Hkv"
+    grp = Hq // Hkv
+    cdt = _compute_dtype(q.dtype)
+    dev = q.device
+
+    qh = q.to(cdt).reshape(R, Lq, Hkv, grp, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, Lq * grp, D)
+    k = _gather_tokens(k_cache, suffix_table)  # [R, T, Hkv, D]
+    v = _gather_tokens(v_cache, suffix_table)
+    T = k.shape[1]
+
+    lim = q_limit.to(dev).long()  # [R, Lq]
+    t = torch.arange(T, device=dev)
+    sees = t[None, None, :] < lim[:, :, None]  # [R, Lq, T]
+    key_valid = sees.any(dim=1)  # [R, T]: tokens seen by some query (i.e. < max limit)
+    mask = sees[:, None, :, None, :].expand(R, 1, Lq, grp, T).reshape(R, 1, Lq * grp, T)
+    o, lse = _masked_attention(qh, k, v, key_valid, mask, scale)
+
+    o = o.reshape(R, Hkv, Lq, grp, D).permute(0, 2, 1, 3, 4).reshape(R, Lq, Hq, D)
+    lse = lse.reshape(R, Hkv, Lq, grp).permute(0, 2, 1, 3).reshape(R, Lq, Hq)
+    return o.to(q.dtype), lse
+
+
+def merge_state(o_a, lse_a, o_b, lse_b):
+    """Merge two partial attention states over disjoint key sets: returns (o, lse) with the same shapes; (0,-inf)+(0,-inf) -> (0,-inf)."""
+    cdt = _compute_dtype(o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype)
+    la, lb = lse_a.to(cdt), lse_b.to(cdt)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa = torch.exp2(la - m)
+    wb = torch.exp2(lb - m)
+    w = wa + wb
+    o = (o_a.to(cdt) * wa[..., None] + o_b.to(cdt) * wb[..., None]) / torch.where(w > 0, w, torch.ones_like(w))[..., None]
+    lse = m + torch.log2(w)  # w == 0 -> -inf
+    return o.to(o_a.dtype), lse
+
+
+def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale):
+    """prefix_attention + suffix_attention + merge_state; returns o [R, Lq, Hq, D]."""
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale)
+    o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale)
+    o, _ = merge_state(o_p, lse_p, o_s, lse_s)
+    return o
+
+
+def unsupported_reason(q, pool, plan):
+    """The reference takes every shape, dtype and device."""
+    return None
+
+
+def attend(q, pool, plan, scale):
+    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
+    dp = plan.on(pool.device)
+    return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                             dp.suffix_table, dp.q_limit, scale)

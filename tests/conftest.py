@@ -1,0 +1,70 @@
+"""Tiny random models, built from configs (no downloads), in pairs: stock sdpa and cascade, same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+import hf_cascade  # noqa: F401  registers "cascade"
+
+VOCAB = 96
+
+
+def tiny_config(family: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    common.update(overrides)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**{"sliding_window": 4096, **common})
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(family)
+
+
+def model_pair(family: str, dtype=torch.float64, seed: int = 0, **overrides):
+    """(stock sdpa model, cascade model) with identical random weights, in eval mode."""
+    torch.manual_seed(seed)
+    # each model gets its own config object: from_config writes the attention choice into it
+    stock = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa",
+                                             dtype=dtype).eval()
+    cascade = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="cascade",
+                                               dtype=dtype).eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert stock.config._attn_implementation == "sdpa" and cascade.config._attn_implementation == "cascade"
+    return stock, cascade
+
+
+def padded_batch(seed: int = 0, lengths=(23, 17)):
+    """Two left-padded prompts of different lengths: (input_ids [2, L], attention_mask [2, L])."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+        ids[row, : width - n] = 0
+    return ids, mask
+
+
+class FirstForwardRows:
+    """Counts the batch rows of forwards (pre-hook) and keeps the cache each forward saw."""
+
+    def __init__(self, model):
+        self.rows, self.caches = [], []
+        self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.rows.append(ids.shape[0])
+        self.caches.append(kwargs.get("cache", kwargs.get("past_key_values")))
+
+    def remove(self):
+        self.handle.remove()
+
+
+@pytest.fixture(scope="module")
+def llama_pair():
+    return model_pair("llama")

@@ -1,0 +1,222 @@
+"""CascadeCache driven by hand against stock DynamicCache (float64): tails after a shared prefix,
+beam reorders, crops, the pool's contents, and the dense fallback."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_cascade
+from hf_cascade import CascadeCache, CascadeConfig
+from conftest import model_pair, padded_batch
+
+
+def cache_kw(model, cache):
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def positions(mask):
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return model_pair("llama", num_hidden_layers=3)
+
+
+def _prefilled(pair, n, block_size=4):
+    """Both caches holding the padded prompts, expanded to n rows per prompt."""
+    stock, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    cache = CascadeCache(cascade.config, CascadeConfig(block_size=block_size))
+    hf_cascade.prefill(cascade, cache, ids, mask)
+    cache.batch_repeat_interleave(n)
+    dense = DynamicCache(config=stock.config)
+    ids_n, mask_n = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+    stock(input_ids=ids_n, attention_mask=mask_n, position_ids=positions(mask_n), **cache_kw(stock, dense))
+    return ids_n, mask_n, cache, dense
+
+
+def _step(pair, tokens, mask, cache, dense):
+    """Feed `tokens` [R, q] to both; returns (cascade logits, stock logits)."""
+    stock, cascade = pair
+    pos = positions(mask)[:, -tokens.shape[1]:]
+    got = cascade(input_ids=tokens, attention_mask=mask, position_ids=pos, **cache_kw(cascade, cache)).logits
+    ref = stock(input_ids=tokens, attention_mask=mask, position_ids=pos, **cache_kw(stock, dense)).logits
+    return got, ref
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_tail_after_shared_prefix(pair, block_size):
+    ids_n, mask_n, cache, dense = _prefilled(pair, n=3, block_size=block_size)
+    tail = torch.randint(3, 90, (ids_n.shape[0], 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.cat([mask_n, torch.ones_like(tail)], 1)
+    got, ref = _step(pair, tail, mask, cache, dense)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+    stats = cache.stats()
+    assert stats.tokens_stored < stats.tokens_logical
+    assert stats.kv_bytes_in_use < sum(l.keys.nbytes + l.values.nbytes for l in dense.layers)
+
+
+def test_decode_with_reorders_and_crop(pair):
+    ids_n, mask, cache, dense = _prefilled(pair, n=4)
+    g = torch.Generator().manual_seed(3)
+    reorders = [torch.tensor([0, 0, 1, 3, 4, 6, 6, 6]), torch.tensor([3, 2, 1, 0, 7, 7, 5, 4]),
+                torch.tensor([1, 1, 1, 1, 4, 5, 6, 7])]
+    for step in range(6):
+        token = torch.randint(3, 90, (ids_n.shape[0], 1), generator=g)
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        got, ref = _step(pair, token, mask, cache, dense)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+        if step < len(reorders):
+            cache.reorder_cache(reorders[step])
+            dense.reorder_cache(reorders[step])
+    # crop two tokens from both, then feed them again
+    cache.crop(-2)
+    dense.crop(-2)
+    assert cache.get_seq_length() == dense.get_seq_length()
+    mask = mask[:, :-2]
+    token = torch.randint(3, 90, (ids_n.shape[0], 2), generator=g)
+    mask = torch.cat([mask, torch.ones_like(token)], 1)
+    got, ref = _step(pair, token, mask, cache, dense)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_pool_holds_each_rows_tokens(pair):
+    ids_n, mask, cache, dense = _prefilled(pair, n=2)
+    token = torch.randint(3, 90, (ids_n.shape[0], 1), generator=torch.Generator().manual_seed(9))
+    mask = torch.cat([mask, torch.ones_like(token)], 1)
+    _step(pair, token, mask, cache, dense)
+    cache.reorder_cache(torch.tensor([1, 1, 2, 2]))
+    dense.reorder_cache(torch.tensor([1, 1, 2, 2]))
+    bs = cache.block_size
+    for layer_idx, layer in enumerate(cache.layers):
+        for row in range(cache.blocks.num_rows):
+            real = mask[row].bool()
+            expected_k = dense.layers[layer_idx].keys[row][:, real].transpose(0, 1)       # [T, H, D]
+            expected_v = dense.layers[layer_idx].values[row][:, real].transpose(0, 1)
+            table = torch.from_numpy(cache.blocks.table(row)).long()
+            t = torch.arange(int(cache.blocks.lengths[row]))
+            assert t.numel() == int(real.sum())                                          # pads are not stored
+            torch.testing.assert_close(layer.pool[table[t // bs], 0, t % bs], expected_k, rtol=0, atol=1e-12)
+            torch.testing.assert_close(layer.pool[table[t // bs], 1, t % bs], expected_v, rtol=0, atol=1e-12)
+
+
+def test_batch_select_and_repeat(pair):
+    ids_n, mask, cache, dense = _prefilled(pair, n=1)
+    cache.batch_repeat_interleave(2)
+    dense.batch_repeat_interleave(2)
+    cache.batch_select_indices(torch.tensor([3, 0]))
+    dense.batch_select_indices(torch.tensor([3, 0]))
+    mask = mask.repeat_interleave(2, 0)[[3, 0]]
+    token = torch.tensor([[7], [8]])
+    mask = torch.cat([mask, torch.ones_like(token)], 1)
+    got, ref = _step(pair, token, mask, cache, dense)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_stats_and_reset(pair):
+    _, _, cache, dense = _prefilled(pair, n=4)
+    stats = cache.stats()
+    assert stats.blocks_shared == stats.blocks_in_use > 0       # right after the fork every block is shared
+    assert stats.tokens_stored == 23 + 17
+    assert stats.tokens_logical == 8 * 23
+    assert stats.kv_bytes_reserved >= stats.kv_bytes_in_use == stats.peak_kv_bytes_in_use
+    cache.reset()
+    stats = cache.stats()
+    assert (stats.blocks_in_use, stats.kv_bytes_in_use, stats.peak_kv_bytes_in_use, stats.kv_bytes_reserved) == (0, 0, 0, 0)
+    assert cache.get_seq_length() == 0 and cache.blocks.num_rows == 0
+
+
+def test_dense_fallback_without_cascade_cache(pair):
+    """Trainer's loss pass, use_cache=False, or a DynamicCache: plain sdpa, bit for bit."""
+    stock, cascade = pair
+    ids, mask = padded_batch(seed=12)
+    labels = ids.masked_fill(mask == 0, -100)
+    for use_cache in (False, True):
+        a = stock(input_ids=ids, attention_mask=mask, labels=labels, use_cache=use_cache)
+        b = cascade(input_ids=ids, attention_mask=mask, labels=labels, use_cache=use_cache)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.loss, b.loss)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def test_padded_forward_without_prefill_is_refused(pair):
+    _, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    cache = CascadeCache(cascade.config)
+    with pytest.raises(ValueError, match="padding"):
+        cascade(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache))
+
+
+def test_cascade_cache_needs_cascade_model(pair):
+    stock, _ = pair
+    ids, mask = padded_batch(seed=1)
+    with pytest.raises(ValueError, match="attn_implementation='cascade'"):
+        stock.generate(input_ids=ids, attention_mask=mask, past_key_values=CascadeCache(stock.config),
+                       max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(RuntimeError, match="attn_implementation='cascade'"):
+        stock(input_ids=ids[:, -3:], **cache_kw(stock, CascadeCache(stock.config)))
+
+
+def test_cache_reused_with_another_model(pair):
+    _, cascade = pair
+    _, other = model_pair("qwen2", hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    ids, mask = padded_batch(seed=1)
+    out = cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0,
+                           return_dict_in_generate=True)
+    cache = out.past_key_values
+    with pytest.raises(ValueError, match="another model"):
+        other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    cache.reset()
+    other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+
+
+def test_filled_cache_is_refused(pair):
+    _, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    cache = CascadeCache(cascade.config)
+    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    with pytest.raises(ValueError, match="already holds"):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+
+
+def test_right_padding_is_refused(pair):
+    _, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    with pytest.raises(ValueError, match="left"):
+        cascade.generate(input_ids=ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=2, pad_token_id=0)
+
+
+def test_sliding_window_beyond_window_is_refused():
+    _, cascade = model_pair("mistral", sliding_window=8)
+    ids, mask = padded_batch(seed=1)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
+
+
+def test_encoder_decoder_is_refused():
+    from transformers import AutoModelForSeq2SeqLM, BartConfig
+    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="cascade").eval()
+    with pytest.raises(NotImplementedError, match="encoder-decoder.*sdpa"):
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), num_beams=2, max_new_tokens=3)
+
+
+def test_pool_cap_error_releases_everything(pair):
+    stock, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    per_block = 2 * 4 * 2 * 16 * 8 * 3          # K+V, block 4, 2 KV heads, head_dim 16, float64, 3 layers
+    cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, max_kv_bytes=12 * per_block))
+    with pytest.raises(MemoryError, match="block"):
+        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8, pad_token_id=0,
+                         past_key_values=cache)
+    cache.reset()
+    assert cache.stats().blocks_in_use == 0
+    kw = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **kw),
+                       stock.generate(input_ids=ids, attention_mask=mask, **kw))

@@ -1,0 +1,96 @@
+"""Guards on the transformers internals hf_cascade's generate patch relies on: if upstream changes
+under the patch, these fail before users get wrong behaviour."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers
+from transformers import GenerationMixin
+
+import hf_cascade
+from hf_cascade.generation import cascade_generate
+from conftest import FirstForwardRows, model_pair, padded_batch
+
+
+def test_generate_is_wrapped_once():
+    from hf_cascade import patches
+    assert patches.generate_patch_applied()
+    assert GenerationMixin.generate.__hf_cascade_original__ is not None
+    patches.apply()                                  # idempotent
+    assert not hasattr(GenerationMixin.generate.__hf_cascade_original__, "__hf_cascade_original__")
+
+
+def test_upstream_generate_hooks_still_exist():
+    original = GenerationMixin.generate.__hf_cascade_original__
+    params = inspect.signature(original).parameters
+    for name in ("custom_generate", "streamer", "assistant_model", "synced_gpus", "kwargs"):
+        assert name in params, f"generate() lost its {name!r} parameter"
+    for method in (GenerationMixin._sample, GenerationMixin._beam_search):
+        names = list(inspect.signature(method).parameters)
+        assert names[:6] == ["self", "input_ids", "logits_processor", "stopping_criteria", "generation_config",
+                             "synced_gpus"], f"{method.__name__} changed its signature: {names}"
+    # custom callables get their own extra keyword arguments (how our streamer and config travel)
+    assert hasattr(GenerationMixin, "_extract_generation_mode_kwargs")
+    extra = set(inspect.signature(cascade_generate).parameters) - set(inspect.signature(GenerationMixin._sample).parameters)
+    assert {"hf_cascade_streamer", "hf_cascade_config"} <= extra
+
+
+def test_custom_generate_callable_receives_expanded_inputs():
+    """Our entry relies on generate expanding each prompt to n consecutive rows before calling it."""
+    _, cascade = model_pair("llama")
+    ids, mask = padded_batch(seed=0)
+    seen = {}
+
+    def spy(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+            **model_kwargs):
+        seen["ids"] = input_ids.clone()
+        return input_ids
+
+    cascade.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=2, pad_token_id=0,
+                     custom_generate=spy)
+    assert torch.equal(seen["ids"], ids.repeat_interleave(3, 0))
+
+
+def test_non_cascade_models_are_untouched():
+    stock, _ = model_pair("llama")
+    ids, mask = padded_batch(seed=0)
+    rows = FirstForwardRows(stock)
+    try:
+        stock.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=2, pad_token_id=0)
+    finally:
+        rows.remove()
+    assert rows.rows[0] == 6 and type(rows.caches[0]).__name__ == "DynamicCache"
+
+
+def test_cascade_model_routes_to_entry_and_config_travels():
+    _, cascade = model_pair("llama")
+    ids, mask = padded_batch(seed=0)
+    rows = FirstForwardRows(cascade)
+    try:
+        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=2, pad_token_id=0,
+                         hf_cascade_config=hf_cascade.CascadeConfig(block_size=2))
+    finally:
+        rows.remove()
+    cache = rows.caches[0]
+    assert isinstance(cache, hf_cascade.CascadeCache) and cache.block_size == 2
+    assert rows.rows[0] == 2
+
+
+def test_version_guard_covers_installed_transformers():
+    from packaging.version import Version
+    from hf_cascade.patches.generate import SUPPORTED
+    assert SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]
+
+
+def test_registration_and_loading_paths():
+    from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+    from conftest import tiny_config
+    assert "cascade" in AttentionInterface._global_mapping
+    assert "cascade" in AttentionMaskInterface._global_mapping
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    model.set_attn_implementation("cascade")
+    assert model.config._attn_implementation == "cascade"
+    with pytest.raises(ValueError):
+        AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="cascad")

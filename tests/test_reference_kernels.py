@@ -1,0 +1,353 @@
+"""Tests of the PyTorch reference cascade kernels against a float64 dense attention.
+
+The dense reference materialises, token by token, the explicit key list of every
+row (group prefix followed by the row's suffix) and runs a plain softmax attention
+in float64 -- it shares no code with the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_cascade.kernels.reference import (
+    cascade_attention,
+    merge_state,
+    prefix_attention,
+    suffix_attention,
+)
+
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """The tensors here are tiny; intra-op threads only add overhead (and stall badly on a
+    loaded machine), so run this module single-threaded and restore the setting afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_layout(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=1e4, n_rows=7, extra_blocks=3):
+    """Random paged layout.
+
+    Rows are randomly assigned to groups of sizes 3, 2, 1 (groups in random order);
+    one row is in no group.  One group has an empty prefix.  One row has a suffix of
+    exactly Lq tokens (one token when Lq == 1).  Blocks come from a random permutation
+    of the pool; unused blocks and unused slots are filled with ``garbage``.
+    """
+    rng = np.random.default_rng(seed)
+    R, Hq = n_rows, Hkv * ratio
+    perm_rows = rng.permutation(R)
+    groups = [perm_rows[0:3], perm_rows[3:5], perm_rows[5:6]]  # perm_rows[6]: in no group
+    plens = [int(rng.integers(1, 3 * bs + 6)), 0, int(rng.integers(1, 40))]
+    order = rng.permutation(3)
+    groups = [groups[i] for i in order]
+    plens = [plens[i] for i in order]
+    slens = rng.integers(Lq, Lq + 20, size=R)
+    slens[rng.integers(R)] = Lq
+
+    nblk = lambda n: -(-n // bs)  # noqa: E731
+    n_used = sum(nblk(p) for p in plens) + sum(nblk(int(s)) for s in slens)
+    N = n_used + extra_blocks
+    free = list(rng.permutation(N))
+
+    G, Rg = len(groups), max(len(g) for g in groups)
+    Mp = max(nblk(p) for p in plens) + 1  # at least one -1 padding column
+    Ms = max(nblk(int(s)) for s in slens) + 1
+    group_rows = torch.full((G, Rg), -1, dtype=torch.int32)
+    prefix_table = torch.full((G, Mp), -1, dtype=torch.int32)
+    suffix_table = torch.full((R, Ms), -1, dtype=torch.int32)
+    valid = torch.zeros(N, bs, dtype=torch.bool)  # slots holding real tokens
+    for g, (rows, p) in enumerate(zip(groups, plens)):
+        group_rows[g, : len(rows)] = torch.as_tensor(rng.permutation(rows), dtype=torch.int32)
+        for j in range(nblk(p)):
+            b = free.pop()
+            prefix_table[g, j] = b
+            valid[b, : min(bs, p - j * bs)] = True
+    for r in range(R):
+        s = int(slens[r])
+        for j in range(nblk(s)):
+            b = free.pop()
+            suffix_table[r, j] = b
+            valid[b, : min(bs, s - j * bs)] = True
+    prefix_len = torch.tensor(plens, dtype=torch.int32)
+    # the tail (the Lq queries) is the last Lq suffix tokens; query i sees up to tail token i
+    q_limit = torch.as_tensor(slens[:, None] - Lq + 1 + np.arange(Lq)[None, :], dtype=torch.int32)
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
+    pool = pool.masked_fill(~valid[:, None, :, None, None], garbage).to(dtype)
+    q = (2.0 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype)
+    return dict(
+        q=q, pool=pool, group_rows=group_rows, prefix_table=prefix_table, prefix_len=prefix_len,
+        suffix_table=suffix_table, q_limit=q_limit, scale=1.0 / math.sqrt(D),
+    )
+
+
+def dense_reference(lay, *, use_prefix=True, use_suffix=True):
+    """float64 softmax attention over explicitly materialised per-row key lists.
+
+    returns o [R, Lq, Hq, D] float64, lse [R, Lq, Hq] float64 (base 2)."""
+    q, pool = lay["q"].double(), lay["pool"].double()
+    R, Lq, Hq, D = q.shape
+    bs, Hkv = pool.shape[2], pool.shape[3]
+    ratio = Hq // Hkv
+    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
+    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    o = torch.zeros(R, Lq, Hq, D, dtype=torch.float64)
+    lse = torch.full((R, Lq, Hq), -math.inf, dtype=torch.float64)
+    for r in range(R):
+        prefix = []
+        for g, rows in enumerate(gr):
+            if r in rows:
+                prefix = [(pt[g][t // bs], t % bs) for t in range(pl[g])]
+        for i in range(Lq):
+            suffix = [(st_[r][t // bs], t % bs) for t in range(ql[r][i])]
+            keys = (prefix if use_prefix else []) + (suffix if use_suffix else [])
+            if not keys:
+                continue
+            blk, slot = (torch.tensor(x) for x in zip(*keys))
+            K, V = pool[blk, 0, slot], pool[blk, 1, slot]  # [n, Hkv, D]: the row's keys, in order
+            K, V = K.repeat_interleave(ratio, dim=1), V.repeat_interleave(ratio, dim=1)  # [n, Hq, D]
+            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay["scale"]
+            lse[r, i] = torch.logsumexp(sc, dim=-1) / LN2
+            o[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(sc, dim=-1), V)
+    return o, lse
+
+
+def caches(lay):
+    pool = lay["pool"]
+    return pool[:, 0], pool[:, 1]  # non-contiguous views
+
+
+def run_prefix(lay):
+    k, v = caches(lay)
+    return prefix_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"], lay["scale"])
+
+
+def run_suffix(lay):
+    k, v = caches(lay)
+    return suffix_attention(lay["q"], k, v, lay["suffix_table"], lay["q_limit"], lay["scale"])
+
+
+def run_cascade(lay):
+    k, v = caches(lay)
+    return cascade_attention(
+        lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+        lay["suffix_table"], lay["q_limit"], lay["scale"],
+    )
+
+
+def tol(dtype):
+    return dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+
+
+def check(actual, expected, dtype):
+    assert not torch.isnan(actual).any()
+    torch.testing.assert_close(actual.double(), expected, **tol(dtype))
+
+
+# --------------------------------------------------------------------------- main grid
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
+def test_against_dense(ratio, D, bs, Lq, dtype):
+    Hkv = 2 if ratio <= 4 else 1
+    seed = 1000 * ratio + 10 * D + 3 * bs + Lq + (dtype == torch.float32)
+    lay = make_layout(seed, Lq=Lq, Hkv=Hkv, ratio=ratio, D=D, bs=bs, dtype=dtype)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+
+    o_full, lse_full = dense_reference(lay)
+    o_pre, lse_pre = dense_reference(lay, use_suffix=False)
+    o_suf, lse_suf = dense_reference(lay, use_prefix=False)
+
+    o = run_cascade(lay)
+    assert o.shape == lay["q"].shape and o.dtype == dtype
+    check(o, o_full, dtype)
+
+    op, lp = run_prefix(lay)
+    assert op.dtype == dtype and lp.dtype == cdt and lp.shape == lay["q"].shape[:3]
+    check(op, o_pre, dtype)
+    check(lp, lse_pre, dtype)
+
+    os_, ls = run_suffix(lay)
+    assert os_.dtype == dtype and ls.dtype == cdt and ls.shape == lay["q"].shape[:3]
+    check(os_, o_suf, dtype)
+    check(ls, lse_suf, dtype)
+
+    # merging (prefix, suffix) == attention over the concatenation, LSE included
+    om, lm = merge_state(op, lp, os_, ls)
+    check(om, o_full, dtype)
+    check(lm, lse_full, dtype)
+
+    # the layout really exercises the special cases
+    assert (lse_pre == -math.inf).all(dim=(1, 2)).any()  # rows in no group / empty prefix
+    assert (lse_pre > -math.inf).all(dim=(1, 2)).any()
+
+
+# --------------------------------------------------------------------------- edge cases
+
+
+def test_empty_segments_and_extreme_logits():
+    """q_limit 0, no prefix, a single-token suffix, and logits far beyond exp's range."""
+    lay = make_layout(7, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
+    lay["q"] = lay["q"] * 200.0  # exp(scores) would overflow without max subtraction
+    ungrouped = [r for r in range(7) if r not in lay["group_rows"].flatten().tolist()][0]
+    grouped = int(lay["group_rows"][lay["prefix_len"] > 0][0, 0])
+    lay["q_limit"][ungrouped] = 0  # no key at all -> o = 0, lse = -inf
+    lay["q_limit"][grouped] = torch.tensor([0, 1])  # prefix only / prefix + one suffix token
+    o_ref, lse_ref = dense_reference(lay)
+    o = run_cascade(lay)
+    check(o, o_ref, torch.float64)
+    assert (o[ungrouped] == 0).all()
+    ls = run_suffix(lay)[1]
+    assert (ls[ungrouped] == -math.inf).all() and (ls[grouped, 0] == -math.inf).all()
+    assert torch.isfinite(ls[grouped, 1]).all()
+    om, lm = merge_state(*run_prefix(lay), *run_suffix(lay))
+    check(lm, lse_ref, torch.float64)
+
+
+def test_merge_two_empty_states():
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        o = torch.zeros(3, 2, 4, 8, dtype=dt)
+        lse = torch.full((3, 2, 4), -math.inf, dtype=torch.float64 if dt == torch.float64 else torch.float32)
+        om, lm = merge_state(o, lse, o.clone(), lse.clone())
+        assert om.dtype == dt and om.shape == o.shape and lm.shape == lse.shape
+        assert not torch.isnan(om).any() and not torch.isnan(lm).any()
+        assert (om == 0).all() and (lm == -math.inf).all()
+
+
+def test_merge_with_one_empty_state_is_identity():
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(5, 3, 16, generator=g, dtype=torch.float64)
+    lse = 50 * torch.randn(5, 3, generator=g, dtype=torch.float64)
+    empty_o, empty_l = torch.zeros_like(o), torch.full_like(lse, -math.inf)
+    for args in ((o, lse, empty_o, empty_l), (empty_o, empty_l, o, lse)):
+        om, lm = merge_state(*args)
+        torch.testing.assert_close(om, o, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(lm, lse, rtol=1e-14, atol=1e-14)
+
+
+def _dense_state(q, K, V, scale):
+    """q [H, D], K/V [n, H, D] -> o [H, D], lse [H] (base 2), float64; n == 0 -> (0, -inf)."""
+    if K.shape[0] == 0:
+        return torch.zeros_like(q), torch.full(q.shape[:1], -math.inf, dtype=q.dtype)
+    s = torch.einsum("hd,nhd->hn", q, K) * scale
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), V), torch.logsumexp(s, -1) / LN2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 12),
+    seed=st.integers(0, 2**31 - 1),
+    mag=st.sampled_from([0.1, 1.0, 30.0]),
+)
+def test_merge_equals_concatenation(n, seed, mag):
+    """merge(attn(A), attn(B)) == attn(A ∪ B) for any split, including empty sides."""
+    g = torch.Generator().manual_seed(seed)
+    H, D = 3, 8
+    q = mag * torch.randn(H, D, generator=g, dtype=torch.float64)
+    K = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    V = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    in_a = torch.rand(n, generator=g) < 0.5
+    oa, la = _dense_state(q, K[in_a], V[in_a], 0.3)
+    ob, lb = _dense_state(q, K[~in_a], V[~in_a], 0.3)
+    o_ref, l_ref = _dense_state(q, K, V, 0.3)
+    om, lm = merge_state(oa, la, ob, lb)
+    assert not torch.isnan(om).any() and not torch.isnan(lm).any()
+    torch.testing.assert_close(om, o_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lm, l_ref, rtol=1e-12, atol=1e-12)
+    # float32 path
+    om32, lm32 = merge_state(oa.float(), la.float(), ob.float(), lb.float())
+    assert om32.dtype == torch.float32 and lm32.dtype == torch.float32
+    torch.testing.assert_close(om32.double(), o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lm32.double(), l_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_garbage_never_leaks():
+    """Unused slots, unused blocks and the block read through -1 padding hold NaN."""
+    for bs in (1, 4, 16):
+        lay = make_layout(11 + bs, Lq=3, Hkv=2, ratio=4, D=32, bs=bs, dtype=torch.float64, garbage=math.nan)
+        o_ref, _ = dense_reference(lay)
+        check(run_cascade(lay), o_ref, torch.float64)
+        assert not torch.isnan(run_prefix(lay)[1]).any() and not torch.isnan(run_suffix(lay)[1]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs(dtype):
+    lay = make_layout(5, Lq=2, Hkv=2, ratio=2, D=64, bs=4, dtype=dtype, garbage=0.0)
+    o_ref, lse_ref = dense_reference(lay)  # dense float64 on the rounded half inputs
+    o = run_cascade(lay)
+    assert o.dtype == dtype
+    tol_ = 1e-2 if dtype == torch.float16 else 4e-2
+    torch.testing.assert_close(o.double(), o_ref, rtol=tol_, atol=tol_)
+    _, ls = run_suffix(lay)
+    assert ls.dtype == torch.float32
+    torch.testing.assert_close(ls.double(), _dense_suffix_lse(lay), rtol=1e-3, atol=1e-3)
+
+
+def _dense_suffix_lse(lay):
+    return dense_reference(lay, use_prefix=False)[1]
+
+
+def test_groups_without_rows_and_empty_tables():
+    """G == 0 (no groups at all) and an empty suffix table reduce to the other level."""
+    lay = make_layout(3, Lq=1, Hkv=1, ratio=8, D=32, bs=4, dtype=torch.float64)
+    k, v = caches(lay)
+    R, Lq, Hq, D = lay["q"].shape
+    o, lse = prefix_attention(
+        lay["q"], k, v, torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32), lay["scale"],
+    )
+    assert (o == 0).all() and (lse == -math.inf).all() and lse.shape == (R, Lq, Hq)
+    o, lse = suffix_attention(
+        lay["q"], k, v, torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay["scale"],
+    )
+    assert (o == 0).all() and (lse == -math.inf).all()
+    o_ref, _ = dense_reference(lay, use_suffix=False)
+    o = cascade_attention(
+        lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+        torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay["scale"],
+    )
+    check(o, o_ref, torch.float64)
+
+
+def test_pool_is_never_copied_whole():
+    """No intermediate tensor is as large as one half of the pool: only used blocks are gathered."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MaxNumel(TorchDispatchMode):
+        biggest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+            in_ptrs = {a.untyped_storage().data_ptr() for a in flat_in if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                # views (e.g. pool[:, 0]) alias an input; count only freshly allocated tensors
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in in_ptrs:
+                    MaxNumel.biggest = max(MaxNumel.biggest, t.numel())
+            return out
+
+    lay = make_layout(9, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float32, extra_blocks=400)
+    o_ref, _ = dense_reference(lay)
+    half = lay["pool"][:, 0].numel()
+    with MaxNumel():
+        o = run_cascade(lay)
+    check(o, o_ref, torch.float32)
+    assert MaxNumel.biggest < half // 4, (MaxNumel.biggest, half)
