@@ -73,8 +73,13 @@ class CascadeLayer(CacheLayerMixin):
         _, num_heads, _, head_dim = key_states.shape
         block_shape = (2, self.cache.block_size, num_heads, head_dim)
         self.cache._set_block_cap(block_shape, key_states.dtype)
-        self.storage = make_storage(block_shape, key_states.dtype, key_states.device,
-                                    self.cache.cascade_config.memory, self.cache.blocks.max_blocks)
+        kept = self.storage
+        if kept is None or (kept.block_shape, kept.dtype, kept.device) != (block_shape, key_states.dtype,
+                                                                           key_states.device):
+            config = self.cache.cascade_config
+            keep = config.keep_kv_bytes // max(1, len(self.cache.layers))
+            self.storage = make_storage(block_shape, key_states.dtype, key_states.device, config.memory,
+                                        self.cache.blocks.max_blocks, keep_bytes=keep)
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
     @property
@@ -116,10 +121,13 @@ class CascadeLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        """Drop the pool: its memory goes back to the device, and the next K/V may have another shape."""
+        """Give the pool's memory back (a vmm pool may keep ``keep_kv_bytes`` mapped for the next call);
+        the next K/V may come with another shape."""
         if self.storage is not None:
             self.storage.release()
-        self.storage, self.is_initialized = None, False
+            if self.storage.nbytes == 0:
+                self.storage = None
+        self.is_initialized = False
 
     def reorder_cache(self, beam_idx):
         raise RuntimeError("CascadeLayer is reordered by its CascadeCache (cache.reorder_cache), never alone.")

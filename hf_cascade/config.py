@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "flashinfer", "cuda", "reference")
-MEMORY_POLICIES = ("grow", "static")
+MEMORY_POLICIES = ("auto", "vmm", "grow", "static")
 
 
 @dataclass
@@ -16,18 +16,24 @@ class CascadeConfig:
             ``"reference"`` is the PyTorch implementation that runs everywhere.
         block_size: tokens per KV block. Small blocks waste less memory on beams' private tails;
             large blocks make fewer, longer reads.
-        memory: where the pool's bytes live. ``"grow"`` doubles the pool when it runs out (the
-            portable default); ``"static"`` allocates ``max_kv_bytes`` up front and never grows.
+        memory: where the pool's bytes live (:mod:`hf_cascade.memory`). ``"vmm"`` grows the pool in
+            place in CUDA virtual memory (needs cuda-bindings and a device with virtual memory
+            management): no copy, and memory is mapped only as the pool fills. ``"grow"`` doubles the
+            pool with one copy when it runs out (portable). ``"static"`` allocates ``max_kv_bytes`` up
+            front and never grows. ``"auto"`` (default) picks ``"vmm"`` where it can run, else ``"grow"``.
         max_kv_bytes: cap on the KV pool of all layers together, in bytes (``None``: no cap
             beyond device memory). Required for ``memory="static"``.
+        keep_kv_bytes: bytes of all layers together that a ``"vmm"`` pool keeps mapped when the
+            cache is reset, for the next call (0: everything goes back to the device).
         min_group_rows: rows that must share a prefix before it is read once for all of them
             (level 0 of the cascade); smaller groups read their whole table as a suffix.
     """
 
     backend: str = "auto"
     block_size: int = 16
-    memory: str = "grow"
+    memory: str = "auto"
     max_kv_bytes: int | None = None
+    keep_kv_bytes: int = 0
     min_group_rows: int = 2
 
     def __post_init__(self):
@@ -37,9 +43,20 @@ class CascadeConfig:
             raise ValueError(f"CascadeConfig.block_size must be a positive int, got {self.block_size!r}.")
         if self.memory not in MEMORY_POLICIES:
             raise ValueError(f"CascadeConfig.memory must be one of {MEMORY_POLICIES}, got {self.memory!r}.")
-        if self.max_kv_bytes is not None and self.max_kv_bytes <= 0:
-            raise ValueError(f"CascadeConfig.max_kv_bytes must be positive or None, got {self.max_kv_bytes!r}.")
+        if self.max_kv_bytes is not None:
+            if not _is_number(self.max_kv_bytes) or self.max_kv_bytes < 1:
+                raise ValueError(f"CascadeConfig.max_kv_bytes must be a positive number of bytes or None, "
+                                 f"got {self.max_kv_bytes!r}.")
+            self.max_kv_bytes = int(self.max_kv_bytes)
+        if not _is_number(self.keep_kv_bytes) or self.keep_kv_bytes < 0:
+            raise ValueError(f"CascadeConfig.keep_kv_bytes must be a non-negative number of bytes, "
+                             f"got {self.keep_kv_bytes!r}.")
+        self.keep_kv_bytes = int(self.keep_kv_bytes)
         if self.memory == "static" and self.max_kv_bytes is None:
             raise ValueError('CascadeConfig(memory="static") needs max_kv_bytes: the size of the fixed pool.')
         if self.min_group_rows < 2:
             raise ValueError(f"CascadeConfig.min_group_rows must be >= 2, got {self.min_group_rows!r}.")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x   # not NaN

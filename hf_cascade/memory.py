@@ -1,35 +1,50 @@
 """Where a layer's KV pool lives: a tensor ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
 
-Two policies for now: ``grow`` (amortised doubling with one copy, portable) and ``static`` (a fixed
-number of blocks allocated once). Block ids index dim 0, so growth never renumbers blocks.
+Every storage has the same small interface: ``tensor``, ``num_blocks``, ``block_nbytes``, ``nbytes``
+(bytes reserved: allocated or mapped), ``ensure(num_blocks) -> tensor`` and ``release()``.
+:func:`make_storage` builds one per layer for a policy:
+
+- ``grow``: amortised doubling with one copy (portable: CPU and any GPU);
+- ``static``: a fixed number of blocks allocated once;
+- ``vmm``: CUDA virtual memory (vAttention / dAttention): one virtual range is reserved for the
+  largest pool, and physical memory is mapped into it as the pool grows. The pool never moves and
+  never copies; its base address (``tensor.data_ptr()``) is fixed, only the tensor's shape grows.
+- ``auto``: ``vmm`` where the device supports it and cuda-bindings imports, else ``grow``.
+
+Block ids index dim 0, so growth never renumbers blocks. A storage raises MemoryError, with the
+numbers, when asked for more than it may hold, and is unchanged and usable afterwards.
 """
 from __future__ import annotations
 
+import logging
+import math
+import sys
+
 import torch
+
+from .config import MEMORY_POLICIES
+
+logger = logging.getLogger("hf_cascade")
 
 
 class BlockStorage:
-    """The bytes of one layer's paged KV pool.
+    """The bytes of one layer's paged KV pool (the shared part of every policy).
 
     Args:
         block_shape: ``(2, block_size, kv_heads, head_dim)``, the shape of one block (K and V).
         dtype, device: of the pool; those of the first K/V written to the layer.
-        policy: ``"grow"`` or ``"static"``.
-        max_blocks: the cap (``static`` allocates exactly this many at once); ``None`` for no cap.
+        max_blocks: the cap; ``None`` for no cap.
     """
 
-    MIN_BLOCKS = 16
+    in_torch_allocator = True   # False where torch.cuda.memory_reserved() does not see the bytes (vmm)
 
-    def __init__(self, block_shape, dtype: torch.dtype, device: torch.device, policy: str = "grow",
-                 max_blocks: int | None = None):
-        if policy == "static" and max_blocks is None:
-            raise ValueError("static storage needs max_blocks")
-        self.block_shape = tuple(block_shape)
-        self.dtype, self.device, self.policy, self.max_blocks = dtype, torch.device(device), policy, max_blocks
-        initial = max_blocks if policy == "static" else 0
-        self.tensor = self._allocate(initial)
+    def __init__(self, block_shape, dtype: torch.dtype, device, max_blocks: int | None = None):
+        self.block_shape = tuple(int(s) for s in block_shape)
+        self.dtype, self.device, self.max_blocks = dtype, torch.device(device), max_blocks
+        self.block_nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(self.block_shape)
+        self.tensor = self._empty(0)
 
-    def _allocate(self, num_blocks: int) -> torch.Tensor:
+    def _empty(self, num_blocks: int) -> torch.Tensor:
         return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
 
     @property
@@ -37,38 +52,420 @@ class BlockStorage:
         return self.tensor.shape[0]
 
     @property
-    def block_nbytes(self) -> int:
-        n = self.tensor.element_size()
-        for s in self.block_shape:
-            n *= s
-        return n
-
-    @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
 
+    def _too_many(self, num_blocks: int, cap: int) -> MemoryError:
+        return MemoryError(
+            f"KV pool ({type(self).__name__}, one layer) needs {num_blocks} blocks = {num_blocks * self.block_nbytes} "
+            f"bytes but holds at most {cap} blocks = {cap * self.block_nbytes} bytes; raise "
+            "CascadeConfig.max_kv_bytes or lower beams, prompt length or new tokens.")
+
     def ensure(self, num_blocks: int) -> torch.Tensor:
         """Make block ids ``[0, num_blocks)`` addressable; returns the (possibly new) pool tensor."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give the pool's memory back (what each policy can give)."""
+        raise NotImplementedError
+
+
+class GrowStorage(BlockStorage):
+    """Amortised doubling: a bigger tensor and one copy when the pool runs out."""
+
+    MIN_BLOCKS = 16
+
+    def ensure(self, num_blocks: int) -> torch.Tensor:
         if num_blocks <= self.num_blocks:
             return self.tensor
-        if self.policy == "static" or (self.max_blocks is not None and num_blocks > self.max_blocks):
-            raise MemoryError(
-                f"KV pool needs {num_blocks} blocks but holds at most {self.max_blocks or self.num_blocks}; "
-                "raise CascadeConfig.max_kv_bytes or lower beams, prompt length or new tokens.")
+        if self.max_blocks is not None and num_blocks > self.max_blocks:
+            raise self._too_many(num_blocks, self.max_blocks)
         new_size = max(num_blocks, 2 * self.num_blocks, self.MIN_BLOCKS)
         if self.max_blocks is not None:
             new_size = min(new_size, self.max_blocks)
-        grown = self._allocate(new_size)
+        try:
+            grown = self._empty(new_size)
+        except torch.OutOfMemoryError:
+            grown = self._empty(num_blocks)      # no room to double: take just what is asked
         grown[: self.num_blocks].copy_(self.tensor)   # the one copy growth costs; block ids stay valid
         self.tensor = grown
         return grown
 
     def release(self) -> None:
-        """Give the pool's memory back (``static`` keeps its fixed allocation)."""
-        if self.policy != "static":
-            self.tensor = self._allocate(0)
+        self.tensor = self._empty(0)
 
 
-def make_storage(block_shape, dtype: torch.dtype, device, policy: str = "grow", max_blocks: int | None = None):
-    """The storage object of one layer's pool for the configured policy."""
-    return BlockStorage(block_shape, dtype, device, policy, max_blocks)
+class StaticStorage(BlockStorage):
+    """``max_blocks`` blocks allocated once; never grows, keeps its allocation on release."""
+
+    def __init__(self, block_shape, dtype, device, max_blocks: int | None = None):
+        if max_blocks is None:
+            raise ValueError('static storage needs max_blocks (CascadeConfig(memory="static", max_kv_bytes=...))')
+        super().__init__(block_shape, dtype, device, max_blocks)
+        self.tensor = self._empty(max_blocks)
+
+    def ensure(self, num_blocks: int) -> torch.Tensor:
+        if num_blocks > self.num_blocks:
+            raise self._too_many(num_blocks, self.num_blocks)
+        return self.tensor
+
+    def release(self) -> None:
+        pass
+
+
+# ---- CUDA virtual memory ----------------------------------------------------------------------------
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; ``code`` is its CUresult."""
+
+    def __init__(self, call: str, code):
+        self.call, self.code = call, code
+        try:
+            err, text = _driver().cuGetErrorString(code)
+            text = text.decode() if isinstance(text, bytes) else str(text)
+        except Exception:  # noqa: BLE001  the message is best effort
+            text = ""
+        super().__init__(f"CUDA driver call {call} failed: {getattr(code, 'name', code)} {text}".rstrip())
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.code == _driver().CUresult.CUDA_ERROR_OUT_OF_MEMORY
+
+
+def _driver():
+    from cuda.bindings import driver   # optional dependency: pip install cuda-bindings
+    return driver
+
+
+def _cu(call: str, *args):
+    """``driver.<call>(*args)`` with its CUresult checked; returns the call's outputs (one value, a tuple or None)."""
+    drv = _driver()
+    out = getattr(drv, call)(*args)
+    err, values = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaDriverError(call, err)
+    return values[0] if len(values) == 1 else (values or None)
+
+
+_vmm_reason: dict[int, str | None] = {}
+_primary_ctx: dict[int, object] = {}
+_mapped_bytes: dict[int, int] = {}        # device index -> bytes mapped by all VMM storages
+_logged: set = set()
+
+
+def _device_index(device) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def vmm_unavailable_reason(device) -> str | None:
+    """Why ``memory="vmm"`` cannot run on ``device`` (None when it can). Checked once per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "torch has no CUDA"
+    index = _device_index(device)
+    if index not in _vmm_reason:
+        try:
+            drv = _driver()
+        except Exception as err:  # noqa: BLE001  ImportError, or a broken install
+            reason = f"cuda-bindings does not import ({err}); pip install cuda-bindings"
+        else:
+            try:
+                _cu("cuInit", 0)
+                supported = _cu("cuDeviceGetAttribute",
+                                drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                _cu("cuDeviceGet", index))
+                reason = None if supported else f"CUDA device {index} does not support virtual memory management"
+            except Exception as err:  # noqa: BLE001
+                reason = f"the CUDA driver check failed: {err}"
+        _vmm_reason[index] = reason
+    return _vmm_reason[index]
+
+
+def vmm_mapped_bytes(device=None) -> int:
+    """Bytes that VMM storages hold mapped on ``device`` (all devices if None); torch's counters miss these."""
+    if device is None:
+        return sum(_mapped_bytes.values())
+    if not isinstance(device, int) and torch.device(device).type != "cuda":
+        return 0
+    return _mapped_bytes.get(_device_index(device), 0)
+
+
+class _Context:
+    """Makes the device's primary context (the one torch uses) current around driver calls."""
+
+    def __init__(self, index: int):
+        if index not in _primary_ctx:
+            _cu("cuInit", 0)
+            _primary_ctx[index] = _cu("cuDevicePrimaryCtxRetain", _cu("cuDeviceGet", index))
+        self.ctx = _primary_ctx[index]
+
+    def __enter__(self):
+        _cu("cuCtxPushCurrent", self.ctx)
+
+    def __exit__(self, *exc):
+        _cu("cuCtxPopCurrent")
+
+
+class _VirtualRange:
+    """A reserved virtual address range whose first ``mapped`` bytes are backed by device memory.
+
+    Physical memory comes in segments, one per growth, each a multiple of the allocation granularity
+    (2 MiB on the H200); a segment is unmapped as a whole (the driver cannot unmap part of a mapping).
+    Everything is unmapped and the range freed when this object is dropped. Holds no tensors, so the
+    tensors over the range (which keep it alive) form no reference cycle with it.
+    """
+
+    def __init__(self, index: int, nbytes: int):
+        drv = _driver()
+        self.index, self.context = index, _Context(index)
+        self.prop = drv.CUmemAllocationProp()
+        self.prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self.prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self.prop.location.id = index
+        self.access = drv.CUmemAccessDesc()
+        self.access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self.access.location.id = index
+        self.access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self.base, self.reserved, self.mapped, self.segments = 0, 0, 0, []   # segments: (offset, size)
+        with self.context:
+            self.granularity = int(_cu("cuMemGetAllocationGranularity", self.prop,
+                                       drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+            self.reserved = self.round_up(max(nbytes, 1))
+            self.base = int(_cu("cuMemAddressReserve", self.reserved, self.granularity, drv.CUdeviceptr(0), 0))
+
+    def round_up(self, nbytes: int) -> int:
+        return -(-nbytes // self.granularity) * self.granularity
+
+    def grow(self, need: int, want: int) -> None:
+        """Map at least ``need`` bytes from the base, ``want`` if memory allows (both capped by the reservation).
+
+        Raises MemoryError with the numbers when not even ``need`` can be mapped; what this call mapped is
+        unmapped again, and the range stays as it was.
+        """
+        need, want = self.round_up(need), min(self.round_up(max(want, need)), self.reserved)
+        if need > self.reserved:
+            raise MemoryError(f"KV pool asks {need} bytes mapped but its virtual range holds {self.reserved} bytes")
+        for attempt, size in enumerate((want, need)):
+            try:
+                return self._map(size - self.mapped)
+            except CudaDriverError as err:
+                if not err.out_of_memory:
+                    raise
+                if attempt == 0:
+                    torch.cuda.empty_cache()       # torch's cached free blocks are memory we may map
+        free, total = torch.cuda.mem_get_info(self.index)
+        raise MemoryError(
+            f"CUDA out of memory mapping the KV pool: asked {need - self.mapped} more bytes ({need} in all), "
+            f"{self.mapped} bytes mapped, at most {self.reserved} reserved; the device has {free} of {total} bytes "
+            "free. Lower beams, prompt length or new tokens, or free GPU memory.")
+
+    def _map(self, size: int) -> None:
+        drv, offset = _driver(), self.mapped
+        ptr = drv.CUdeviceptr(self.base + offset)
+        handle, mapped = None, False
+        with self.context:
+            try:
+                handle = _cu("cuMemCreate", size, self.prop, 0)
+                _cu("cuMemMap", ptr, size, 0, handle, 0)
+                mapped = True
+                _cu("cuMemSetAccess", ptr, size, [self.access], 1)
+            except BaseException:
+                # undo this call's steps; a failure while undoing must not hide the first error
+                undo = ([("cuMemUnmap", ptr, size)] if mapped else []) + \
+                       ([("cuMemRelease", handle)] if handle is not None else [])
+                for call, *args in undo:
+                    try:
+                        _cu(call, *args)
+                    except CudaDriverError as err:
+                        logger.warning("hf_cascade: undoing a failed KV mapping: %s", err)
+                raise
+            _cu("cuMemRelease", handle)    # the mapping keeps the memory; unmapping frees it
+        self.segments.append((offset, size))
+        self.mapped += size
+        _mapped_bytes[self.index] = _mapped_bytes.get(self.index, 0) + size
+
+    def shrink(self, keep: int) -> None:
+        """Unmap whole segments from the end while at least ``keep`` bytes stay mapped."""
+        if not self.segments or self.segments[-1][0] < keep:
+            return
+        torch.cuda.synchronize(self.index)       # queued kernels may still read what is unmapped
+        with self.context:
+            while self.segments and self.segments[-1][0] >= keep:
+                offset, size = self.segments[-1]
+                _cu("cuMemUnmap", _driver().CUdeviceptr(self.base + offset), size)
+                self.segments.pop()
+                self.mapped -= size
+                _mapped_bytes[self.index] -= size
+
+    def close(self) -> None:
+        if self.base:
+            self.shrink(0)
+            with self.context:
+                _cu("cuMemAddressFree", _driver().CUdeviceptr(self.base), self.reserved)
+            self.base = 0
+
+    def __del__(self):
+        if not sys.is_finalizing():
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001  nothing to do about it while being collected
+                pass
+
+
+_executor = None
+
+
+def _background():
+    """One worker thread that maps KV memory ahead of need (driver calls are thread-safe)."""
+    global _executor
+    if _executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cascade_vmm")
+    return _executor
+
+
+class _Window:
+    """What ``torch.as_tensor`` sees: ``nbytes`` bytes at the range's base; keeps the range alive."""
+
+    def __init__(self, vrange: _VirtualRange, nbytes: int):
+        self.vrange = vrange
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(vrange.base, False),
+                                             strides=None, version=2)
+
+
+class VMMStorage(BlockStorage):
+    """A pool that grows in place in CUDA virtual memory (vAttention / dAttention).
+
+    One virtual range is reserved up front for ``max_blocks`` blocks (without a cap, for the device's
+    total memory); ``ensure`` maps physical memory at its end. Mapping costs about 0.25 ms per MiB
+    (the driver allocates and clears it), so the pool maps ahead of need in a background thread, as
+    dAttention does: when less than ``ahead`` bytes of headroom remain (1/64 of the pool, at least one
+    granule), the next ``ahead`` bytes are mapped off the critical path; a step maps synchronously only
+    when it outruns that (the first prefill, a burst). The tensor object is re-created with more blocks
+    over the same base: no copy, and ``data_ptr()`` never changes. ``release``/``shrink_to`` unmap from the
+    end (tensors taken before then must not read the unmapped blocks).
+
+    Args:
+        keep_bytes: what ``release()`` leaves mapped for the next use (0: everything goes back).
+    """
+
+    in_torch_allocator = False
+    AHEAD_FRACTION = 64        # headroom kept mapped ahead: 1/64 of the pool, at least one granule
+
+    def __init__(self, block_shape, dtype, device, max_blocks: int | None = None, keep_bytes: int = 0):
+        index = _device_index(device)
+        super().__init__(block_shape, dtype, torch.device("cuda", index), max_blocks)
+        limit = (max_blocks * self.block_nbytes if max_blocks is not None
+                 else torch.cuda.get_device_properties(index).total_memory)
+        self.vrange = _VirtualRange(index, limit)
+        fits = self.vrange.reserved // self.block_nbytes
+        self.max_blocks = fits if max_blocks is None else min(max_blocks, fits)
+        self.keep_bytes = int(keep_bytes)
+        self._pending = None       # a background mapping in flight (a Future)
+
+    @property
+    def nbytes(self) -> int:
+        return self.vrange.mapped
+
+    def _ahead(self, nbytes: int) -> int:
+        return max(nbytes // self.AHEAD_FRACTION, self.granularity)
+
+    def _settle(self, wait: bool) -> None:
+        """Adopt a finished (or, with ``wait``, the in-flight) background mapping."""
+        job = self._pending
+        if job is None or not (wait or job.done()):
+            return
+        self._pending = None
+        try:
+            job.result()
+        except (MemoryError, CudaDriverError) as err:   # the synchronous path will retry and report
+            logger.info("hf_cascade: background KV mapping failed: %s", err)
+        self._refresh()
+
+    @property
+    def granularity(self) -> int:
+        return self.vrange.granularity
+
+    def _refresh(self) -> torch.Tensor:
+        n = min(self.vrange.mapped // self.block_nbytes, self.max_blocks)
+        if n == 0:
+            self.tensor = self._empty(0)
+        else:
+            raw = torch.as_tensor(_Window(self.vrange, n * self.block_nbytes))
+            if raw.device != self.device or raw.data_ptr() != self.vrange.base:
+                raise RuntimeError(f"torch read the VMM range at {self.vrange.base:#x} as {raw.device} "
+                                   f"{raw.data_ptr():#x}, expected {self.device}")
+            self.tensor = raw.view(self.dtype).view(n, *self.block_shape)
+        return self.tensor
+
+    def ensure(self, num_blocks: int) -> torch.Tensor:
+        self._settle(wait=False)
+        if num_blocks > self.num_blocks:
+            if num_blocks > self.max_blocks:
+                raise self._too_many(num_blocks, self.max_blocks)
+            self._settle(wait=True)
+            need = num_blocks * self.block_nbytes
+            if need > self.vrange.mapped:                  # outran the headroom: map now
+                self.vrange.grow(need, need + self._ahead(need))
+                self._refresh()
+        need = num_blocks * self.block_nbytes
+        headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
+        if self._pending is None and headroom < ahead and self.vrange.mapped < self.vrange.reserved:
+            target = self.vrange.mapped + ahead
+            self._pending = _background().submit(self.vrange.grow, target, target)
+        return self.tensor
+
+    def shrink_to(self, num_blocks: int) -> torch.Tensor:
+        """Unmap what lies beyond ``num_blocks`` blocks (whole segments: a little more may stay mapped)."""
+        self._settle(wait=True)
+        self.vrange.shrink(num_blocks * self.block_nbytes)
+        return self._refresh()
+
+    def release(self, keep_bytes: int | None = None) -> None:
+        """Unmap the pool, except about ``keep_bytes`` (default: the factory's ``keep_bytes``)."""
+        self.shrink_to(-(-(self.keep_bytes if keep_bytes is None else keep_bytes) // self.block_nbytes))
+
+    def close(self) -> None:
+        """Unmap everything and free the virtual range now (also done when the storage is collected)."""
+        self._settle(wait=True)
+        self.tensor = self._empty(0)
+        self.vrange.close()
+
+
+# ---- the factory --------------------------------------------------------------------------------------
+def resolve_policy(policy: str, device) -> str:
+    """``"auto"`` -> ``"vmm"`` where it can run on ``device``, else ``"grow"`` (the reason logged once)."""
+    if policy not in MEMORY_POLICIES:
+        raise ValueError(f"memory policy must be one of {MEMORY_POLICIES}, got {policy!r}")
+    if policy != "auto":
+        return policy
+    reason = vmm_unavailable_reason(device)
+    chosen = "grow" if reason else "vmm"
+    key = (str(torch.device(device)), chosen)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("hf_cascade memory='auto' on %s: %s", device,
+                    f"'grow' ({reason})" if reason else "'vmm' (CUDA virtual memory: the KV pool grows in place)")
+    return chosen
+
+
+def make_storage(block_shape, dtype: torch.dtype, device, policy: str = "auto", max_blocks: int | None = None,
+                 keep_bytes: int = 0) -> BlockStorage:
+    """The storage of one layer's pool for the configured policy (``CascadeConfig.memory``).
+
+    ``max_blocks`` caps the pool (``static`` allocates exactly that many); ``keep_bytes`` is what a
+    ``vmm`` pool keeps mapped after ``release()``.
+    """
+    policy = resolve_policy(policy, device)
+    if policy == "vmm":
+        reason = vmm_unavailable_reason(device)
+        if reason:
+            raise RuntimeError(f"CascadeConfig(memory='vmm') cannot run here: {reason}. Use memory='auto' or 'grow'.")
+        return VMMStorage(block_shape, dtype, device, max_blocks, keep_bytes)
+    if policy == "static":
+        return StaticStorage(block_shape, dtype, device, max_blocks)
+    return GrowStorage(block_shape, dtype, device, max_blocks)

@@ -1,0 +1,172 @@
+"""Stock transformers (sdpa, DynamicCache) vs hf_cascade per backend: beam search on random-weight
+Llama-shaped models on one GPU. Prefill time and per-step time from CUDA events around each forward,
+peak memory above the weights, tokens/s and token agreement. Prints a table, writes JSON.
+
+    PYTHONPATH=. python benchmarks/generate_gpu.py --configs 8b:16384:8 1b:4096:8 --backends reference cuda flashinfer
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_cascade
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               intermediate_size=8192),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=14336),
+}
+
+
+def build(shape: str, dtype) -> torch.nn.Module:
+    config = LlamaConfig(vocab_size=128256, max_position_embeddings=65536, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+class ForwardTimer:
+    """CUDA events around every forward of the model: the first is the prefill, the rest are steps."""
+
+    def __init__(self, model):
+        self.events = []
+        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
+
+    def _start(self, *args):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.events.append([start, None])
+
+    def _end(self, *args):
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.events[-1][1] = end
+
+    def times_ms(self):
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def run_one(model, ids, beams, new_tokens, variant):
+    """variant: "stock" or a backend name. Returns a dict of figures (or {"error": ...})."""
+    model.set_attn_implementation("sdpa" if variant == "stock" else "cascade")
+    kw = dict(num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+              return_dict_in_generate=True, early_stopping=False)
+    if variant != "stock":
+        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=variant)
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    timer = ForwardTimer(model)
+    try:
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    except torch.cuda.OutOfMemoryError as err:
+        return {"error": f"OOM: {str(err).splitlines()[0][:120]}"}
+    finally:
+        timer.remove()
+    times = timer.times_ms()
+    cache = out.past_key_values
+    figures = {
+        "prefill_s": times[0] / 1e3 if variant == "stock" else (times[0] + times[1]) / 1e3,
+        "step_ms": statistics.median(times[1:] if variant == "stock" else times[2:]),
+        "step_ms_max": max(times[2:]),
+        "peak_gib_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "wall_s": wall,
+        "beam_tokens_per_s": ids.shape[0] * beams * new_tokens / wall,
+        "sequences": out.sequences.cpu(),
+    }
+    if isinstance(cache, hf_cascade.CascadeCache):
+        stats = cache.stats()
+        # pool bytes outside torch's allocator (CUDA virtual memory) are added to the peak
+        figures["peak_gib_above_weights"] += hf_cascade.memory.vmm_mapped_bytes(ids.device) / 2**30
+        figures["kv_gib_in_use_peak"] = stats.peak_kv_bytes_in_use / 2**30
+        cache.reset()
+    del out, cache
+    return figures
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["1b:4096:8", "8b:16384:8"],
+                        help="shape:prompt:beams entries, shape in " + ",".join(SHAPES))
+    parser.add_argument("--backends", nargs="+", default=["reference", "cuda", "flashinfer"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="benchmarks/results/generate_gpu.json")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    results, models = [], {}
+    console = Console()
+    for entry in tqdm(args.configs, desc="configs"):
+        shape, prompt, beams = entry.split(":")
+        prompt, beams = int(prompt), int(beams)
+        if shape not in models:
+            models.clear()
+            torch.cuda.empty_cache()
+            models[shape] = build(shape, dtype)
+        model = models[shape]
+        ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
+        run_one(model, ids[:, :256], 2, 4, "stock")                   # warm-up (cuBLAS, allocator)
+        stock = run_one(model, ids, beams, args.new_tokens, "stock")
+        rows = [("stock", stock)]
+        for backend in args.backends:
+            try:
+                hf_cascade.kernels.load(backend)
+            except ImportError as err:
+                rows.append((backend, {"error": str(err)[:120]}))
+                continue
+            run_one(model, ids[:, :256], 2, 4, backend)               # warm-up (kernel build / JIT)
+            rows.append((backend, run_one(model, ids, beams, args.new_tokens, backend)))
+        for variant, fig in rows:
+            if "sequences" in fig and "sequences" in stock and variant != "stock":
+                a, b = stock["sequences"][:, prompt:], fig["sequences"][:, prompt:]
+                fig["token_agreement"] = float((a == b).float().mean())
+                fig["step_vs_stock"] = fig["step_ms"] / stock["step_ms"]
+                fig["prefill_vs_stock"] = fig["prefill_s"] / stock["prefill_s"]
+                fig["peak_vs_stock"] = fig["peak_gib_above_weights"] / stock["peak_gib_above_weights"]
+            results.append({"shape": shape, "prompt": prompt, "beams": beams, "variant": variant,
+                            **{k: v for k, v in fig.items() if k != "sequences"}})
+    table = Table(title=f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens")
+    cols = ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
+            "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock", "error"]
+    for c in cols:
+        table.add_column(c)
+    for r in results:
+        table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
+    console.print(table)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__, "commit": commit,
+            "command": " ".join(sys.argv)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""One layer's decode attention (prefix + suffix + merge) per kernel backend, against the memory roofline.
+
+Llama-3-8B-shaped layer (32 query / 8 KV heads, head_dim 128, bf16, block 16), G prompts x B beams, a
+shared prefix per prompt and a private suffix per beam. Each backend is called the way the library calls
+it, ``hf_cascade.kernels.load(name).attend(q, pool, plan, scale)`` with a StepPlan from
+``hf_cascade.plan.build_step_plan``; timed with CUDA events (warm-up, then the median of --reps calls, the
+L2 cache overwritten before each). Also "cuda-full-table": the cuda backend's paged decode over each
+row's whole table (no prefix groups), i.e. what a cascade saves.
+
+Roofline: bytes a cascade must move (each prefix once per group, each row's suffix, q and o) divided by the
+device-to-device copy bandwidth measured in the same run.
+
+    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/kernels_gpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hf_cascade import kernels  # noqa: E402
+from hf_cascade.plan import build_step_plan  # noqa: E402
+
+HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
+SHAPES = ([dict(groups=8, beams=8, prefix=p, suffix=64) for p in (1024, 4096, 16384, 32768)]
+          + [dict(groups=8, beams=b, prefix=16384, suffix=64) for b in (4, 16)])
+
+
+def make_step(groups, beams, prefix, suffix, seed=0, device="cuda", dtype=torch.bfloat16):
+    """Pool, queries and block tables of one decode step: G prompts' prefixes stored once, B beams each."""
+    rng = np.random.default_rng(seed)
+    R = groups * beams
+    pb, sb = prefix // BLOCK, -(-suffix // BLOCK)
+    num_blocks = groups * pb + R * sb + 8
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.empty((R, pb + sb), dtype=np.int32)
+    at = 0
+    for g in range(groups):
+        shared = ids[at:at + pb]
+        at += pb
+        for b in range(beams):
+            tables[g * beams + b, :pb] = shared
+            tables[g * beams + b, pb:] = ids[at:at + sb]
+            at += sb
+    lengths = np.full(R, prefix + suffix, dtype=np.int64)
+    counts = np.ones(R, dtype=np.int64)              # this step appended the last token
+    last = lengths - 1
+    append = SimpleNamespace(write_block=tables[np.arange(R), last // BLOCK].astype(np.int64),
+                             write_offset=(last % BLOCK).astype(np.int64),
+                             copy_src=np.zeros(0, np.int64), copy_dst=np.zeros(0, np.int64))
+    cascade = build_step_plan(tables, lengths, counts, None, 1, append, BLOCK, min_group_rows=2)
+    full = build_step_plan(tables, lengths, counts, None, 1, append, BLOCK, min_group_rows=R + 1)
+    assert cascade.num_groups == groups and int(cascade.prefix_len.min()) == prefix, "unexpected cascade plan"
+    assert full.num_groups == 0
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pool = torch.randn(num_blocks, 2, BLOCK, HKV, HEAD_DIM, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    q = torch.randn(R, 1, HQ, HEAD_DIM, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    return q, pool, cascade, full
+
+
+def bytes_moved(groups, beams, prefix, suffix, elt=2, full_table=False):
+    R = groups * beams
+    per_token = HKV * HEAD_DIM * 2 * elt                   # K and V of one token
+    kv = (R * (prefix + suffix) if full_table else groups * prefix + R * suffix) * per_token
+    return kv + 2 * R * HQ * HEAD_DIM * elt                # + q and o
+
+
+def time_us(fn, reps, warmup, flush):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(reps):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) * 1e3 for s, e in events]
+    return statistics.median(times), min(times)
+
+
+def copy_bandwidth(reps=20, nbytes=2 << 30):
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    med, _ = time_us(lambda: dst.copy_(src), reps, 3, lambda: None)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (med * 1e-6)                        # read + write, bytes/s
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median reported)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--backends", default="reference,cuda,flashinfer", help="comma-separated backends to try")
+    p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_gpu.json"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels_gpu: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    console = Console()
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    console.print(f"[bold]{props.name}[/bold], {props.multi_processor_count} SMs; "
+                  f"device-to-device copy bandwidth {bw / 1e12:.2f} TB/s")
+    l2_flush = torch.empty(max(4 * getattr(props, "L2_cache_size", 50 << 20), 256 << 20), dtype=torch.uint8,
+                           device="cuda")
+    flush = l2_flush.zero_
+
+    backends = {}
+    for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        try:
+            backends[name] = kernels.load(name)
+        except ImportError as err:
+            console.print(f"[yellow]skip {name}: {err}[/yellow]")
+
+    shapes = [s for s in SHAPES if not args.quick or (s["prefix"] == 16384 and s["beams"] == 8)]
+    jobs = [(s, name) for s in shapes for name in list(backends) + (["cuda-full-table"] if "cuda" in backends else [])]
+    results = []
+    current = None
+    for shape, name in tqdm(jobs, desc="kernels", unit="run"):
+        if current is None or current[0] is not shape:
+            current = (shape, make_step(**shape))
+            ref_out = None
+        q, pool, cascade, full = current[1]
+        scale = 1.0 / math.sqrt(HEAD_DIM)
+        full_table = name == "cuda-full-table"
+        backend = backends["cuda" if full_table else name]
+        plan = full if full_table else cascade
+        row = dict(shape, backend=name, bytes=bytes_moved(**shape, full_table=full_table),
+                   cascade_bytes=bytes_moved(**shape))
+        reason = backend.unsupported_reason(q, pool, plan)
+        if reason is not None:
+            row.update(skipped=reason)
+            results.append(row)
+            continue
+        try:
+            out = backend.attend(q, pool, plan, scale)
+            torch.cuda.synchronize()
+            if name != "reference" and "reference" in backends:   # float32 reference, once per shape
+                if ref_out is None:
+                    ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
+                row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
+            med, best = time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup, flush)
+        except Exception as err:  # report and go on: one failing backend must not hide the others
+            row.update(error=f"{type(err).__name__}: {err}")
+            results.append(row)
+            torch.cuda.synchronize()
+            continue
+        roofline = row["cascade_bytes"] / bw * 1e6
+        row.update(median_us=med, min_us=best, roofline_us=roofline, fraction_of_roofline=roofline / med,
+                   achieved_tb_s=row["bytes"] / (med * 1e-6) / 1e12)
+        if name == "cuda" and cascade.scratch:
+            st = next(v for k, v in cascade.scratch.items() if k[0] == "cuda")
+            row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
+                                    m_tile=st.m_tile, suffix_splits=st.nsplit)
+        results.append(row)
+        torch.cuda.empty_cache()
+
+    table = Table(title=f"one decode layer ({HQ}/{HKV} heads, D {HEAD_DIM}, bf16, block {BLOCK}); "
+                        f"copy bw {bw / 1e12:.2f} TB/s")
+    for col in ("prompts x beams", "prefix", "suffix", "backend", "median µs", "min µs", "roofline µs",
+                "% roofline", "TB/s", "rel err"):
+        table.add_column(col, justify="right" if col not in ("backend",) else "left")
+    for r in results:
+        if "median_us" not in r:
+            table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
+                          "-", "-", "-", "-", "-", (r.get("skipped") or r.get("error", ""))[:60])
+            continue
+        table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
+                      f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", f"{r['roofline_us']:.1f}",
+                      f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
+                      f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else "")
+    console.print(table)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+        copy_bandwidth_bytes_per_s=bw, heads=[HQ, HKV], head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16",
+        reps=args.reps, command=" ".join(["kernels_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        results=results), indent=2))
+    console.print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
