@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,20 +19,13 @@ import torch
 import transformers
 from rich.console import Console
 
+from common import git_commit
 from hf_cascade.__main__ import print_table, run_comparison, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(prompt_len=1024, beams=8, new_tokens=16, batch=1, device="cpu", dtype="float32")
 THREADS = 2
 KV_TARGET, TIME_TARGET = 0.2, 0.5
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main(argv=None) -> int:

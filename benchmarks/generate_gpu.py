@@ -10,7 +10,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
+from common import git_commit
 
 SHAPES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -156,10 +156,7 @@ def main(argv=None):
     for r in results:
         table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     console.print(table)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit()
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__, "commit": commit,
             "command": " ".join(sys.argv)}

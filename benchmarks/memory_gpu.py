@@ -25,7 +25,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
+from common import git_commit
 from hf_cascade import memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,14 +153,6 @@ def pick_eos(model, ids, mask, sc, rng: torch.Generator) -> int:
                          do_sample=False)
     step = int(torch.randint(horizon // 4, horizon, (1,), generator=rng))
     return int(out[0, ids.shape[1] + step])
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main(argv=None) -> int:

@@ -8,7 +8,6 @@ fallback, transformers' own sdpa.
 """
 from __future__ import annotations
 
-import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask

@@ -14,7 +14,6 @@ import logging
 
 import torch
 from transformers import GenerationMixin
-from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 
 from .cache import CascadeCache

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
 
