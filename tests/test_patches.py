@@ -94,3 +94,16 @@ def test_registration_and_loading_paths():
     assert model.config._attn_implementation == "cascade"
     with pytest.raises(ValueError):
         AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="cascad")
+
+
+def test_from_pretrained_with_cascade(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from conftest import tiny_config
+    stock = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float64)
+    stock.eval().save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="cascade", dtype=torch.float64).eval()
+    assert loaded.config._attn_implementation == "cascade"
+    ids, mask = padded_batch(seed=0)
+    kw = dict(num_beams=3, max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
+                       loaded.generate(input_ids=ids, attention_mask=mask, **kw))
