@@ -8,9 +8,13 @@ fallback, transformers' own sdpa.
 """
 from __future__ import annotations
 
+import inspect
+import sys
+
+import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import causal_mask_function, sdpa_mask
+from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from . import kernels
 from .cache import take_handoff
@@ -35,6 +39,12 @@ class CascadeMask:
             self._dense, self._built = sdpa_mask(**self.mask_kwargs), True
         return self._dense
 
+    def eager(self):
+        """The mask stock eager attention would get (a 4D additive float tensor)."""
+        if getattr(self, "_eager", None) is None:
+            self._eager = eager_mask(**self.mask_kwargs)
+        return self._eager
+
     def __repr__(self):
         shape = None if self.padding_mask is None else tuple(self.padding_mask.shape)
         return f"CascadeMask(padding_mask={shape}, plain_causal={self.plain_causal})"
@@ -47,7 +57,30 @@ def cascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
+def _model_eager(module):
+    """The eager attention function of ``module``'s own modeling file, if it takes a ``softcap``."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is not None and "softcap" in inspect.signature(fn).parameters:
+        return fn
+    return None
+
+
 def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    if kwargs.get("softcap") is not None:
+        # sdpa has no logit softcap (stock runs such models, e.g. Gemma2, in eager): use the model's own eager
+        fn = _model_eager(module)
+        if fn is None:
+            raise NotImplementedError(
+                f"{type(module).__name__} uses attention logit softcapping, but its modeling file has no eager "
+                "attention function with a `softcap` argument for the dense (prefill) path. Load the model with "
+                "attn_implementation='eager' or 'sdpa' instead.")
+        if isinstance(attention_mask, CascadeMask):
+            attention_mask = attention_mask.eager()
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        out, _ = fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return out, None
     if isinstance(attention_mask, CascadeMask):
         attention_mask = attention_mask.dense()
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -57,8 +90,6 @@ def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling,
 def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
     """Refuse what the cascade path would silently get wrong."""
     reasons = []
-    if kwargs.get("softcap") is not None:
-        reasons.append("attention logit softcapping")
     if kwargs.get("s_aux") is not None:
         reasons.append("attention sinks (s_aux)")
     if kwargs.get("position_bias") is not None:
@@ -66,9 +97,10 @@ def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
     if dropout:
         reasons.append("attention dropout (the model is in training mode; call model.eval())")
     window = kwargs.get("sliding_window")
-    if window is not None and note.layer.cache.logical_length > window:
+    if (window is not None and note.layer.cache.logical_length > window and not note.plan.fresh
+            and note.plan.src_index is not None):
         reasons.append(f"a sliding window of {window} tokens exceeded by a sequence of "
-                       f"{note.layer.cache.logical_length}")
+                       f"{note.layer.cache.logical_length} in a step with padding among its new tokens")
     if isinstance(attention_mask, CascadeMask):
         if not attention_mask.plain_causal and window is None:
             reasons.append("a mask that is not plain causal (e.g. bidirectional image tokens or packed sequences)")
@@ -111,8 +143,26 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = note.layer.pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
-    backend = kernels.select(note.layer.cache.cascade_config.backend, q, pool, note.plan)
-    return backend.attend(q, pool, note.plan, scale).contiguous(), None
+    plan = note.plan
+    softcap = kwargs.get("softcap")
+    window = kwargs.get("sliding_window")
+    if window is not None and note.layer.cache.logical_length <= window:
+        window = None          # the whole sequence is inside the window: plain causal attention
+    if softcap is not None or window is not None:
+        plan = LayerPlan(plan, softcap=softcap, window=window)
+    backend = kernels.select(note.layer.cache.cascade_config.backend, q, pool, plan)
+    return backend.attend(q, pool, plan, scale).contiguous(), None
+
+
+class LayerPlan:
+    """The step's plan plus one layer's attention quirks, as the kernels read them (``plan.softcap``,
+    ``plan.window``; a bare StepPlan has neither, i.e. both off). Everything else is the step's plan."""
+
+    def __init__(self, plan, softcap=None, window=None):
+        self.plan, self.softcap, self.window = plan, softcap, window
+
+    def __getattr__(self, name):
+        return getattr(self.plan, name)
 
 
 def register() -> None:

@@ -91,11 +91,13 @@ def _accepts(model, name: str) -> bool:
 
 
 def cascade_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                     hf_cascade_streamer=None, hf_cascade_config: CascadeConfig | None = None, **model_kwargs):
+                     hf_cascade_streamer=None, hf_cascade_config: CascadeConfig | None = None, tokenizer=None,
+                     **model_kwargs):
     """``generate(custom_generate=...)`` entry: one prefill per prompt, fork, then stock decoding.
 
     ``hf_cascade_streamer`` carries generate's ``streamer`` (transformers drops it for custom callables);
-    ``hf_cascade_config`` sets the cache's :class:`CascadeConfig` when generate creates the cache.
+    ``hf_cascade_config`` sets the cache's :class:`CascadeConfig` when generate creates the cache;
+    ``tokenizer`` is generate's own (the patch keeps it for generate's stop-string criteria; unused here).
     """
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
@@ -109,14 +111,25 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     decode = GenerationMixin._beam_search if generation_config.num_beams > 1 else GenerationMixin._sample
     key = _cache_key(model_kwargs)
     existing = model_kwargs.get(key)
+    if existing is not None and not isinstance(existing, CascadeCache) and \
+            generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
+                         "attn_implementation='cascade', which brings its own cache. Unset it, or use sdpa.")
+    if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
+                                                      or generation_config.output_attentions):
+        # stock returns them for every prompt position, which a once-per-prompt prefill does not compute
+        if isinstance(existing, CascadeCache):
+            raise ValueError("output_hidden_states/output_attentions need every prompt position's outputs, which a "
+                             "CascadeCache prefill does not keep; pass no cache (dense decoding) or use sdpa.")
+        logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
+                       "(no prompt sharing).")
+        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus=synced_gpus, **model_kwargs)
     if not generation_config.use_cache or (existing is not None and not isinstance(existing, CascadeCache)
                                            and getattr(existing, "_is_user_defined", False)):
         # No cache, or the user's own non-cascade cache: stock decoding; attention takes the dense path.
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=synced_gpus, **model_kwargs)
-    if existing is not None and not isinstance(existing, CascadeCache) and generation_config.cache_implementation:
-        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
-                         "attn_implementation='cascade', which brings its own cache. Unset it, or use sdpa.")
     if model_kwargs.get("inputs_embeds") is not None:
         raise NotImplementedError("cascade generate needs input_ids, not inputs_embeds; use attn_implementation='sdpa'.")
 

@@ -3,9 +3,14 @@
 Each patch is guarded by the transformers version it was written against and acts only on models
 whose ``config._attn_implementation`` is "cascade"; each has a test that fails if upstream changes
 under it (tests/test_patches.py).
+
+- ``generate``: cascade models run hf_cascade's decoding entry with no extra argument.
+- ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables.
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
+from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401
 
 
 def apply() -> None:
     apply_generate_patch()
+    apply_loading_patch()

@@ -3,6 +3,10 @@
 ``GenerationMixin.generate`` is wrapped: for a model with ``attn_implementation="cascade"`` and no
 ``custom_generate`` of the caller's, it adds ``custom_generate=hf_cascade.generation.cascade_generate``
 and forwards ``streamer`` (which transformers drops for custom callables). Other models are untouched.
+Assisted decoding (an assistant model, prompt lookup, early exit, MTP) runs stock dense decoding, warned.
+
+``GenerationMixin._extract_generation_mode_kwargs`` is wrapped too: for our entry it keeps ``tokenizer``
+(stop strings, token healing) and ``synced_gpus``, which transformers drops for custom callables.
 """
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ from transformers import GenerationMixin
 logger = logging.getLogger("hf_cascade")
 
 SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
+ASSISTED = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")   # generation options that mean assisted
 _original_generate = None
+_original_extract = None
 
 
 def is_applied() -> bool:
@@ -26,6 +32,26 @@ def is_applied() -> bool:
 
 def _is_cascade(model) -> bool:
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == "cascade"
+
+
+def _is_assisted(model, arguments, extra) -> bool:
+    if arguments.get("assistant_model") is not None:
+        return True
+    configs = [c for c in (arguments.get("generation_config"), model.generation_config) if c is not None]
+    return any(extra[k] if k in extra else any(getattr(c, k, None) for c in configs) for k in ASSISTED)
+
+
+def _wrap_extract(original):
+    @functools.wraps(original)
+    def extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
+        from hf_cascade.generation import cascade_generate
+
+        if custom_generate is not cascade_generate:
+            return original(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer)
+        stock = original(self, None, {"tokenizer": kwargs.pop("tokenizer", None)}, synced_gpus, None, None)
+        return {**original(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer), **stock}
+
+    return extract
 
 
 def _wrap(original):
@@ -49,7 +75,7 @@ def _wrap(original):
         check_model_supported(self)
         if arguments.get("custom_generate") is not None:
             return original(self, *args, **kwargs)          # the caller chose a decoding method
-        if arguments.get("assistant_model") is not None or extra.get("prompt_lookup_num_tokens") is not None:
+        if _is_assisted(self, arguments, extra):
             logger.warning("hf_cascade: assisted decoding runs with dense attention (no prompt sharing).")
             return original(self, *args, **kwargs)
         arguments["custom_generate"] = cascade_generate
@@ -65,7 +91,7 @@ def _wrap(original):
 
 def apply() -> None:
     """Wrap GenerationMixin.generate once (idempotent); outside the checked versions, log and skip."""
-    global _original_generate
+    global _original_generate, _original_extract
     if _original_generate is not None:
         return
     version = Version(transformers.__version__)
@@ -73,5 +99,6 @@ def apply() -> None:
         logger.warning("hf_cascade: transformers %s is outside the checked range [%s, %s): generate() on cascade "
                        "models will not prefill prompts once (attention still works).", version, *SUPPORTED)
         return
-    _original_generate = GenerationMixin.generate
+    _original_generate, _original_extract = GenerationMixin.generate, GenerationMixin._extract_generation_mode_kwargs
     GenerationMixin.generate = _wrap(_original_generate)
+    GenerationMixin._extract_generation_mode_kwargs = _wrap_extract(_original_extract)

@@ -107,3 +107,15 @@ def test_from_pretrained_with_cascade(tmp_path):
     kw = dict(num_beams=3, max_new_tokens=4, pad_token_id=0)
     assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
                        loaded.generate(input_ids=ids, attention_mask=mask, **kw))
+
+
+def test_own_attention_table_gives_clear_error_at_load():
+    """Falcon indexes its own attention-class table while it is built: refused with the reason, not a KeyError."""
+    from transformers import AutoModelForCausalLM, FalconConfig
+    from hf_cascade import patches
+    assert patches.loading_patch_applied()
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(NotImplementedError, match="table of its own.*attn_implementation='sdpa'"):
+        AutoModelForCausalLM.from_config(config, attn_implementation="cascade")
+    AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2), attn_implementation="sdpa")

@@ -351,3 +351,59 @@ def test_pool_is_never_copied_whole():
         o = run_cascade(lay)
     check(o, o_ref, torch.float32)
     assert MaxNumel.biggest < half // 4, (MaxNumel.biggest, half)
+
+
+# --------------------------------------------------------------------------- softcap and sliding window
+
+
+def _dense_quirks(lay, softcap, window):
+    """float64 per-row key lists as in dense_reference, with a logit soft-cap and a sliding window of the
+    last ``window`` keys of each query (itself included)."""
+    q, pool = lay["q"].double(), lay["pool"].double()
+    R, Lq, Hq, D = q.shape
+    bs, Hkv = pool.shape[2], pool.shape[3]
+    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
+    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    o = torch.zeros(R, Lq, Hq, D, dtype=torch.float64)
+    for r in range(R):
+        prefix = next(([(pt[g][t // bs], t % bs) for t in range(pl[g])] for g, rows in enumerate(gr) if r in rows), [])
+        for i in range(Lq):
+            keys = prefix + [(st_[r][t // bs], t % bs) for t in range(ql[r][i])]
+            if window is not None:
+                keys = keys[max(0, len(keys) - window):]
+            if not keys:
+                continue
+            blk, slot = (torch.tensor(x) for x in zip(*keys))
+            K = pool[blk, 0, slot].repeat_interleave(Hq // Hkv, dim=1)
+            V = pool[blk, 1, slot].repeat_interleave(Hq // Hkv, dim=1)
+            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay["scale"]
+            if softcap is not None:
+                sc = softcap * torch.tanh(sc / softcap)
+            o[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(sc, dim=-1), V)
+    return o
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, 1, 3, 9, 40])
+@pytest.mark.parametrize("Lq", [1, 3])
+def test_softcap_and_window_against_dense(softcap, window, Lq):
+    lay = make_layout(77 + Lq, Lq=Lq, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
+    k, v = caches(lay)
+    o = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+                          lay["suffix_table"], lay["q_limit"], lay["scale"], softcap=softcap, window=window)
+    check(o, _dense_quirks(lay, softcap, window), torch.float64)
+    if softcap is not None or window in (1, 3, 9):   # the quirk changes the result (40 cuts nothing here)
+        assert not torch.allclose(o, _dense_quirks(lay, None, None))
+
+
+def test_attend_reads_quirks_from_the_plan():
+    from types import SimpleNamespace
+
+    from hf_cascade.kernels import reference
+
+    lay = make_layout(5, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
+    dp = SimpleNamespace(**{n: lay[n] for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
+                                                 "q_limit")})
+    plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
+    o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
+    check(o, _dense_quirks(lay, 1.5, 5), torch.float64)

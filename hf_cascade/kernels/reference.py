@@ -18,6 +18,12 @@ Conventions
 * GQA: query head h uses KV head h // (Hq // Hkv); K/V are never repeated, the
   queries are reshaped to [..., Hkv, group, ...] instead.
 * Index tensors are int32 (-1 = padding); they are converted to int64 internally.
+* Optional per-layer quirks (all default off):
+  ``softcap`` -- logit soft-capping (Gemma2): scores = softcap * tanh(scores / softcap), scores being
+  the scaled dot products, before the softmax;
+  ``key_start`` int [R, Lq] -- a sliding window: query i of row r only sees the keys at positions
+  >= key_start[r, i] of its row's key list (group prefix, then the row's suffix).
+  ``attend`` reads them from ``plan.softcap`` and ``plan.window`` (absent or None: off).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "attend", "unsupported_reason"]
+__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "window_key_start", "attend", "unsupported_reason"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -46,13 +52,15 @@ def _gather_tokens(cache: Tensor, table: Tensor) -> Tensor:
     return cache[blocks].flatten(1, 2)
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: Tensor, scale: float):
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: Tensor, scale: float,
+                      softcap: float | None = None):
     """Masked softmax attention with base-2 LSE.
 
     q: [B, Hkv, M, D] (compute dtype); k, v: [B, T, Hkv, D] (cache dtype)
     key_valid: bool [B, T] (tokens that hold real data; V outside is zeroed so
     garbage such as NaN cannot leak through 0 * NaN)
     mask: bool, broadcastable to [B, Hkv, M, T] (which key each query may see)
+    softcap: None, or scores = softcap * tanh(scale * q.k / softcap) before the softmax
     returns o [B, Hkv, M, D], lse [B, Hkv, M] in the compute dtype.
     """
     B, Hkv, M, D = q.shape
@@ -61,7 +69,11 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: 
         return q.new_zeros(B, Hkv, M, D), q.new_full((B, Hkv, M), float("-inf"))
     k = k.to(cdt).transpose(1, 2)  # [B, Hkv, T, D]
     v = v.to(cdt).masked_fill(~key_valid[:, :, None, None], 0.0).transpose(1, 2)
-    s = torch.matmul(q, k.transpose(-1, -2)) * (scale * _LOG2E)  # log2 domain
+    if softcap is None:
+        s = torch.matmul(q, k.transpose(-1, -2)) * (scale * _LOG2E)  # log2 domain
+    else:
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * (softcap * _LOG2E)
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # fully masked -> exp2(-inf) = 0
@@ -72,12 +84,13 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: 
     return o, lse
 
 
-def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale):
+def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap=None, key_start=None):
     """Level 0: every query of every row of group g attends to all prefix_len[g] tokens of the group's prefix (non-causal: the prefix precedes all queries).
     q: [R, Lq, Hq, D]; k_cache/v_cache: [N, bs, Hkv, D]
     group_rows: int32 [G, Rg] rows of each group, -1 = padding (a row is in at most one group; groups may have different sizes)
     prefix_table: int32 [G, Mp] block ids of each group's prefix in order, -1 padding
     prefix_len: int32 [G] prefix tokens (<= Mp*bs; token t lives at block prefix_table[g, t // bs], slot t % bs)
+    softcap: optional logit soft-cap; key_start: optional int [R, Lq], query i of row r sees prefix tokens >= key_start[r, i] only
     returns o [R, Lq, Hq, D] (q.dtype), lse [R, Lq, Hq]; rows in no group and groups with prefix_len 0 get o=0, lse=-inf."""
     R, Lq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -96,7 +109,13 @@ def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, 
     v = _gather_tokens(v_cache, prefix_table)
     T = k.shape[1]
     key_valid = torch.arange(T, device=dev)[None, :] < prefix_len.to(dev).long()[:, None]  # [G, T]
-    o, lse = _masked_attention(qg, k, v, key_valid, key_valid[:, None, None, :], scale)
+    mask = key_valid[:, None, None, :]
+    if key_start is not None:  # per query: [G, Rg, Lq] -> [G, 1, Rg*Lq*grp, T]
+        start = key_start.to(dev).long()[rows.clamp_min(0)]
+        sees = torch.arange(T, device=dev)[None, None, None, :] >= start[..., None]          # [G, Rg, Lq, T]
+        sees = sees[:, :, :, None, :].expand(G, Rg, Lq, grp, T).reshape(G, 1, Rg * Lq * grp, T)
+        mask = mask & sees
+    o, lse = _masked_attention(qg, k, v, key_valid, mask, scale, softcap)
 
     o = o.reshape(G, Hkv, Rg, Lq, grp, D).permute(0, 2, 3, 1, 4, 5).reshape(G * Rg, Lq, Hq, D)
     lse = lse.reshape(G, Hkv, Rg, Lq, grp).permute(0, 2, 3, 1, 4).reshape(G * Rg, Lq, Hq)
@@ -110,9 +129,10 @@ def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, 
     return o_out[:R], lse_out[:R]
 
 
-def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale):
+def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap=None, key_start=None):
     """Level 1: query i of row r attends to the first q_limit[r, i] tokens of row r's suffix (laid out in suffix_table[r]'s blocks in order; token t at block suffix_table[r, t // bs], slot t % bs).
     suffix_table: int32 [R, Ms] (-1 padding); q_limit: int32 [R, Lq] (0 allowed -> o=0, lse=-inf). Causality within a tail is expressed by q_limit alone.
+    softcap: optional logit soft-cap; key_start: optional int [R, Lq], query i of row r sees suffix tokens >= key_start[r, i] only (may be negative)
     returns o [R, Lq, Hq, D], lse [R, Lq, Hq]."""
     R, Lq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -129,9 +149,11 @@ def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale):
     lim = q_limit.to(dev).long()  # [R, Lq]
     t = torch.arange(T, device=dev)
     sees = t[None, None, :] < lim[:, :, None]  # [R, Lq, T]
+    if key_start is not None:
+        sees = sees & (t[None, None, :] >= key_start.to(dev).long()[:, :, None])
     key_valid = sees.any(dim=1)  # [R, T]: tokens seen by some query (i.e. < max limit)
     mask = sees[:, None, :, None, :].expand(R, 1, Lq, grp, T).reshape(R, 1, Lq * grp, T)
-    o, lse = _masked_attention(qh, k, v, key_valid, mask, scale)
+    o, lse = _masked_attention(qh, k, v, key_valid, mask, scale, softcap)
 
     o = o.reshape(R, Hkv, Lq, grp, D).permute(0, 2, 1, 3, 4).reshape(R, Lq, Hq, D)
     lse = lse.reshape(R, Hkv, Lq, grp).permute(0, 2, 1, 3).reshape(R, Lq, Hq)
@@ -152,10 +174,30 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     return o.to(o_a.dtype), lse
 
 
-def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale):
-    """prefix_attention + suffix_attention + merge_state; returns o [R, Lq, Hq, D]."""
-    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale)
-    o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale)
+def window_key_start(group_rows, prefix_len, q_limit, window):
+    """Sliding window of ``window`` keys ending at each query (itself included), as the first visible key position
+    of each query's key list (group prefix, then suffix): int64 [R, Lq] (may be negative: nothing cut)."""
+    R = q_limit.shape[0]
+    dev = q_limit.device
+    rows = group_rows.long().flatten()
+    lens = prefix_len.long().to(dev)[:, None].expand(group_rows.shape).flatten()
+    dst = torch.where(rows >= 0, rows, torch.full_like(rows, R))
+    row_prefix = torch.zeros(R + 1, dtype=torch.long, device=dev)
+    row_prefix[dst] = lens
+    own = row_prefix[:R, None] + q_limit.long()        # keys each query sees without a window (itself included)
+    return own - int(window)
+
+
+def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale,
+                      softcap=None, window=None):
+    """prefix_attention + suffix_attention + merge_state; returns o [R, Lq, Hq, D].
+    softcap: optional logit soft-cap; window: optional sliding window (each query sees its last ``window`` keys,
+    itself included)."""
+    start = None if window is None else window_key_start(group_rows, prefix_len, q_limit.to(q.device), window)
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, start)
+    # in suffix coordinates (positions after the row's group prefix) the window starts at q_limit - window
+    suffix_start = None if window is None else q_limit.to(q.device).long() - int(window)
+    o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap, suffix_start)
     o, _ = merge_state(o_p, lse_p, o_s, lse_s)
     return o
 
@@ -169,4 +211,5 @@ def attend(q, pool, plan, scale):
     """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
     dp = plan.on(pool.device)
     return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                             dp.suffix_table, dp.q_limit, scale)
+                             dp.suffix_table, dp.q_limit, scale, softcap=getattr(plan, "softcap", None),
+                             window=getattr(plan, "window", None))

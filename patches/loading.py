@@ -1,0 +1,46 @@
+"""A clear error when a model that picks its attention class from a table of its own (Falcon, GPT-J
+on older transformers) is built with attn_implementation="cascade".
+
+Such models index a per-model dict with ``config._attn_implementation`` while they are built and
+fail with a bare ``KeyError: 'cascade'``; ``from_pretrained`` / ``from_config`` now turn that into an
+error that names the reason and the alternative.
+"""
+from __future__ import annotations
+
+import functools
+
+from transformers import PreTrainedModel
+
+_originals: dict = {}
+
+
+def _wrap(name: str):
+    original = getattr(PreTrainedModel, name).__func__
+
+    @functools.wraps(original)
+    def loader(cls, *args, **kwargs):
+        try:
+            return original(cls, *args, **kwargs)
+        except KeyError as err:
+            if err.args and err.args[0] == "cascade":
+                raise NotImplementedError(
+                    f"{cls.__name__} chooses its attention class from a table of its own, which has no 'cascade' "
+                    "entry, so attn_implementation='cascade' cannot serve it. Load it with "
+                    "attn_implementation='sdpa' instead.") from err
+            raise
+
+    loader.__hf_cascade_original__ = original
+    return classmethod(loader)
+
+
+def is_applied() -> bool:
+    return bool(_originals)
+
+
+def apply() -> None:
+    """Wrap PreTrainedModel.from_pretrained and _from_config once (idempotent)."""
+    if _originals:
+        return
+    for name in ("from_pretrained", "_from_config"):
+        _originals[name] = getattr(PreTrainedModel, name)
+        setattr(PreTrainedModel, name, _wrap(name))

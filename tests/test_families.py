@@ -1,0 +1,195 @@
+"""Model families: cascade generate gives stock's tokens, or refuses with a clear error.
+
+Each family is built tiny from its config (random weights, float64) twice, with separate config
+objects: once with stock attention (sdpa, or eager where the family has no sdpa) and once with
+"cascade". Beam search (4 beams, 2 returned), sampling (3 returned, fixed seed) and greedy run on
+a left-padded batch of two prompts. ``FAMILIES`` is the support matrix; ``tools/support_table.py``
+prints it as the README's table.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from conftest import VOCAB, padded_batch
+
+NEW = 7            # new tokens per generate call
+PROMPTS = (21, 15)  # prompt lengths of the left-padded batch; a sequence reaches at most 21 + NEW = 28 positions
+MODES = ("beam", "sample", "greedy")
+MODE_TITLES = {"beam": "beam search", "sample": "sampling", "greedy": "greedy"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the support matrix.
+
+    ``make()`` returns a fresh tiny config. ``status`` is "exact" (token-exact with stock) or
+    "refused" (every mode raises NotImplementedError matching ``error``, which must say to use sdpa).
+    ``quirks`` lists what the family exercises in the attention path (or why it is refused).
+    """
+
+    make: Callable[[], transformers.PretrainedConfig]
+    status: str = "exact"
+    quirks: str = ""
+    error: str | None = None
+    modes: tuple = MODES
+    extra: dict = field(default_factory=dict)   # extra generate kwargs
+    dtype: torch.dtype = torch.float64
+    error_type: type = NotImplementedError
+    stock: str | None = None    # stock attention to compare with; None: sdpa, or eager where the family has no sdpa
+
+
+def _llama_like(cls, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    common.update(overrides)
+    return lambda: cls(**common)
+
+
+def _cfg(cls, **kwargs):
+    kwargs = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, **kwargs}
+    return lambda: cls(**kwargs)
+
+
+T = transformers
+
+# transformers before ~5.2x picks GPT-J's attention class from its own table: refused when built with "cascade"
+_GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*sdpa")
+         if hasattr(importlib.import_module("transformers.models.gptj.modeling_gptj"), "GPTJ_ATTENTION_CLASSES")
+         else {})
+FAMILIES: dict[str, Family] = {
+    "Llama": Family(_llama_like(T.LlamaConfig), quirks="GQA 4/2, RoPE"),
+    "Mistral": Family(_llama_like(T.MistralConfig, sliding_window=12),
+                      quirks="sliding window 12, shorter than the sequences"),
+    "Qwen2": Family(_llama_like(T.Qwen2Config, num_key_value_heads=4), quirks="MHA, q/k/v bias"),
+    "Qwen3": Family(_llama_like(T.Qwen3Config, num_key_value_heads=1, head_dim=32),
+                    quirks="MQA, head_dim 32 != hidden/heads, q/k norm"),
+    "Gemma": Family(_llama_like(T.GemmaConfig, num_key_value_heads=1, head_dim=32), quirks="MQA, head_dim 32"),
+    "Gemma2": Family(_llama_like(T.Gemma2Config, head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                 final_logit_softcapping=5.0, sliding_window=12, initializer_range=0.2,
+                                 layer_types=["sliding_attention", "full_attention"]),
+                     dtype=torch.float32, stock="eager",
+                     quirks="logit softcap 1.0, scaling 24^-0.5, hybrid layers with sliding window 12 (stock: eager, "
+                            "as stock sdpa drops the softcap; float32, as stock eager's float32 softmax turns "
+                            "float64 masks into NaN)"),
+    "Gemma3": Family(_llama_like(T.Gemma3TextConfig, head_dim=32, query_pre_attn_scalar=32, sliding_window=64,
+                                 layer_types=["sliding_attention", "full_attention"]),
+                     quirks="hybrid layers, sequences inside the sliding window 64, q/k norm"),
+    "Phi3": Family(_llama_like(T.Phi3Config, partial_rotary_factor=0.5), quirks="fused qkv, partial RoPE"),
+    "OPT": Family(_cfg(T.OPTConfig, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                       word_embed_proj_dim=64, max_position_embeddings=256, bos_token_id=2),
+                  quirks="learned positions (from the padding mask), MHA with bias"),
+    "GPT-2": Family(_cfg(T.GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+                    quirks="learned positions, Conv1D qkv"),
+    "GPT-NeoX": Family(_cfg(T.GPTNeoXConfig, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256),
+                       quirks="partial RoPE, parallel residual"),
+    "Falcon": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          multi_query=True, new_decoder_architecture=False, alibi=False),
+                     status="load error", error_type=NotImplementedError, error="table of its own.*sdpa",
+                     quirks="own attention-class table (FALCON_ATTENTION_CLASSES): refused at load"),
+    "Falcon (ALiBi)": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  alibi=True), status="load error", error_type=NotImplementedError,
+                             error="table of its own.*sdpa", quirks="ALiBi; own attention-class table: refused at load"),
+    "StableLM": Family(_llama_like(T.StableLmConfig, partial_rotary_factor=0.25, use_qkv_bias=True),
+                       status="refused", error="does not route its attention through transformers' AttentionInterface",
+                       quirks="own attention classes (not AttentionInterface)"),
+    "OLMo2": Family(_llama_like(T.Olmo2Config), quirks="q/k norm over all heads"),
+    "Granite": Family(_llama_like(T.GraniteConfig, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                  residual_multiplier=0.5, logits_scaling=2.0),
+                      quirks="attention scaling 0.3 (attention_multiplier)"),
+    "Cohere": Family(_llama_like(T.CohereConfig, use_qk_norm=True, logit_scale=0.5), quirks="q/k norm, parallel block"),
+    "Phi": Family(_cfg(T.PhiConfig, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                       partial_rotary_factor=0.5, qk_layernorm=True, max_position_embeddings=256),
+                  quirks="partial RoPE, q/k layernorm"),
+    "GPT-J": Family(_cfg(T.GPTJConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
+                    **{"quirks": "interleaved partial RoPE", **_GPTJ}),
+    "OLMo": Family(_llama_like(T.OlmoConfig, clip_qkv=0.5), quirks="clipped qkv"),
+    "Starcoder2": Family(_cfg(T.Starcoder2Config, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
+                              max_position_embeddings=256),
+                         quirks="GQA, bias, sliding window 16"),
+    "Mixtral": Family(_llama_like(T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+                      dtype=torch.float32, quirks="MoE MLP (float32: stock's grouped_mm has no float64)"),
+    "Cohere2": Family(_llama_like(T.Cohere2Config, sliding_window=12,
+                                  layer_types=["sliding_attention", "full_attention"]),
+                      quirks="hybrid layers, sliding window 12 (RoPE on sliding layers only)"),
+    "SmolLM3": Family(_llama_like(T.SmolLM3Config, no_rope_layers=[1, 0]), quirks="NoPE layers"),
+    "GPT-BigCode": Family(_cfg(T.GPTBigCodeConfig, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                               multi_query=True), quirks="MQA, learned positions"),
+    "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
+                    error="does not route its attention through transformers' AttentionInterface",
+                    quirks="ALiBi, own attention code (not AttentionInterface)"),
+}
+
+
+def stock_attention(model_class) -> str:
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+@functools.lru_cache(maxsize=1)
+def model_pair(name: str):
+    """(stock model, cascade model) of family ``name``, same random weights, float64, eval mode."""
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    config = family.make()
+    model_class = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation=family.stock or stock_attention(model_class),
+                                             dtype=family.dtype).eval()
+    cascade = AutoModelForCausalLM.from_config(family.make(), attn_implementation="cascade",
+                                               dtype=family.dtype).eval()
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
+def generate_kwargs(mode: str) -> dict:
+    common = dict(max_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+    if mode == "beam":
+        return dict(common, num_beams=4, num_return_sequences=2, length_penalty=0.7)
+    if mode == "sample":
+        return dict(common, do_sample=True, num_return_sequences=3, top_k=0, temperature=1.5)
+    return dict(common, do_sample=False)
+
+
+def run(model, mode, ids, mask, **extra):
+    torch.manual_seed(123)
+    return model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs(mode), **extra)
+
+
+CASES = [pytest.param(name, mode, id=f"{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_')}-{mode}")
+         for name, family in FAMILIES.items() for mode in family.modes]
+
+
+@pytest.mark.parametrize("name,mode", CASES)
+def test_family(name, mode):
+    family = FAMILIES[name]
+    if family.status == "load error":
+        with pytest.raises(family.error_type, match=family.error):
+            model_pair(name)
+        return
+    stock, cascade = model_pair(name)
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    if family.status == "refused":
+        with pytest.raises(NotImplementedError, match=family.error) as err:
+            run(cascade, mode, ids, mask, **family.extra)
+        assert "attn_implementation='sdpa'" in str(err.value)
+        return
+    expected = run(stock, mode, ids, mask, **family.extra)
+    got = run(cascade, mode, ids, mask, **family.extra)
+    assert expected.shape == got.shape
+    assert torch.equal(expected, got), f"{name} {mode}: cascade tokens differ from stock"
+
+
+def test_table_is_consistent():
+    for name, family in FAMILIES.items():
+        assert family.status in ("exact", "refused", "load error"), name
+        assert (family.error is not None) == (family.status != "exact"), name
