@@ -70,7 +70,8 @@ def _cache_key(model_kwargs) -> str:
 def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
             position_ids: torch.Tensor | None = None, cache_kwarg: str | None = None):
     """Run ``model`` on ``input_ids`` [B, L] into ``cache``, storing only the tokens where
-    ``attention_mask`` is 1. Returns the model output (logits of the last position only)."""
+    ``attention_mask`` [B, L] is 1. If the cache already holds tokens, the new ones follow them (and
+    ``position_ids`` should say where). Returns the model output (logits of the last position only)."""
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
@@ -78,11 +79,70 @@ def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor, attention_m
             cache.set_write_mask(attention_mask)
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+            position_ids = position_ids + cache.get_seq_length()
+        past = cache.get_seq_length()
+        if past:   # the model's mask covers what the cache holds, too
+            attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past), attention_mask], 1)
     kwargs = {cache_kwarg or ("cache" if _accepts(model, "cache") else "past_key_values"): cache}
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                  **kwargs)
+
+
+def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, min_tokens: int) -> int:
+    """How many tokens every left-padded prompt of the batch begins with (a common system prompt),
+    leaving each prompt at least one token of its own; 0 if fewer than ``min_tokens``."""
+    batch, width = input_ids.shape
+    if batch < 2:
+        return 0
+    ids = input_ids.cpu()
+    if attention_mask is None:
+        starts = torch.zeros(batch, dtype=torch.long)
+    else:
+        mask = attention_mask.cpu().bool()
+        starts = width - mask.sum(1)
+        if not torch.equal(mask, torch.arange(width)[None, :] >= starts[:, None]):
+            return 0                                 # not plain left padding: no sharing
+    longest = int((width - starts).min()) - 1
+    if longest < min_tokens:
+        return 0
+    real = ids.gather(1, starts[:, None] + torch.arange(longest)[None, :])       # [B, longest], pads skipped
+    differs = (real != real[:1]).any(0)
+    shared = int(differs.int().argmax()) if bool(differs.any()) else longest
+    return shared if shared >= min_tokens else 0
+
+
+def _has_sliding_window(model) -> bool:
+    text = _text_config(model)
+    return bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None)
+                                                                                 or [])
+
+
+@torch.no_grad()
+def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor, mask: torch.Tensor | None,
+                    positions: torch.Tensor | None, cache_kwarg: str) -> int:
+    """Prefill B left-padded prompts [B, L] once each; tokens they all begin with (a shared system
+    prompt) are prefilled and stored once for the whole batch. Returns the shared length."""
+    shared = 0
+    if not _has_sliding_window(model):               # a window would count the other prompts' pads
+        shared = shared_prefix_length(prompts, mask, min_tokens=cache.block_size)
+    if not shared:
+        prefill(model, cache, prompts, attention_mask=mask, position_ids=positions, cache_kwarg=cache_kwarg)
+        return 0
+    batch, width = prompts.shape
+    start = 0 if mask is None else width - int(mask[0].sum())
+    prefill(model, cache, prompts[:1, start:start + shared], cache_kwarg=cache_kwarg,
+            position_ids=torch.arange(shared, device=prompts.device)[None])
+    cache.batch_repeat_interleave(batch)
+    if width > shared:
+        # Each prompt's rest, left-padded among themselves: with left padding, column c of the rest is
+        # column c + shared of the prompt, and it is real exactly where the prompt's column c is.
+        rest_mask = None if mask is None else mask[:, : width - shared]
+        rest_positions = None if positions is None else positions[:, shared:]
+        prefill(model, cache, prompts[:, shared:], attention_mask=rest_mask, position_ids=rest_positions,
+                cache_kwarg=cache_kwarg)
+    return shared
 
 
 def _accepts(model, name: str) -> bool:
@@ -154,9 +214,8 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     try:
         if input_ids.shape[1] > 1:
             positions = model_kwargs.get("position_ids")
-            prefill(model, cache, input_ids[::n, :-1],
-                    attention_mask=None if mask is None else mask[::n, :-1],
-                    position_ids=None if positions is None else positions[::n, :-1], cache_kwarg=key)
+            prefill_prompts(model, cache, input_ids[::n, :-1], None if mask is None else mask[::n, :-1],
+                            None if positions is None else positions[::n, :-1], key)
             cache.batch_repeat_interleave(n)
         result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, **model_kwargs)

@@ -1,0 +1,88 @@
+"""A system prompt shared by the prompts of a batch is prefilled and stored once for the whole batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_cascade
+from hf_cascade.generation import shared_prefix_length
+from conftest import FirstForwardRows, model_pair
+
+SHARED, TAILS, BEAMS, NEW = 200, (13, 30, 7, 21), 4, 6
+
+
+def batch_with_system_prompt(seed=0, shared=SHARED, tails=TAILS):
+    """Left-padded prompts that all begin with the same `shared` tokens, then differ."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 90, (shared,), generator=g)
+    width = shared + max(tails)
+    ids = torch.zeros(len(tails), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(tails):
+        prompt = torch.cat([system, torch.randint(3, 90, (n,), generator=g)])
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return model_pair("llama", max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("mode", ["beam", "sample", "greedy"])
+def test_shared_system_prompt_matches_stock_and_is_stored_once(pair, mode):
+    stock, cascade = pair
+    ids, mask = batch_with_system_prompt()
+    kw = dict(max_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True)
+    kw.update({"beam": dict(num_beams=BEAMS, num_return_sequences=2), "sample": dict(do_sample=True,
+               num_return_sequences=BEAMS), "greedy": {}}[mode])
+    torch.manual_seed(5)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw).sequences
+    rows = FirstForwardRows(cascade)
+    try:
+        torch.manual_seed(5)
+        out = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
+    finally:
+        rows.remove()
+    assert torch.equal(expected, out.sequences)
+    # one row for the shared part, one per prompt for the rests, then all rows
+    n = 1 if mode == "greedy" else BEAMS
+    assert rows.rows[:3] == [1, len(TAILS), len(TAILS) * n]
+    cache = out.past_key_values
+    stats = cache.stats()
+    bs = cache.block_size
+    per_prompt = sum(TAILS) - len(TAILS)           # each prompt's own tokens, its last one fed by generate
+    per_row = NEW + 1                                # the last prompt token and the new tokens of each row
+    # stored = shared + per-prompt + per-beam parts, up to partially filled blocks
+    assert stats.tokens_stored <= SHARED + per_prompt + len(TAILS) * n * per_row + (len(TAILS) * n + 1) * bs
+    full = SHARED // bs                              # the system prompt's full blocks: one copy, held by every row
+    tables = cache.blocks.tables()
+    assert (tables[:, :full] == tables[:1, :full]).all()
+    assert stats.tokens_stored < len(TAILS) * SHARED  # per-prompt storage would hold the system prompt 4 times
+    cache.reset()
+
+
+def test_shared_prefix_length():
+    ids, mask = batch_with_system_prompt()
+    assert shared_prefix_length(ids, mask, min_tokens=16) == SHARED
+    assert shared_prefix_length(ids[:1], mask[:1], min_tokens=16) == 0           # a single prompt
+    assert shared_prefix_length(ids, mask, min_tokens=SHARED + 1) == 0            # too short to pay
+    same = ids[:1].repeat(3, 1)
+    assert shared_prefix_length(same, mask[:1].repeat(3, 1), min_tokens=1) == int(mask[0].sum()) - 1
+    middle = mask.clone()
+    middle[0, -3] = 0                                                            # not plain left padding
+    assert shared_prefix_length(ids, middle, min_tokens=1) == 0
+
+
+def test_no_sharing_with_sliding_window():
+    stock, cascade = model_pair("mistral", sliding_window=64, max_position_embeddings=512)
+    ids, mask = batch_with_system_prompt(seed=1, shared=40, tails=(5, 9))
+    kw = dict(num_beams=2, max_new_tokens=4, pad_token_id=0)
+    rows = FirstForwardRows(cascade)
+    try:
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
+    finally:
+        rows.remove()
+    assert rows.rows[0] == 2                           # per-prompt prefill: a window counts each prompt's pads
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw), got)
