@@ -30,6 +30,12 @@ class StepPlan:
       ``prefix_len`` int32 [G]: level 0.
     - ``suffix_table`` int32 [R, Ms] (-1 pad), ``q_limit`` int32 [R, Lq]: level 1; query i of row r
       sees the first ``q_limit[r, i]`` tokens of its suffix.
+    - Optional middle level, when a group's rows split into subgroups that share more blocks (a
+      system prompt shared by a batch, then each prompt's own rest shared by its beams):
+      ``mid_group_rows`` int32 [G2, R2], ``mid_table`` int32 [G2, M2], ``mid_len`` int32 [G2] (the
+      blocks after the group prefix that a subgroup shares), and ``inner_suffix_table`` /
+      ``inner_q_limit``: each row's suffix after its deepest shared level. Backends that take two
+      levels use ``suffix_table``/``q_limit`` (after the group prefix), which stay exact.
     """
 
     fresh: bool
@@ -44,6 +50,11 @@ class StepPlan:
     prefix_len: np.ndarray
     suffix_table: np.ndarray
     q_limit: np.ndarray
+    mid_group_rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    mid_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int32))
+    mid_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    inner_suffix_table: np.ndarray | None = None
+    inner_q_limit: np.ndarray | None = None
     _on_device: dict = field(default_factory=dict, repr=False)
     scratch: dict = field(default_factory=dict, repr=False)   # per-step state of kernel backends (their own plans)
 
@@ -64,7 +75,10 @@ class StepPlan:
                 copy_src=t(self.copy_src, torch.long), copy_dst=t(self.copy_dst, torch.long),
                 group_rows=t(self.group_rows, torch.int32), prefix_table=t(self.prefix_table, torch.int32),
                 prefix_len=t(self.prefix_len, torch.int32), suffix_table=t(self.suffix_table, torch.int32),
-                q_limit=t(self.q_limit, torch.int32))
+                q_limit=t(self.q_limit, torch.int32),
+                mid_group_rows=t(self.mid_group_rows, torch.int32), mid_table=t(self.mid_table, torch.int32),
+                mid_len=t(self.mid_len, torch.int32), inner_suffix_table=t(self.inner_suffix_table, torch.int32),
+                inner_q_limit=t(self.inner_q_limit, torch.int32))
         return self._on_device[key]
 
 
@@ -80,6 +94,11 @@ class DevicePlan:
     prefix_len: torch.Tensor
     suffix_table: torch.Tensor
     q_limit: torch.Tensor
+    mid_group_rows: torch.Tensor
+    mid_table: torch.Tensor
+    mid_len: torch.Tensor
+    inner_suffix_table: torch.Tensor | None
+    inner_q_limit: torch.Tensor | None
 
 
 def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, min_rows: int):
@@ -146,19 +165,49 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
         prefix_len[g] = nb * block_size
         row_prefix_blocks[rows] = nb
 
-    # Level 1: each row's table shifted past its group's prefix.
-    row_blocks = -(-lengths // block_size)
-    suffix_blocks = row_blocks - row_prefix_blocks
-    width = int(suffix_blocks.max(initial=0))
-    padded = np.concatenate([tables, np.full((num_rows, width + 1), -1, dtype=np.int32)], axis=1)
-    cols = row_prefix_blocks[:, None] + np.arange(width)[None, :]
-    suffix_table = np.where(np.arange(width)[None, :] < suffix_blocks[:, None],
-                            np.take_along_axis(padded, cols, axis=1), -1).astype(np.int32)
-    q_limit = (prev - row_prefix_blocks * block_size)[:, None] + seen_new
+    # Middle level: subgroups of a group that share more blocks (each prompt's rest after a shared
+    # system prompt), found the same way on the tables past the group prefix.
+    mid_groups, mid_spans = [], []
+    for rows, nb in zip(groups, prefix_blocks):
+        subgroups, extra = find_prefix_groups(tables[rows, nb:], prev[rows] - nb * block_size, block_size,
+                                              min_group_rows)
+        for sub, more in zip(subgroups, extra):
+            if len(sub) < len(rows):
+                mid_groups.append(rows[sub])
+                mid_spans.append((nb, more))
+    mid_group_rows = np.full((len(mid_groups), max((len(g) for g in mid_groups), default=0)), -1, dtype=np.int32)
+    mid_table = np.full((len(mid_groups), max((m for _, m in mid_spans), default=0)), -1, dtype=np.int32)
+    mid_len = np.zeros(len(mid_groups), dtype=np.int32)
+    inner_prefix_blocks = row_prefix_blocks.copy()
+    for g, (rows, (nb, more)) in enumerate(zip(mid_groups, mid_spans)):
+        mid_group_rows[g, : len(rows)] = rows
+        mid_table[g, :more] = tables[rows[0], nb:nb + more]
+        mid_len[g] = more * block_size
+        inner_prefix_blocks[rows] = nb + more
+
+    # Last level: each row's table shifted past its deepest shared prefix.
+    suffix_table, q_limit = _suffix(tables, lengths, prev, seen_new, row_prefix_blocks, block_size)
+    inner_suffix_table, inner_q_limit = (_suffix(tables, lengths, prev, seen_new, inner_prefix_blocks, block_size)
+                                         if mid_groups else (None, None))
 
     return StepPlan(
         fresh=fresh, q_len=q_len, src_index=src_index,
         write_block=append_plan.write_block.astype(np.int64), write_offset=append_plan.write_offset.astype(np.int64),
         copy_src=append_plan.copy_src.astype(np.int64), copy_dst=append_plan.copy_dst.astype(np.int64),
         group_rows=group_rows, prefix_table=prefix_table, prefix_len=prefix_len,
-        suffix_table=suffix_table, q_limit=q_limit.astype(np.int32))
+        suffix_table=suffix_table, q_limit=q_limit,
+        mid_group_rows=mid_group_rows, mid_table=mid_table, mid_len=mid_len,
+        inner_suffix_table=inner_suffix_table, inner_q_limit=inner_q_limit)
+
+
+def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size):
+    """Each row's blocks after its first ``prefix_blocks[r]`` blocks, and what each query sees of them."""
+    num_rows = tables.shape[0]
+    suffix_blocks = -(-lengths // block_size) - prefix_blocks
+    width = int(suffix_blocks.max(initial=0))
+    padded = np.concatenate([tables, np.full((num_rows, width + 1), -1, dtype=np.int32)], axis=1)
+    cols = prefix_blocks[:, None] + np.arange(width)[None, :]
+    suffix_table = np.where(np.arange(width)[None, :] < suffix_blocks[:, None],
+                            np.take_along_axis(padded, cols, axis=1), -1).astype(np.int32)
+    q_limit = ((prev - prefix_blocks * block_size)[:, None] + seen_new).astype(np.int32)
+    return suffix_table, q_limit

@@ -86,3 +86,36 @@ def test_no_sharing_with_sliding_window():
         rows.remove()
     assert rows.rows[0] == 2                           # per-prompt prefill: a window counts each prompt's pads
     assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw), got)
+
+
+def test_plan_has_three_levels_and_they_agree_with_two(pair):
+    """Batch-shared system prompt -> each prompt's rest (shared by its beams) -> each beam's suffix."""
+    from hf_cascade.generation import prefill_prompts
+    from hf_cascade.kernels import reference
+    _, cascade = pair
+    ids, mask = batch_with_system_prompt(seed=2)
+    cache = hf_cascade.CascadeCache(cascade.config)
+    kwarg = "cache" if "cache" in cascade.forward.__code__.co_varnames else "past_key_values"
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    assert prefill_prompts(cascade, cache, ids[:, :-1], mask[:, :-1], positions[:, :-1], kwarg) == SHARED
+    cache.batch_repeat_interleave(BEAMS)
+    rows = len(TAILS) * BEAMS
+    full_mask = mask.repeat_interleave(BEAMS, 0)
+    cascade(input_ids=ids[:, -1:].repeat_interleave(BEAMS, 0), attention_mask=full_mask,
+            position_ids=positions[:, -1:].repeat_interleave(BEAMS, 0), **{kwarg: cache})
+    plan = cache.plan
+    bs = cache.block_size
+    assert plan.group_rows.tolist() == [list(range(rows))] and plan.prefix_len.tolist() == [SHARED // bs * bs]
+    # a middle level for every prompt whose own rest (after the shared blocks) fills a whole block
+    rest = [SHARED % bs + n - 1 for n in TAILS]
+    expected = [list(range(p * BEAMS, (p + 1) * BEAMS)) for p, r in enumerate(rest) if r >= bs]
+    assert sorted(plan.mid_group_rows.tolist()) == expected
+    # the three-level computation equals the two-level one on the same pool, in float64
+    pool = cache.layers[0].pool
+    q = torch.randn(rows, 1, 4, pool.shape[-1], dtype=pool.dtype, generator=torch.Generator().manual_seed(0))
+    three = reference.attend(q, pool, plan, 0.3)
+    dp = plan.on(pool.device)
+    two = reference.cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                                      dp.suffix_table, dp.q_limit, 0.3)
+    torch.testing.assert_close(three, two, rtol=0, atol=1e-12)
+    cache.reset()

@@ -33,7 +33,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "window_key_start", "attend", "unsupported_reason"]
+__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "three_level_attention",
+           "window_key_start", "attend", "unsupported_reason"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -207,9 +208,27 @@ def unsupported_reason(q, pool, plan):
     return None
 
 
+def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table,
+                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None):
+    """Group prefix (e.g. a batch's system prompt) + subgroup prefix (each prompt's rest, shared by its
+    beams) + each row's own suffix, each read once per (sub)group, merged. Rows in no subgroup get
+    (0, -inf) from the middle level and their whole rest from ``inner_suffix_table``."""
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap)
+    o_m, lse_m = prefix_attention(q, k_cache, v_cache, mid_group_rows, mid_table, mid_len, scale, softcap)
+    o_s, lse_s = suffix_attention(q, k_cache, v_cache, inner_suffix_table, inner_q_limit, scale, softcap)
+    o, lse = merge_state(o_p, lse_p, o_m, lse_m)
+    o, _ = merge_state(o, lse, o_s, lse_s)
+    return o
+
+
 def attend(q, pool, plan, scale):
     """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
     dp = plan.on(pool.device)
+    window = getattr(plan, "window", None)
+    if window is None and dp.mid_group_rows.shape[0]:
+        return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                                     dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
+                                     dp.inner_q_limit, scale, softcap=getattr(plan, "softcap", None))
     return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
                              dp.suffix_table, dp.q_limit, scale, softcap=getattr(plan, "softcap", None),
                              window=getattr(plan, "window", None))
