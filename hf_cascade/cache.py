@@ -305,6 +305,7 @@ class CascadeCache(Cache):
         self._step_id += 1
         self._layers_in_step = set()
         self._plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
-                                     self.block_size, self.cascade_config.min_group_rows)
+                                     self.block_size, self.cascade_config.min_group_rows,
+                                     self.cascade_config.min_prefix_tokens)
         self.logical_length += q_len
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)

@@ -27,6 +27,9 @@ class CascadeConfig:
             cache is reset, for the next call (0: everything goes back to the device).
         min_group_rows: rows that must share a prefix before it is read once for all of them
             (level 0 of the cascade); smaller groups read their whole table as a suffix.
+        min_prefix_tokens: a shared prefix shorter than this is not read as its own level: its rows
+            read their whole tables as suffixes (where a cascade does not pay). 0: always cascade —
+            on the H200 it paid at every prefix measured, from 1k tokens up (benchmarks/RESULTS.md).
     """
 
     backend: str = "auto"
@@ -35,6 +38,7 @@ class CascadeConfig:
     max_kv_bytes: int | None = None
     keep_kv_bytes: int = 0
     min_group_rows: int = 2
+    min_prefix_tokens: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -56,6 +60,8 @@ class CascadeConfig:
             raise ValueError('CascadeConfig(memory="static") needs max_kv_bytes: the size of the fixed pool.')
         if self.min_group_rows < 2:
             raise ValueError(f"CascadeConfig.min_group_rows must be >= 2, got {self.min_group_rows!r}.")
+        if not isinstance(self.min_prefix_tokens, int) or self.min_prefix_tokens < 0:
+            raise ValueError(f"CascadeConfig.min_prefix_tokens must be an int >= 0, got {self.min_prefix_tokens!r}.")
 
 
 def _is_number(x) -> bool:

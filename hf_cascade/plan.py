@@ -132,7 +132,8 @@ def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size:
 
 
 def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray, new_mask: np.ndarray | None,
-                    q_len: int, append_plan, block_size: int, min_group_rows: int) -> StepPlan:
+                    q_len: int, append_plan, block_size: int, min_group_rows: int,
+                    min_prefix_tokens: int = 0) -> StepPlan:
     """Plan one forward step after the block manager has appended this step's tokens.
 
     Args:
@@ -153,6 +154,9 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
         src_index = np.flatnonzero(new_mask.reshape(-1)).astype(np.int64)
 
     groups, prefix_blocks = ([], []) if fresh else find_prefix_groups(tables, prev, block_size, min_group_rows)
+    if min_prefix_tokens:      # too short to pay: those rows read their whole tables as suffixes
+        kept = [(g, nb) for g, nb in zip(groups, prefix_blocks) if nb * block_size >= min_prefix_tokens]
+        groups, prefix_blocks = [g for g, _ in kept], [nb for _, nb in kept]
     num_groups = len(groups)
     rows_per_group = max((len(g) for g in groups), default=0)
     group_rows = np.full((num_groups, rows_per_group), -1, dtype=np.int32)

@@ -222,3 +222,29 @@ def test_pool_cap_error_releases_everything(pair):
     kw = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
     assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **kw),
                        stock.generate(input_ids=ids, attention_mask=mask, **kw))
+
+
+def test_min_prefix_tokens_reads_short_prefixes_as_suffixes(pair):
+    """Below the threshold no prefix level is planned; attention stays exact either way."""
+    stock, cascade = pair
+    ids, mask = padded_batch(seed=1)                 # prompts of 23 and 17 tokens, 22 and 16 prefilled
+    kw = dict(num_beams=3, max_new_tokens=5, pad_token_id=0, return_dict_in_generate=True)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw).sequences
+    def prefix_lens(threshold):
+        out = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
+                               hf_cascade_config=CascadeConfig(block_size=4, min_prefix_tokens=threshold))
+        assert torch.equal(out.sequences, expected)
+        cache = out.past_key_values
+        token = torch.full((cache.blocks.num_rows, 1), 5)
+        full = torch.ones(cache.blocks.num_rows, cache.get_seq_length() + 1, dtype=torch.long)
+        cascade(input_ids=token, attention_mask=full, **cache_kw(cascade, cache))
+        lens = sorted(cache.plan.prefix_len.tolist())
+        cache.reset()
+        return lens
+
+    every = prefix_lens(0)
+    assert len(every) == 2                           # one group per prompt
+    for threshold in (every[0], every[0] + 1, every[-1] + 1):
+        assert prefix_lens(threshold) == [n for n in every if n >= threshold], threshold
+    with pytest.raises(ValueError, match="min_prefix_tokens"):
+        CascadeConfig(min_prefix_tokens=-1)
