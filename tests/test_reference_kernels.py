@@ -407,3 +407,20 @@ def test_attend_reads_quirks_from_the_plan():
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
     o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
+
+
+def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
+    """A backend that does not list softcap/window in QUIRKS is never chosen for such a layer."""
+    import types
+    from hf_cascade import kernels
+    from hf_cascade.attention import LayerPlan
+    from hf_cascade.kernels import reference as reference_backend
+    plain = types.SimpleNamespace(unsupported_reason=lambda q, pool, plan: None)
+    monkeypatch.setitem(kernels._loaded, "cuda", plain)
+    monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("absent"))
+    q, pool, plan = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 1, 8), types.SimpleNamespace(src_index=None)
+    assert kernels.select("auto", q, pool, plan) is plain
+    for quirk in ({"softcap": 30.0}, {"window": 4}):
+        assert kernels.select("auto", q, pool, LayerPlan(plan, **quirk)) is reference_backend
+        with pytest.raises(NotImplementedError, match="not implemented in this backend"):
+            kernels.select("cuda", q, pool, LayerPlan(plan, **quirk))

@@ -4,6 +4,9 @@ A backend is a module with:
 
 - ``unsupported_reason(q, pool, plan) -> str | None``: why it cannot take this step (dtype, head_dim,
   device, missing package ...), or None;
+- optionally ``QUIRKS``: the per-layer attention variants it implements, read from the plan as
+  ``plan.softcap`` / ``plan.window`` (see :class:`hf_cascade.attention.LayerPlan`); none if absent.
+  :func:`select` refuses a backend for a layer that needs a variant it lacks.
 - ``attend(q, pool, plan, scale) -> o``: the cascade attention of one layer for one step.
   ``q`` [R, Lq, Hq, D] (may be a non-contiguous view), ``pool`` the layer's KV pool
   ``[num_blocks, 2, block_size, Hkv, D]``, ``plan`` the step's :class:`~hf_cascade.plan.StepPlan`
@@ -50,11 +53,22 @@ def _log_once(key, message, *args):
         logger.info(message, *args)
 
 
+QUIRK_NAMES = {"softcap": "attention logit softcapping", "window": "a sliding window shorter than the sequence"}
+
+
+def _reason(backend: ModuleType, q, pool, plan) -> str | None:
+    lacking = [QUIRK_NAMES[quirk] for quirk in QUIRK_NAMES
+               if getattr(plan, quirk, None) is not None and quirk not in getattr(backend, "QUIRKS", ())]
+    if lacking:
+        return f"{' and '.join(lacking)} not implemented in this backend"
+    return backend.unsupported_reason(q, pool, plan)
+
+
 def select(name: str, q, pool, plan) -> ModuleType:
     """The backend that runs this step: ``name``, or for "auto" the first in AUTO_ORDER that can."""
     if name != "auto":
         backend = load(name)
-        reason = backend.unsupported_reason(q, pool, plan)
+        reason = _reason(backend, q, pool, plan)
         if reason is not None:
             raise NotImplementedError(f"kernel backend {name!r} cannot run this step: {reason}. "
                                       "Use CascadeConfig(backend='auto') or 'reference'.")
@@ -66,7 +80,7 @@ def select(name: str, q, pool, plan) -> ModuleType:
         except ImportError as err:
             _log_once((candidate, "import"), "hf_cascade: %s", err)
             continue
-        reason = backend.unsupported_reason(q, pool, plan)
+        reason = _reason(backend, q, pool, plan)
         if reason is None:
             _log_once((candidate, key), "hf_cascade: attention backend %r for %s", candidate, key)
             return backend

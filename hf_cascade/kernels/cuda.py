@@ -306,10 +306,6 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
 
 def unsupported_reason(q, pool, plan):
     """Why this backend cannot take the step, or None."""
-    if getattr(plan, "softcap", None) is not None:
-        return "attention logit softcapping (softcap) is not implemented in this backend"
-    if getattr(plan, "window", None) is not None:
-        return "a sliding window shorter than the sequence is not implemented in this backend"
     if not (isinstance(q, torch.Tensor) and q.is_cuda):
         return "needs CUDA tensors"
     if not (isinstance(pool, torch.Tensor) and pool.device == q.device):

@@ -136,10 +136,6 @@ def _plan_reason(plan) -> str | None:
 
 def unsupported_reason(q, pool, plan):
     """None when FlashInfer can run this step; otherwise why not (dtype, head_dim, GQA, padding, device)."""
-    if getattr(plan, "softcap", None) is not None:
-        return "attention logit softcapping (softcap) is not implemented in this backend"
-    if getattr(plan, "window", None) is not None:
-        return "a sliding window shorter than the sequence is not implemented in this backend"
     if q.dtype not in DTYPES:
         return f"FlashInfer backend takes float16/bfloat16 queries, not {q.dtype}"
     if pool.dtype != q.dtype:

@@ -203,6 +203,9 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
     return o
 
 
+QUIRKS = ("softcap", "window")     # per-layer variants this backend implements (hf_cascade.kernels)
+
+
 def unsupported_reason(q, pool, plan):
     """The reference takes every shape, dtype and device."""
     return None
