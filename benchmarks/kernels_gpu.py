@@ -5,7 +5,8 @@ shared prefix per prompt and a private suffix per beam. Each backend is called t
 it, ``hf_cascade.kernels.load(name).attend(q, pool, plan, scale)`` with a StepPlan from
 ``hf_cascade.plan.build_step_plan``; timed with CUDA events (warm-up, then the median of --reps calls, the
 L2 cache overwritten before each). Also "cuda-full-table": the cuda backend's paged decode over each
-row's whole table (no prefix groups), i.e. what a cascade saves.
+row's whole table (no prefix groups), i.e. what a cascade saves (and "flashinfer-full-table" likewise).
+``--threshold`` times short prefixes (16 to 1024 tokens) to find where the cascade stops paying.
 
 Roofline: bytes a cascade must move (each prefix once per group, each row's suffix, q and o) divided by the
 device-to-device copy bandwidth measured in the same run.
@@ -38,6 +39,11 @@ from hf_cascade.plan import build_step_plan  # noqa: E402
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
 SHAPES = ([dict(groups=8, beams=8, prefix=p, suffix=64) for p in (1024, 4096, 16384, 32768)]
           + [dict(groups=8, beams=b, prefix=16384, suffix=64) for b in (4, 16)])
+# --threshold: short prefixes, where a separate prefix level may cost more than it saves
+THRESHOLD_SHAPES = [dict(groups=g, beams=b, prefix=p, suffix=s)
+                    for g, b in ((1, 4), (1, 8), (8, 8), (8, 16))
+                    for p in (16, 32, 64, 128, 256, 512, 1024) for s in (64, 512)]
+FULL_TABLE = ("cuda", "flashinfer")     # backends also timed over each row's whole table (no cascade)
 
 
 def make_step(groups, beams, prefix, suffix, seed=0, device="cuda", dtype=torch.bfloat16):
@@ -105,12 +111,31 @@ def copy_bandwidth(reps=20, nbytes=2 << 30):
     return 2 * nbytes / (med * 1e-6)                        # read + write, bytes/s
 
 
+def threshold_summary(results) -> Table:
+    """Per (prompts x beams, suffix, backend): cascade time / full-table time at each prefix, and the
+    shortest prefix from which the cascade is at least as fast at every longer prefix measured."""
+    timed = {(r["groups"], r["beams"], r["suffix"], r["prefix"], r["backend"]): r["median_us"]
+             for r in results if "median_us" in r}
+    prefixes = sorted({k[3] for k in timed})
+    table = Table(title="cascade / full-table time (< 1: the cascade pays)")
+    for col in ("prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"):
+        table.add_column(col, justify="right")
+    for g, b, s, backend in sorted({(k[0], k[1], k[2], k[4]) for k in timed if not k[4].endswith("-full-table")}):
+        ratios = [timed.get((g, b, s, p, backend), math.nan) / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan)
+                  for p in prefixes]
+        pays_from = next((p for i, p in enumerate(prefixes) if all(x <= 1 for x in ratios[i:])), None)
+        table.add_row(f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from))
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backends", default="reference,cuda,flashinfer", help="comma-separated backends to try")
     p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
+    p.add_argument("--threshold", action="store_true",
+                   help="short prefixes (16..1024 tokens): where the cascade stops paying against full tables")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_gpu.json"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -133,8 +158,10 @@ def main(argv=None) -> int:
         except ImportError as err:
             console.print(f"[yellow]skip {name}: {err}[/yellow]")
 
-    shapes = [s for s in SHAPES if not args.quick or (s["prefix"] == 16384 and s["beams"] == 8)]
-    jobs = [(s, name) for s in shapes for name in list(backends) + (["cuda-full-table"] if "cuda" in backends else [])]
+    shapes = THRESHOLD_SHAPES if args.threshold else [
+        s for s in SHAPES if not args.quick or (s["prefix"] == 16384 and s["beams"] == 8)]
+    jobs = [(s, name) for s in shapes
+            for name in list(backends) + [f"{b}-full-table" for b in FULL_TABLE if b in backends]]
     results = []
     current = None
     for shape, name in tqdm(jobs, desc="kernels", unit="run"):
@@ -143,8 +170,8 @@ def main(argv=None) -> int:
             ref_out = None
         q, pool, cascade, full = current[1]
         scale = 1.0 / math.sqrt(HEAD_DIM)
-        full_table = name == "cuda-full-table"
-        backend = backends["cuda" if full_table else name]
+        full_table = name.endswith("-full-table")
+        backend = backends[name.removesuffix("-full-table")]
         plan = full if full_table else cascade
         row = dict(shape, backend=name, bytes=bytes_moved(**shape, full_table=full_table),
                    cascade_bytes=bytes_moved(**shape))
@@ -191,6 +218,8 @@ def main(argv=None) -> int:
                       f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
                       f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else "")
     console.print(table)
+    if args.threshold:
+        console.print(threshold_summary(results))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,9 @@ class StepProbe:
         if isinstance(cache, hf_cascade.CascadeCache):
             st = cache.stats()
             sample.update(kv_in_use=st.kv_bytes_in_use, kv_peak=st.peak_kv_bytes_in_use, kv_reserved=st.kv_bytes_reserved)
+            stores = [l.storage for l in cache.layers if l.storage is not None]
+            sample.update(maps_on_step=sum(getattr(x, "maps_on_step", 0) for x in stores),
+                          maps_ahead=sum(getattr(x, "maps_ahead", 0) for x in stores))
         elif cache is not None and getattr(cache, "layers", None):
             kv = sum(l.keys.nbytes + l.values.nbytes for l in cache.layers if getattr(l, "keys", None) is not None)
             sample.update(kv_in_use=kv, kv_peak=kv, kv_reserved=kv)
@@ -129,6 +132,13 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
     samples = probe.samples or [dict(torch_peak=0, vmm=0, free=base_free)]
     peak = max(s["torch_peak"] + s["vmm"] for s in samples)
     reserved_kv = [s.get("kv_reserved", 0) for s in samples]
+    # decode step i (forward i + 1): did the pool grow during it, and how (a mapping the step waited
+    # for, or one started ahead in the background); the step times of those steps against the median
+    grew = [b > a for a, b in zip(reserved_kv, reserved_kv[1:])]
+    waited = [b.get("maps_on_step", 0) > a.get("maps_on_step", 0) for a, b in zip(samples, samples[1:])]
+    ahead = [b.get("maps_ahead", 0) > a.get("maps_ahead", 0) for a, b in zip(samples, samples[1:])]
+    growth_times = [t for t, g, w, a in zip(steps, grew, waited, ahead) if g or w or a]
+    slowest = max(range(len(steps)), key=steps.__getitem__) if steps else None
     return dict(
         policy=policy, error=error, tokens=None if seq is None else seq.cpu(),
         new_tokens=None if seq is None else int(seq.shape[1] - ids.shape[1]), forwards=len(times),
@@ -138,7 +148,13 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
         vmm_peak_gib=max(s["vmm"] for s in samples) / GIB,
         kv_in_use_peak_mib=max(s.get("kv_peak", 0) for s in samples) / MIB,
         kv_reserved_peak_mib=max(reserved_kv) / MIB,
-        growth_events=sum(b > a for a, b in zip(reserved_kv[1:], reserved_kv[2:])),   # during decode
+        growth_events=sum(grew),                      # decode steps in which the reserved KV bytes grew
+        steps_with_waited_map=sum(waited), steps_with_map_ahead=sum(ahead),
+        growth_step_max_ms=max(growth_times) if growth_times else None,
+        growth_step_median_ms=statistics.median(growth_times) if growth_times else None,
+        slowest_step=None if slowest is None else dict(
+            index=slowest, ms=steps[slowest], grew=grew[slowest], waited_map=waited[slowest],
+            map_ahead=ahead[slowest]),
         prefill_ms=times[0] if times else float("nan"), step_median_ms=med,
         step_max_ms=max(steps) if steps else float("nan"),
         step_p99_ms=statistics.quantiles(steps, n=100, method="inclusive")[98] if len(steps) >= 2 else float("nan"),
@@ -164,6 +180,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-eos", action="store_true",
+                   help="generate all NEW tokens (the pool still does not know the length in advance)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_gpu.json"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -199,7 +217,7 @@ def main(argv=None) -> int:
         if sc["batch"] > 1:
             mask[1:, : sc["prompt"] // 4] = 0                     # later prompts left-padded by a quarter
             ids = ids.masked_fill(mask == 0, 0)
-        eos = pick_eos(model, ids, mask, sc, rng)
+        eos = None if args.no_eos else pick_eos(model, ids, mask, sc, rng)
         runs = []
         for policy in policies:
             console.print(f"{sc} eos={eos} memory={policy} ...")
@@ -214,19 +232,21 @@ def main(argv=None) -> int:
 
     table = Table(title=f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}")
     for col in ("scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
-                "grows", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow", "= stock"):
+                "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow", "= stock"):
         table.add_column(col, justify="left" if col in ("scenario", "memory") else "right")
     for res in results:
         sc = res["scenario"]
         name = f"{sc['batch']}x{sc['prompt']} k={sc['beams']} n<={sc['new']}"
         for r in res["runs"]:
             if r["error"]:
-                table.add_row(name, r["policy"], "[red]MemoryError[/]", *[""] * 13)
+                table.add_row(name, r["policy"], "[red]MemoryError[/]", *[""] * 15)
                 continue
             table.add_row(name, r["policy"], str(r["new_tokens"]), f"{r['peak_reserved_gib']:.2f}",
                           f"{r['peak_over_base_gib']:.2f}", f"{r['device_peak_over_base_gib']:.2f}",
                           f"{r['kv_in_use_peak_mib']:.0f}", f"{r['kv_reserved_peak_mib']:.0f}",
-                          str(r["growth_events"]), f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
+                          str(r["growth_events"]), str(r["steps_with_waited_map"]),
+                          "" if r["growth_step_max_ms"] is None else f"{r['growth_step_max_ms']:.1f}",
+                          f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
                           f"{r['step_max_ms']:.1f}", str(r["spikes"]), f"{r['wall_s']:.1f}",
                           str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"]))
     console.print(table)

@@ -366,6 +366,8 @@ class VMMStorage(BlockStorage):
         self.max_blocks = fits if max_blocks is None else min(max_blocks, fits)
         self.keep_bytes = int(keep_bytes)
         self._pending = None       # a background mapping in flight (a Future)
+        # growths so far: mapped while a step waited, and mapped ahead in the background (for benchmarks)
+        self.maps_on_step, self.maps_ahead = 0, 0
 
     @property
     def nbytes(self) -> int:
@@ -411,12 +413,14 @@ class VMMStorage(BlockStorage):
             need = num_blocks * self.block_nbytes
             if need > self.vrange.mapped:                  # outran the headroom: map now
                 self.vrange.grow(need, need + self._ahead(need))
+                self.maps_on_step += 1
                 self._refresh()
         need = num_blocks * self.block_nbytes
         headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
         if self._pending is None and headroom < ahead and self.vrange.mapped < self.vrange.reserved:
             target = self.vrange.mapped + ahead
             self._pending = _background().submit(self.vrange.grow, target, target)
+            self.maps_ahead += 1
         return self.tensor
 
     def shrink_to(self, num_blocks: int) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Cascade generate() with the model spread over several devices, against the same weights on one:
+accelerate's `device_map="auto"` (layers split across GPUs, each layer's pool on its layer's GPU) and
+transformers' tensor parallelism (`tp_plan="auto"` under torchrun, each rank caching only its heads).
+
+One checkpoint of random weights is saved first so that every run loads the same model:
+
+    python benchmarks/multi_gpu.py save --shape 8b --dir /tmp/ckpt8b
+    python benchmarks/multi_gpu.py single --dir /tmp/ckpt8b --out single.json
+    python benchmarks/multi_gpu.py device-map --dir /tmp/ckpt8b --gpus 2 --ref single.json --out dmap.json
+    torchrun --nproc-per-node 2 benchmarks/multi_gpu.py tp --dir /tmp/ckpt8b --ref single.json --out tp.json
+
+Each run prints one line and writes JSON: generated tokens, whether they equal the reference run's,
+prefill and per-step wall time (every device synchronised after each forward, the same in all
+modes), peak memory per GPU above the weights, and the cascade pool's KV heads and peak bytes per
+process. `--device cpu` runs the same on the CPU (tensor parallelism over gloo), for tiny shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_cascade
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, vocab_size=96),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               intermediate_size=8192, vocab_size=128256),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               intermediate_size=14336, vocab_size=128256),
+}
+
+
+def save(args) -> None:
+    config = LlamaConfig(max_position_embeddings=65536, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+                         **SHAPES[args.shape])
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.dir)
+    print(f"saved {args.shape} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters) to {args.dir}")
+
+
+def _devices(args) -> list[torch.device]:
+    if args.device == "cpu":
+        return [torch.device("cpu")]
+    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def _sync(devices) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+class StepClock:
+    """Wall time of every forward, all devices synchronised before and after (the same in every mode,
+    so that one GPU, a device_map split and tensor parallelism compare like with like)."""
+
+    def __init__(self, model, devices):
+        self.devices, self.times, self._t0 = devices, [], 0.0
+        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
+
+    def _start(self, *args):
+        _sync(self.devices)
+        self._t0 = time.perf_counter()
+
+    def _end(self, *args):
+        _sync(self.devices)
+        self.times.append(time.perf_counter() - self._t0)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _tp_kwargs() -> dict:
+    from transformers.distributed import DistributedConfig
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
+def load(args, mode: str):
+    dtype = getattr(torch, args.dtype)
+    kw = dict(attn_implementation="cascade", dtype=dtype)
+    if mode == "single":
+        kw["device_map"] = "cpu" if args.device == "cpu" else "cuda:0"
+    elif mode == "device-map":
+        # an even split over the first --gpus GPUs (accelerate would otherwise fill GPU 0 first)
+        weights = os.path.getsize(os.path.join(args.dir, "model.safetensors")) if os.path.exists(
+            os.path.join(args.dir, "model.safetensors")) else None
+        per_gpu = f"{int(weights / args.gpus / 2**30 * 1.15) + 1}GiB" if weights else None
+        kw["device_map"] = "auto"
+        if per_gpu:
+            kw["max_memory"] = {i: per_gpu for i in range(args.gpus)}
+    else:
+        kw.update(_tp_kwargs())
+    return AutoModelForCausalLM.from_pretrained(args.dir, **kw).eval()
+
+
+def generate(args, mode: str) -> dict:
+    rank = int(os.environ.get("RANK", 0))
+    model = load(args, mode)
+    devices = _devices(args)
+    first = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab - 1, (1, args.prompt), generator=torch.Generator().manual_seed(args.prompt))
+    ids = ids.to(first if first.type != "meta" else devices[0])
+    kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
+              do_sample=False, early_stopping=False, return_dict_in_generate=True)
+    model.generate(input_ids=ids[:, :64], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    _sync(devices)
+    base = {d: torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"}
+    for d in base:
+        torch.cuda.reset_peak_memory_stats(d)
+    clock = StepClock(model, devices)
+    try:
+        out = model.generate(input_ids=ids, **kw)
+    finally:
+        clock.remove()
+    stats = out.past_key_values.stats()
+    pools = [layer.storage for layer in out.past_key_values.layers]
+    result = {
+        "mode": mode, "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+        "prompt": args.prompt, "beams": args.beams, "new_tokens": args.new_tokens, "dtype": args.dtype,
+        "devices_of_layers": sorted({str(p.device) for p in model.parameters()}),
+        "kv_heads_cached": pools[0].block_shape[2], "kv_heads_model": model.config.num_key_value_heads,
+        # each layer's pool lives where its layer's K/V come from
+        "pool_devices": sorted({str(pool.device) for pool in pools}),
+        "peak_kv_bytes_in_use": stats.peak_kv_bytes_in_use,
+        # generate's own forward of the last prompt token over all beams follows our prefill: both count
+        "prefill_s": clock.times[0] + clock.times[1],
+        "step_ms": 1e3 * statistics.median(clock.times[2:]),
+        "peak_gib_above_weights": {str(d): (torch.cuda.max_memory_allocated(d) - base[d]) / 2**30 for d in base},
+        "tokens": out.sequences[:, args.prompt:].tolist(),
+    }
+    out.past_key_values.reset()
+    if args.ref:
+        with open(args.ref) as f:
+            ref = json.load(f)
+        result["tokens_match_ref"] = result["tokens"] == ref["tokens"]
+        result["step_vs_ref"] = result["step_ms"] / ref["step_ms"]
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["save", "single", "device-map", "tp"])
+    parser.add_argument("--dir", required=True, help="checkpoint folder (written by save, read by the others)")
+    parser.add_argument("--shape", default="8b", choices=list(SHAPES))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--gpus", type=int, default=2, help="device-map: GPUs to split the layers over")
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--beams", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--ref", help="JSON of the single-device run to compare tokens and step time with")
+    parser.add_argument("--out", help="write the result as JSON here (under tp: rank 0's, others add .rankN)")
+    args = parser.parse_args(argv)
+    if args.mode == "save":
+        return save(args)
+    if args.mode == "tp" and "WORLD_SIZE" not in os.environ:
+        parser.error("tp runs under torchrun: torchrun --nproc-per-node 2 benchmarks/multi_gpu.py tp ...")
+    if args.mode == "device-map" and torch.cuda.device_count() < args.gpus:
+        parser.error(f"device-map over {args.gpus} GPUs needs {args.gpus}; this machine has "
+                     f"{torch.cuda.device_count()}")
+    if args.device == "cpu" and args.mode == "device-map":
+        parser.error("device-map splits over GPUs; use --device cuda")
+    if args.mode == "tp" and args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    result = generate(args, args.mode)
+    summary = {k: v for k, v in result.items() if k != "tokens"}
+    print(json.dumps(summary))
+    if args.out:
+        path = args.out if result["rank"] == 0 else f"{args.out}.rank{result['rank']}"
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
