@@ -91,13 +91,9 @@ def load(args, mode: str):
     if mode == "single":
         kw["device_map"] = "cpu" if args.device == "cpu" else "cuda:0"
     elif mode == "device-map":
-        # an even split over the first --gpus GPUs (accelerate would otherwise fill GPU 0 first)
-        weights = os.path.getsize(os.path.join(args.dir, "model.safetensors")) if os.path.exists(
-            os.path.join(args.dir, "model.safetensors")) else None
-        per_gpu = f"{int(weights / args.gpus / 2**30 * 1.15) + 1}GiB" if weights else None
+        # "auto" balances the layers over the GPUs max_memory names (accelerate's get_balanced_memory)
         kw["device_map"] = "auto"
-        if per_gpu:
-            kw["max_memory"] = {i: per_gpu for i in range(args.gpus)}
+        kw["max_memory"] = {i: torch.cuda.mem_get_info(i)[0] for i in range(args.gpus)}
     else:
         kw.update(_tp_kwargs())
     return AutoModelForCausalLM.from_pretrained(args.dir, **kw).eval()
@@ -105,12 +101,18 @@ def load(args, mode: str):
 
 def generate(args, mode: str) -> dict:
     rank = int(os.environ.get("RANK", 0))
+    if args.dtype == "float32":      # full float32 products, so that runs compare token for token
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     model = load(args, mode)
     devices = _devices(args)
-    first = next(model.parameters()).device
+    if mode == "tp" and args.device == "cuda":
+        first = torch.device("cuda", torch.cuda.current_device())
+    else:
+        first = model.get_input_embeddings().weight.device
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab - 1, (1, args.prompt), generator=torch.Generator().manual_seed(args.prompt))
-    ids = ids.to(first if first.type != "meta" else devices[0])
+    ids = ids.to(first)
     kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
               do_sample=False, early_stopping=False, return_dict_in_generate=True)
     model.generate(input_ids=ids[:, :64], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
