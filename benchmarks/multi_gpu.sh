@@ -9,8 +9,9 @@ out="${1:?output folder}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ck="${CKPT:-/tmp/hfc_ckpt8b}"
 common=(--prompt "${PROMPT:-4096}" --beams "${BEAMS:-8}" --new-tokens "${NEW:-32}")
-run() { python benchmarks/multi_gpu.py "$@"; }
-tp() { python -m torch.distributed.run --nproc-per-node 2 benchmarks/multi_gpu.py tp "$@"; }
+py="${PYTHON:-$(command -v python3 || command -v python)}"
+run() { "$py" benchmarks/multi_gpu.py "$@"; }
+tp() { "$py" -m torch.distributed.run --nproc-per-node 2 benchmarks/multi_gpu.py tp "$@"; }
 [ -f "$ck/config.json" ] || run save --shape 8b --dtype bfloat16 --dir "$ck"
 run single "${common[@]}" --dir "$ck" --out "$out/mg_single.json"
 run device-map "${common[@]}" --gpus 2 --dir "$ck" --ref "$out/mg_single.json" --out "$out/mg_dmap.json"
