@@ -87,7 +87,7 @@ def _tp_kwargs() -> dict:
 
 def load(args, mode: str):
     dtype = getattr(torch, args.dtype)
-    kw = dict(attn_implementation="cascade", dtype=dtype)
+    kw = dict(attn_implementation=args.attn, dtype=dtype)
     if mode == "single":
         kw["device_map"] = "cpu" if args.device == "cpu" else "cuda:0"
     elif mode == "device-map":
@@ -108,6 +108,7 @@ def generate(args, mode: str) -> dict:
     devices = _devices(args)
     if mode == "tp" and args.device == "cuda":
         first = torch.device("cuda", torch.cuda.current_device())
+        devices = [first]                # each rank synchronises and measures its own GPU
     else:
         first = model.get_input_embeddings().weight.device
     vocab = model.config.vocab_size
@@ -125,23 +126,27 @@ def generate(args, mode: str) -> dict:
         out = model.generate(input_ids=ids, **kw)
     finally:
         clock.remove()
-    stats = out.past_key_values.stats()
-    pools = [layer.storage for layer in out.past_key_values.layers]
+    cache = out.past_key_values
+    cascade = isinstance(cache, hf_cascade.CascadeCache)
+    pools = [layer.storage for layer in cache.layers] if cascade else []
     result = {
         "mode": mode, "rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", 1)),
         "prompt": args.prompt, "beams": args.beams, "new_tokens": args.new_tokens, "dtype": args.dtype,
         "devices_of_layers": sorted({str(p.device) for p in model.parameters()}),
-        "kv_heads_cached": pools[0].block_shape[2], "kv_heads_model": model.config.num_key_value_heads,
+        "attn": args.attn, "kv_heads_model": model.config.num_key_value_heads,
+        "kv_heads_cached": pools[0].block_shape[2] if cascade else cache.layers[0].keys.shape[1],
         # each layer's pool lives where its layer's K/V come from
         "pool_devices": sorted({str(pool.device) for pool in pools}),
-        "peak_kv_bytes_in_use": stats.peak_kv_bytes_in_use,
+        "peak_kv_bytes_in_use": cache.stats().peak_kv_bytes_in_use if cascade else
+        sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
         # generate's own forward of the last prompt token over all beams follows our prefill: both count
         "prefill_s": clock.times[0] + clock.times[1],
         "step_ms": 1e3 * statistics.median(clock.times[2:]),
         "peak_gib_above_weights": {str(d): (torch.cuda.max_memory_allocated(d) - base[d]) / 2**30 for d in base},
         "tokens": out.sequences[:, args.prompt:].tolist(),
     }
-    out.past_key_values.reset()
+    if cascade:
+        cache.reset()
     if args.ref:
         with open(args.ref) as f:
             ref = json.load(f)
@@ -161,6 +166,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--beams", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--attn", default="cascade", help="attn_implementation (sdpa: stock, for comparison)")
     parser.add_argument("--ref", help="JSON of the single-device run to compare tokens and step time with")
     parser.add_argument("--out", help="write the result as JSON here (under tp: rank 0's, others add .rankN)")
     args = parser.parse_args(argv)
