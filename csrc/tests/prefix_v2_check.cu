@@ -423,28 +423,45 @@ static void time_shape(int beams, int iters) {
   std::vector<int> chunks = {chunk_of[0], chunk_of[1], 512, 1024, 2048};
   std::sort(chunks.begin(), chunks.end());
   chunks.erase(std::unique(chunks.begin(), chunks.end()), chunks.end());
+  // the merge of the prefix partials alone (no suffix slots): what a different chunk count costs after
+  int* d_nchunks = nullptr;
+  void* d_out = nullptr;
+  CK(cudaMalloc(&d_nchunks, (size_t)p.R * 4));
+  CK(cudaMalloc(&d_out, (size_t)p.R * Lq * p.Hq() * D * 2));
   for (int ct : chunks) {
     const int max_chunks = (plen + ct - 1) / ct;
+    {
+      std::vector<int> nch(p.R, max_chunks);
+      CK(cudaMemcpy(d_nchunks, nch.data(), nch.size() * 4, cudaMemcpyHostToDevice));
+    }
     Partials res[2];
-    float med[2], best[2];
+    float med[2], best[2], med_merge[2];
     for (int k = 0; k < 2; ++k) {
       res[k].alloc(p, max_chunks);
       CKI(launch(kKernels[k], p, M, ct, max_chunks, res[k], scale_log2));  // warm-up
       CK(cudaDeviceSynchronize());
-      std::vector<float> ts;
-      for (int i = 0; i < iters; ++i) {
-        CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
-        CK(cudaEventRecord(e0));
-        CKI(launch(kKernels[k], p, M, ct, max_chunks, res[k], scale_log2));
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        ts.push_back(ms * 1000.0f);
+      for (int with_merge = 0; with_merge < 2; ++with_merge) {
+        std::vector<float> ts;
+        for (int i = 0; i < iters; ++i) {
+          CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes));
+          CK(cudaEventRecord(e0));
+          CKI(launch(kKernels[k], p, M, ct, max_chunks, res[k], scale_log2));
+          if (with_merge)
+            CKI(hfc_merge(dtype, D, res[k].d_o, res[k].d_lse, d_nchunks, d_out, p.R, Lq, p.Hq(), max_chunks, 0, 0));
+          CK(cudaEventRecord(e1));
+          CK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          ts.push_back(ms * 1000.0f);
+        }
+        std::sort(ts.begin(), ts.end());
+        if (with_merge) {
+          med_merge[k] = ts[ts.size() / 2];
+        } else {
+          med[k] = ts[ts.size() / 2];
+          best[k] = ts[0];
+        }
       }
-      std::sort(ts.begin(), ts.end());
-      med[k] = ts[ts.size() / 2];
-      best[k] = ts[0];
       res[k].download(p);
     }
     double diff_o = 0, diff_lse = 0;
@@ -459,13 +476,17 @@ static void time_shape(int beams, int iters) {
     }
     const bool ok = finite && diff_o <= 2e-2 && diff_lse <= 5e-3;
     if (!ok) ++g_failures;
-    std::printf("  chunk %5d tokens (%3d chunks, %5d CTAs)%s%s:  v1 %7.1f us (min %7.1f, %.2f TB/s)   "
-                "v2 %7.1f us (min %7.1f, %.2f TB/s)   v1/v2 %.2fx   v2 vs v1 max|dO| %.1e max|dLSE| %.1e %s\n",
+    std::printf("  chunk %5d tokens (%3d chunks, %5d CTAs)%s%s:\n    prefix only:  v1 %7.1f us (min %7.1f, "
+                "%.2f TB/s)   v2 %7.1f us (min %7.1f, %.2f TB/s)   v1/v2 %.2fx\n    prefix+merge: v1 %7.1f us   "
+                "v2 %7.1f us\n    v2 vs v1 (same chunks): max|dO| %.1e max|dLSE| %.1e %s\n",
                 ct, max_chunks, max_chunks * row_tiles * Hkv * G, ct == chunk_of[0] ? " [v1 rule]" : "",
                 ct == chunk_of[1] ? " [v2 rule]" : "", med[0], best[0], bytes / (med[0] * 1e-6) / 1e12, med[1],
-                best[1], bytes / (med[1] * 1e-6) / 1e12, med[0] / med[1], diff_o, diff_lse, ok ? "PASS" : "FAIL");
+                best[1], bytes / (med[1] * 1e-6) / 1e12, med[0] / med[1], med_merge[0], med_merge[1], diff_o,
+                diff_lse, ok ? "PASS" : "FAIL");
     for (auto& r : res) r.release();
   }
+  cudaFree(d_nchunks);
+  cudaFree(d_out);
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   cudaFree(flush);
