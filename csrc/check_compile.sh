@@ -18,3 +18,9 @@ echo "check_compile: $("$nvcc_bin" --version | tail -n 2 | head -n 1)"
 echo "check_compile: ${cmd[*]}"
 "${cmd[@]}"
 echo "check_compile: OK ($(stat -c %s "$out/cascade_attention.o") bytes of object code for sm_80 + sm_90)"
+# the standalone prefix-kernel harness (csrc/tests/prefix_v2_check.cu) must keep compiling too
+test_cmd=("$nvcc_bin" -std=c++17 -O3 --use_fast_math -arch=sm_90 -Werror all-warnings
+          -o "$out/prefix_v2_check" "$here/tests/prefix_v2_check.cu")
+echo "check_compile: ${test_cmd[*]}"
+"${test_cmd[@]}"
+echo "check_compile: OK (tests/prefix_v2_check.cu)"

@@ -3,7 +3,11 @@
 Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host-device synchronisation:
 
 1. prefix (level 0): one CTA per (prefix chunk x row tile, KV head, group), all of a group's query rows
-   for that KV head against the chunk's K/V tiles on tensor cores; one partial (O, LSE) per chunk;
+   for that KV head against the chunk's K/V tiles on tensor cores; one partial (O, LSE) per chunk.
+   Two implementations with the same launcher and outputs: ``v1`` (``hfc_prefix``: WMMA, S/P in shared
+   memory) and ``v2`` (``hfc_prefix_v2``: mma.sync with S/P in registers, a deeper cp.async ring, more
+   CTAs per SM). ``$HF_CASCADE_PREFIX_KERNEL`` ("v1", the default, or "v2") picks one, read once when
+   the library is loaded;
 2. suffix (level 1): each row's queries against its own suffix (optionally split for long suffixes);
 3. merge: log-sum-exp of all partials of a row into the output, in q's dtype.
 
@@ -36,7 +40,9 @@ logger = logging.getLogger("hf_cascade")
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cascade_attention.cu"
 HEAD_DIMS = (64, 128, 256)
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-ABI_VERSION = 1
+ABI_VERSION = 2
+PREFIX_KERNELS = ("v1", "v2")
+PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-lineinfo")
 LOG2E = 1.0 / math.log(2.0)
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
@@ -102,11 +108,20 @@ def build_library(arch: str) -> Path:
     return target
 
 
+def _prefix_kernel_choice() -> str:
+    """Which prefix kernel ``$HF_CASCADE_PREFIX_KERNEL`` asks for ("v1" when unset or empty)."""
+    choice = os.environ.get(PREFIX_KERNEL_ENV, "").strip().lower() or "v1"
+    if choice not in PREFIX_KERNELS:
+        raise RuntimeError(f"${PREFIX_KERNEL_ENV}={choice!r}: expected one of {', '.join(PREFIX_KERNELS)}")
+    return choice
+
+
 class _Lib:
     """The loaded shared library with typed entry points."""
 
     def __init__(self, path: Path):
         self.path = path
+        self.prefix_kernel = _prefix_kernel_choice()      # read once, when the library is loaded
         lib = ctypes.CDLL(str(path))
         vp, ll, i, f = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
         st = ctypes.c_uint64
@@ -120,6 +135,10 @@ class _Lib:
         lib.hfc_prefix_info.argtypes = [i, i, i, ctypes.POINTER(i), ctypes.POINTER(i), ctypes.POINTER(i)]
         lib.hfc_prefix.restype = i
         lib.hfc_prefix.argtypes = [i, i, i, vp, vp, vp, vp, vp, vp, vp] + [ll] * 11 + [f, st]
+        lib.hfc_prefix_v2_info.restype = i
+        lib.hfc_prefix_v2_info.argtypes = lib.hfc_prefix_info.argtypes
+        lib.hfc_prefix_v2.restype = i
+        lib.hfc_prefix_v2.argtypes = lib.hfc_prefix.argtypes
         lib.hfc_suffix.restype = i
         lib.hfc_suffix.argtypes = [i, i, vp, vp, vp, vp, vp, vp] + [ll] * 9 + [f, st]
         lib.hfc_merge.restype = i
@@ -128,6 +147,10 @@ class _Lib:
         if got != ABI_VERSION:
             raise RuntimeError(f"{path} has ABI version {got}, expected {ABI_VERSION}")
         self.lib = lib
+        # the chosen prefix kernel's launcher and occupancy query (same C signatures for v1 and v2)
+        v2 = self.prefix_kernel == "v2"
+        self.prefix_fn = lib.hfc_prefix_v2 if v2 else lib.hfc_prefix
+        self._prefix_info_fn = lib.hfc_prefix_v2_info if v2 else lib.hfc_prefix_info
         self._info: dict = {}
 
     def check(self, rc: int, what: str) -> None:
@@ -141,14 +164,16 @@ class _Lib:
                 raise RuntimeError(f"hf_cascade CUDA kernel {what} failed while running: {msg} (cudaError {rc})")
 
     def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int) -> tuple[int, int, int]:
-        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one prefix kernel variant."""
+        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one variant of the chosen prefix
+        kernel (v1 or v2, see ``prefix_kernel``)."""
         key = (dtype_code, head_dim, m_tile, torch.cuda.current_device())
         if key not in self._info:
             occ, smem, tile = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
-            self.check(self.lib.hfc_prefix_info(dtype_code, head_dim, m_tile, ctypes.byref(occ), ctypes.byref(smem),
-                                                ctypes.byref(tile)), "prefix_info")
+            self.check(self._prefix_info_fn(dtype_code, head_dim, m_tile, ctypes.byref(occ), ctypes.byref(smem),
+                                            ctypes.byref(tile)), f"prefix_info ({self.prefix_kernel})")
             if occ.value < 1:
-                raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
+                raise RuntimeError(f"the prefix kernel {self.prefix_kernel} (head_dim {head_dim}, rows {m_tile}) "
+                                   "cannot run on this GPU "
                                    f"({smem.value} bytes of shared memory)")
             self._info[key] = (occ.value, smem.value, tile.value)
         return self._info[key]
@@ -359,11 +384,11 @@ def attend(q, pool, plan, scale):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         if st.has_prefix:
             G, Rg = dp.group_rows.shape
-            lib.check(lib.lib.hfc_prefix(
+            lib.check(lib.prefix_fn(
                 dtype_code, D, st.m_tile, q.data_ptr(), pool.data_ptr(), dp.group_rows.data_ptr(),
                 dp.prefix_table.data_ptr(), dp.prefix_len.data_ptr(), st.part_o.data_ptr(), st.part_lse.data_ptr(),
                 R, Lq, Hq, Hkv, bs, G, Rg, dp.prefix_table.shape[1], st.chunk_tokens, st.max_chunks, st.row_tiles,
-                scale_log2, stream), "prefix")
+                scale_log2, stream), f"prefix ({lib.prefix_kernel})")
         lib.check(lib.lib.hfc_suffix(
             dtype_code, D, q.data_ptr(), pool.data_ptr(), dp.suffix_table.data_ptr(), dp.q_limit.data_ptr(),
             st.part_o.data_ptr(), st.part_lse.data_ptr(), R, Lq, Hq, Hkv, bs, dp.suffix_table.shape[1],
