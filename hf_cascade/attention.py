@@ -151,6 +151,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     if softcap is not None or window is not None:
         plan = LayerPlan(plan, softcap=softcap, window=window)
     backend = kernels.select(note.layer.cache.cascade_config.backend, q, pool, plan)
+    # where a cascade starts to pay depends on the backend: the next steps' plans use its threshold
+    note.layer.cache.backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
     return backend.attend(q, pool, plan, scale).contiguous(), None
 
 

@@ -157,6 +157,8 @@ class CascadeCache(Cache):
         self._layers_in_step: set[int] = set()
         self._next_write_mask: np.ndarray | None = None
         self._peak_blocks = 0
+        # the running kernel backend's MIN_SAVED_TOKENS, told by the attention (0 until it has run)
+        self.backend_min_saved_tokens = 0
 
     # ---- transformers' Cache API ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -304,8 +306,10 @@ class CascadeCache(Cache):
         append_plan = self.blocks.append(counts)
         self._step_id += 1
         self._layers_in_step = set()
+        saved = self.cascade_config.min_saved_tokens
         self._plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
                                      self.block_size, self.cascade_config.min_group_rows,
-                                     self.cascade_config.min_prefix_tokens)
+                                     self.cascade_config.min_prefix_tokens,
+                                     self.backend_min_saved_tokens if saved is None else saved)
         self.logical_length += q_len
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)

@@ -30,6 +30,11 @@ class CascadeConfig:
         min_prefix_tokens: a shared prefix shorter than this is not read as its own level: its rows
             read their whole tables as suffixes (where a cascade does not pay). 0: always cascade —
             on the H200 it paid at every prefix measured, from 1k tokens up (benchmarks/RESULTS.md).
+        min_saved_tokens: a step reads shared prefixes once (a cascade) only when that saves at least
+            this many token reads per layer, i.e. the sum over prefix groups of (rows - 1) x prefix
+            tokens; below it every row reads its whole table (one kernel fewer, no merge). ``None``
+            (default): the threshold measured for the kernel backend that runs (its
+            ``MIN_SAVED_TOKENS``: cuda 8192, flashinfer 262144, reference 0; benchmarks/RESULTS.md).
     """
 
     backend: str = "auto"
@@ -39,6 +44,7 @@ class CascadeConfig:
     keep_kv_bytes: int = 0
     min_group_rows: int = 2
     min_prefix_tokens: int = 0
+    min_saved_tokens: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -62,6 +68,11 @@ class CascadeConfig:
             raise ValueError(f"CascadeConfig.min_group_rows must be >= 2, got {self.min_group_rows!r}.")
         if not isinstance(self.min_prefix_tokens, int) or self.min_prefix_tokens < 0:
             raise ValueError(f"CascadeConfig.min_prefix_tokens must be an int >= 0, got {self.min_prefix_tokens!r}.")
+        if self.min_saved_tokens is not None and (not isinstance(self.min_saved_tokens, int)
+                                                  or isinstance(self.min_saved_tokens, bool)
+                                                  or self.min_saved_tokens < 0):
+            raise ValueError(f"CascadeConfig.min_saved_tokens must be an int >= 0 or None (the backend's "
+                             f"measured threshold), got {self.min_saved_tokens!r}.")
 
 
 def _is_number(x) -> bool:

@@ -133,7 +133,7 @@ def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size:
 
 def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray, new_mask: np.ndarray | None,
                     q_len: int, append_plan, block_size: int, min_group_rows: int,
-                    min_prefix_tokens: int = 0) -> StepPlan:
+                    min_prefix_tokens: int = 0, min_saved_tokens: int = 0) -> StepPlan:
     """Plan one forward step after the block manager has appended this step's tokens.
 
     Args:
@@ -142,6 +142,9 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
         counts: int64 [R] tokens appended this step per row.
         new_mask: bool [R, q_len], which incoming tokens are real (None: all of them).
         append_plan: the block manager's AppendPlan for this step.
+        min_prefix_tokens: groups whose shared prefix is shorter are dropped (their rows read whole tables).
+        min_saved_tokens: when all groups together save fewer token reads than this (sum of
+            (rows - 1) x prefix tokens), no group is kept: a cascade would cost more than it saves.
     """
     num_rows = tables.shape[0]
     prev = lengths - counts
@@ -157,6 +160,9 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
     if min_prefix_tokens:      # too short to pay: those rows read their whole tables as suffixes
         kept = [(g, nb) for g, nb in zip(groups, prefix_blocks) if nb * block_size >= min_prefix_tokens]
         groups, prefix_blocks = [g for g, _ in kept], [nb for _, nb in kept]
+    if min_saved_tokens and sum((len(g) - 1) * nb * block_size for g, nb in zip(groups, prefix_blocks)) \
+            < min_saved_tokens:
+        groups, prefix_blocks = [], []
     num_groups = len(groups)
     rows_per_group = max((len(g) for g in groups), default=0)
     group_rows = np.full((num_groups, rows_per_group), -1, dtype=np.int32)

@@ -248,3 +248,37 @@ def test_min_prefix_tokens_reads_short_prefixes_as_suffixes(pair):
         assert prefix_lens(threshold) == [n for n in every if n >= threshold], threshold
     with pytest.raises(ValueError, match="min_prefix_tokens"):
         CascadeConfig(min_prefix_tokens=-1)
+
+
+def _plan_after(cascade, ids, mask, kw, config):
+    """Generate, then one more forward through the returned cache: that step's plan."""
+    out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    cache = out.past_key_values
+    token = torch.full((cache.blocks.num_rows, 1), 5)
+    full = torch.ones(cache.blocks.num_rows, cache.get_seq_length() + 1, dtype=torch.long)
+    cascade(input_ids=token, attention_mask=full, **cache_kw(cascade, cache))
+    plan = cache.plan
+    cache.reset()
+    return out.sequences, plan
+
+
+def test_min_saved_tokens_skips_a_cascade_that_saves_too_little(pair, monkeypatch):
+    """No prefix level when the groups together save fewer reads than the threshold; exact either way.
+    Unset, the threshold is the running backend's MIN_SAVED_TOKENS."""
+    stock, cascade = pair
+    ids, mask = padded_batch(seed=1)
+    kw = dict(num_beams=3, max_new_tokens=5, pad_token_id=0, return_dict_in_generate=True)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw).sequences
+    seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4))
+    assert torch.equal(seq, expected)
+    saved = sum((int((rows >= 0).sum()) - 1) * int(n) for rows, n in zip(plan.group_rows, plan.prefix_len))
+    assert plan.num_groups == 2 and saved > 0
+    for threshold, groups in ((saved, 2), (saved + 1, 0)):
+        seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4, min_saved_tokens=threshold))
+        assert torch.equal(seq, expected) and plan.num_groups == groups, threshold
+    monkeypatch.setattr(hf_cascade.kernels.reference, "MIN_SAVED_TOKENS", saved + 1)
+    seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4))
+    assert torch.equal(seq, expected) and plan.num_groups == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_saved_tokens"):
+            CascadeConfig(min_saved_tokens=bad)

@@ -142,6 +142,10 @@ def test_chunk_rule_fills_the_gpu():
         assert ctas >= 256 and ctas / (-(-ctas // 264) * 264) >= 0.9, (plen, cb, ctas)
     assert cuda_backend.choose_chunk_blocks([0, 0], 8, 264, 16, 64) == 1
     assert cuda_backend.choose_chunk_blocks([3], 8, 264, 16, 64) >= 3        # a short prefix: one chunk
+    # v2's preference: 1024-token chunks while they still fill a wave (396 slots: 3 CTAs/SM)
+    assert cuda_backend.choose_chunk_blocks([1024] * 8, 8, 396, 16, 32, prefer_tokens=1024) == 64
+    short = cuda_backend.choose_chunk_blocks([64] * 8, 8, 396, 16, 32, prefer_tokens=1024)
+    assert short == cuda_backend.choose_chunk_blocks([64] * 8, 8, 396, 16, 32) < 64   # 1k: the wave rule
     assert cuda_backend.choose_suffix_split(64, 512, 528) == (64, 1)
     assert cuda_backend.choose_suffix_split(0, 512, 528) == (1, 1)
     split, n = cuda_backend.choose_suffix_split(16448, 512, 528)

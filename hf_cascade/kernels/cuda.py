@@ -6,7 +6,7 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    for that KV head against the chunk's K/V tiles on tensor cores; one partial (O, LSE) per chunk.
    Two implementations with the same launcher and outputs: ``v1`` (``hfc_prefix``: WMMA, S/P in shared
    memory) and ``v2`` (``hfc_prefix_v2``: mma.sync with S/P in registers, a deeper cp.async ring, more
-   CTAs per SM). ``$HF_CASCADE_PREFIX_KERNEL`` ("v1", the default, or "v2") picks one, read once when
+   CTAs per SM). ``$HF_CASCADE_PREFIX_KERNEL`` ("v2", the default, or "v1") picks one, read once when
    the library is loaded;
 2. suffix (level 1): each row's queries against its own suffix (optionally split for long suffixes);
 3. merge: log-sum-exp of all partials of a row into the output, in q's dtype.
@@ -47,6 +47,12 @@ NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-Xcompiler", "-fPIC", "-s
 LOG2E = 1.0 / math.log(2.0)
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
 MIN_SPLIT_TOKENS = 256     # same for suffix splits
+# v2 prefers 1024-token chunks while they still fill one wave: fewer partials to write and merge
+# (H200, 8x8 beams at 16k: prefix + merge 239 us at 1024 tokens vs 257 us at the wave rule's 448)
+PREFER_CHUNK_TOKENS = {"v1": None, "v2": 1024}
+# a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens);
+# below, every row reads its whole table (H200, benchmarks/RESULTS.md, kernels_gpu.py --threshold)
+MIN_SAVED_TOKENS = 8192
 SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in the .cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
 
@@ -109,8 +115,9 @@ def build_library(arch: str) -> Path:
 
 
 def _prefix_kernel_choice() -> str:
-    """Which prefix kernel ``$HF_CASCADE_PREFIX_KERNEL`` asks for ("v1" when unset or empty)."""
-    choice = os.environ.get(PREFIX_KERNEL_ENV, "").strip().lower() or "v1"
+    """Which prefix kernel ``$HF_CASCADE_PREFIX_KERNEL`` asks for ("v2" when unset or empty: 1.2-1.4x
+    faster than v1 on the H200, benchmarks/RESULTS.md)."""
+    choice = os.environ.get(PREFIX_KERNEL_ENV, "").strip().lower() or "v2"
     if choice not in PREFIX_KERNELS:
         raise RuntimeError(f"${PREFIX_KERNEL_ENV}={choice!r}: expected one of {', '.join(PREFIX_KERNELS)}")
     return choice
@@ -199,13 +206,15 @@ def library(device) -> _Lib:
 # ------------------------------------------------------------------------------------------ chunking
 
 def choose_chunk_blocks(prefix_blocks, ctas_per_chunk: int, slots: int, block_size: int, tile_tokens: int,
-                        min_tokens: int = MIN_CHUNK_TOKENS, max_waves: int = 8) -> int:
+                        min_tokens: int = MIN_CHUNK_TOKENS, max_waves: int = 8,
+                        prefer_tokens: int | None = None) -> int:
     """Blocks per prefix chunk, the same for all groups.
 
     ``prefix_blocks``: blocks of each group's prefix; ``ctas_per_chunk``: CTAs per (group, chunk), i.e.
     KV heads x row tiles; ``slots``: CTAs resident at once (SMs x CTAs per SM). Picks the fewest waves whose
     last wave is at least 90% full (the grid fills the GPU, at least one full wave when the prefix is long
-    enough), with chunks a multiple of the K/V tile and at least ``min_tokens`` long.
+    enough), with chunks a multiple of the K/V tile and at least ``min_tokens`` long. With
+    ``prefer_tokens``, chunks of that length are taken whenever they still make one full wave.
     """
     pb = np.asarray(prefix_blocks, dtype=np.int64)
     pb = pb[pb > 0]
@@ -215,6 +224,10 @@ def choose_chunk_blocks(prefix_blocks, ctas_per_chunk: int, slots: int, block_si
     round_up = lambda x: -(-int(x) // align) * align  # noqa: E731
     min_cb = round_up(max(1, -(-min_tokens // block_size)))
     max_cb = round_up(int(pb.max()))
+    if prefer_tokens:
+        cb = min(round_up(-(-prefer_tokens // block_size)), max_cb)
+        if ctas_per_chunk * int((-(-pb // cb)).sum()) >= slots:
+            return int(cb)
     total = int(pb.sum()) * ctas_per_chunk
     best_cb, best_eff = max_cb, -1.0
     for waves in range(1, max_waves + 1):
@@ -305,7 +318,8 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
         m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
         row_tiles = -(-rows_q // m_tile)
         occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[q.dtype], D, m_tile)
-        chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens)
+        chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens,
+                                           prefer_tokens=PREFER_CHUNK_TOKENS[lib.prefix_kernel])
         chunk_tokens = chunk_blocks * bs
         nchunks = -(-pl // chunk_tokens)
         max_chunks = int(nchunks.max())

@@ -56,6 +56,11 @@ __all__ = ["unsupported_reason", "attend", "MODE", "WORKSPACE_BYTES", "HEAD_DIMS
 # "two_wrappers": level 0 and level 1 as separate wrappers + merge_state_in_place (default).
 # "multilevel": FlashInfer's MultiLevelCascadeAttentionWrapper(2, ...) when every row is in a group.
 MODE = "two_wrappers"
+# a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens):
+# FlashInfer's full-table tensor-core decode beat its two-wrapper cascade at every prefix up to 1k
+# tokens, 8 prompts x 16 beams (123k saved) included, and lost to it at 16k, 8 x 8 (917k); H200,
+# benchmarks/RESULTS.md
+MIN_SAVED_TOKENS = 262144
 WORKSPACE_BYTES = 128 * 1024 * 1024
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)

@@ -203,6 +203,7 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
     return o
 
 
+MIN_SAVED_TOKENS = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
 QUIRKS = ("softcap", "window")     # per-layer variants this backend implements (hf_cascade.kernels)
 
 
