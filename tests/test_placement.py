@@ -220,7 +220,7 @@ def test_generate_uploads_each_step_plan_once(monkeypatch):
         return real_device_plan(*args, **kwargs)
 
     def counting_on(self, device):
-        calls.append((id(self), str(torch.device(device))))
+        calls.append((self, str(torch.device(device))))   # holds the plan: its id() is not reused
         return real_on(self, device)
 
     monkeypatch.setattr(plan_module, "DevicePlan", counting_device_plan)
@@ -229,8 +229,8 @@ def test_generate_uploads_each_step_plan_once(monkeypatch):
     expected = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
     got, cache = _generate_with_cache(cascade, ids, mask)
     assert torch.equal(expected, got)
-    steps = {plan_id for plan_id, _ in calls}
+    steps = {id(plan) for plan, _ in calls}
     # every layer asks (write + attention), but each step's plan is uploaded once for the one device
-    assert len(calls) >= 3 * len(steps) and len(built) == len({c for c in calls}) == len(steps)
+    assert len(calls) >= 3 * len(steps) and len(built) == len({(id(p), d) for p, d in calls}) == len(steps)
     assert len(steps) >= NEW            # the prefill plus a plan per decoding step
     cache.reset()
