@@ -1111,6 +1111,22 @@ cudaError_t merge_launch_t(const float* part_o, const float* part_lse, const int
     default: return cudaErrorInvalidValue;                                    \
   }
 
+// The prefix launchers' shared argument check: kPrefixGo to launch, else the status to return
+// (cudaSuccess when there is nothing to do).
+constexpr int kPrefixGo = -1;
+inline int prefix_args_status(long long R, long long Lq, long long Hq, long long Hkv, long long bs, long long G,
+                              long long Rg, long long Mp, long long chunk_tokens, long long max_chunks,
+                              long long row_tiles, int m_tile) {
+  if (!fits_int(R) || !fits_int(Lq) || !fits_int(Hq) || !fits_int(Hkv) || !fits_int(bs) || !fits_int(G) ||
+      !fits_int(Rg) || !fits_int(Mp) || !fits_int(chunk_tokens) || !fits_int(max_chunks) || !fits_int(row_tiles))
+    return (int)cudaErrorInvalidValue;
+  if (Hkv < 1 || Hq % Hkv != 0 || bs < 1 || chunk_tokens < 1 || row_tiles < 1 || Lq < 1)
+    return (int)cudaErrorInvalidValue;
+  if (R == 0 || G == 0 || Rg == 0 || Mp == 0 || max_chunks == 0) return (int)cudaSuccess;  // nothing to do
+  if (Rg * Lq * (Hq / Hkv) > row_tiles * m_tile) return (int)cudaErrorInvalidValue;
+  return kPrefixGo;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------- C ABI
@@ -1133,13 +1149,8 @@ HFC_API int hfc_prefix(int dtype, int head_dim, int m_tile, const void* q, const
                        long long Lq, long long Hq, long long Hkv, long long bs, long long G, long long Rg,
                        long long Mp, long long chunk_tokens, long long max_chunks, long long row_tiles,
                        float scale_log2, uintptr_t stream) {
-  if (!fits_int(R) || !fits_int(Lq) || !fits_int(Hq) || !fits_int(Hkv) || !fits_int(bs) || !fits_int(G) ||
-      !fits_int(Rg) || !fits_int(Mp) || !fits_int(chunk_tokens) || !fits_int(max_chunks) || !fits_int(row_tiles))
-    return (int)cudaErrorInvalidValue;
-  if (Hkv < 1 || Hq % Hkv != 0 || bs < 1 || chunk_tokens < 1 || row_tiles < 1 || Lq < 1)
-    return (int)cudaErrorInvalidValue;
-  if (R == 0 || G == 0 || Rg == 0 || Mp == 0 || max_chunks == 0) return (int)cudaSuccess;  // nothing to do
-  if (Rg * Lq * (Hq / Hkv) > row_tiles * m_tile) return (int)cudaErrorInvalidValue;
+  const int status = prefix_args_status(R, Lq, Hq, Hkv, bs, G, Rg, Mp, chunk_tokens, max_chunks, row_tiles, m_tile);
+  if (status != kPrefixGo) return status;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   HFC_DISPATCH_T(dtype, HFC_DISPATCH_D(head_dim, HFC_DISPATCH_M(kD, m_tile,
       return (int)prefix_launch_t<kT, kD, kM>(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse,
@@ -1161,13 +1172,8 @@ HFC_API int hfc_prefix_v2(int dtype, int head_dim, int m_tile, const void* q, co
                           long long Lq, long long Hq, long long Hkv, long long bs, long long G, long long Rg,
                           long long Mp, long long chunk_tokens, long long max_chunks, long long row_tiles,
                           float scale_log2, uintptr_t stream) {
-  if (!fits_int(R) || !fits_int(Lq) || !fits_int(Hq) || !fits_int(Hkv) || !fits_int(bs) || !fits_int(G) ||
-      !fits_int(Rg) || !fits_int(Mp) || !fits_int(chunk_tokens) || !fits_int(max_chunks) || !fits_int(row_tiles))
-    return (int)cudaErrorInvalidValue;
-  if (Hkv < 1 || Hq % Hkv != 0 || bs < 1 || chunk_tokens < 1 || row_tiles < 1 || Lq < 1)
-    return (int)cudaErrorInvalidValue;
-  if (R == 0 || G == 0 || Rg == 0 || Mp == 0 || max_chunks == 0) return (int)cudaSuccess;  // nothing to do
-  if (Rg * Lq * (Hq / Hkv) > row_tiles * m_tile) return (int)cudaErrorInvalidValue;
+  const int status = prefix_args_status(R, Lq, Hq, Hkv, bs, G, Rg, Mp, chunk_tokens, max_chunks, row_tiles, m_tile);
+  if (status != kPrefixGo) return status;
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   HFC_DISPATCH_T(dtype, HFC_DISPATCH_D(head_dim, HFC_DISPATCH_M(kD, m_tile,
       return (int)prefix_v2_launch_t<kT, kD, kM>(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse,
