@@ -3,6 +3,14 @@ Llama-shaped models on one GPU. Prefill time and per-step time from CUDA events 
 peak memory above the weights, tokens/s and token agreement. Prints a table, writes JSON.
 
     PYTHONPATH=. python benchmarks/generate_gpu.py --configs 8b:16384:8 1b:4096:8 --backends reference cuda flashinfer
+
+``--whole-step`` measures instead what a user waits for per new token: the whole generate() wall time,
+step = (t(N new) - t(1 new)) / (N - 1), beam search / sampling bookkeeping included, for stock and for
+hf_cascade with CUDA graphs off ("eager") and on ("graph"), interleaved (s, e, g, s, e, g, ...) after a
+warm-up of the same shape, the median of ``--rounds`` rounds. Entries are shape:prompt:mode with mode
+beamK, sampleK (K returned samples) or greedy:
+
+    PYTHONPATH=. python benchmarks/generate_gpu.py --whole-step --configs 8b:16384:beam8 8b:4096:greedy
 """
 from __future__ import annotations
 
@@ -107,8 +115,119 @@ def run_one(model, ids, beams, new_tokens, variant):
     return figures
 
 
+WHOLE_VARIANTS = {
+    "stock": None,
+    "eager": dict(backend="cuda", cuda_graphs=False),
+    "graph": dict(backend="cuda", cuda_graphs=True),
+}
+
+
+def _mode_kwargs(mode: str) -> dict:
+    if mode == "greedy":
+        return dict(do_sample=False)
+    if mode.startswith("beam"):
+        return dict(num_beams=int(mode[4:]), early_stopping=False)
+    if mode.startswith("sample"):
+        return dict(do_sample=True, num_return_sequences=int(mode[6:]), top_k=0)
+    raise ValueError(f"mode {mode!r}: use beamK, sampleK or greedy")
+
+
+def _timed_generate(model, ids, new_tokens, mode, variant, info):
+    model.set_attn_implementation("sdpa" if variant == "stock" else "cascade")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
+    if WHOLE_VARIANTS[variant] is not None:
+        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
+    runners = []
+    real = hf_cascade.graphs.decode_runner
+
+    def spy(*a, **k):
+        runner = real(*a, **k)
+        runners.append(runner)
+        return runner
+
+    hf_cascade.graphs.decode_runner = spy
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    try:
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, **kw)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    except torch.cuda.OutOfMemoryError as err:
+        return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
+    finally:
+        hf_cascade.graphs.decode_runner = real
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 + hf_cascade.memory.vmm_mapped_bytes(ids.device) / 2**30
+    runner = runners[0] if runners else None
+    if runner is not None:
+        info.update(captures=runner.captures, capture_s=runner.capture_seconds, replays=runner.replays,
+                    graph_disabled=runner.disabled)
+    return {"wall": wall, "peak": peak}
+
+
+def whole_step(args, dtype, console):
+    results, models = [], {}
+    for entry in tqdm(args.configs, desc="configs"):
+        shape, prompt, mode = entry.split(":")
+        prompt = int(prompt)
+        if shape not in models:
+            models.clear()
+            torch.cuda.empty_cache()
+            models[shape] = build(shape, dtype)
+        model = models[shape]
+        ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
+        n = args.new_tokens
+        times = {v: {"t1": [], "tn": [], "peak": []} for v in args.variants}
+        info = {v: {} for v in args.variants}
+        errors = {}
+        for rnd in range(args.rounds + 1):              # round 0 warms each variant up at this very shape
+            for v in args.variants:
+                if v in errors:
+                    continue
+                r1 = _timed_generate(model, ids, 1, mode, v, {})
+                rn = _timed_generate(model, ids, n, mode, v, info[v] if rnd == 0 else {})
+                if "error" in r1 or "error" in rn:
+                    errors[v] = r1.get("error") or rn.get("error")
+                    continue
+                if rnd == 0:
+                    info[v]["first_call_wall_s"] = rn["wall"]
+                    continue
+                times[v]["t1"].append(r1["wall"])
+                times[v]["tn"].append(rn["wall"])
+                times[v]["peak"].append(rn["peak"])
+        row_stock = None
+        for v in args.variants:
+            if v in errors:
+                results.append({"shape": shape, "prompt": prompt, "mode": mode, "variant": v, "error": errors[v]})
+                continue
+            steps = [(tn - t1) / (n - 1) * 1e3 for t1, tn in zip(times[v]["t1"], times[v]["tn"])]
+            row = {"shape": shape, "prompt": prompt, "mode": mode, "variant": v,
+                   "step_ms": statistics.median(steps), "step_ms_all": [round(x, 2) for x in steps],
+                   "t1_s": statistics.median(times[v]["t1"]), "peak_gib": max(times[v]["peak"]), **info[v]}
+            if v == "stock":
+                row_stock = row
+            elif row_stock is not None:
+                row["step_vs_stock"] = row["step_ms"] / row_stock["step_ms"]
+                row["t1_vs_stock"] = row["t1_s"] / row_stock["t1_s"]
+            results.append(row)
+    table = Table(title=f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}")
+    cols = ["shape", "prompt", "mode", "variant", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock", "peak_gib",
+            "captures", "capture_s", "first_call_wall_s", "graph_disabled", "error"]
+    for c in cols:
+        table.add_column(c)
+    for r in results:
+        table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
+    console.print(table)
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--whole-step", action="store_true",
+                        help="whole-generate step per new token, stock vs eager vs graph, interleaved")
+    parser.add_argument("--variants", nargs="+", default=list(WHOLE_VARIANTS), help="with --whole-step")
+    parser.add_argument("--rounds", type=int, default=3, help="with --whole-step: timed rounds after the warm-up")
     parser.add_argument("--configs", nargs="+", default=["1b:4096:8", "8b:16384:8"],
                         help="shape:prompt:beams entries, shape in " + ",".join(SHAPES))
     parser.add_argument("--backends", nargs="+", default=["reference", "cuda", "flashinfer"])
@@ -119,7 +238,9 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     results, models = [], {}
     console = Console()
-    for entry in tqdm(args.configs, desc="configs"):
+    if args.whole_step:
+        results = whole_step(args, dtype, console)
+    for entry in tqdm(args.configs if not args.whole_step else [], desc="configs"):
         shape, prompt, beams = entry.split(":")
         prompt, beams = int(prompt), int(beams)
         if shape not in models:
@@ -148,6 +269,9 @@ def main(argv=None):
                 fig["peak_vs_stock"] = fig["peak_gib_above_weights"] / stock["peak_gib_above_weights"]
             results.append({"shape": shape, "prompt": prompt, "beams": beams, "variant": variant,
                             **{k: v for k, v in fig.items() if k != "sequences"}})
+    if args.whole_step:
+        _write(args, results, console)
+        return
     table = Table(title=f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens")
     cols = ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
             "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock", "error"]
@@ -156,6 +280,10 @@ def main(argv=None):
     for r in results:
         table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     console.print(table)
+    _write(args, results, console)
+
+
+def _write(args, results, console):
     commit = git_commit()
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__, "commit": commit,

@@ -16,8 +16,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from . import kernels
-from .cache import take_handoff
+from .context import Quirks, take_pending
 
 NAME = "cascade"
 
@@ -87,7 +86,7 @@ def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling,
                                   **kwargs)
 
 
-def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
+def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> None:
     """Refuse what the cascade path would silently get wrong."""
     reasons = []
     if kwargs.get("s_aux") is not None:
@@ -97,10 +96,10 @@ def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
     if dropout:
         reasons.append("attention dropout (the model is in training mode; call model.eval())")
     window = kwargs.get("sliding_window")
-    if (window is not None and note.layer.cache.logical_length > window and not note.plan.fresh
-            and note.plan.src_index is not None):
+    if (window is not None and ctx.cache.logical_length > window and not ctx.plan.fresh
+            and ctx.plan.src_index is not None):
         reasons.append(f"a sliding window of {window} tokens exceeded by a sequence of "
-                       f"{note.layer.cache.logical_length} in a step with padding among its new tokens")
+                       f"{ctx.cache.logical_length} in a step with padding among its new tokens")
     if isinstance(attention_mask, CascadeMask):
         if not attention_mask.plain_causal and window is None:
             reasons.append("a mask that is not plain causal (e.g. bidirectional image tokens or packed sequences)")
@@ -108,18 +107,18 @@ def _check_supported(module, note, attention_mask, dropout, kwargs) -> None:
         reasons.append("a 4D attention mask passed by the caller")
     if reasons:
         raise NotImplementedError(
-            f"{type(module).__name__} (layer {note.layer.layer_idx}) uses {', '.join(reasons)}, which the cascade "
+            f"{type(module).__name__} (layer {layer.layer_idx}) uses {', '.join(reasons)}, which the cascade "
             "attention does not support yet. Load the model with attn_implementation='sdpa' instead.")
 
 
-def _check_padding_known(note, attention_mask) -> None:
+def _check_padding_known(plan, attention_mask) -> None:
     """A padded multi-token step whose padding the cache was not told would store pad tokens."""
-    if note.plan.src_index is not None or not isinstance(attention_mask, CascadeMask):
+    if plan.src_index is not None or not isinstance(attention_mask, CascadeMask):
         return
     padding = attention_mask.padding_mask
     if padding is None:
         return
-    new = padding[:, -note.plan.q_len:]
+    new = padding[:, -plan.q_len:]
     if not bool(new.all()):   # one host sync, only for multi-token steps of a padded batch
         raise ValueError(
             "A padded batch reached a CascadeCache that was not told which tokens are padding, so pad tokens would "
@@ -128,43 +127,29 @@ def _check_padding_known(note, attention_mask) -> None:
 
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
-    note = take_handoff(module.layer_idx)
-    if note is None:
+    found = take_pending(module.layer_idx)
+    if found is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if note.key is not key or note.value is not value:
+    ctx, write = found
+    if write.key is not key or write.value is not value:
         raise RuntimeError(
             f"{type(module).__name__} changed the K/V between cache.update and the attention call; the cascade "
             "attention reads K/V from its cache and cannot follow. Use attn_implementation='sdpa' for this model.")
-    _check_supported(module, note, attention_mask, dropout, kwargs)
-    if note.plan.q_len > 1 and note.first_in_step:
-        _check_padding_known(note, attention_mask)
-    if note.plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
+    _check_supported(module, ctx, write.layer, attention_mask, dropout, kwargs)
+    plan = ctx.plan
+    if plan.q_len > 1 and ctx.first_write:
+        _check_padding_known(plan, attention_mask)
+    if plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    pool = note.layer.pool
+    pool = write.layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
-    plan = note.plan
-    softcap = kwargs.get("softcap")
     window = kwargs.get("sliding_window")
-    if window is not None and note.layer.cache.logical_length <= window:
+    if window is not None and ctx.cache.logical_length <= window:
         window = None          # the whole sequence is inside the window: plain causal attention
-    if softcap is not None or window is not None:
-        plan = LayerPlan(plan, softcap=softcap, window=window)
-    backend = kernels.select(note.layer.cache.cascade_config.backend, q, pool, plan)
-    # where a cascade starts to pay depends on the backend: the next steps' plans use its threshold
-    note.layer.cache.backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
-    return backend.attend(q, pool, plan, scale).contiguous(), None
-
-
-class LayerPlan:
-    """The step's plan plus one layer's attention quirks, as the kernels read them (``plan.softcap``,
-    ``plan.window``; a bare StepPlan has neither, i.e. both off). Everything else is the step's plan."""
-
-    def __init__(self, plan, softcap=None, window=None):
-        self.plan, self.softcap, self.window = plan, softcap, window
-
-    def __getattr__(self, name):
-        return getattr(self.plan, name)
+    quirks = Quirks(softcap=kwargs.get("softcap"), window=window)
+    backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
+    return backend.attend(q, pool, ctx.layer_plan(quirks), scale).contiguous(), None
 
 
 def register() -> None:

@@ -3,46 +3,33 @@
 All layers share one block bookkeeping (:mod:`hf_cascade.blocks`); each layer owns a KV pool
 ``[num_blocks, 2, block_size, kv_heads, head_dim]`` on the device and dtype of its first K/V
 (:mod:`hf_cascade.memory`). A forward step is planned once, at the first layer's ``update``
-(:mod:`hf_cascade.plan`), and every layer then writes its new K/V with a few index ops. The
-attention function finds the layer and the step's plan through :func:`take_handoff`.
+(:mod:`hf_cascade.plan`) into one :class:`~hf_cascade.context.StepContext`; every layer then writes its
+new K/V with a few index ops and leaves them in the context, where the attention function finds them.
+Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` fixed for the call
+(static shapes and buffers: what a captured CUDA graph replays).
 """
 from __future__ import annotations
 
-import threading
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import context as step_context
+from . import kernels
 from .blocks import BlockManager
 from .config import CascadeConfig
+from .context import LayerWrite, StepContext
 from .memory import make_storage
-from .plan import StepPlan, build_step_plan
+from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan
 
-# update() -> attention hand-off. transformers <5.24 gives the attention function neither the cache
-# nor the layer index, so the layer that just wrote K/V leaves a note here for the attention call
-# that follows it in the same thread.
-_handoff = threading.local()
+logger = logging.getLogger("hf_cascade")
 
 
-@dataclass
-class Handoff:
-    layer: "CascadeLayer"
-    key: torch.Tensor
-    value: torch.Tensor
-    plan: StepPlan
-    step_id: int
-    first_in_step: bool         # the first layer written this step (per-step checks run once)
-
-
-def take_handoff(layer_idx: int) -> Handoff | None:
-    """The note left by the CascadeCache layer ``layer_idx`` just updated, if any (consumed)."""
-    note = getattr(_handoff, "note", None)
-    if note is None or note.layer.layer_idx != layer_idx:
-        return None
-    _handoff.note = None
-    return note
+class _NoAppend:      # the AppendPlan of a step that writes nothing (for probing a backend)
+    write_block = write_offset = copy_src = copy_dst = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -68,6 +55,7 @@ class CascadeLayer(CacheLayerMixin):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
         self.storage = None   # a memory.make_storage(...) object, created with the first K/V
+        self.step_pool = None  # the pool tensor this step's write used (and its attention reads)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, num_heads, _, head_dim = key_states.shape
@@ -102,6 +90,9 @@ class CascadeLayer(CacheLayerMixin):
                 f"{self.storage.dtype}, but got {num_heads} x {head_dim} in {key_states.dtype}: the cache was filled "
                 "by another model or config. Call cache.reset() or use a new CascadeCache.")
         pool = self.storage.ensure(self.cache.blocks.capacity)
+        if plan.static:     # an address and a shape that stay for the call (a captured graph holds both)
+            pool = self.storage.stable_view()
+        self.step_pool = pool
         dp = plan.on(pool.device)
         if dp.copy_src.numel():
             pool[dp.copy_dst] = pool[dp.copy_src]
@@ -152,13 +143,14 @@ class CascadeCache(Cache):
         self.blocks = BlockManager(self.block_size)
         self.logical_length = 0
         self.model_fingerprint = None        # set by the generate entry; guards reuse with another model
-        self._plan: StepPlan | None = None
+        self._context: StepContext | None = None
         self._step_id = 0
-        self._layers_in_step: set[int] = set()
         self._next_write_mask: np.ndarray | None = None
         self._peak_blocks = 0
-        # the running kernel backend's MIN_SAVED_TOKENS, told by the attention (0 until it has run)
-        self.backend_min_saved_tokens = 0
+        # the threshold of the backend that ran the last step (0 until one has run)
+        self._backend_min_saved_tokens = 0
+        self._layout: DecodeLayout | None = None
+        self._decode_max_length: int | None = None
 
     # ---- transformers' Cache API ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -167,20 +159,21 @@ class CascadeCache(Cache):
             raise ValueError("CascadeCache does not offload layers to the CPU.")
         while len(self.layers) <= layer_idx:
             self.layers.append(CascadeLayer(self, len(self.layers)))
-        note = getattr(_handoff, "note", None)
-        if note is not None and note.layer.cache is self and note.step_id == self._step_id:
-            _handoff.note = None
+        pending = step_context.current()
+        if pending is not None and pending.cache is self and pending.pending is not None:
+            unread, pending.pending = pending.pending.layer.layer_idx, None
             raise RuntimeError(
-                f"The K/V that CascadeCache stored for layer {note.layer.layer_idx} were not read by the cascade "
+                f"The K/V that CascadeCache stored for layer {unread} were not read by the cascade "
                 "attention: the model does not run attn_implementation='cascade'. Load it with "
                 "attn_implementation='cascade' (after `import hf_cascade`), or use a DynamicCache.")
-        if self._plan is None or layer_idx in self._layers_in_step:
-            self._begin_step(key_states)
-        first = not self._layers_in_step
-        self._layers_in_step.add(layer_idx)
+        ctx = self._context
+        if ctx is None or layer_idx in ctx.layers_written:
+            ctx = self._begin_step(key_states)
+        ctx.layers_written.add(layer_idx)
         layer = self.layers[layer_idx]
-        layer.write(key_states, value_states, self._plan)
-        _handoff.note = Handoff(layer, key_states, value_states, self._plan, self._step_id, first)
+        layer.write(key_states, value_states, ctx.plan)
+        ctx.pending = LayerWrite(layer, key_states, value_states)
+        step_context.set_current(ctx)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -217,7 +210,7 @@ class CascadeCache(Cache):
         if index.size == self.blocks.num_rows and (index == np.arange(index.size)).all():
             return
         self.blocks.select(index)
-        self._plan = None
+        self._end_step()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
@@ -225,7 +218,7 @@ class CascadeCache(Cache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes ``repeats`` rows sharing its blocks (a fork; no K/V copied)."""
         self.blocks.fork(int(repeats))
-        self._plan = None
+        self._end_step()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens of every row (a positive value is the length to keep)."""
@@ -237,7 +230,7 @@ class CascadeCache(Cache):
                              "(its prompt padding is not stored).")
         self.blocks.truncate(np.full(self.blocks.num_rows, remove, dtype=np.int64))
         self.logical_length -= remove
-        self._plan = None
+        self._end_step()
 
     def reset(self) -> None:
         """Return every block to the pool and the pools' memory to the device; the cache becomes empty."""
@@ -246,11 +239,10 @@ class CascadeCache(Cache):
             layer.reset()
         self.logical_length = 0
         self.model_fingerprint = None
-        self._plan, self._next_write_mask = None, None
-        self._layers_in_step = set()
+        self._context, self._next_write_mask = None, None
+        self.end_decode()
         self._peak_blocks = 0
-        if getattr(_handoff, "note", None) is not None and _handoff.note.layer.cache is self:
-            _handoff.note = None
+        step_context.forget(self)
 
     # ---- cascade specifics --------------------------------------------------------------------
     def set_write_mask(self, mask) -> None:
@@ -272,7 +264,42 @@ class CascadeCache(Cache):
     @property
     def plan(self) -> StepPlan | None:
         """The plan of the step in progress (None between steps)."""
-        return self._plan
+        return None if self._context is None else self._context.plan
+
+    @property
+    def step(self) -> StepContext | None:
+        """The context of the step in progress (None between steps)."""
+        return self._context
+
+    # ---- static decoding (inside generate) ------------------------------------------------------
+    def begin_decode(self, max_length: int) -> None:
+        """From the next one-token-per-row step on, plan decode steps on a layout fixed until
+        :meth:`end_decode` (rows hold at most ``max_length`` tokens each); see DecodeLayout."""
+        self.end_decode()
+        self._decode_max_length = int(max_length)
+
+    def end_decode(self) -> None:
+        if self._layout is not None:
+            self._layout.release()
+        self._layout, self._decode_max_length = None, None
+
+    @property
+    def layout(self) -> DecodeLayout | None:
+        """The static decode layout in force (None outside generate's decode steps)."""
+        return self._layout
+
+    def prepare_step(self, num_rows: int, q_len: int = 1) -> StepContext:
+        """Begin a step before the forward runs (the graph runner: the plan must be uploaded before a
+        replay); the forward's layers then write into this step."""
+        ctx = self._begin_step_shape(num_rows, q_len)
+        return ctx
+
+    def rewind_step(self) -> None:
+        """Let the current step's layers write again (a capture re-runs the step just run: same slots,
+        same values)."""
+        if self._context is not None:
+            self._context.layers_written.clear()
+            self._context.pending = None
 
     def _block_bytes_all_layers(self) -> int:
         return sum(l.storage.block_nbytes for l in self.layers if l.storage is not None)
@@ -289,9 +316,13 @@ class CascadeCache(Cache):
                              "over all layers); raise it or lower CascadeConfig.block_size.")
         self.blocks.max_blocks = int(max_blocks)
 
-    def _begin_step(self, key_states: torch.Tensor) -> None:
-        """Bookkeeping of one forward step, once for all layers: rows, blocks, plan."""
+    def _begin_step(self, key_states: torch.Tensor) -> StepContext:
         num_rows, _, q_len, _ = key_states.shape
+        return self._begin_step_shape(num_rows, q_len)
+
+    def _begin_step_shape(self, num_rows: int, q_len: int) -> StepContext:
+        """Bookkeeping of one forward step, once for all layers: rows, blocks, plan, context."""
+        self._end_step()
         if self.blocks.num_rows == 0 and self.logical_length == 0:
             self.blocks.add_rows(num_rows)
         elif self.blocks.num_rows != num_rows:
@@ -303,13 +334,63 @@ class CascadeCache(Cache):
         if mask is not None and mask.shape != (num_rows, q_len):
             raise ValueError(f"write mask of shape {mask.shape} does not match the step's {(num_rows, q_len)}")
         counts = mask.sum(axis=1).astype(np.int64) if mask is not None else np.full(num_rows, q_len, dtype=np.int64)
+        static = (self._decode_max_length is not None and q_len == 1 and mask is None
+                  and self.blocks.num_rows and bool((self.blocks.lengths > 0).all()))
+        if static and self._layout is None:
+            self._layout = self._freeze_layout()
         append_plan = self.blocks.append(counts)
+        plan = None
+        if static:
+            try:
+                plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
+            except LayoutOutgrown as err:     # e.g. a stopping criterion let rows run past max_length
+                logger.info("hf_cascade: decode layout re-planned (%s)", err)
+                self._layout.release()
+                # more room than the call asked for, so that running on does not re-plan every step
+                self._decode_max_length = max(self._decode_max_length, self.logical_length) + \
+                    max(64, self.logical_length // 4)
+                self._layout = self._freeze_layout(self.blocks.lengths - counts)
+                plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
+        if plan is None:
+            saved = self.cascade_config.min_saved_tokens
+            plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
+                                   self.block_size, self.cascade_config.min_group_rows,
+                                   self.cascade_config.min_prefix_tokens,
+                                   self._backend_min_saved_tokens if saved is None else saved)
         self._step_id += 1
-        self._layers_in_step = set()
-        saved = self.cascade_config.min_saved_tokens
-        self._plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
-                                     self.block_size, self.cascade_config.min_group_rows,
-                                     self.cascade_config.min_prefix_tokens,
-                                     self.backend_min_saved_tokens if saved is None else saved)
+        self._context = StepContext(self, plan, self._step_id)
         self.logical_length += q_len
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)
+        return self._context
+
+    def _probe_backend_threshold(self) -> int:
+        """MIN_SAVED_TOKENS of the backend a plain decode step of this cache would run on (the layout is
+        frozen before any decode attention has run)."""
+        layer = next((l for l in self.layers if l.storage is not None and l.storage.num_blocks), None)
+        if layer is None:
+            return 0
+        pool = layer.storage.tensor
+        q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]))
+        trivial = build_step_plan(np.zeros((1, 1), np.int32), np.ones(1, np.int64), np.ones(1, np.int64), None, 1,
+                                  _NoAppend, self.block_size, self.cascade_config.min_group_rows)
+        try:
+            backend = kernels.select(self.cascade_config.backend, q, pool, trivial)
+        except Exception:   # noqa: BLE001 — the step itself will report what is wrong
+            return 0
+        return getattr(backend, "MIN_SAVED_TOKENS", 0)
+
+    def _end_step(self) -> None:
+        """The step in progress is over; its backends tell where a cascade pays in the next plans."""
+        if self._context is not None:
+            self._backend_min_saved_tokens = self._context.min_saved_tokens() or self._backend_min_saved_tokens
+        self._context = None
+
+    def _freeze_layout(self, prev_lengths=None) -> DecodeLayout:
+        saved = self.cascade_config.min_saved_tokens
+        if saved is None and not self._backend_min_saved_tokens:
+            self._backend_min_saved_tokens = self._probe_backend_threshold()
+        prev = self.blocks.lengths if prev_lengths is None else prev_lengths
+        max_new = self._decode_max_length - self.logical_length      # logical length counts the padding too
+        return DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, max_new,
+                                   self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
+                                   self._backend_min_saved_tokens if saved is None else saved)

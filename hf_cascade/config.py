@@ -35,6 +35,14 @@ class CascadeConfig:
             tokens; below it every row reads its whole table (one kernel fewer, no merge). ``None``
             (default): the threshold measured for the kernel backend that runs (its
             ``MIN_SAVED_TOKENS``: cuda 8192, flashinfer 262144, reference 0; benchmarks/RESULTS.md).
+        cuda_graphs: run generate's decode steps as a replayed CUDA graph of the whole forward
+            (:mod:`hf_cascade.graphs`). ``None`` (default): on where it applies (CUDA, one device, the
+            ``cuda`` kernels for every layer, ...; the reason is logged once where it does not); ``False``:
+            off; ``True``: as None, but a model it cannot apply to is logged at WARNING; ``"eager"``: the
+            runner's static path (fixed buffers, one plan upload per step) run without capturing, on any
+            device (for debugging and CPU tests).
+        static_decode: inside generate, plan decode steps on a layout fixed for the call
+            (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
     """
 
     backend: str = "auto"
@@ -45,8 +53,15 @@ class CascadeConfig:
     min_group_rows: int = 2
     min_prefix_tokens: int = 0
     min_saved_tokens: int | None = None
+    cuda_graphs: bool | str | None = None
+    static_decode: bool = True
 
     def __post_init__(self):
+        if self.cuda_graphs not in (None, True, False, "eager"):
+            raise ValueError(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
+                             f"got {self.cuda_graphs!r}.")
+        if not isinstance(self.static_decode, bool):
+            raise ValueError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
         if self.backend not in BACKENDS:
             raise ValueError(f"CascadeConfig.backend must be one of {BACKENDS}, got {self.backend!r}.")
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -10,12 +10,14 @@ for all rows.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
+from . import graphs
 from .cache import CascadeCache
 from .config import CascadeConfig
 
@@ -217,11 +219,16 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
             prefill_prompts(model, cache, input_ids[::n, :-1], None if mask is None else mask[::n, :-1],
                             None if positions is None else positions[::n, :-1], key)
             cache.batch_repeat_interleave(n)
-        result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                        synced_gpus=synced_gpus, **model_kwargs)
+        if cache.cascade_config.static_decode:
+            cache.begin_decode(generation_config.max_length or input_ids.shape[1] + 1)
+        runner = graphs.decode_runner(model, cache, generation_config)
+        with runner if runner is not None else contextlib.nullcontext():
+            result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                            synced_gpus=synced_gpus, **model_kwargs)
         ok = True
         return result
     finally:
+        cache.end_decode()
         handed_out = ok and generation_config.return_dict_in_generate
         if owned and not handed_out:
             cache.reset()     # nobody else can reach this cache: give every block back now

@@ -65,6 +65,12 @@ class BlockStorage:
         """Make block ids ``[0, num_blocks)`` addressable; returns the (possibly new) pool tensor."""
         raise NotImplementedError
 
+    def stable_view(self) -> torch.Tensor:
+        """The pool as a tensor whose address and shape stay while the pool grows, as far as this policy
+        can promise (a captured CUDA graph bakes both in): ``vmm`` views its whole reserved range, ``static``
+        is fixed anyway, ``grow`` moves when it grows (the graph runner re-captures then)."""
+        return self.tensor
+
     def release(self) -> None:
         """Give the pool's memory back (what each policy can give)."""
         raise NotImplementedError
@@ -423,6 +429,14 @@ class VMMStorage(BlockStorage):
             self.maps_ahead += 1
         return self.tensor
 
+    def stable_view(self) -> torch.Tensor:
+        """The whole reserved range as ``[max_blocks, ...]`` (only mapped blocks are ever indexed)."""
+        view = getattr(self, "_stable", None)
+        if view is None:
+            raw = torch.as_tensor(_Window(self.vrange, self.max_blocks * self.block_nbytes))
+            view = self._stable = raw.view(self.dtype).view(self.max_blocks, *self.block_shape)
+        return view
+
     def shrink_to(self, num_blocks: int) -> torch.Tensor:
         """Unmap what lies beyond ``num_blocks`` blocks (whole segments: a little more may stay mapped)."""
         self._settle(wait=True)
@@ -437,6 +451,7 @@ class VMMStorage(BlockStorage):
         """Unmap everything and free the virtual range now (also done when the storage is collected)."""
         self._settle(wait=True)
         self.tensor = self._empty(0)
+        self._stable = None
         self.vrange.close()
 
 

@@ -55,6 +55,7 @@ class StepPlan:
     mid_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     inner_suffix_table: np.ndarray | None = None
     inner_q_limit: np.ndarray | None = None
+    layout: "DecodeLayout | None" = None    # set for a static decode step: the call's fixed part of the plan
     _on_device: dict = field(default_factory=dict, repr=False)
     scratch: dict = field(default_factory=dict, repr=False)   # per-step state of kernel backends (their own plans)
 
@@ -62,10 +63,25 @@ class StepPlan:
     def num_groups(self) -> int:
         return self.group_rows.shape[0]
 
+    @property
+    def static(self) -> bool:
+        """A decode step of a static layout: fixed shapes, persistent device buffers (graph-safe)."""
+        return self.layout is not None
+
+    @property
+    def call_scratch(self) -> dict:
+        """State a backend may keep for as long as the plan's shapes and prefix are fixed: the layout's
+        (the whole generate call) for a static step, else this step's ``scratch``."""
+        return self.layout.state if self.layout is not None else self.scratch
+
     def on(self, device: torch.device) -> "DevicePlan":
-        """The plan's tensors on ``device``, uploaded once per step and device (layers may sit on several)."""
+        """The plan's tensors on ``device``, uploaded once per step and device (layers may sit on several).
+        A static step writes into the layout's persistent buffers (one copy per step), which keep their
+        addresses for the whole call."""
         device = torch.device(device)
         key = str(device)
+        if key not in self._on_device and self.layout is not None:
+            self._on_device[key] = self.layout.upload(self, device)
         if key not in self._on_device:
             def t(a, dtype):
                 return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -131,6 +147,70 @@ def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size:
     return groups, prefix_blocks
 
 
+@dataclass
+class SharedLevels:
+    """Which rows share which leading blocks: groups (level 0) and, inside a group, subgroups sharing
+    more blocks (the middle level: each prompt's rest after a system prompt shared by the batch)."""
+
+    groups: list          # int arrays of rows
+    prefix_blocks: list   # blocks each group shares
+    mid_groups: list
+    mid_spans: list       # (group prefix blocks, further blocks the subgroup shares)
+    block_size: int
+
+    @classmethod
+    def find(cls, tables, prev, block_size, min_group_rows, min_prefix_tokens=0, min_saved_tokens=0, fresh=False):
+        groups, prefix_blocks = ([], []) if fresh else find_prefix_groups(tables, prev, block_size, min_group_rows)
+        if min_prefix_tokens:      # too short to pay: those rows read their whole tables as suffixes
+            kept = [(g, nb) for g, nb in zip(groups, prefix_blocks) if nb * block_size >= min_prefix_tokens]
+            groups, prefix_blocks = [g for g, _ in kept], [nb for _, nb in kept]
+        if min_saved_tokens and sum((len(g) - 1) * nb * block_size for g, nb in zip(groups, prefix_blocks)) \
+                < min_saved_tokens:
+            groups, prefix_blocks = [], []
+        mid_groups, mid_spans = [], []
+        for rows, nb in zip(groups, prefix_blocks):
+            subgroups, extra = find_prefix_groups(tables[rows, nb:], prev[rows] - nb * block_size, block_size,
+                                                  min_group_rows)
+            for sub, more in zip(subgroups, extra):
+                if len(sub) < len(rows):
+                    mid_groups.append(rows[sub])
+                    mid_spans.append((nb, more))
+        return cls(groups, prefix_blocks, mid_groups, mid_spans, block_size)
+
+    def group_arrays(self, tables):
+        """``group_rows`` int32 [G, Rg] (-1 pad), ``prefix_table`` int32 [G, Mp] (-1 pad), ``prefix_len`` int32 [G]."""
+        group_rows = np.full((len(self.groups), max((len(g) for g in self.groups), default=0)), -1, dtype=np.int32)
+        prefix_table = np.full((len(self.groups), max(self.prefix_blocks, default=0)), -1, dtype=np.int32)
+        prefix_len = np.zeros(len(self.groups), dtype=np.int32)
+        for g, (rows, nb) in enumerate(zip(self.groups, self.prefix_blocks)):
+            group_rows[g, : len(rows)] = rows
+            prefix_table[g, :nb] = tables[rows[0], :nb]
+            prefix_len[g] = nb * self.block_size
+        return group_rows, prefix_table, prefix_len
+
+    def mid_arrays(self, tables):
+        """``mid_group_rows`` int32 [G2, R2], ``mid_table`` int32 [G2, M2], ``mid_len`` int32 [G2]."""
+        mid_group_rows = np.full((len(self.mid_groups), max((len(g) for g in self.mid_groups), default=0)), -1,
+                                 dtype=np.int32)
+        mid_table = np.full((len(self.mid_groups), max((m for _, m in self.mid_spans), default=0)), -1, dtype=np.int32)
+        mid_len = np.zeros(len(self.mid_groups), dtype=np.int32)
+        for g, (rows, (nb, more)) in enumerate(zip(self.mid_groups, self.mid_spans)):
+            mid_group_rows[g, : len(rows)] = rows
+            mid_table[g, :more] = tables[rows[0], nb:nb + more]
+            mid_len[g] = more * self.block_size
+        return mid_group_rows, mid_table, mid_len
+
+    def row_blocks(self, num_rows):
+        """int64 [R] each: blocks of a row's group prefix, and of its deepest shared level."""
+        row_prefix_blocks = np.zeros(num_rows, dtype=np.int64)
+        for rows, nb in zip(self.groups, self.prefix_blocks):
+            row_prefix_blocks[rows] = nb
+        inner = row_prefix_blocks.copy()
+        for rows, (nb, more) in zip(self.mid_groups, self.mid_spans):
+            inner[rows] = nb + more
+        return row_prefix_blocks, inner
+
+
 def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray, new_mask: np.ndarray | None,
                     q_len: int, append_plan, block_size: int, min_group_rows: int,
                     min_prefix_tokens: int = 0, min_saved_tokens: int = 0) -> StepPlan:
@@ -156,49 +236,16 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
         seen_new = np.cumsum(new_mask, axis=1, dtype=np.int64)  # real new tokens up to and including each query
         src_index = np.flatnonzero(new_mask.reshape(-1)).astype(np.int64)
 
-    groups, prefix_blocks = ([], []) if fresh else find_prefix_groups(tables, prev, block_size, min_group_rows)
-    if min_prefix_tokens:      # too short to pay: those rows read their whole tables as suffixes
-        kept = [(g, nb) for g, nb in zip(groups, prefix_blocks) if nb * block_size >= min_prefix_tokens]
-        groups, prefix_blocks = [g for g, _ in kept], [nb for _, nb in kept]
-    if min_saved_tokens and sum((len(g) - 1) * nb * block_size for g, nb in zip(groups, prefix_blocks)) \
-            < min_saved_tokens:
-        groups, prefix_blocks = [], []
-    num_groups = len(groups)
-    rows_per_group = max((len(g) for g in groups), default=0)
-    group_rows = np.full((num_groups, rows_per_group), -1, dtype=np.int32)
-    prefix_table = np.full((num_groups, max(prefix_blocks, default=0)), -1, dtype=np.int32)
-    prefix_len = np.zeros(num_groups, dtype=np.int32)
-    row_prefix_blocks = np.zeros(num_rows, dtype=np.int64)
-    for g, (rows, nb) in enumerate(zip(groups, prefix_blocks)):
-        group_rows[g, : len(rows)] = rows
-        prefix_table[g, :nb] = tables[rows[0], :nb]
-        prefix_len[g] = nb * block_size
-        row_prefix_blocks[rows] = nb
-
-    # Middle level: subgroups of a group that share more blocks (each prompt's rest after a shared
-    # system prompt), found the same way on the tables past the group prefix.
-    mid_groups, mid_spans = [], []
-    for rows, nb in zip(groups, prefix_blocks):
-        subgroups, extra = find_prefix_groups(tables[rows, nb:], prev[rows] - nb * block_size, block_size,
-                                              min_group_rows)
-        for sub, more in zip(subgroups, extra):
-            if len(sub) < len(rows):
-                mid_groups.append(rows[sub])
-                mid_spans.append((nb, more))
-    mid_group_rows = np.full((len(mid_groups), max((len(g) for g in mid_groups), default=0)), -1, dtype=np.int32)
-    mid_table = np.full((len(mid_groups), max((m for _, m in mid_spans), default=0)), -1, dtype=np.int32)
-    mid_len = np.zeros(len(mid_groups), dtype=np.int32)
-    inner_prefix_blocks = row_prefix_blocks.copy()
-    for g, (rows, (nb, more)) in enumerate(zip(mid_groups, mid_spans)):
-        mid_group_rows[g, : len(rows)] = rows
-        mid_table[g, :more] = tables[rows[0], nb:nb + more]
-        mid_len[g] = more * block_size
-        inner_prefix_blocks[rows] = nb + more
+    levels = SharedLevels.find(tables, prev, block_size, min_group_rows, min_prefix_tokens, min_saved_tokens,
+                               fresh)
+    group_rows, prefix_table, prefix_len = levels.group_arrays(tables)
+    mid_group_rows, mid_table, mid_len = levels.mid_arrays(tables)
+    row_prefix_blocks, inner_prefix_blocks = levels.row_blocks(num_rows)
 
     # Last level: each row's table shifted past its deepest shared prefix.
     suffix_table, q_limit = _suffix(tables, lengths, prev, seen_new, row_prefix_blocks, block_size)
     inner_suffix_table, inner_q_limit = (_suffix(tables, lengths, prev, seen_new, inner_prefix_blocks, block_size)
-                                         if mid_groups else (None, None))
+                                         if levels.mid_groups else (None, None))
 
     return StepPlan(
         fresh=fresh, q_len=q_len, src_index=src_index,
@@ -210,14 +257,200 @@ def build_step_plan(tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray,
         inner_suffix_table=inner_suffix_table, inner_q_limit=inner_q_limit)
 
 
-def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size):
-    """Each row's blocks after its first ``prefix_blocks[r]`` blocks, and what each query sees of them."""
+def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size, width=None):
+    """Each row's blocks after its first ``prefix_blocks[r]`` blocks, and what each query sees of them.
+    ``width``: the table's fixed width (a static layout's capacity); LayoutOutgrown if a row needs more."""
     num_rows = tables.shape[0]
     suffix_blocks = -(-lengths // block_size) - prefix_blocks
-    width = int(suffix_blocks.max(initial=0))
+    need = int(suffix_blocks.max(initial=0))
+    if width is None:
+        width = need
+    elif need > width:
+        raise LayoutOutgrown(f"a row's suffix needs {need} blocks, the layout holds {width}")
     padded = np.concatenate([tables, np.full((num_rows, width + 1), -1, dtype=np.int32)], axis=1)
     cols = prefix_blocks[:, None] + np.arange(width)[None, :]
     suffix_table = np.where(np.arange(width)[None, :] < suffix_blocks[:, None],
                             np.take_along_axis(padded, cols, axis=1), -1).astype(np.int32)
     q_limit = ((prev - prefix_blocks * block_size)[:, None] + seen_new).astype(np.int32)
     return suffix_table, q_limit
+
+
+# ------------------------------------------------------------------------------ static decode layout
+
+class LayoutOutgrown(Exception):
+    """A decode step no longer fits its static layout (other rows, a row that left its prefix, or a
+    suffix longer than the capacity): the caller freezes a new layout (and re-captures its graph)."""
+
+
+@dataclass
+class DecodeLayout:
+    """The part of the decode plan that is fixed for a whole generate call.
+
+    Beam search and sampling feed one token per row per step, never change the rows, and never move a row
+    to another prompt (``beam_idx`` stays inside a prompt's beams). So the levels (which rows share which
+    prefix blocks, and whether a cascade pays at all) are decided once, at the first decode step, and kept:
+    blocks that rows come to share later are read as part of their suffix (exact, a few reads more). Per
+    step only the suffix tables and lengths, the write slots and the copy-on-write pairs change; they go to
+    persistent device buffers of fixed shape (suffix tables ``[R, suffix_width]``, with ``suffix_width``
+    from the call's ``max_length``) with one host-to-device copy per step. Kernel backends keep their
+    launch configuration for the call in ``state`` (``StepPlan.call_scratch``).
+    """
+
+    num_rows: int
+    block_size: int
+    group_rows: np.ndarray
+    prefix_table: np.ndarray
+    prefix_len: np.ndarray
+    mid_group_rows: np.ndarray
+    mid_table: np.ndarray
+    mid_len: np.ndarray
+    row_prefix_blocks: np.ndarray      # int64 [R]: blocks of each row's group prefix (0: in no group)
+    row_inner_blocks: np.ndarray       # int64 [R]: blocks of each row's deepest shared level
+    suffix_width: int
+    inner_width: int                   # 0 without a middle level
+    state: dict = field(default_factory=dict, repr=False)
+    _buffers: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def freeze(cls, tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, max_new_tokens: int,
+               min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0) -> "DecodeLayout":
+        """The layout of a call whose rows hold ``prev_lengths`` tokens in ``tables`` before its first decode
+        step and will get at most ``max_new_tokens`` more each."""
+        num_rows = tables.shape[0]
+        levels = SharedLevels.find(tables, prev_lengths, block_size, min_group_rows, min_prefix_tokens,
+                                   min_saved_tokens)
+        group_rows, prefix_table, prefix_len = levels.group_arrays(tables)
+        mid_group_rows, mid_table, mid_len = levels.mid_arrays(tables)
+        row_prefix, row_inner = levels.row_blocks(num_rows)
+        # row r ends with at most ceil((prev + max_new) / bs) blocks (+1: one step more while finishing)
+        total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size) + 1
+        suffix_width = int((total - row_prefix).max(initial=1))
+        inner_width = int((total - row_inner).max(initial=1)) if levels.mid_groups else 0
+        return cls(num_rows, block_size, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table, mid_len,
+                   row_prefix, row_inner, suffix_width, inner_width)
+
+    @property
+    def has_mid(self) -> bool:
+        return self.inner_width > 0
+
+    def _check_prefixes(self, tables: np.ndarray) -> None:
+        for rows, table, lens in ((self.group_rows, self.prefix_table, self.prefix_len),
+                                  (self.mid_group_rows, self.mid_table, self.mid_len)):
+            if rows.size == 0 or table.shape[1] == 0:
+                continue
+            if table is self.mid_table:       # the middle level's blocks start after the group prefix
+                start = self.row_prefix_blocks[rows.clip(0)]                       # [G2, R2]
+                cols = start[..., None] + np.arange(table.shape[1])               # [G2, R2, M2]
+            else:
+                cols = np.broadcast_to(np.arange(table.shape[1]), rows.shape + (table.shape[1],))
+            if cols.max(initial=0) >= tables.shape[1]:
+                raise LayoutOutgrown("a row holds fewer blocks than its frozen prefix")
+            held = tables[rows.clip(0)[..., None], cols]                           # [G, Rg, M]
+            used = (rows >= 0)[..., None] & (np.arange(table.shape[1]) < (lens // self.block_size)[:, None])[:, None]
+            if not (np.where(used, held == table[:, None, :], True)).all():
+                raise LayoutOutgrown("a row no longer begins with its group's frozen prefix blocks")
+
+    def step(self, tables: np.ndarray, lengths: np.ndarray, append_plan) -> StepPlan:
+        """The plan of one decode step (one new token per row), after the block manager's append."""
+        R = self.num_rows
+        if tables.shape[0] != R or append_plan.write_block.shape[0] != R:
+            raise LayoutOutgrown(f"the step has {tables.shape[0]} rows / {append_plan.write_block.shape[0]} new "
+                                 f"tokens, the layout {R}")
+        self._check_prefixes(tables)
+        prev = lengths - 1
+        seen_new = np.ones((R, 1), dtype=np.int64)
+        suffix_table, q_limit = _suffix(tables, lengths, prev, seen_new, self.row_prefix_blocks, self.block_size,
+                                        self.suffix_width)
+        inner_table = inner_limit = None
+        if self.has_mid:
+            inner_table, inner_limit = _suffix(tables, lengths, prev, seen_new, self.row_inner_blocks,
+                                               self.block_size, self.inner_width)
+        # copy-on-write pairs padded to R: a repeated pair writes the same values again, and with no pair a
+        # block copied onto itself (before this step's writes) changes nothing
+        src, dst = append_plan.copy_src.astype(np.int64), append_plan.copy_dst.astype(np.int64)
+        if src.size > R:
+            raise LayoutOutgrown(f"{src.size} copy-on-write copies in one step of {R} rows")
+        fill = int(src[0]) if src.size else int(append_plan.write_block[0])
+        fill_dst = int(dst[0]) if dst.size else fill
+        copy_src = np.concatenate([src, np.full(R - src.size, fill, dtype=np.int64)])
+        copy_dst = np.concatenate([dst, np.full(R - dst.size, fill_dst, dtype=np.int64)])
+        return StepPlan(
+            fresh=False, q_len=1, src_index=None,
+            write_block=append_plan.write_block.astype(np.int64), write_offset=append_plan.write_offset.astype(np.int64),
+            copy_src=copy_src, copy_dst=copy_dst,
+            group_rows=self.group_rows, prefix_table=self.prefix_table, prefix_len=self.prefix_len,
+            suffix_table=suffix_table, q_limit=q_limit,
+            mid_group_rows=self.mid_group_rows, mid_table=self.mid_table, mid_len=self.mid_len,
+            inner_suffix_table=inner_table, inner_q_limit=inner_limit, layout=self)
+
+    def upload(self, plan: StepPlan, device: torch.device) -> "DevicePlan":
+        """Write ``plan``'s per-step arrays into this layout's persistent buffers on ``device``."""
+        key = str(device)
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            buffers = self._buffers[key] = _StaticBuffers(self, torch.device(device))
+        return buffers.fill(plan)
+
+    def release(self) -> None:
+        """Drop the device buffers and the backends' state (the layout's call is over)."""
+        self._buffers.clear()
+        self.state.clear()
+
+
+class _StaticBuffers:
+    """One device's persistent plan tensors of a DecodeLayout, and the pinned staging they are filled from.
+
+    Per step: int32 ``[suffix_table | q_limit | inner_suffix_table | inner_q_limit]`` and int64
+    ``[write_block | write_offset | copy_src | copy_dst]`` are written on the host into one of two pinned
+    buffers (two, so that writing step t+1 never races the copy of step t still queued) and copied with
+    one non-blocking copy each on the current stream."""
+
+    def __init__(self, layout: DecodeLayout, device: torch.device):
+        R, W, W2 = layout.num_rows, layout.suffix_width, layout.inner_width
+        self.sizes32 = (R * W, R, R * W2, R if W2 else 0)
+        self.shape32 = ((R, W), (R, 1), (R, W2), (R, 1 if W2 else 0))
+        self.device = device
+        n32, n64 = sum(self.sizes32), 4 * R
+        self.dev32 = torch.zeros(n32, dtype=torch.int32, device=device)
+        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self.host = [(torch.zeros(n32, dtype=torch.int32, pin_memory=True),
+                      torch.zeros(n64, dtype=torch.int64, pin_memory=True)) for _ in range(2)] if cuda else             [(self.dev32, self.dev64)]
+        self.events = [torch.cuda.Event() for _ in self.host] if cuda else None
+        self.turn = 0
+
+        def t(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+        views32, at = [], 0
+        for size, shape in zip(self.sizes32, self.shape32):
+            views32.append(self.dev32[at:at + size].view(shape))
+            at += size
+        d64 = self.dev64.view(4, R)
+        self.plan = DevicePlan(
+            src_index=None, write_block=d64[0], write_offset=d64[1], copy_src=d64[2], copy_dst=d64[3],
+            group_rows=t(layout.group_rows, torch.int32), prefix_table=t(layout.prefix_table, torch.int32),
+            prefix_len=t(layout.prefix_len, torch.int32), suffix_table=views32[0], q_limit=views32[1],
+            mid_group_rows=t(layout.mid_group_rows, torch.int32), mid_table=t(layout.mid_table, torch.int32),
+            mid_len=t(layout.mid_len, torch.int32),
+            inner_suffix_table=views32[2] if W2 else None, inner_q_limit=views32[3] if W2 else None)
+
+    def fill(self, plan: StepPlan) -> DevicePlan:
+        i = self.turn
+        self.turn = (self.turn + 1) % len(self.host)
+        host32, host64 = self.host[i]
+        if self.events is not None:
+            self.events[i].synchronize()      # the copy that last read this staging buffer has run
+        a32, a64 = host32.numpy(), host64.numpy()
+        parts = (plan.suffix_table, plan.q_limit, plan.inner_suffix_table, plan.inner_q_limit)
+        at = 0
+        for size, part in zip(self.sizes32, parts):
+            if size:
+                a32[at:at + size] = part.reshape(-1)
+            at += size
+        a64.reshape(4, -1)[:] = (plan.write_block, plan.write_offset, plan.copy_src, plan.copy_dst)
+        if self.events is not None:
+            self.dev32.copy_(host32, non_blocking=True)
+            self.dev64.copy_(host64, non_blocking=True)
+            self.events[i].record()
+        return self.plan

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_cascade  # noqa: E402,F401
 from hf_cascade import plan as plan_module  # noqa: E402
+from hf_cascade import CascadeConfig  # noqa: E402
 from hf_cascade.cache import CascadeCache  # noqa: E402
 
 from conftest import model_pair, padded_batch  # noqa: E402
@@ -178,12 +179,12 @@ def test_layer_refuses_kv_with_other_head_count():
     cache = CascadeCache()
     k = torch.randn(2, 2, 3, 8, dtype=torch.float64)
     cache.update(k, k.clone(), 0)
-    hf_cascade.cache.take_handoff(0)
+    hf_cascade.context.take_pending(0)
     assert cache.layers[0].pool.shape[-2:] == (2, 8)
     k1 = torch.randn(2, 1, 3, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="heads"):
         cache.update(k1, k1.clone(), 0)
-    hf_cascade.cache.take_handoff(0)
+    hf_cascade.context.take_pending(0)
     cache.reset()
 
 
@@ -192,7 +193,7 @@ def test_plan_on_returns_one_device_plan_per_device():
     cache = CascadeCache()
     k = torch.randn(3, 2, 5, 8, dtype=torch.float64)
     cache.update(k, k.clone(), 0)
-    hf_cascade.cache.take_handoff(0)
+    hf_cascade.context.take_pending(0)
     plan = cache.plan
     first = plan.on(torch.device("cpu"))
     assert plan.on("cpu") is first and plan.on(torch.device("cpu")) is first
@@ -204,7 +205,7 @@ def test_plan_on_returns_one_device_plan_per_device():
     # the next step plans anew
     k2 = torch.randn(3, 2, 1, 8, dtype=torch.float64)
     cache.update(k2, k2.clone(), 0)
-    hf_cascade.cache.take_handoff(0)
+    hf_cascade.context.take_pending(0)
     assert cache.plan is not plan and cache.plan.on("cpu") is not first
     cache.reset()
 
@@ -227,10 +228,18 @@ def test_generate_uploads_each_step_plan_once(monkeypatch):
     monkeypatch.setattr(plan_module.StepPlan, "on", counting_on)
     ids, mask = padded_batch(seed=1)
     expected = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
-    got, cache = _generate_with_cache(cascade, ids, mask)
+    # planned anew each step: each step's plan is uploaded once for the one device
+    got, cache = _generate_with_cache(cascade, ids, mask, hf_cascade_config=CascadeConfig(static_decode=False))
     assert torch.equal(expected, got)
     steps = {id(plan) for plan, _ in calls}
     # every layer asks (write + attention), but each step's plan is uploaded once for the one device
     assert len(calls) >= 3 * len(steps) and len(built) == len({(id(p), d) for p, d in calls}) == len(steps)
     assert len(steps) >= NEW            # the prefill plus a plan per decoding step
+    cache.reset()
+    # on the call's static decode layout: one set of device buffers for all decode steps, refilled per step
+    calls.clear(), built.clear()
+    got, cache = _generate_with_cache(cascade, ids, mask)
+    assert torch.equal(expected, got)
+    static = {id(p) for p, _ in calls if p.static}
+    assert len(static) >= NEW - 1 and len(built) == len({id(p) for p, _ in calls if not p.static}) + 1
     cache.reset()

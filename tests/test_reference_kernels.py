@@ -413,7 +413,7 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
     """A backend that does not list softcap/window in QUIRKS is never chosen for such a layer."""
     import types
     from hf_cascade import kernels
-    from hf_cascade.attention import LayerPlan
+    from hf_cascade.context import LayerPlan, Quirks
     from hf_cascade.kernels import reference as reference_backend
     plain = types.SimpleNamespace(unsupported_reason=lambda q, pool, plan: None)
     monkeypatch.setitem(kernels._loaded, "cuda", plain)
@@ -421,6 +421,6 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
     q, pool, plan = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 1, 8), types.SimpleNamespace(src_index=None)
     assert kernels.select("auto", q, pool, plan) is plain
     for quirk in ({"softcap": 30.0}, {"window": 4}):
-        assert kernels.select("auto", q, pool, LayerPlan(plan, **quirk)) is reference_backend
+        assert kernels.select("auto", q, pool, LayerPlan(plan, Quirks(**quirk))) is reference_backend
         with pytest.raises(NotImplementedError, match="not implemented in this backend"):
-            kernels.select("cuda", q, pool, LayerPlan(plan, **quirk))
+            kernels.select("cuda", q, pool, LayerPlan(plan, Quirks(**quirk)))

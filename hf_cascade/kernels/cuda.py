@@ -12,7 +12,8 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
 3. merge: log-sum-exp of all partials of a row into the output, in q's dtype.
 
 The chunking (chunk length in tokens, chunks per group, suffix splits) and the partial-output buffers are
-derived once per step from the plan's host arrays and kept in ``plan.scratch``; every layer reuses them.
+derived from the plan's host arrays and kept in ``plan.call_scratch``: once per step, or once per generate
+call on a static decode layout (then the suffix split follows the tables' capacity); every layer reuses them.
 
 The library is compiled for the present GPU (``-arch=sm_XY``) and cached under ``$HF_CASCADE_CACHE``
 (default ``~/.cache/hf_cascade``), keyed by a hash of the source, the arch, the flags and nvcc's version.
@@ -53,6 +54,9 @@ PREFER_CHUNK_TOKENS = {"v1": None, "v2": 1024}
 # a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens);
 # below, every row reads its whole table (H200, benchmarks/RESULTS.md, kernels_gpu.py --threshold)
 MIN_SAVED_TOKENS = 8192
+# every launch's grid and scalars depend only on shapes and the call's fixed prefix, lengths are read from device
+# memory, no host sync: a decode step on a static layout can be captured in a CUDA graph (hf_cascade.graphs)
+GRAPH_SAFE = True
 SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in the .cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
 
@@ -299,7 +303,8 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
     key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype)
-    state = plan.scratch.get(key)
+    scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
+    state = scratch.get(key)
     if state is not None:
         return state
     _validate(plan, R, Lq, bs, num_blocks)
@@ -327,7 +332,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
             rows = gr[g][gr[g] >= 0]
             row_nchunks[rows] = nchunks[g]
     nqb = -(-(Lq * grp) // SUFFIX_QB)
-    tmax = int(np.asarray(plan.q_limit).max(initial=0))
+    # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
+    # replays the launch; CTAs past a row's length write empty partials)
+    tmax = plan.suffix_table.shape[1] * bs if plan.static else int(np.asarray(plan.q_limit).max(initial=0))
     split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
     slots = max_chunks + nsplit
     state = _StepState(
@@ -337,7 +344,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
         part_o=torch.empty(slots * R * Lq * Hq * D, dtype=torch.float32, device=dev),
         part_lse=torch.empty(slots * R * Lq * Hq, dtype=torch.float32, device=dev),
         dp=plan.on(dev))
-    plan.scratch[key] = state
+    scratch[key] = state
     return state
 
 

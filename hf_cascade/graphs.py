@@ -1,0 +1,254 @@
+"""The decode step as one captured CUDA graph, inside transformers' own generate loop.
+
+transformers' ``_beam_search`` and ``_sample`` call ``model(**model_inputs)`` once per step; on a GPU that
+step is bound by the host (hundreds of small launches from Python). :func:`decode_runner` gives
+``cascade_generate`` a :class:`DecodeGraphRunner` that stands in for ``model.forward`` while the decode
+loop runs. For a decode-shaped call (one new token per row, on the call's static
+:class:`~hf_cascade.plan.DecodeLayout`) it
+
+1. begins the cache's step on the host (block bookkeeping, plan) and uploads the plan into the layout's
+   persistent device buffers (one copy per step);
+2. copies the step's fixed-shape inputs (ids, positions, ...) into static input tensors;
+3. replays a graph of the whole forward (embeddings, every layer with its K/V write and cascade attention,
+   final norm, logits) captured at the first such step.
+
+The first decode step runs eagerly on the static inputs (its result is the step's result), then the same
+step is captured (nothing runs during a capture, so the pool is not touched). Every other call (prefill,
+other shapes, output_attentions, ...) runs the model's own forward. The graph is kept for the call and
+re-captured when what it baked in changes: the input shapes, the layout (rows outgrew its capacity) or a
+pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``static`` never do).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+logger = logging.getLogger("hf_cascade")
+_logged: set = set()
+
+# kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
+_IGNORED = ("attention_mask",)
+_CACHE_KWARGS = ("past_key_values", "cache")
+
+
+def _log_once(key, level, message, *args):
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, message, *args)
+
+
+def unsupported_reason(model, cache, mode) -> str | None:
+    """Why generate's decode steps cannot run as a graph for ``model`` (None when they can)."""
+    if mode is False:
+        return "CascadeConfig(cuda_graphs=False)"
+    if not cache.cascade_config.static_decode:
+        return "CascadeConfig(static_decode=False)"
+    if mode == "eager":
+        return None
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        return "the model has no parameters"
+    if device.type != "cuda":
+        return f"the model is on {device.type}, not CUDA"
+    devices = {str(p.device) for p in model.parameters()}
+    if len(devices) > 1 or len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
+        return "the model spans several devices (device_map)"
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return "accelerate hooks (offloading or a device map) run inside the forward"
+    text = model.config.get_text_config(decoder=True)
+    if getattr(text, "sliding_window", None) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return "sliding-window layers (whether the window cuts a sequence is decided on the host each step)"
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
+        return f"{rope.get('rope_type', rope.get('type'))} RoPE changes its frequencies on the host with the length"
+    return None
+
+
+def decode_runner(model, cache, generation_config):
+    """A DecodeGraphRunner for this generate call, or None (the reason logged once)."""
+    mode = cache.cascade_config.cuda_graphs
+    reason = unsupported_reason(model, cache, mode)
+    if reason is not None:
+        if mode is not False:
+            _log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
+                      "hf_cascade: decode steps run without CUDA graphs: %s", reason)
+        return None
+    _log_once(("on", mode), logging.INFO, "hf_cascade: decode steps run as %s",
+              "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
+    return DecodeGraphRunner(model, cache, capture=mode != "eager")
+
+
+class DecodeGraphRunner:
+    """Stands in for ``model.forward`` during one generate call's decode loop (a context manager).
+
+    ``capture=False`` runs the same static path (fixed input tensors, the layout's buffers, one plan upload
+    per step) with an eager forward instead of a replay: on any device, for debugging and tests.
+    Attributes for benchmarks: ``captures`` (count), ``capture_seconds``, ``replays``, ``eager_calls``.
+    """
+
+    def __init__(self, model, cache, capture: bool = True):
+        self.model, self.cache, self.capture_enabled = model, cache, capture
+        self.original = model.forward
+        self.graph = None
+        self.pool = None
+        self.static_kwargs: dict = {}
+        self.static_out = None
+        self.key = None
+        self.disabled: str | None = None      # why graphs stopped for the rest of the call
+        self.captures, self.capture_seconds, self.replays, self.eager_calls = 0, 0.0, 0, 0
+        self._saved = None
+
+    # ---- installing ---------------------------------------------------------------------------------
+    def __enter__(self):
+        self._saved = self.model.__dict__.get("forward")      # accelerate may have set its own
+        self.model.forward = self
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            self.model.forward = self._saved
+        else:
+            self.model.__dict__.pop("forward", None)
+        self.release()
+        return False
+
+    def release(self) -> None:
+        """Drop the graph, its memory pool and the static tensors."""
+        self.graph, self.pool, self.static_kwargs, self.static_out, self.key = None, None, {}, None, None
+
+    # ---- one forward --------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if args or not self._decode_shaped(kwargs):
+            self.eager_calls += 1
+            return self.original(*args, **kwargs)
+        ctx = self.cache.prepare_step(kwargs["input_ids"].shape[0], 1)
+        if not ctx.plan.static:        # the cache planned this step anew: nothing fixed to replay
+            self.eager_calls += 1
+            return self.original(*args, **kwargs)
+        key = self._key(kwargs)
+        if self.graph is None or key != self.key:
+            return self._first_step(kwargs, key)
+        self._copy_inputs(kwargs)
+        self._upload(ctx)
+        self.graph.replay()
+        self._step_done(ctx)
+        self.replays += 1
+        return self.static_out.__class__(**dict(self.static_out.items()))
+
+    def _decode_shaped(self, kwargs) -> bool:
+        ids = kwargs.get("input_ids")
+        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        return (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
+                and ids.shape[1] == 1 and ids.shape[0] == self.cache.blocks.num_rows and self.cache.logical_length > 0
+                and kwargs.get("inputs_embeds") is None and isinstance(kwargs.get("position_ids"), torch.Tensor)
+                and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states"))
+
+    def _key(self, kwargs):
+        """What the captured graph baked in: input shapes and options, the layout, the pools' addresses."""
+        inputs = tuple(sorted((k, tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor)
+                              else (k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
+                              for k, v in kwargs.items() if k not in _IGNORED))
+        pools = tuple((layer.storage.stable_view().data_ptr(), tuple(layer.storage.stable_view().shape))
+                      for layer in self.cache.layers if layer.storage is not None)
+        layout = self.cache.layout
+        return inputs, id(layout), pools
+
+    def _static_kwargs(self, kwargs):
+        """The forward's arguments with fixed-shape tensors copied into tensors the graph owns. The 2D
+        attention mask grows every step and is left out: decode attention reads each row's own tokens from
+        the cache (pads are never stored) and positions come from ``position_ids``."""
+        static = {}
+        for k, v in kwargs.items():
+            if k in _IGNORED:
+                continue
+            static[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        return static
+
+    def _copy_inputs(self, kwargs):
+        for k, v in self.static_kwargs.items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(kwargs[k], non_blocking=True)
+
+    def _upload(self, ctx):
+        """What the layers' Python does before their kernels: map the pools, upload the plan."""
+        capacity = self.cache.blocks.capacity
+        for layer in self.cache.layers:
+            if layer.storage is not None:
+                layer.storage.ensure(capacity)
+                ctx.plan.on(layer.storage.device)
+
+    def _step_done(self, ctx):
+        ctx.layers_written.update(range(len(self.cache.layers)))   # the next forward begins a new step
+
+    # ---- capture --------------------------------------------------------------------------------------
+    def _first_step(self, kwargs, key):
+        """Run this step eagerly on fresh static inputs (its result is returned), then capture it."""
+        self.release()
+        static = self._static_kwargs(kwargs)
+        ctx = self.cache.step
+        if not self.capture_enabled:
+            out = self.original(**static)
+            self._step_done(ctx)
+            self.static_kwargs, self.key = static, key
+            self.graph = _EagerGraph(self, static)
+            self.eager_calls += 1
+            return out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):          # warm-up on a side stream, as capture will run on one
+            out = self.original(**static)
+        torch.cuda.current_stream().wait_stream(side)
+        self.eager_calls += 1
+        reason = self._refusal(ctx)
+        if reason is not None:
+            return self._disable(reason, ctx, out)
+        started = time.perf_counter()
+        self.cache.rewind_step()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                static_out = self.original(**static)
+        except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
+            return self._disable(f"capture failed ({type(err).__name__}: {str(err)[:200]})", ctx, out)
+        finally:
+            self._step_done(ctx)
+        self.capture_seconds += time.perf_counter() - started
+        self.captures += 1
+        if self.captures > 1:
+            logger.info("hf_cascade: decode graph re-captured (%d captures this call)", self.captures)
+        self.graph, self.pool, self.static_kwargs, self.static_out, self.key = graph, pool, static, static_out, key
+        return out
+
+    def _refusal(self, ctx) -> str | None:
+        """Why the step just run cannot be replayed from a graph (None when it can)."""
+        if len(ctx.layers_written) != len(self.cache.layers):
+            return "not every layer wrote its K/V through the cascade cache"
+        unsafe = sorted({b.__name__.rsplit(".", 1)[-1] for b in ctx.backends.values()
+                         if not getattr(b, "GRAPH_SAFE", False)})
+        if unsafe:
+            return f"the {', '.join(unsafe)} attention backend cannot be captured"
+        if not ctx.backends:
+            return "no layer ran the cascade attention"
+        return None
+
+    def _disable(self, reason, ctx, out):
+        self.disabled = reason
+        self._step_done(ctx)
+        self.release()
+        _log_once(("disabled", reason), logging.INFO, "hf_cascade: decode steps run without CUDA graphs: %s", reason)
+        return out
+
+
+class _EagerGraph:
+    """``capture=False``: "replays" by running the forward eagerly on the static inputs."""
+
+    def __init__(self, runner, static):
+        self.runner, self.static = runner, static
+
+    def replay(self):
+        runner = self.runner
+        runner.cache.rewind_step()
+        runner.static_out = runner.original(**self.static)

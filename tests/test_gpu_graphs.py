@@ -1,0 +1,145 @@
+"""CUDA graphs of the decode step (hf_cascade.graphs) on the GPU: a replayed step equals the eager step on the
+same static plan bitwise (bf16), float32 with TF32 off gives stock's tokens, graphs are reused for the call and
+re-captured when a pool moves, and a failing step leaves nothing captured behind.
+
+Run on the GPU machine: ``pytest -m gpu tests/test_gpu_graphs.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteriaList
+
+import hf_cascade
+from hf_cascade import CascadeConfig, graphs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="cascade",
+                                             dtype=torch.bfloat16)
+    return m.eval()
+
+
+class Spy:
+    def __init__(self, monkeypatch):
+        self.runners = []
+        real = graphs.decode_runner
+
+        def spy(*args, **kwargs):
+            runner = real(*args, **kwargs)
+            self.runners.append(runner)
+            return runner
+
+        monkeypatch.setattr(graphs, "decode_runner", spy)
+
+
+def _batch(lengths, seed=0, shared=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 1000, (len(lengths), width), generator=g)
+    if shared:
+        ids[:, width - min(lengths): width - min(lengths) + shared] = ids[0, width - min(lengths):
+                                                                            width - min(lengths) + shared]
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
+
+
+CASES = {
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "beam-eos": dict(num_beams=4, eos_token_id=[5, 6, 7, 8, 9], early_stopping=True),
+    "sample": dict(do_sample=True, num_return_sequences=3, top_k=0),
+    "greedy": dict(do_sample=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+@pytest.mark.parametrize("memory", ["vmm", "grow"])
+@pytest.mark.parametrize("shared", [0, 300])
+def test_replay_equals_eager_bitwise(model, monkeypatch, case, backend, memory, shared):
+    """Same tokens and bitwise-equal scores: the graph replays exactly the eager static step. block_size 4
+    makes the pool grow during decode (a grow pool moves: re-captured)."""
+    if memory == "vmm" and hf_cascade.memory.vmm_unavailable_reason("cuda"):
+        pytest.skip("no CUDA virtual memory here")
+    ids, mask = _batch((700, 460, 590), seed=1, shared=shared)
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case])
+    outs = []
+    spy = Spy(monkeypatch)
+    for mode in ("eager", True):
+        torch.manual_seed(11)
+        config = CascadeConfig(cuda_graphs=mode, backend=backend, memory=memory, block_size=4)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=config, **kw))
+    eager_run, graph_run = spy.runners
+    assert graph_run.disabled is None, graph_run.disabled
+    assert graph_run.captures >= 1 and graph_run.replays >= 30
+    if memory == "vmm":
+        assert graph_run.captures == 1                   # the pool never moves
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        assert torch.equal(sa, sb)
+    assert "forward" not in model.__dict__
+
+
+def test_float32_graphs_give_stock_tokens(monkeypatch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        stock = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="sdpa",
+                                                 dtype=torch.float32).eval()
+        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="cascade",
+                                                   dtype=torch.float32).eval()
+    cascade.load_state_dict(stock.state_dict())
+    ids, mask = _batch((300, 210), seed=2)
+    spy = Spy(monkeypatch)
+    for case in ("beam", "greedy"):
+        kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
+        expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                               **kw)
+        assert torch.equal(expected, got), case
+    assert all(r.disabled is None and r.replays > 10 for r in spy.runners)
+
+
+def test_exception_inside_a_step_leaves_no_graph_and_next_call_is_the_same(model, monkeypatch):
+    ids, mask = _batch((500, 380), seed=3)
+    kw = dict(num_beams=4, max_new_tokens=20, pad_token_id=0, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    expected = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    calls = []
+
+    def boom(input_ids, scores, **_):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([boom]), **kw)
+    assert "forward" not in model.__dict__
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), expected)
+
+
+def test_graphs_are_off_when_asked_and_for_several_devices(model, monkeypatch, caplog):
+    spy = Spy(monkeypatch)
+    ids, mask = _batch((200,), seed=4)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
+                   hf_cascade_config=CascadeConfig(cuda_graphs=False))
+    assert spy.runners == [None]
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    try:
+        cache = hf_cascade.CascadeCache(model.config)
+        assert "several devices" in graphs.unsupported_reason(model, cache, None)
+    finally:
+        del model.hf_device_map

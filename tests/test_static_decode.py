@@ -1,0 +1,227 @@
+"""The decode step on a layout fixed for the whole generate call (hf_cascade.plan.DecodeLayout) and the graph
+runner's static path (hf_cascade.graphs) in its eager form, on the CPU.
+
+- Plans: a static step attends exactly like the step planned anew (float64 reference backend) over random
+  beam histories (forks, reorders inside prompts, copy-on-write), and outgrowing the layout re-plans.
+- Tokens: every family the GPU path can serve gives stock's tokens with per-step plans, with the static
+  layout, and through the runner (fixed input tensors, one plan upload per step, the forward re-run on them).
+- Faults: a failing step leaves the model's forward restored and the next generate exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hf_cascade
+from hf_cascade import CascadeConfig, graphs
+from hf_cascade.blocks import BlockManager
+from hf_cascade.kernels import reference
+from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
+
+from conftest import model_pair, padded_batch
+from test_families import FAMILIES, generate_kwargs
+from test_families import model_pair as family_pair
+
+BS = 4
+
+
+# ---- plans ------------------------------------------------------------------------------------------------
+def _history(rng, prompts, beams, steps):
+    """A block manager after a prefill of ``prompts`` rows, a fork to ``beams`` each, and ``steps`` decode
+    steps with random reorders inside each prompt's beams; yields (manager, step plan inputs) per step."""
+    blocks = BlockManager(BS)
+    blocks.add_rows(len(prompts))
+    blocks.append(np.asarray(prompts))
+    blocks.fork(beams)
+    for _ in range(steps):
+        base = np.repeat(np.arange(len(prompts)) * beams, beams)
+        blocks.select(base + rng.integers(0, beams, size=base.size))
+        yield blocks
+
+
+def _attend(plan, q, pool, scale=0.3):
+    return reference.attend(q, pool, plan, scale)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_static_step_attends_like_a_step_planned_anew(seed):
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(1, 23, size=rng.integers(1, 4))
+    beams, steps = int(rng.integers(1, 5)), 9
+    Hkv, Hq, D = 2, 4, 8
+    layout = None
+    for blocks in _history(rng, prompts, beams, steps):
+        prev = blocks.lengths.copy()
+        if layout is None:
+            layout = DecodeLayout.freeze(blocks.tables(), prev, BS, steps)
+        counts = np.ones(blocks.num_rows, dtype=np.int64)
+        append = blocks.append(counts)
+        static = layout.step(blocks.tables(), blocks.lengths, append)
+        anew = build_step_plan(blocks.tables(), blocks.lengths, counts, None, 1, append, BS, 2)
+        assert static.static and not anew.static
+        assert static.suffix_table.shape == (blocks.num_rows, layout.suffix_width)   # fixed for the call
+        assert np.array_equal(static.write_block, anew.write_block)
+        assert static.copy_src.shape == (blocks.num_rows,)                           # padded copy pairs
+        assert set(zip(anew.copy_src, anew.copy_dst)) <= set(zip(static.copy_src, static.copy_dst))
+        pool = torch.randn(blocks.capacity + 1, 2, BS, Hkv, D, dtype=torch.float64)
+        q = torch.randn(blocks.num_rows, 1, Hq, D, dtype=torch.float64)
+        torch.testing.assert_close(_attend(static, q, pool), _attend(anew, q, pool), rtol=1e-12, atol=1e-12)
+
+
+def test_static_buffers_keep_their_addresses_and_take_each_step():
+    rng = np.random.default_rng(0)
+    layout, seen = None, []
+    for blocks in _history(rng, np.array([9, 13]), 3, 5):
+        if layout is None:
+            layout = DecodeLayout.freeze(blocks.tables(), blocks.lengths.copy(), BS, 6)
+        plan = layout.step(blocks.tables(), blocks.lengths, blocks.append(np.ones(blocks.num_rows, np.int64)))
+        dp = plan.on("cpu")
+        seen.append((dp.suffix_table.data_ptr(), dp.write_block.data_ptr(), dp.prefix_table.data_ptr()))
+        assert np.array_equal(dp.suffix_table.numpy(), plan.suffix_table)
+        assert np.array_equal(dp.q_limit.numpy(), plan.q_limit)
+        assert np.array_equal(dp.write_offset.numpy(), plan.write_offset)
+        assert plan.call_scratch is layout.state
+    assert len(set(seen)) == 1
+
+
+def test_layout_outgrown_when_rows_pass_max_length_or_leave_their_prefix():
+    blocks = BlockManager(BS)
+    blocks.add_rows(1)
+    blocks.append([9])
+    blocks.fork(2)
+    layout = DecodeLayout.freeze(blocks.tables(), blocks.lengths.copy(), BS, max_new_tokens=1)
+    assert layout.num_rows == 2 and layout.prefix_len.tolist() == [8]
+    with pytest.raises(LayoutOutgrown, match="suffix needs"):
+        for _ in range(12):
+            layout.step(blocks.tables(), blocks.lengths, blocks.append([1, 1]))
+    other = BlockManager(BS)
+    other.add_rows(2)
+    other.append([9, 9])           # two rows that share nothing
+    with pytest.raises(LayoutOutgrown, match="frozen prefix"):
+        layout.step(other.tables(), other.lengths, other.append([1, 1]))
+
+
+def test_cache_replans_when_the_layout_is_outgrown(llama_pair, caplog):
+    """A decode that runs past the max_length the layout was frozen for re-plans (logged), still exact."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=2)
+    kw = dict(num_beams=3, max_new_tokens=6, pad_token_id=0)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    real = hf_cascade.CascadeCache.begin_decode
+
+    def too_short(self, max_length):                 # as if a stopping criterion let rows run longer
+        real(self, ids.shape[1] + 1)
+
+    with pytest.MonkeyPatch.context() as mp, caplog.at_level("INFO", logger="hf_cascade"):
+        mp.setattr(hf_cascade.CascadeCache, "begin_decode", too_short)
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(block_size=2))
+    assert torch.equal(expected, got)
+    assert "decode layout re-planned" in caplog.text
+
+
+# ---- tokens -----------------------------------------------------------------------------------------------
+# families whose layers the cuda kernels serve (no window shorter than the sequence, no softcap)
+GPU_SERVED = [name for name, f in FAMILIES.items() if f.status == "exact"
+              and name not in ("Mistral", "Gemma2", "Cohere2", "Starcoder2")]
+
+
+class RunnerSpy:
+    """Records the graph runners generate creates."""
+
+    def __init__(self, monkeypatch):
+        self.runners = []
+        real = graphs.decode_runner
+
+        def spy(*args, **kwargs):
+            runner = real(*args, **kwargs)
+            self.runners.append(runner)
+            return runner
+
+        monkeypatch.setattr(graphs, "decode_runner", spy)
+
+
+@pytest.mark.parametrize("name", GPU_SERVED)
+@pytest.mark.parametrize("mode", ["beam", "sample"])
+def test_family_tokens_per_step_plans_and_runner(name, mode, monkeypatch):
+    stock, cascade = family_pair(name)
+    family = FAMILIES[name]
+    ids, mask = padded_batch(seed=3, lengths=(21, 15))
+
+    def run(model, **extra):
+        torch.manual_seed(123)
+        return model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs(mode), **family.extra, **extra)
+
+    expected = run(stock)
+    assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(static_decode=False)), expected)
+    spy = RunnerSpy(monkeypatch)
+    assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(cuda_graphs="eager")), expected)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
+    assert "forward" not in cascade.__dict__            # the model's own forward is back
+
+
+CASES = {
+    "greedy": dict(do_sample=False),
+    "beam, eos ends beams early": dict(num_beams=4, num_return_sequences=2, eos_token_id=7, early_stopping=True),
+    "sampling": dict(do_sample=True, num_return_sequences=3, top_k=0, temperature=1.5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("shared", [False, True], ids=["own prompts", "shared system prompt"])
+def test_runner_gives_stock_tokens(case, shared, llama_pair, monkeypatch):
+    """The runner's static path: padding, several prompts, a shared system prompt, eos, a pool that grows
+    during decode (block size 2, grow policy)."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=5, lengths=(27, 19, 23))
+    if shared:
+        ids[:, -19:-5] = ids[0, -19:-5]
+    kw = dict(max_new_tokens=9, pad_token_id=0, **CASES[case])
+    torch.manual_seed(7)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    spy = RunnerSpy(monkeypatch)
+    torch.manual_seed(7)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
+                           hf_cascade_config=CascadeConfig(cuda_graphs="eager", block_size=2, memory="grow"))
+    assert torch.equal(expected, got)
+    runner, = spy.runners
+    assert runner.replays >= 5 and runner.disabled is None
+
+
+def test_failed_step_restores_forward_and_next_generate_is_exact(llama_pair):
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=4)
+    kw = dict(num_beams=3, max_new_tokens=6, pad_token_id=0)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+
+    class Boom(Exception):
+        pass
+
+    calls = []
+
+    def stop(input_ids, scores, **_):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Boom()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    from transformers import StoppingCriteriaList
+    config = CascadeConfig(cuda_graphs="eager")
+    with pytest.raises(Boom):
+        cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config,
+                         stopping_criteria=StoppingCriteriaList([stop]))
+    assert "forward" not in cascade.__dict__
+    assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config), expected)
+
+
+def test_graphs_refused_with_a_reason_where_they_cannot_apply():
+    stock, cascade = model_pair("llama")
+    cache = hf_cascade.CascadeCache(cascade.config)
+    assert "not CUDA" in graphs.unsupported_reason(cascade, cache, None)
+    assert graphs.unsupported_reason(cascade, cache, False) == "CascadeConfig(cuda_graphs=False)"
+    assert graphs.unsupported_reason(cascade, cache, "eager") is None
+    off = hf_cascade.CascadeCache(cascade.config, CascadeConfig(static_decode=False))
+    assert "static_decode" in graphs.unsupported_reason(cascade, off, "eager")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        CascadeConfig(cuda_graphs="sometimes")
