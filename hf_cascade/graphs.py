@@ -128,11 +128,11 @@ class DecodeGraphRunner:
         if not ctx.plan.static:        # the cache planned this step anew: nothing fixed to replay
             self.eager_calls += 1
             return self.original(*args, **kwargs)
+        self._upload(ctx)               # first: a pool that grows may move, which the key must see
         key = self._key(kwargs)
         if self.graph is None or key != self.key:
             return self._first_step(kwargs, key)
         self._copy_inputs(kwargs)
-        self._upload(ctx)
         self.graph.replay()
         self._step_done(ctx)
         self.replays += 1
