@@ -125,6 +125,7 @@ def _check_padding_known(plan, attention_mask) -> None:
             "be stored. Use model.generate(...), or hf_cascade.prefill(model, cache, input_ids, attention_mask).")
 
 
+@torch.compiler.disable            # reads the step context and launches our kernels: eager inside a compiled forward
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
     found = take_pending(module.layer_idx)

@@ -153,6 +153,7 @@ class CascadeCache(Cache):
         self._decode_max_length: int | None = None
 
     # ---- transformers' Cache API ------------------------------------------------------------
+    @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store this step's K/V of layer ``layer_idx``; returns them unchanged (the attention reads the pool)."""
         if self.offloading:

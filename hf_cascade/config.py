@@ -41,6 +41,9 @@ class CascadeConfig:
             off; ``True``: as None, but a model it cannot apply to is logged at WARNING; ``"eager"``: the
             runner's static path (fixed buffers, one plan upload per step) run without capturing, on any
             device (for debugging and CPU tests).
+        compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
+            shapes) and capture the compiled forward: fused norms, rotary and MLP glue. The first call of a
+            shape compiles (tens of seconds for an 8B model); off by default.
         static_decode: inside generate, plan decode steps on a layout fixed for the call
             (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
     """
@@ -55,11 +58,14 @@ class CascadeConfig:
     min_saved_tokens: int | None = None
     cuda_graphs: bool | str | None = None
     static_decode: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         if self.cuda_graphs not in (None, True, False, "eager"):
             raise ValueError(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
                              f"got {self.cuda_graphs!r}.")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"CascadeConfig.compile must be a bool, got {self.compile!r}.")
         if not isinstance(self.static_decode, bool):
             raise ValueError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
         if self.backend not in BACKENDS:

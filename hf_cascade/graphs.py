@@ -78,7 +78,7 @@ def decode_runner(model, cache, generation_config):
         return None
     _log_once(("on", mode), logging.INFO, "hf_cascade: decode steps run as %s",
               "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
-    return DecodeGraphRunner(model, cache, capture=mode != "eager")
+    return DecodeGraphRunner(model, cache, capture=mode != "eager", compile=cache.cascade_config.compile)
 
 
 class DecodeGraphRunner:
@@ -89,9 +89,12 @@ class DecodeGraphRunner:
     Attributes for benchmarks: ``captures`` (count), ``capture_seconds``, ``replays``, ``eager_calls``.
     """
 
-    def __init__(self, model, cache, capture: bool = True):
+    def __init__(self, model, cache, capture: bool = True, compile: bool = False):
         self.model, self.cache, self.capture_enabled = model, cache, capture
         self.original = model.forward
+        # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
+        # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
+        self.forward_fn = _compiled(self.original) if compile else self.original
         self.graph = None
         self.pool = None
         self.static_kwargs: dict = {}
@@ -190,7 +193,7 @@ class DecodeGraphRunner:
         static = self._static_kwargs(kwargs)
         ctx = self.cache.step
         if not self.capture_enabled:
-            out = self.original(**static)
+            out = self._run(static)
             self._step_done(ctx)
             self.static_kwargs, self.key = static, key
             self.graph = _EagerGraph(self, static)
@@ -199,7 +202,7 @@ class DecodeGraphRunner:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):          # warm-up on a side stream, as capture will run on one
-            out = self.original(**static)
+            out = self._run(static)
         torch.cuda.current_stream().wait_stream(side)
         self.eager_calls += 1
         reason = self._refusal(ctx)
@@ -210,7 +213,7 @@ class DecodeGraphRunner:
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                static_out = self.original(**static)
+                static_out = self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
             return self._disable(f"capture failed ({type(err).__name__}: {str(err)[:200]})", ctx, out)
         finally:
@@ -221,6 +224,21 @@ class DecodeGraphRunner:
             logger.info("hf_cascade: decode graph re-captured (%d captures this call)", self.captures)
         self.graph, self.pool, self.static_kwargs, self.static_out, self.key = graph, pool, static, static_out, key
         return out
+
+    def _run(self, static):
+        """The first step's eager forward (with ``compile``, the compiling one; a model dynamo cannot
+        compile runs uncompiled, logged)."""
+        if self.forward_fn is self.original:
+            return self.original(**static)
+        try:
+            return self.forward_fn(**static)
+        except Exception as err:  # noqa: BLE001 — inductor/dynamo failures: fall back to the plain forward
+            _log_once(("compile", type(err).__name__), logging.WARNING,
+                      "hf_cascade: CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
+                      type(err).__name__, str(err)[:200])
+            self.forward_fn = self.original
+            self.cache.rewind_step()           # the layers that ran wrote their K/V: the same slots again
+            return self.original(**static)
 
     def _refusal(self, ctx) -> str | None:
         """Why the step just run cannot be replayed from a graph (None when it can)."""
@@ -251,4 +269,10 @@ class _EagerGraph:
     def replay(self):
         runner = self.runner
         runner.cache.rewind_step()
-        runner.static_out = runner.original(**self.static)
+        runner.static_out = runner.forward_fn(**self.static)
+
+
+def _compiled(forward):
+    """``forward`` compiled for a fixed shape (default mode: inductor without its own CUDA graphs, which
+    would copy the cache's pools; ours captures the compiled forward)."""
+    return torch.compile(forward, dynamic=False, mode="default")
