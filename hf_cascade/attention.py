@@ -57,8 +57,9 @@ def cascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 
 
 def stock_attention(module) -> str:
-    """An attention implementation ``module``'s model really has, for messages: "sdpa", or "eager" where its
-    modeling file's models lack sdpa (e.g. GPT-OSS: sdpa cannot add attention sinks) or cannot be told."""
+    """An attention implementation that the model of ``module`` (one of its modules, or the model) really has,
+    for messages: "sdpa", or "eager" where its modeling file's models lack sdpa (e.g. GPT-OSS: sdpa cannot add
+    attention sinks) or cannot be told."""
     modeling = sys.modules.get(type(module).__module__)
     models = [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
               and c.__module__ == modeling.__name__] if modeling is not None else []

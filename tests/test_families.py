@@ -214,3 +214,17 @@ def test_table_is_consistent():
     for name, family in FAMILIES.items():
         assert family.status in ("exact", "refused", "load error"), name
         assert (family.error is not None) == (family.status != "exact"), name
+
+
+def test_refusals_name_an_attention_the_model_has():
+    """GPT-OSS has no sdpa (sdpa cannot add sinks): a refusal tells its users to load eager, Llama's sdpa."""
+    from hf_cascade.attention import stock_attention as named
+    for name, expected in (("GPT-OSS", "eager"), ("Llama", "sdpa")):
+        config = FAMILIES[name].make()
+        config.attention_dropout = 0.5          # refused: the cascade path has no attention dropout
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="cascade", dtype=torch.float32,
+                                                 **FAMILIES[name].load).train()
+        assert named(model.model.layers[0].self_attn) == expected
+        ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+        with pytest.raises(NotImplementedError, match=f"attention dropout.*attn_implementation='{expected}'"):
+            run(model, "greedy", ids, mask)
