@@ -228,3 +228,13 @@ def test_refusals_name_an_attention_the_model_has():
         ids, mask = padded_batch(seed=3, lengths=PROMPTS)
         with pytest.raises(NotImplementedError, match=f"attention dropout.*attn_implementation='{expected}'"):
             run(model, "greedy", ids, mask)
+
+
+def test_gpt_oss_forward_without_cache_is_stock_eager():
+    """No cascade cache (a loss pass): the dense path runs the model's own eager attention, sinks included."""
+    stock, cascade = model_pair("GPT-OSS")
+    ids, mask = padded_batch(seed=4, lengths=PROMPTS)
+    with torch.no_grad():
+        expected = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = cascade(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(expected, got)

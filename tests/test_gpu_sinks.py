@@ -98,3 +98,30 @@ def test_with_other_quirks(backend, window, softcap):
     lay["sinks"] = 3.0 * torch.randn(lay["q"].shape[2], generator=torch.Generator().manual_seed(5))
     q, pool, sinks = _on_gpu(lay, torch.bfloat16)
     check_against_reference(backend, q, pool, step_plan(lay), lay["scale"], sinks, **quirks)
+
+
+@pytest.mark.parametrize("mode", ["beam", "sample"])
+def test_gpt_oss_float32_generate_matches_stock_eager(mode):
+    """The tiny GPT-OSS of the family matrix on the GPU in float32 (TF32 off): backend "auto" sends its sink
+    layers to a backend that declares sinks (the reference until a GPU backend does) and gives stock eager's
+    tokens."""
+    import test_families as tf
+    from transformers import AutoModelForCausalLM
+
+    family = tf.FAMILIES["GPT-OSS"]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            stock = AutoModelForCausalLM.from_config(family.make(), attn_implementation="eager", dtype=torch.float32,
+                                                     **family.load).eval()
+            with torch.no_grad():
+                family.init(stock)
+            cascade = AutoModelForCausalLM.from_config(family.make(), attn_implementation="cascade",
+                                                       dtype=torch.float32, **family.load).eval()
+        cascade.load_state_dict(stock.state_dict())
+        ids, mask = (t.cuda() for t in tf.padded_batch(seed=3, lengths=tf.PROMPTS))
+        assert torch.equal(tf.run(stock, mode, ids, mask), tf.run(cascade, mode, ids, mask))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
