@@ -430,6 +430,22 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
             kernels.select("cuda", q, pool, LayerPlan(plan, Quirks(**quirk)))
 
 
+
+def test_quirk_sets_tell_layers_sinks_apart():
+    """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
+    layers with equal-valued sinks still get plans of their own, and a layer gets the same one every time."""
+    from types import SimpleNamespace
+
+    from hf_cascade.context import Quirks, StepContext
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
+    assert Quirks(sinks=a) != Quirks(sinks=b) and Quirks(sinks=a) != Quirks()
+    assert Quirks(softcap=2.0, window=4) == Quirks(softcap=2.0, window=4)
+    ctx = StepContext(cache=None, plan=SimpleNamespace(), step_id=0)
+    assert ctx.layer_plan(Quirks(sinks=a)).sinks is a and ctx.layer_plan(Quirks(sinks=b)).sinks is b
+    assert ctx.layer_plan(Quirks(sinks=a)) is ctx.layer_plan(Quirks(sinks=a))
+    assert ctx.layer_plan(Quirks()).sinks is None
+
 # --------------------------------------------------------------------------- attention sinks
 
 
