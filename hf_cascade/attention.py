@@ -12,7 +12,7 @@ import inspect
 import sys
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
@@ -56,23 +56,38 @@ def cascade_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **kwargs)
 
 
-def _model_eager(module):
-    """The eager attention function of ``module``'s own modeling file, if it takes a ``softcap``."""
+def stock_attention(module) -> str:
+    """An attention implementation that the model of ``module`` (one of its modules, or the model) really has,
+    for messages: "sdpa", or "eager" where its modeling file's models lack sdpa (e.g. GPT-OSS: sdpa cannot add
+    attention sinks) or cannot be told."""
+    modeling = sys.modules.get(type(module).__module__)
+    models = [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+              and c.__module__ == modeling.__name__] if modeling is not None else []
+    return "sdpa" if any(getattr(c, "_supports_sdpa", False) for c in models) else "eager"
+
+
+def _model_eager(module, kwargs):
+    """The eager attention function of ``module``'s own modeling file if the dense path needs it (sdpa has no
+    softcap and no sinks; stock runs such models in eager), else None. Raises if it is needed but unusable."""
+    softcap, sinks = kwargs.get("softcap") is not None, kwargs.get("s_aux") is not None
+    if not (softcap or sinks):
+        return None
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    if fn is not None and "softcap" in inspect.signature(fn).parameters:
-        return fn
-    return None
+    usable = fn is not None and (not softcap or "softcap" in inspect.signature(fn).parameters)
+    # transformers' sink models pass s_aux=self.sinks and their eager function reads module.sinks
+    usable = usable and (not sinks or getattr(module, "sinks", None) is kwargs["s_aux"])
+    if not usable:
+        quirk = " and ".join(q for q, on in (("attention logit softcapping", softcap), ("attention sinks", sinks)) if on)
+        raise NotImplementedError(
+            f"{type(module).__name__} uses {quirk}, but its modeling file has no eager attention function that "
+            "applies it for the dense (prefill) path. Load the model with "
+            f"attn_implementation='{stock_attention(module)}' instead.")
+    return fn
 
 
 def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    if kwargs.get("softcap") is not None:
-        # sdpa has no logit softcap (stock runs such models, e.g. Gemma2, in eager): use the model's own eager
-        fn = _model_eager(module)
-        if fn is None:
-            raise NotImplementedError(
-                f"{type(module).__name__} uses attention logit softcapping, but its modeling file has no eager "
-                "attention function with a `softcap` argument for the dense (prefill) path. Load the model with "
-                "attn_implementation='eager' or 'sdpa' instead.")
+    fn = _model_eager(module, kwargs)
+    if fn is not None:
         if isinstance(attention_mask, CascadeMask):
             attention_mask = attention_mask.eager()
         if attention_mask is not None and attention_mask.dtype == torch.bool:
@@ -89,8 +104,6 @@ def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling,
 def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> None:
     """Refuse what the cascade path would silently get wrong."""
     reasons = []
-    if kwargs.get("s_aux") is not None:
-        reasons.append("attention sinks (s_aux)")
     if kwargs.get("position_bias") is not None:
         reasons.append("an additive position bias")
     if dropout:
@@ -108,7 +121,8 @@ def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> Non
     if reasons:
         raise NotImplementedError(
             f"{type(module).__name__} (layer {layer.layer_idx}) uses {', '.join(reasons)}, which the cascade "
-            "attention does not support yet. Load the model with attn_implementation='sdpa' instead.")
+            f"attention does not support yet. Load the model with attn_implementation='{stock_attention(module)}' "
+            "instead.")
 
 
 def _check_padding_known(plan, attention_mask) -> None:
@@ -135,7 +149,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     if write.key is not key or write.value is not value:
         raise RuntimeError(
             f"{type(module).__name__} changed the K/V between cache.update and the attention call; the cascade "
-            "attention reads K/V from its cache and cannot follow. Use attn_implementation='sdpa' for this model.")
+            "attention reads K/V from its cache and cannot follow. Use "
+            f"attn_implementation='{stock_attention(module)}' for this model.")
     _check_supported(module, ctx, write.layer, attention_mask, dropout, kwargs)
     plan = ctx.plan
     if plan.q_len > 1 and ctx.first_write:
@@ -148,7 +163,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     window = kwargs.get("sliding_window")
     if window is not None and ctx.cache.logical_length <= window:
         window = None          # the whole sequence is inside the window: plain causal attention
-    quirks = Quirks(softcap=kwargs.get("softcap"), window=window)
+    quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
     return backend.attend(q, pool, ctx.layer_plan(quirks), scale).contiguous(), None
 

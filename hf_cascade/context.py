@@ -26,22 +26,35 @@ if TYPE_CHECKING:
 _local = threading.local()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Quirks:
-    """One layer's attention variants, as the model's attention call passes them (None: off)."""
+    """One layer's attention variants, as the model's attention call passes them (None: off).
+
+    ``sinks``: the layer's attention-sink logits [Hq] (GPT-OSS ``s_aux``), a tensor, so quirk sets compare
+    (and key the context's dicts) by its identity: the same parameter every step of a layer."""
 
     softcap: float | None = None
     window: int | None = None
+    sinks: torch.Tensor | None = None
+
+    def _key(self):
+        return self.softcap, self.window, None if self.sinks is None else id(self.sinks)
+
+    def __eq__(self, other):
+        return isinstance(other, Quirks) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
 
 class LayerPlan:
     """The step's plan as one layer's kernels read it: the plan's fields plus the layer's quirks
-    (``softcap``, ``window``). Built once per (step, quirks) by the context, shared by the layers
+    (``softcap``, ``window``, ``sinks``). Built once per (step, quirks) by the context, shared by the layers
     that have the same quirks."""
 
     def __init__(self, plan: "StepPlan", quirks: Quirks = Quirks()):
         self.plan, self.quirks = plan, quirks
-        self.softcap, self.window = quirks.softcap, quirks.window
+        self.softcap, self.window, self.sinks = quirks.softcap, quirks.window, quirks.sinks
 
     def __getattr__(self, name):
         return getattr(self.plan, name)

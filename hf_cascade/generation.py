@@ -18,6 +18,7 @@ from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
 from . import graphs
+from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
 
@@ -54,7 +55,7 @@ def check_model_supported(model) -> None:
     if reason is not None:
         raise NotImplementedError(
             f"attn_implementation='cascade' cannot serve this model: {reason}. "
-            "Load it with attn_implementation='sdpa' instead.")
+            f"Load it with attn_implementation='{stock_attention(model)}' instead.")
 
 
 def model_fingerprint(model) -> tuple:
@@ -164,7 +165,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(f"cascade generate supports greedy, sampling and beam search, not {mode.value}; "
-                                  "use attn_implementation='sdpa' for it.")
+                                  f"use attn_implementation='{stock_attention(model)}' for it.")
     if hf_cascade_streamer is not None:
         if mode in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE):
             raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
@@ -176,13 +177,15 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     if existing is not None and not isinstance(existing, CascadeCache) and \
             generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
-                         "attn_implementation='cascade', which brings its own cache. Unset it, or use sdpa.")
+                         "attn_implementation='cascade', which brings its own cache. Unset it, or use "
+                         f"{stock_attention(model)}.")
     if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
                                                       or generation_config.output_attentions):
         # stock returns them for every prompt position, which a once-per-prompt prefill does not compute
         if isinstance(existing, CascadeCache):
             raise ValueError("output_hidden_states/output_attentions need every prompt position's outputs, which a "
-                             "CascadeCache prefill does not keep; pass no cache (dense decoding) or use sdpa.")
+                             "CascadeCache prefill does not keep; pass no cache (dense decoding) or use "
+                             f"{stock_attention(model)}.")
         logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
                        "(no prompt sharing).")
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -193,7 +196,8 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=synced_gpus, **model_kwargs)
     if model_kwargs.get("inputs_embeds") is not None:
-        raise NotImplementedError("cascade generate needs input_ids, not inputs_embeds; use attn_implementation='sdpa'.")
+        raise NotImplementedError("cascade generate needs input_ids, not inputs_embeds; use "
+                                  f"attn_implementation='{stock_attention(model)}'.")
 
     owned = not isinstance(existing, CascadeCache)
     cache = CascadeCache(model.config, hf_cascade_config) if owned else existing

@@ -32,7 +32,7 @@ class Family:
     """One row of the support matrix.
 
     ``make()`` returns a fresh tiny config. ``status`` is "exact" (token-exact with stock) or
-    "refused" (every mode raises NotImplementedError matching ``error``, which must say to use sdpa).
+    "refused" (every mode raises NotImplementedError matching ``error``, which must name stock's attention).
     ``quirks`` lists what the family exercises in the attention path (or why it is refused).
     """
 
@@ -45,6 +45,8 @@ class Family:
     dtype: torch.dtype = torch.float64
     error_type: type = NotImplementedError
     stock: str | None = None    # stock attention to compare with; None: sdpa, or eager where the family has no sdpa
+    load: dict = field(default_factory=dict)    # extra from_config kwargs, for both models
+    init: Callable | None = None    # init(model): adjusts the random weights (before the cascade model copies them)
 
 
 def _llama_like(cls, **overrides):
@@ -61,6 +63,14 @@ def _cfg(cls, **kwargs):
 
 
 T = transformers
+
+
+def _spread_sinks(model):
+    """GPT-OSS's sinks start near 0 (std initializer_range); spread them so that dropping, repeating or
+    permuting them changes the tokens."""
+    for layer in model.model.layers:
+        layer.self_attn.sinks.normal_(0.0, 2.0)
+
 
 # transformers before ~5.2x picks GPT-J's attention class from its own table: refused when built with "cascade"
 _GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*sdpa")
@@ -126,6 +136,14 @@ FAMILIES: dict[str, Family] = {
     "SmolLM3": Family(_llama_like(T.SmolLM3Config, no_rope_layers=[1, 0]), quirks="NoPE layers"),
     "GPT-BigCode": Family(_cfg(T.GPTBigCodeConfig, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                multi_query=True), quirks="MQA, learned positions"),
+    "GPT-OSS": Family(_llama_like(T.GptOssConfig, head_dim=16, sliding_window=12, initializer_range=0.2,
+                                  layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                                  num_experts_per_tok=2, rope_parameters=dict(
+                                      rope_type="yarn", factor=2.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                      original_max_position_embeddings=128, rope_theta=150000.0)),
+                      load=dict(experts_implementation="eager"), init=_spread_sinks,
+                      quirks="attention sinks (s_aux, spread to std 2), hybrid layers with sliding window 12, MoE MLP (stock: eager, "
+                             "as it has no sdpa; experts in eager, as stock's grouped_mm has no float64)"),
     "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
                     error="does not route its attention through transformers' AttentionInterface",
                     quirks="ALiBi, own attention code (not AttentionInterface)"),
@@ -144,9 +162,12 @@ def model_pair(name: str):
     config = family.make()
     model_class = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     stock = AutoModelForCausalLM.from_config(config, attn_implementation=family.stock or stock_attention(model_class),
-                                             dtype=family.dtype).eval()
+                                             dtype=family.dtype, **family.load).eval()
+    if family.init is not None:
+        with torch.no_grad():
+            family.init(stock)
     cascade = AutoModelForCausalLM.from_config(family.make(), attn_implementation="cascade",
-                                               dtype=family.dtype).eval()
+                                               dtype=family.dtype, **family.load).eval()
     cascade.load_state_dict(stock.state_dict())
     return stock, cascade
 
@@ -181,7 +202,7 @@ def test_family(name, mode):
     if family.status == "refused":
         with pytest.raises(NotImplementedError, match=family.error) as err:
             run(cascade, mode, ids, mask, **family.extra)
-        assert "attn_implementation='sdpa'" in str(err.value)
+        assert f"attn_implementation='{stock.config._attn_implementation}'" in str(err.value)
         return
     expected = run(stock, mode, ids, mask, **family.extra)
     got = run(cascade, mode, ids, mask, **family.extra)
@@ -193,3 +214,27 @@ def test_table_is_consistent():
     for name, family in FAMILIES.items():
         assert family.status in ("exact", "refused", "load error"), name
         assert (family.error is not None) == (family.status != "exact"), name
+
+
+def test_refusals_name_an_attention_the_model_has():
+    """GPT-OSS has no sdpa (sdpa cannot add sinks): a refusal tells its users to load eager, Llama's sdpa."""
+    from hf_cascade.attention import stock_attention as named
+    for name, expected in (("GPT-OSS", "eager"), ("Llama", "sdpa")):
+        config = FAMILIES[name].make()
+        config.attention_dropout = 0.5          # refused: the cascade path has no attention dropout
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="cascade", dtype=torch.float32,
+                                                 **FAMILIES[name].load).train()
+        assert named(model.model.layers[0].self_attn) == expected
+        ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+        with pytest.raises(NotImplementedError, match=f"attention dropout.*attn_implementation='{expected}'"):
+            run(model, "greedy", ids, mask)
+
+
+def test_gpt_oss_forward_without_cache_is_stock_eager():
+    """No cascade cache (a loss pass): the dense path runs the model's own eager attention, sinks included."""
+    stock, cascade = model_pair("GPT-OSS")
+    ids, mask = padded_batch(seed=4, lengths=PROMPTS)
+    with torch.no_grad():
+        expected = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        got = cascade(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(expected, got)

@@ -407,10 +407,14 @@ def test_attend_reads_quirks_from_the_plan():
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
     o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
+    sinks = torch.linspace(-2.0, 3.0, lay["q"].shape[2], dtype=torch.float64)
+    plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5, sinks=sinks)
+    o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
+    check(o, _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], 1.5, 5, sinks), torch.float64)
 
 
 def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
-    """A backend that does not list softcap/window in QUIRKS is never chosen for such a layer."""
+    """A backend that does not list softcap/window/sinks in QUIRKS is never chosen for such a layer."""
     import types
     from hf_cascade import kernels
     from hf_cascade.context import LayerPlan, Quirks
@@ -420,7 +424,203 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
     monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("absent"))
     q, pool, plan = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 1, 8), types.SimpleNamespace(src_index=None)
     assert kernels.select("auto", q, pool, plan) is plain
-    for quirk in ({"softcap": 30.0}, {"window": 4}):
+    for quirk in ({"softcap": 30.0}, {"window": 4}, {"sinks": torch.zeros(2)}):
         assert kernels.select("auto", q, pool, LayerPlan(plan, Quirks(**quirk))) is reference_backend
         with pytest.raises(NotImplementedError, match="not implemented in this backend"):
             kernels.select("cuda", q, pool, LayerPlan(plan, Quirks(**quirk)))
+
+
+
+def test_quirk_sets_tell_layers_sinks_apart():
+    """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
+    layers with equal-valued sinks still get plans of their own, and a layer gets the same one every time."""
+    from types import SimpleNamespace
+
+    from hf_cascade.context import Quirks, StepContext
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
+    assert Quirks(sinks=a) != Quirks(sinks=b) and Quirks(sinks=a) != Quirks()
+    assert Quirks(softcap=2.0, window=4) == Quirks(softcap=2.0, window=4)
+    ctx = StepContext(cache=None, plan=SimpleNamespace(), step_id=0)
+    assert ctx.layer_plan(Quirks(sinks=a)).sinks is a and ctx.layer_plan(Quirks(sinks=b)).sinks is b
+    assert ctx.layer_plan(Quirks(sinks=a)) is ctx.layer_plan(Quirks(sinks=a))
+    assert ctx.layer_plan(Quirks()).sinks is None
+
+# --------------------------------------------------------------------------- attention sinks
+
+
+def _dense_from_keys(q, pool, keys_of, scale, softcap=None, window=None, sinks=None):
+    """float64 softmax attention of each query over its explicit key list ``keys_of(r, i)`` -> [(block, slot)],
+    with optional soft-cap, sliding window (last ``window`` keys) and sinks: one more logit sinks[h] per head
+    whose value is 0 (neither scaled, capped nor windowed). Returns o [R, Lq, Hq, D] float64."""
+    q, pool = q.double(), pool.double()
+    R, Lq, Hq, D = q.shape
+    Hkv = pool.shape[3]
+    o = torch.zeros(R, Lq, Hq, D, dtype=torch.float64)
+    for r in range(R):
+        for i in range(Lq):
+            keys = keys_of(r, i)
+            if window is not None:
+                keys = keys[max(0, len(keys) - window):]
+            if not keys:
+                continue   # no key: o = 0 with or without a sink (the sink's value is 0)
+            blk, slot = (torch.tensor(x) for x in zip(*keys))
+            K = pool[blk, 0, slot].repeat_interleave(Hq // Hkv, dim=1)
+            V = pool[blk, 1, slot].repeat_interleave(Hq // Hkv, dim=1)
+            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * scale
+            if softcap is not None:
+                sc = softcap * torch.tanh(sc / softcap)
+            if sinks is not None:
+                sc = torch.cat([sc, sinks.double()[:, None]], dim=1)
+                V = torch.cat([V, V.new_zeros(1, Hq, D)])
+            o[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(sc, dim=-1), V)
+    return o
+
+
+def _two_level_keys(lay):
+    bs = lay["pool"].shape[2]
+    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
+    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+
+    def keys_of(r, i):
+        prefix = next(([(pt[g][t // bs], t % bs) for t in range(pl[g])] for g, rows in enumerate(gr) if r in rows), [])
+        return prefix + [(st_[r][t // bs], t % bs) for t in range(ql[r][i])]
+    return keys_of
+
+
+def make_three_level(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=math.nan):
+    """A paged layout with three levels, and the same keys as two: group prefix -> subgroup prefix (whole blocks
+    after the group prefix, as the plan builds them) -> each row's inner suffix; the two-level ``suffix_table`` /
+    ``q_limit`` of a row are its subgroup blocks followed by its inner suffix.
+
+    10 rows: group 0 (rows 0-5) has subgroups {0, 1, 2} and {3, 4} (the latter with an empty middle level),
+    row 5 in no subgroup; group 1 (rows 6, 7) has an empty prefix and subgroup {6, 7}; rows 8 and 9 are in
+    no group, row 9 with no key at all. Unused slots and blocks hold ``garbage``."""
+    rng = np.random.default_rng(seed)
+    R, Hq = 10, Hkv * ratio
+    nblk = lambda n: -(-n // bs)  # noqa: E731
+    groups, plens = [[0, 1, 2, 3, 4, 5], [6, 7]], [int(rng.integers(1, 3 * bs + 3)), 0]
+    subgroups, mlens = [[0, 1, 2], [3, 4], [6, 7]], [bs * int(rng.integers(1, 3)), 0, bs]
+    inner = rng.integers(Lq, Lq + 2 * bs, size=R)
+    inner[int(rng.integers(0, 3))] = Lq              # a subgroup row whose inner suffix is just its queries
+    N = sum(nblk(p) for p in plens) + sum(nblk(m) for m in mlens) + sum(nblk(int(n)) for n in inner) + 3
+    blocks = iter(rng.permutation(N).tolist())     # 3 blocks stay unused
+    valid = torch.zeros(N, bs, dtype=torch.bool)
+
+    def table(n_tokens, width):
+        ids = [next(blocks) for _ in range(nblk(n_tokens))]
+        for j, b in enumerate(ids):
+            valid[b, : min(bs, n_tokens - j * bs)] = True
+        return ids + [-1] * (width - len(ids))
+
+    pw, mw = max(nblk(p) for p in plens) + 1, max(nblk(m) for m in mlens) + 1
+    prefix_table = torch.tensor([table(p, pw) for p in plens], dtype=torch.int32)
+    mid_table = torch.tensor([table(m, mw) for m in mlens], dtype=torch.int32)
+    iw = max(nblk(int(n)) for n in inner) + 1
+    inner_table = torch.tensor([table(int(n), iw) for n in inner], dtype=torch.int32)
+
+    mid_of = {r: s for s, rows in enumerate(subgroups) for r in rows}
+    inner_q_limit = torch.as_tensor(inner[:, None] - Lq + 1 + np.arange(Lq)[None, :], dtype=torch.int32)
+    inner_q_limit[9] = 0
+    suffix_table = torch.full((R, mw - 1 + iw), -1, dtype=torch.int32)
+    q_limit = inner_q_limit.clone()
+    for r in range(R):   # two levels: the subgroup's whole blocks, then the inner suffix
+        mids = [b for b in mid_table[mid_of[r]].tolist() if b >= 0] if r in mid_of else []
+        inn = [b for b in inner_table[r].tolist() if b >= 0]
+        suffix_table[r, : len(mids) + len(inn)] = torch.tensor(mids + inn, dtype=torch.int32)
+        q_limit[r] += len(mids) * bs
+    pad = lambda rows, w: [x + [-1] * (w - len(x)) for x in rows]  # noqa: E731
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
+    pool = pool.masked_fill(~valid[:, None, :, None, None], garbage).to(dtype)
+    return dict(
+        q=(2.0 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype), pool=pool,
+        group_rows=torch.tensor(pad(groups, 6), dtype=torch.int32), prefix_table=prefix_table,
+        prefix_len=torch.tensor(plens, dtype=torch.int32),
+        mid_group_rows=torch.tensor(pad(subgroups, 3), dtype=torch.int32), mid_table=mid_table,
+        mid_len=torch.tensor(mlens, dtype=torch.int32), inner_suffix_table=inner_table, inner_q_limit=inner_q_limit,
+        suffix_table=suffix_table, q_limit=q_limit, scale=1.0 / math.sqrt(D),
+        sinks=(3.0 * torch.randn(Hq, generator=gen, dtype=torch.float64)).to(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize("ratio,Lq", [(1, 1), (4, 3)])
+def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
+    """Two levels (a group prefix, each row's suffix), NaN in unused slots, a row in no group, an empty prefix."""
+    lay = make_layout(300 + 7 * ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=32, bs=4, dtype=dtype, garbage=math.nan)
+    Hq = lay["q"].shape[2]
+    sinks = (3.0 * torch.randn(Hq, generator=torch.Generator().manual_seed(Hq), dtype=torch.float64)).to(dtype)
+    k, v = caches(lay)
+    o = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+                          lay["suffix_table"], lay["q_limit"], lay["scale"], softcap=softcap, window=window, sinks=sinks)
+    assert o.dtype == dtype
+    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window, sinks)
+    check(o, expected, dtype)
+    without = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window)
+    assert not torch.allclose(o.double(), without, atol=1e-3)     # the sinks matter here
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("bs", [1, 4])
+@pytest.mark.parametrize("ratio,Lq", [(1, 1), (2, 3), (4, 1)])
+def test_sinks_enter_once_with_three_levels(ratio, Lq, bs, dtype):
+    """The sink is one key per query: merged once after the three levels, the three-level and the two-level
+    paths both equal the float64 dense attention (with the sink a second time, or per level, they would not)."""
+    from types import SimpleNamespace
+
+    from hf_cascade.kernels import reference
+    from hf_cascade.kernels.reference import merge_sink, three_level_attention
+
+    lay = make_three_level(500 + 10 * ratio + bs + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=16, bs=bs, dtype=dtype)
+    k, v = caches(lay)
+    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], sinks=lay["sinks"])
+    three = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+                                  lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
+                                  lay["inner_q_limit"], lay["scale"], sinks=lay["sinks"])
+    two = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+                            lay["suffix_table"], lay["q_limit"], lay["scale"], sinks=lay["sinks"])
+    check(three, expected, dtype)
+    check(two, expected, dtype)
+    assert (three[9] == 0).all()         # no key at all: the whole weight goes to the sink (value 0)
+    # attend() takes the three-level path for such a plan and reads the sinks from it
+    dp = SimpleNamespace(**{n: lay[n] for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
+                                                 "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table",
+                                                 "inner_q_limit")})
+    plan = SimpleNamespace(on=lambda device: dp, sinks=lay["sinks"])
+    check(reference.attend(lay["q"], lay["pool"], plan, lay["scale"]), expected, dtype)
+    # what the test tells apart: no sinks, and a sink merged into every level's partial state
+    without = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
+                                    lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
+                                    lay["inner_q_limit"], lay["scale"])
+    levels = [prefix_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"], lay["scale"]),
+              prefix_attention(lay["q"], k, v, lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["scale"]),
+              suffix_attention(lay["q"], k, v, lay["inner_suffix_table"], lay["inner_q_limit"], lay["scale"])]
+    per_level = [merge_sink(o, lse, lay["sinks"]) for o, lse in levels]
+    per_level = merge_state(*merge_state(*per_level[0], *per_level[1]), *per_level[2])[0]
+    for wrong in (without, per_level):
+        assert not torch.allclose(wrong.double(), expected, atol=1e-3)
+
+
+def test_merge_sink_is_one_more_key():
+    """merge_sink(state over A, s) == attention over A plus a key of score s and value 0; an empty state
+    becomes (0, s·log2 e); a sink of -inf changes nothing."""
+    from hf_cascade.kernels.reference import merge_sink
+
+    g = torch.Generator().manual_seed(4)
+    H, D, n = 3, 8, 5
+    q, K, V = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((H, D), (n, H, D), (n, H, D)))
+    s = torch.tensor([-2.0, 0.5, 40.0], dtype=torch.float64)
+    o, lse = merge_sink(*_dense_state(q, K, V, 0.3), s)
+    scores = torch.cat([torch.einsum("hd,nhd->hn", q, K) * 0.3, s[:, None]], dim=1)
+    V0 = torch.cat([V, V.new_zeros(1, H, D)])
+    torch.testing.assert_close(o, torch.einsum("hn,nhd->hd", torch.softmax(scores, -1), V0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1) / LN2, rtol=1e-12, atol=1e-12)
+    o, lse = merge_sink(torch.zeros(H, D, dtype=torch.float64), torch.full((H,), -math.inf, dtype=torch.float64), s)
+    assert (o == 0).all() and torch.equal(lse, s / LN2)
+    state = _dense_state(q, K, V, 0.3)
+    o, lse = merge_sink(*state, torch.full((H,), -math.inf, dtype=torch.float64))
+    assert torch.equal(o, state[0]) and torch.equal(lse, state[1])

@@ -5,7 +5,8 @@ A backend is a module with:
 - ``unsupported_reason(q, pool, plan) -> str | None``: why it cannot take this step (dtype, head_dim,
   device, missing package ...), or None;
 - optionally ``QUIRKS``: the per-layer attention variants it implements, read from the plan as
-  ``plan.softcap`` / ``plan.window`` (see :class:`hf_cascade.context.LayerPlan`); none if absent.
+  ``plan.softcap`` / ``plan.window`` / ``plan.sinks`` (see :class:`hf_cascade.context.LayerPlan`); none if
+  absent.
   :func:`select` refuses a backend for a layer that needs a variant it lacks.
 - ``attend(q, pool, plan, scale) -> o``: the cascade attention of one layer for one step.
   ``q`` [R, Lq, Hq, D] (may be a non-contiguous view), ``pool`` the layer's KV pool
@@ -53,7 +54,8 @@ def _log_once(key, message, *args):
         logger.info(message, *args)
 
 
-QUIRK_NAMES = {"softcap": "attention logit softcapping", "window": "a sliding window shorter than the sequence"}
+QUIRK_NAMES = {"softcap": "attention logit softcapping", "window": "a sliding window shorter than the sequence",
+               "sinks": "attention sinks (s_aux)"}
 
 
 def _reason(backend: ModuleType, q, pool, plan) -> str | None:

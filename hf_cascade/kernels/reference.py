@@ -23,7 +23,12 @@ Conventions
   the scaled dot products, before the softmax;
   ``key_start`` int [R, Lq] -- a sliding window: query i of row r only sees the keys at positions
   >= key_start[r, i] of its row's key list (group prefix, then the row's suffix).
-  ``attend`` reads them from ``plan.softcap`` and ``plan.window`` (absent or None: off).
+  ``sinks`` float [Hq] -- attention sinks (GPT-OSS ``s_aux``): one learned logit per query head (natural
+  log, neither scaled nor soft-capped nor windowed) added to every query's softmax denominator, i.e. an
+  extra key with score ``sinks[h]`` and value 0.  Merging is associative over disjoint key sets, so the
+  sink is exact as one more state (o = 0, lse = sinks * log2 e) merged once per query after the levels
+  (:func:`merge_sink`); giving it to every level would count it once per level.
+  ``attend`` reads them from ``plan.softcap``, ``plan.window`` and ``plan.sinks`` (absent or None: off).
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["prefix_attention", "suffix_attention", "merge_state", "cascade_attention", "three_level_attention",
-           "window_key_start", "attend", "unsupported_reason"]
+__all__ = ["prefix_attention", "suffix_attention", "merge_state", "merge_sink", "cascade_attention",
+           "three_level_attention", "window_key_start", "attend", "unsupported_reason"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -175,6 +180,22 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     return o.to(o_a.dtype), lse
 
 
+def merge_sink(o, lse, sinks):
+    """Merge the attention sinks into a state over all of a query's keys: ``merge_state`` with the state
+    (o = 0, lse = sinks[h] * log2 e) of one extra key of value 0, without materialising that zero state.
+    o [..., Hq, D], lse [..., Hq] (base 2), sinks [Hq] (natural-log logits); returns (o, lse) as merge_state.
+    A query with no keys keeps o = 0 (its whole weight goes to the sink)."""
+    cdt = _compute_dtype(o.dtype, lse.dtype)
+    la = lse.to(cdt)
+    ls = (sinks.to(device=la.device, dtype=cdt) * _LOG2E).expand_as(la)
+    m = torch.maximum(la, ls)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa = torch.exp2(la - m)
+    w = wa + torch.exp2(ls - m)
+    o_new = o.to(cdt) * (wa / torch.where(w > 0, w, torch.ones_like(w)))[..., None]
+    return o_new.to(o.dtype), m + torch.log2(w)
+
+
 def window_key_start(group_rows, prefix_len, q_limit, window):
     """Sliding window of ``window`` keys ending at each query (itself included), as the first visible key position
     of each query's key list (group prefix, then suffix): int64 [R, Lq] (may be negative: nothing cut)."""
@@ -190,21 +211,23 @@ def window_key_start(group_rows, prefix_len, q_limit, window):
 
 
 def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale,
-                      softcap=None, window=None):
-    """prefix_attention + suffix_attention + merge_state; returns o [R, Lq, Hq, D].
+                      softcap=None, window=None, sinks=None):
+    """prefix_attention + suffix_attention + merge_state (+ merge_sink); returns o [R, Lq, Hq, D].
     softcap: optional logit soft-cap; window: optional sliding window (each query sees its last ``window`` keys,
-    itself included)."""
+    itself included); sinks: optional float [Hq] attention-sink logits."""
     start = None if window is None else window_key_start(group_rows, prefix_len, q_limit.to(q.device), window)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, start)
     # in suffix coordinates (positions after the row's group prefix) the window starts at q_limit - window
     suffix_start = None if window is None else q_limit.to(q.device).long() - int(window)
     o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap, suffix_start)
-    o, _ = merge_state(o_p, lse_p, o_s, lse_s)
+    o, lse = merge_state(o_p, lse_p, o_s, lse_s)
+    if sinks is not None:
+        o, _ = merge_sink(o, lse, sinks)
     return o
 
 
 MIN_SAVED_TOKENS = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
-QUIRKS = ("softcap", "window")     # per-layer variants this backend implements (hf_cascade.kernels)
+QUIRKS = ("softcap", "window", "sinks")     # per-layer variants this backend implements (hf_cascade.kernels)
 # no host sync, shapes from the plan's tables: a static decode step can be captured (hf_cascade.graphs; the
 # runner still refuses sliding windows, whose on/off decision is taken on the host each step)
 GRAPH_SAFE = True
@@ -216,15 +239,18 @@ def unsupported_reason(q, pool, plan):
 
 
 def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table,
-                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None):
+                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None, sinks=None):
     """Group prefix (e.g. a batch's system prompt) + subgroup prefix (each prompt's rest, shared by its
-    beams) + each row's own suffix, each read once per (sub)group, merged. Rows in no subgroup get
-    (0, -inf) from the middle level and their whole rest from ``inner_suffix_table``."""
+    beams) + each row's own suffix, each read once per (sub)group, merged (the sinks, if any, once after
+    the three). Rows in no subgroup get (0, -inf) from the middle level and their whole rest from
+    ``inner_suffix_table``."""
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap)
     o_m, lse_m = prefix_attention(q, k_cache, v_cache, mid_group_rows, mid_table, mid_len, scale, softcap)
     o_s, lse_s = suffix_attention(q, k_cache, v_cache, inner_suffix_table, inner_q_limit, scale, softcap)
     o, lse = merge_state(o_p, lse_p, o_m, lse_m)
-    o, _ = merge_state(o, lse, o_s, lse_s)
+    o, lse = merge_state(o, lse, o_s, lse_s)
+    if sinks is not None:
+        o, _ = merge_sink(o, lse, sinks)
     return o
 
 
@@ -232,10 +258,10 @@ def attend(q, pool, plan, scale):
     """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
     dp = plan.on(pool.device)
     window = getattr(plan, "window", None)
+    softcap, sinks = getattr(plan, "softcap", None), getattr(plan, "sinks", None)
     if window is None and dp.mid_group_rows.shape[0]:
         return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
                                      dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
-                                     dp.inner_q_limit, scale, softcap=getattr(plan, "softcap", None))
+                                     dp.inner_q_limit, scale, softcap=softcap, sinks=sinks)
     return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                             dp.suffix_table, dp.q_limit, scale, softcap=getattr(plan, "softcap", None),
-                             window=getattr(plan, "window", None))
+                             dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks)
