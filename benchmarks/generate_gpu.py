@@ -119,6 +119,7 @@ WHOLE_VARIANTS = {
     "stock": None,
     "eager": dict(backend="cuda", cuda_graphs=False),
     "graph": dict(backend="cuda", cuda_graphs=True),
+    "compile": dict(backend="cuda", cuda_graphs=True, compile=True),
 }
 
 
@@ -226,7 +227,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--whole-step", action="store_true",
                         help="whole-generate step per new token, stock vs eager vs graph, interleaved")
-    parser.add_argument("--variants", nargs="+", default=list(WHOLE_VARIANTS), help="with --whole-step")
+    parser.add_argument("--variants", nargs="+", default=["stock", "eager", "graph"],
+                        help=f"with --whole-step: some of {', '.join(WHOLE_VARIANTS)} (compile: graph + torch.compile)")
     parser.add_argument("--rounds", type=int, default=3, help="with --whole-step: timed rounds after the warm-up")
     parser.add_argument("--configs", nargs="+", default=["1b:4096:8", "8b:16384:8"],
                         help="shape:prompt:beams entries, shape in " + ",".join(SHAPES))

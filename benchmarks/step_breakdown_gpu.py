@@ -11,7 +11,8 @@ decode steps of one generate() call (after a warm-up call):
   cascade kernels and the pool writes), matrix products, and the rest (norms, rotary, activations,
   copies); "GPU idle in forward" = forward wall - kernel time: launch and Python overhead;
 - host time of the cache's per-step bookkeeping (blocks, plan: once per step for all layers), of the
-  plan's upload, and of reorder_cache.
+  plan's upload, and of reorder_cache; with CUDA graphs (``--cuda-graphs on``, the default), also the
+  runner's pool mapping + plan upload and the host side of ``graph.replay()``.
 
     PYTHONPATH=. python benchmarks/step_breakdown_gpu.py --prompt 16384 --beams 8 --backend cuda
 """
@@ -35,6 +36,7 @@ import hf_cascade
 from common import git_commit
 from generate_gpu import build
 from hf_cascade.cache import CascadeCache
+from hf_cascade.graphs import DecodeGraphRunner
 from hf_cascade.plan import StepPlan
 
 ATTENTION = ("hfc_", "prefix_kernel", "suffix_kernel", "merge_kernel", "flashinfer", "BatchPrefill",
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--beams", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--backend", default="cuda")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
+    p.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True) (with graphs)")
     p.add_argument("--out", default="benchmarks/results/step_breakdown_gpu.json")
     args = p.parse_args(argv)
     console = Console(width=160)
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
     model.set_attn_implementation("cascade")
     ids = torch.randint(1, 128000, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
-              early_stopping=False, hf_cascade_config=hf_cascade.CascadeConfig(backend=args.backend))
+              early_stopping=False, hf_cascade_config=hf_cascade.CascadeConfig(
+                  backend=args.backend, cuda_graphs=args.cuda_graphs == "on", compile=args.compile))
     model.generate(input_ids=ids[:, :512], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})   # warm-up
 
     starts, ends = [], []
@@ -103,9 +108,11 @@ def main(argv=None) -> int:
         torch.cuda._sleep(1)
 
     hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
-    timers = {"cache bookkeeping + plan (per step)": HostTimer(CascadeCache, "_begin_step"),
+    timers = {"cache bookkeeping + plan (per step)": HostTimer(CascadeCache, "_begin_step_shape"),
               "plan upload (per step)": HostTimer(StepPlan, "on"),
-              "reorder_cache (per step)": HostTimer(CascadeCache, "reorder_cache")}
+              "reorder_cache (per step)": HostTimer(CascadeCache, "reorder_cache"),
+              "graph runner: pools + plan upload (per step)": HostTimer(DecodeGraphRunner, "_upload"),
+              "graph replay, host side (per step)": HostTimer(torch.cuda.CUDAGraph, "replay")}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.generate(input_ids=ids, **kw)
         torch.cuda.synchronize()
@@ -154,7 +161,8 @@ def main(argv=None) -> int:
         *[(f"  host: {name}", v) for name, v in host.items()],
     ]
     table = Table(title=f"one decode step, {args.shape} shape, prompt {args.prompt}, {args.beams} beams, "
-                        f"backend {args.backend} ({steps} steps, kernel times are means)")
+                        f"backend {args.backend}, graphs {args.cuda_graphs}{', compiled' if args.compile else ''} "
+                        f"({steps} steps, kernel times are means)")
     table.add_column("part")
     table.add_column("ms", justify="right")
     table.add_column("% of step", justify="right")
