@@ -364,21 +364,20 @@ class CascadeCache(Cache):
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)
         return self._context
 
-    def _probe_backend_threshold(self) -> int:
-        """MIN_SAVED_TOKENS of the backend a plain decode step of this cache would run on (the layout is
-        frozen before any decode attention has run)."""
+    def _probe_backend(self):
+        """The backend a plain decode step of this cache would run on (the layout is frozen before any decode
+        attention has run), or None."""
         layer = next((l for l in self.layers if l.storage is not None and l.storage.num_blocks), None)
         if layer is None:
-            return 0
+            return None
         pool = layer.storage.tensor
         q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]))
         trivial = build_step_plan(np.zeros((1, 1), np.int32), np.ones(1, np.int64), np.ones(1, np.int64), None, 1,
                                   _NoAppend, self.block_size, self.cascade_config.min_group_rows)
         try:
-            backend = kernels.select(self.cascade_config.backend, q, pool, trivial)
+            return kernels.select(self.cascade_config.backend, q, pool, trivial)
         except Exception:   # noqa: BLE001 — the step itself will report what is wrong
-            return 0
-        return getattr(backend, "MIN_SAVED_TOKENS", 0)
+            return None
 
     def _end_step(self) -> None:
         """The step in progress is over; its backends tell where a cascade pays in the next plans."""
@@ -388,10 +387,12 @@ class CascadeCache(Cache):
 
     def _freeze_layout(self, prev_lengths=None) -> DecodeLayout:
         saved = self.cascade_config.min_saved_tokens
+        backend = self._probe_backend()
         if saved is None and not self._backend_min_saved_tokens:
-            self._backend_min_saved_tokens = self._probe_backend_threshold()
+            self._backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
         prev = self.blocks.lengths if prev_lengths is None else prev_lengths
         max_new = self._decode_max_length - self.logical_length      # logical length counts the padding too
         return DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, max_new,
                                    self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
-                                   self._backend_min_saved_tokens if saved is None else saved)
+                                   self._backend_min_saved_tokens if saved is None else saved,
+                                   solo_rows=getattr(backend, "SOLO_PREFIX", False))

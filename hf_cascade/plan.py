@@ -177,6 +177,15 @@ class SharedLevels:
                     mid_spans.append((nb, more))
         return cls(groups, prefix_blocks, mid_groups, mid_spans, block_size)
 
+    def add_solo_rows(self, full_blocks) -> None:
+        """Each row in no group and with full blocks becomes a group of one over them."""
+        grouped = np.zeros(len(full_blocks), dtype=bool)
+        for rows in self.groups:
+            grouped[rows] = True
+        for row in np.flatnonzero(~grouped & (full_blocks >= 1)):    # one iteration per row, once per call
+            self.groups.append(np.array([row]))
+            self.prefix_blocks.append(int(full_blocks[row]))
+
     def group_arrays(self, tables):
         """``group_rows`` int32 [G, Rg] (-1 pad), ``prefix_table`` int32 [G, Mp] (-1 pad), ``prefix_len`` int32 [G]."""
         group_rows = np.full((len(self.groups), max((len(g) for g in self.groups), default=0)), -1, dtype=np.int32)
@@ -313,12 +322,17 @@ class DecodeLayout:
 
     @classmethod
     def freeze(cls, tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, max_new_tokens: int,
-               min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0) -> "DecodeLayout":
+               min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0,
+               solo_rows: bool = False) -> "DecodeLayout":
         """The layout of a call whose rows hold ``prev_lengths`` tokens in ``tables`` before its first decode
-        step and will get at most ``max_new_tokens`` more each."""
+        step and will get at most ``max_new_tokens`` more each. ``solo_rows``: a row that shares no prefix
+        becomes a group of its own over its full blocks (a backend whose prefix kernel spreads a long context
+        over the whole GPU reads it faster than its suffix kernel does)."""
         num_rows = tables.shape[0]
         levels = SharedLevels.find(tables, prev_lengths, block_size, min_group_rows, min_prefix_tokens,
                                    min_saved_tokens)
+        if solo_rows:
+            levels.add_solo_rows(prev_lengths // block_size)
         group_rows, prefix_table, prefix_len = levels.group_arrays(tables)
         mid_group_rows, mid_table, mid_len = levels.mid_arrays(tables)
         row_prefix, row_inner = levels.row_blocks(num_rows)

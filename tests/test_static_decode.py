@@ -44,8 +44,9 @@ def _attend(plan, q, pool, scale=0.3):
     return reference.attend(q, pool, plan, scale)
 
 
+@pytest.mark.parametrize("solo", [False, True], ids=["", "solo rows"])
 @pytest.mark.parametrize("seed", range(6))
-def test_static_step_attends_like_a_step_planned_anew(seed):
+def test_static_step_attends_like_a_step_planned_anew(seed, solo):
     rng = np.random.default_rng(seed)
     prompts = rng.integers(1, 23, size=rng.integers(1, 4))
     beams, steps = int(rng.integers(1, 5)), 9
@@ -54,7 +55,9 @@ def test_static_step_attends_like_a_step_planned_anew(seed):
     for blocks in _history(rng, prompts, beams, steps):
         prev = blocks.lengths.copy()
         if layout is None:
-            layout = DecodeLayout.freeze(blocks.tables(), prev, BS, steps)
+            layout = DecodeLayout.freeze(blocks.tables(), prev, BS, steps, solo_rows=solo)
+            if solo:          # every row with a full block reads it through the prefix level
+                assert (layout.row_prefix_blocks == prev // BS).all() or beams > 1
         counts = np.ones(blocks.num_rows, dtype=np.int64)
         append = blocks.append(counts)
         static = layout.step(blocks.tables(), blocks.lengths, append)
@@ -187,6 +190,30 @@ def test_runner_gives_stock_tokens(case, shared, llama_pair, monkeypatch):
     assert torch.equal(expected, got)
     runner, = spy.runners
     assert runner.replays >= 5 and runner.disabled is None
+
+
+@pytest.mark.parametrize("case", ["greedy", "sampling"])
+def test_solo_rows_give_stock_tokens(case, llama_pair, monkeypatch):
+    """A backend that reads lone rows through its prefix kernel (the cuda backend's SOLO_PREFIX)."""
+    stock, cascade = llama_pair
+    monkeypatch.setattr(reference, "SOLO_PREFIX", True, raising=False)
+    ids, mask = padded_batch(seed=6, lengths=(37, 21))
+    kw = dict(max_new_tokens=9, pad_token_id=0, **CASES[case])
+    torch.manual_seed(3)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    plans = []
+    real = hf_cascade.CascadeCache._freeze_layout
+
+    def keep(self, *args):
+        plans.append(real(self, *args))
+        return plans[-1]
+
+    monkeypatch.setattr(hf_cascade.CascadeCache, "_freeze_layout", keep)
+    torch.manual_seed(3)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(block_size=4))
+    assert torch.equal(expected, got)
+    layout, = plans
+    assert (layout.row_prefix_blocks > 0).all()
 
 
 def test_failed_step_restores_forward_and_next_generate_is_exact(llama_pair):

@@ -57,6 +57,10 @@ MIN_SAVED_TOKENS = 8192
 # every launch's grid and scalars depend only on shapes and the call's fixed prefix, lengths are read from device
 # memory, no host sync: a decode step on a static layout can be captured in a CUDA graph (hf_cascade.graphs)
 GRAPH_SAFE = True
+# a row that shares no prefix still reads its full blocks through the prefix kernel on a static decode layout:
+# the prefix kernel splits a long context over the whole GPU (H200, greedy 8B 4k: the suffix kernel read the 4k
+# context at ~1/8 of the roofline, benchmarks/RESULTS.md)
+SOLO_PREFIX = True
 SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in the .cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
 
