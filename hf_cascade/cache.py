@@ -346,11 +346,13 @@ class CascadeCache(Cache):
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
             except LayoutOutgrown as err:     # e.g. a stopping criterion let rows run past max_length
                 logger.info("hf_cascade: decode layout re-planned (%s)", err)
-                self._layout.release()
+                old, prev = self._layout, self.blocks.lengths - counts
+                old.release()
                 # more room than the call asked for, so that running on does not re-plan every step
                 self._decode_max_length = max(self._decode_max_length, self.logical_length) + \
                     max(64, self.logical_length // 4)
-                self._layout = self._freeze_layout(self.blocks.lengths - counts)
+                max_new = self._decode_max_length - self.logical_length
+                self._layout = old.widened(prev, max_new) if err.capacity else self._freeze_layout(prev)
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
         if plan is None:
             saved = self.cascade_config.min_saved_tokens

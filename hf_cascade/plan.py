@@ -275,7 +275,7 @@ def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size, width=No
     if width is None:
         width = need
     elif need > width:
-        raise LayoutOutgrown(f"a row's suffix needs {need} blocks, the layout holds {width}")
+        raise LayoutOutgrown(f"a row's suffix needs {need} blocks, the layout holds {width}", capacity=True)
     padded = np.concatenate([tables, np.full((num_rows, width + 1), -1, dtype=np.int32)], axis=1)
     cols = prefix_blocks[:, None] + np.arange(width)[None, :]
     suffix_table = np.where(np.arange(width)[None, :] < suffix_blocks[:, None],
@@ -288,7 +288,12 @@ def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size, width=No
 
 class LayoutOutgrown(Exception):
     """A decode step no longer fits its static layout (other rows, a row that left its prefix, or a
-    suffix longer than the capacity): the caller freezes a new layout (and re-captures its graph)."""
+    suffix longer than the capacity): the caller widens the layout or freezes a new one (and re-captures
+    its graph). ``capacity`` is True when only the suffix capacity was too small."""
+
+    def __init__(self, message: str, capacity: bool = False):
+        super().__init__(message)
+        self.capacity = capacity
 
 
 @dataclass
@@ -342,6 +347,16 @@ class DecodeLayout:
         inner_width = int((total - row_inner).max(initial=1)) if levels.mid_groups else 0
         return cls(num_rows, block_size, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table, mid_len,
                    row_prefix, row_inner, suffix_width, inner_width)
+
+    def widened(self, prev_lengths: np.ndarray, max_new_tokens: int) -> "DecodeLayout":
+        """The same levels with room for ``max_new_tokens`` more tokens per row (levels are never re-found
+        mid-call: beams that came to share decode blocks would make levels the next reorder breaks)."""
+        total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // self.block_size) + 1
+        return DecodeLayout(
+            self.num_rows, self.block_size, self.group_rows, self.prefix_table, self.prefix_len, self.mid_group_rows,
+            self.mid_table, self.mid_len, self.row_prefix_blocks, self.row_inner_blocks,
+            max(self.suffix_width, int((total - self.row_prefix_blocks).max(initial=1))),
+            max(self.inner_width, int((total - self.row_inner_blocks).max(initial=1))) if self.has_mid else 0)
 
     @property
     def has_mid(self) -> bool:

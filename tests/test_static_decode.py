@@ -98,6 +98,8 @@ def test_layout_outgrown_when_rows_pass_max_length_or_leave_their_prefix():
     with pytest.raises(LayoutOutgrown, match="suffix needs"):
         for _ in range(12):
             layout.step(blocks.tables(), blocks.lengths, blocks.append([1, 1]))
+    wide = layout.widened(blocks.lengths - 1, 8)         # capacity only: the same levels, more room
+    assert wide.suffix_width > layout.suffix_width and wide.prefix_table is layout.prefix_table
     other = BlockManager(BS)
     other.add_rows(2)
     other.append([9, 9])           # two rows that share nothing
