@@ -4,12 +4,13 @@
 ``generate`` as usual.
 """
 from .attention import register
+from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
 
 __version__ = "0.1.0"
-__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "cascade_generate", "prefill", "register"]
+__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register"]
 
 register()
 
