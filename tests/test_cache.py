@@ -2,20 +2,13 @@
 beam reorders, crops, the pool's contents, and the dense fallback."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig
-from conftest import model_pair, padded_batch
-
-
-def cache_kw(model, cache):
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+from conftest import cache_kw, model_pair, padded_batch, returned_cache
 
 
 def positions(mask):

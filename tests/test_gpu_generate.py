@@ -7,8 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, pad_token_id=0,
