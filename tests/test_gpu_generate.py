@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
+from conftest import cache_kw
 
 pytestmark = pytest.mark.gpu
 
@@ -68,8 +69,7 @@ def test_bf16_teacher_forced_logprobs_match_stock(model_1b, backend):
             cache.batch_repeat_interleave(beams)
             tail = seqs[:, ids.shape[1] - 1:-1]
             pos = torch.arange(ids.shape[1] - 1, seqs.shape[1] - 1, device="cuda").expand(beams, -1)
-            kwarg = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
-            got = model(input_ids=tail, position_ids=pos, use_cache=True, **{kwarg: cache}).logits.float()
+            got = model(input_ids=tail, position_ids=pos, use_cache=True, **cache_kw(model, cache)).logits.float()
             got = got.log_softmax(-1)
         target = seqs[:, ids.shape[1]:]
         lp_ref = ref.gather(-1, target[..., None]).squeeze(-1)
