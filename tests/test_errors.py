@@ -3,6 +3,7 @@ the CLI's flags (before anything loads), and the WARNING when a fast kernel back
 the user can fix."""
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import types
@@ -114,6 +115,20 @@ def test_cap_check_without_a_dtype_in_the_config_counts_two_bytes():
         CascadeCache(config, CascadeConfig(block_size=4, max_kv_bytes=two_bytes))
 
 
+def test_a_cap_the_estimate_passed_leaves_the_cache_empty_when_the_kv_arrives(llama_pair):
+    """Without a dtype in the model config the estimate counts 2 bytes; float64 K/V then need 4x: the exact
+    check refuses before the cache changes, so the cache stays empty."""
+    _, cascade = llama_pair
+    config = copy.deepcopy(cascade.config)
+    config.dtype = None
+    cap = _block_bytes(config, 2)
+    cache = CascadeCache(config, CascadeConfig(block_size=4, max_kv_bytes=cap))
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match=f"max_kv_bytes={cap} holds less than one block"):
+        cascade.generate(input_ids=ids, attention_mask=mask, **GEN, **cache_kw(cascade, cache))
+    assert (cache.blocks.num_rows, cache.get_seq_length(), cache.stats().blocks_in_use) == (0, 0, 0)
+
+
 def test_a_full_pool_raises_pool_exhausted_naming_max_kv_bytes(llama_pair):
     _, cascade = llama_pair
     ids, mask = padded_batch(seed=1)
@@ -204,12 +219,12 @@ def test_cli_env_reports_versions_and_backends(capsys):
 
 # ----------------------------------------------------------------------------------------- which backend runs
 
-def _select_with(monkeypatch, caplog, device: str, cuda_reason: str, calls: int = 3):
+def _select_with(monkeypatch, caplog, device: str, cuda_reason: str, calls: int = 3, dtype=torch.bfloat16):
     monkeypatch.setattr(kernels, "_logged", set())
     monkeypatch.setitem(kernels._loaded, "cuda", types.SimpleNamespace(unsupported_reason=lambda q, p, s: cuda_reason))
     monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("kernel backend 'flashinfer' is unavailable: "
                                                                    "flashinfer is not installed"))
-    q = types.SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, shape=(1, 1, 2, 64))
+    q = types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 1, 2, 64))
     pool, plan = types.SimpleNamespace(shape=(1, 2, 16, 1, 64)), types.SimpleNamespace(src_index=None)
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
         for _ in range(calls):
@@ -232,6 +247,9 @@ def test_routine_choices_stay_at_info(monkeypatch, caplog):
     caplog.clear()       # flashinfer missing still warns on a GPU; a dtype the kernels do not take does not
     warnings = _select_with(monkeypatch, caplog, "cuda", "dtype torch.float32 (needs bfloat16 or float16)")
     assert [w.getMessage() for w in warnings if "cuda attention" in w.getMessage()] == []
+    caplog.clear()       # a float32 step: no fast backend would take it, nothing to fix
+    assert _select_with(monkeypatch, caplog, "cuda", "dtype torch.float32 (needs bfloat16 or float16)",
+                        dtype=torch.float32) == []
     caplog.clear()
     assert _select_with(monkeypatch, caplog, "cpu", "needs CUDA tensors") == []    # nothing to fix on the CPU
     assert any("attention backend 'reference'" in r.getMessage() for r in caplog.records)

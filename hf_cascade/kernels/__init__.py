@@ -30,6 +30,8 @@ import importlib
 import logging
 from types import ModuleType
 
+import torch
+
 logger = logging.getLogger("hf_cascade")
 
 # Preference order for backend="auto", fastest first as measured on the H200 (benchmarks/RESULTS.md:
@@ -72,8 +74,9 @@ def _log_once(key, message, *args, level=logging.INFO):
 
 
 def _warn_fixable(name: str, reason: str, q) -> None:
-    """WARNING once per (process, backend) when a fast backend is off on a GPU step for a fixable reason."""
-    if q.device.type != "cuda":
+    """WARNING once per (process, backend) when a fast backend is off on a GPU step for a fixable reason
+    (bf16/fp16 steps only: no fast backend takes other dtypes, so nothing would be gained)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return
     _log_once(("fixable", name), "hf_cascade: the %s attention kernels are off (%s); the next backend in %s "
               "runs instead. To use them: %s. `python -m hf_cascade env` lists each backend's status.",
