@@ -35,11 +35,7 @@ class PagedLayout:
 
     def plan(self) -> StepPlan:
         """The layout as the plan a backend's ``attend`` takes (its arrays share the layout's memory)."""
-        empty = np.zeros(0, dtype=np.int64)
-        return StepPlan(fresh=False, q_len=self.q.shape[1], src_index=None, write_block=empty, write_offset=empty,
-                        copy_src=empty, copy_dst=empty, group_rows=self.group_rows.numpy(),
-                        prefix_table=self.prefix_table.numpy(), prefix_len=self.prefix_len.numpy(),
-                        suffix_table=self.suffix_table.numpy(), q_limit=self.q_limit.numpy())
+        return step_plan(self)
 
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's whole block table (its group's prefix blocks, then its own) [R, W] int32 and its
@@ -60,6 +56,19 @@ class PagedLayout:
             tables[r, : len(blocks) + len(mine)] = blocks + mine
         lengths = np.array([n for _, n in prefix], dtype=np.int64) + self.suffix_len
         return tables, lengths
+
+
+PLAN_LEVELS = ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
+               "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table", "inner_q_limit")
+
+
+def step_plan(lay) -> StepPlan:
+    """The StepPlan of a layout: a :class:`PagedLayout`, or any object with the level tables as CPU tensors
+    (the middle level of a three-level layout where it has one). The plan's arrays share their memory."""
+    empty = np.zeros(0, dtype=np.int64)
+    levels = {name: getattr(lay, name).numpy() for name in PLAN_LEVELS if hasattr(lay, name)}
+    return StepPlan(fresh=False, q_len=lay.q.shape[1], src_index=None, write_block=empty, write_offset=empty,
+                    copy_src=empty, copy_dst=empty, **levels)
 
 
 def random_layout(seed, *, groups=((3, 40),), lone_rows=1, suffix=(1, 20), Lq=1, Hkv=2, ratio=2, D=32, bs=4,

@@ -8,6 +8,7 @@ in float64 -- it shares no code with the kernels.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -352,7 +353,6 @@ def test_softcap_and_window_against_dense(softcap, window, Lq):
 
 
 def test_attend_reads_quirks_from_the_plan():
-    from types import SimpleNamespace
 
     from hf_cascade.kernels import reference
 
@@ -362,10 +362,10 @@ def test_attend_reads_quirks_from_the_plan():
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
     o = reference.attend(lay.q, lay.pool, plan, lay.scale)
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
-    sinks = torch.linspace(-2.0, 3.0, lay["q"].shape[2], dtype=torch.float64)
+    sinks = torch.linspace(-2.0, 3.0, lay.q.shape[2], dtype=torch.float64)
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5, sinks=sinks)
-    o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
-    check(o, _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], 1.5, 5, sinks), torch.float64)
+    o = reference.attend(lay.q, lay.pool, plan, lay.scale)
+    check(o, _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, 1.5, 5, sinks), torch.float64)
 
 
 def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
@@ -389,8 +389,6 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
 def test_quirk_sets_tell_layers_sinks_apart():
     """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
     layers with equal-valued sinks still get plans of their own, and a layer gets the same one every time."""
-    from types import SimpleNamespace
-
     from hf_cascade.context import Quirks, StepContext
     a, b = torch.zeros(4), torch.zeros(4)
     assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
@@ -433,9 +431,9 @@ def _dense_from_keys(q, pool, keys_of, scale, softcap=None, window=None, sinks=N
 
 
 def _two_level_keys(lay):
-    bs = lay["pool"].shape[2]
-    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
-    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    bs = lay.pool.shape[2]
+    gr, pt, pl = lay.group_rows.tolist(), lay.prefix_table.tolist(), lay.prefix_len.tolist()
+    st_, ql = lay.suffix_table.tolist(), lay.q_limit.tolist()
 
     def keys_of(r, i):
         prefix = next(([(pt[g][t // bs], t % bs) for t in range(pl[g])] for g, rows in enumerate(gr) if r in rows), [])
@@ -489,7 +487,7 @@ def make_three_level(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=math.nan):
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
     pool = pool.masked_fill(~valid[:, None, :, None, None], garbage).to(dtype)
-    return dict(
+    return SimpleNamespace(
         q=(2.0 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype), pool=pool,
         group_rows=torch.tensor(pad(groups, 6), dtype=torch.int32), prefix_table=prefix_table,
         prefix_len=torch.tensor(plens, dtype=torch.int32),
@@ -507,15 +505,15 @@ def make_three_level(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=math.nan):
 def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
     """Two levels (a group prefix, each row's suffix), NaN in unused slots, a row in no group, an empty prefix."""
     lay = make_layout(300 + 7 * ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=32, bs=4, dtype=dtype, garbage=math.nan)
-    Hq = lay["q"].shape[2]
+    Hq = lay.q.shape[2]
     sinks = (3.0 * torch.randn(Hq, generator=torch.Generator().manual_seed(Hq), dtype=torch.float64)).to(dtype)
     k, v = caches(lay)
-    o = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                          lay["suffix_table"], lay["q_limit"], lay["scale"], softcap=softcap, window=window, sinks=sinks)
+    o = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                          lay.suffix_table, lay.q_limit, lay.scale, softcap=softcap, window=window, sinks=sinks)
     assert o.dtype == dtype
-    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window, sinks)
+    expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, softcap, window, sinks)
     check(o, expected, dtype)
-    without = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window)
+    without = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, softcap, window)
     assert not torch.allclose(o.double(), without, atol=1e-3)     # the sinks matter here
 
 
@@ -525,36 +523,34 @@ def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
 def test_sinks_enter_once_with_three_levels(ratio, Lq, bs, dtype):
     """The sink is one key per query: merged once after the three levels, the three-level and the two-level
     paths both equal the float64 dense attention (with the sink a second time, or per level, they would not)."""
-    from types import SimpleNamespace
-
     from hf_cascade.kernels import reference
     from hf_cascade.kernels.reference import merge_sink, three_level_attention
 
     lay = make_three_level(500 + 10 * ratio + bs + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=16, bs=bs, dtype=dtype)
     k, v = caches(lay)
-    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], sinks=lay["sinks"])
-    three = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                                  lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
-                                  lay["inner_q_limit"], lay["scale"], sinks=lay["sinks"])
-    two = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                            lay["suffix_table"], lay["q_limit"], lay["scale"], sinks=lay["sinks"])
+    expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, sinks=lay.sinks)
+    three = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                                  lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,
+                                  lay.inner_q_limit, lay.scale, sinks=lay.sinks)
+    two = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                            lay.suffix_table, lay.q_limit, lay.scale, sinks=lay.sinks)
     check(three, expected, dtype)
     check(two, expected, dtype)
     assert (three[9] == 0).all()         # no key at all: the whole weight goes to the sink (value 0)
     # attend() takes the three-level path for such a plan and reads the sinks from it
-    dp = SimpleNamespace(**{n: lay[n] for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
+    dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
                                                  "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table",
                                                  "inner_q_limit")})
-    plan = SimpleNamespace(on=lambda device: dp, sinks=lay["sinks"])
-    check(reference.attend(lay["q"], lay["pool"], plan, lay["scale"]), expected, dtype)
+    plan = SimpleNamespace(on=lambda device: dp, sinks=lay.sinks)
+    check(reference.attend(lay.q, lay.pool, plan, lay.scale), expected, dtype)
     # what the test tells apart: no sinks, and a sink merged into every level's partial state
-    without = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                                    lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
-                                    lay["inner_q_limit"], lay["scale"])
-    levels = [prefix_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"], lay["scale"]),
-              prefix_attention(lay["q"], k, v, lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["scale"]),
-              suffix_attention(lay["q"], k, v, lay["inner_suffix_table"], lay["inner_q_limit"], lay["scale"])]
-    per_level = [merge_sink(o, lse, lay["sinks"]) for o, lse in levels]
+    without = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                                    lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,
+                                    lay.inner_q_limit, lay.scale)
+    levels = [prefix_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len, lay.scale),
+              prefix_attention(lay.q, k, v, lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.scale),
+              suffix_attention(lay.q, k, v, lay.inner_suffix_table, lay.inner_q_limit, lay.scale)]
+    per_level = [merge_sink(o, lse, lay.sinks) for o, lse in levels]
     per_level = merge_state(*merge_state(*per_level[0], *per_level[1]), *per_level[2])[0]
     for wrong in (without, per_level):
         assert not torch.allclose(wrong.double(), expected, atol=1e-3)
