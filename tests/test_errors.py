@@ -253,3 +253,33 @@ def test_routine_choices_stay_at_info(monkeypatch, caplog):
     caplog.clear()
     assert _select_with(monkeypatch, caplog, "cpu", "needs CUDA tensors") == []    # nothing to fix on the CPU
     assert any("attention backend 'reference'" in r.getMessage() for r in caplog.records)
+
+
+def test_the_cuda_backend_reason_is_the_one_the_warning_looks_for():
+    """The WARNING keys on the cuda backend's wording for a library that cannot build or load."""
+    import inspect
+    cuda = kernels.load("cuda")
+    assert f'f"{kernels.FIXABLE_PREFIX}: ' in inspect.getsource(cuda.unsupported_reason)
+
+
+def test_env_names_what_is_missing_for_the_cuda_kernels(monkeypatch):
+    """On a GPU without nvcc and without prebuilt kernels the report says so and how to fix it; with a
+    prebuilt library it loads that (a stand-in backend and a pretend GPU)."""
+    from hf_cascade import diagnostics
+    loaded = []
+    fake = types.SimpleNamespace(_find_nvcc=lambda: None,
+                                 library=lambda device: loaded.append(device) or types.SimpleNamespace(
+                                     path="/pkg/libhfc.so", prefix_kernel="v2"))
+    monkeypatch.setitem(kernels._loaded, "cuda", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ok, reason = diagnostics._cuda_backend()
+    assert not ok and "nvcc not found" in reason and kernels.FIXES["cuda"] in reason and not loaded
+    fake.prebuilt_library = lambda: "/pkg/libhfc.so"
+    ok, reason = diagnostics._cuda_backend()
+    assert ok and "prebuilt library /pkg/libhfc.so" in reason and "v2" in reason and len(loaded) == 1
+    fake.prebuilt_library = lambda: None
+    fake._find_nvcc = lambda: "/usr/local/cuda/bin/nvcc"
+    fake.library = lambda device: (_ for _ in ()).throw(RuntimeError("nvcc failed with exit code 1"))
+    ok, reason = diagnostics._cuda_backend()
+    assert not ok and "built with /usr/local/cuda/bin/nvcc" in reason and "nvcc failed" in reason
