@@ -133,7 +133,8 @@ def _choice(name: str, value, choices: tuple) -> str:
 
 def _integer(name: str, value, *, low: int, note: str = "") -> int:
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise ConfigTypeError(f"CascadeConfig.{name} must be an int >= {low}{note}, got {type(value).__name__} {value!r}.")
+        raise ConfigTypeError(f"CascadeConfig.{name} must be an int >= {low}{note}, "
+                              f"got {type(value).__name__} {value!r}.")
     if value < low:
         raise ValueError(f"CascadeConfig.{name} must be an int >= {low}{note}, got {value!r}.")
     return int(value)
