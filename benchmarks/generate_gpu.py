@@ -95,7 +95,7 @@ def run_one(model, ids, beams, new_tokens, variant):
     finally:
         timer.remove()
     times = timer.times_ms()
-    cache = out.past_key_values
+    cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
     figures = {
         "prefill_s": times[0] / 1e3 if variant == "stock" else (times[0] + times[1]) / 1e3,
         "step_ms": statistics.median(times[1:] if variant == "stock" else times[2:]),

@@ -126,7 +126,7 @@ def generate(args, mode: str) -> dict:
         out = model.generate(input_ids=ids, **kw)
     finally:
         clock.remove()
-    cache = out.past_key_values
+    cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
     cascade = isinstance(cache, hf_cascade.CascadeCache)
     pools = [layer.storage for layer in cache.layers] if cascade else []
     result = {

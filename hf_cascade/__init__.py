@@ -1,15 +1,23 @@
 """hf_cascade: transformers' generate() with prompt KV shared across beams and samples.
 
 ``import hf_cascade`` registers ``attn_implementation="cascade"``; load a model with it and call
-``generate`` as usual.
+``generate`` as usual (settings: ``generate(..., hf_cascade_config=CascadeConfig(...) or a dict)``).
+
+Public API: :class:`CascadeConfig` (settings, checked when made), :class:`CascadeCache` (the paged KV
+cache; pass your own to ``generate`` to read :meth:`CascadeCache.stats`), :class:`CacheStats`,
+:class:`PoolExhausted` (the KV pool hit ``max_kv_bytes``; a ``MemoryError``), :func:`cascade_generate`
+(the decoding entry ``generate`` runs for cascade models), :func:`prefill` and :func:`register`.
+Which kernel backend runs is logged on the ``"hf_cascade"`` logger; ``python -m hf_cascade env``
+reports what this machine offers.
 """
 from .attention import register
+from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
 
 __version__ = "0.1.0"
-__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "cascade_generate", "prefill", "register"]
+__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register"]
 
 register()
 

@@ -3,12 +3,14 @@
 Builds a small Llama-shaped model with random weights (or loads ``--model PATH``), runs
 ``generate(num_beams=...)`` on seeded random prompts with each attention implementation, and
 reports whether the tokens match, the KV bytes each kept, the rows each prefilled and the wall time.
-Exit code 1 if the tokens differ.
+Exit code 1 if the tokens differ. ``python -m hf_cascade env`` prints versions, GPUs and which kernel
+backends can run here, with the reason.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_cascade
+from hf_cascade import kernels
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,22 +164,99 @@ def print_table(result: dict, console: Console | None = None) -> None:
     (console or Console()).print(table)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hf_cascade", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="local checkpoint to load (default: built-in random model)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--beams", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    p.add_argument("--backend", default="auto", help="CascadeConfig.backend for the cascade run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=None,
+def _positive_int(text: str) -> int:
+    value = int(text)       # argparse turns the ValueError into "invalid _positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+_positive_int.__name__ = _non_negative_int.__name__ = "int"     # argparse's "invalid int value: 'x'"
+
+GPU_BACKENDS = ("cuda", "flashinfer")
+HALF_DTYPES = ("bfloat16", "float16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_cascade", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+        epilog="Run `python -m hf_cascade env` for versions, GPUs and which kernel backends are available.")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="local checkpoint folder to load (default: a built-in random Llama-shaped model, 8 layers)")
+    p.add_argument("--prompt-len", type=_positive_int, default=1024, metavar="N",
+                   help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--beams", type=_positive_int, default=8, metavar="K", help="num_beams (default: %(default)s)")
+    p.add_argument("--new-tokens", type=_positive_int, default=16, metavar="N",
+                   help="tokens generated per sequence (default: %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="B",
+                   help="prompts per generate call (default: %(default)s)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if a GPU is visible, else cpu)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="model dtype (default: %(default)s; float32/float64 give stock's tokens exactly, "
+                        "bf16/fp16 may differ by rounding)")
+    p.add_argument("--backend", choices=("auto", *kernels.BACKENDS), default="auto",
+                   help="CascadeConfig.backend for the cascade run (default: %(default)s; cuda and flashinfer "
+                        "need a CUDA device and bfloat16/float16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: %(default)s)")
+    p.add_argument("--warmup", type=_non_negative_int, default=None, metavar="N",
                    help="untimed runs of each before the timed one (default: 1 on CUDA, 0 on CPU)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no PATH: stdout)")
-    return p.parse_args(argv)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuse flags that cannot run here before anything is loaded (one line and exit 2, argparse's way)."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        p.error(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: no CUDA GPU is visible to torch {torch.__version__}; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type not in ("cpu", "mps", "xpu"):
+        p.error(f"--device {args.device}: device type {device.type!r} is not supported here; use cpu or cuda")
+    if args.backend in GPU_BACKENDS:
+        if device.type != "cuda":
+            p.error(f"--backend {args.backend} runs on CUDA only; use --device cuda, or --backend auto/reference")
+        if args.dtype not in HALF_DTYPES:
+            p.error(f"--backend {args.backend} takes bfloat16/float16, not {args.dtype}; add --dtype bfloat16")
+    if args.model is not None and not os.path.isdir(os.path.expanduser(args.model)):
+        p.error(f"--model {args.model}: no such folder (a local checkpoint with config.json and weights)")
+    if args.json not in (None, "-"):
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            p.error(f"--json {args.json}: folder {folder} does not exist")
+    return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    return _check(p, p.parse_args(argv))
+
+
+def env_main(argv) -> int:
+    """``python -m hf_cascade env [--json]``: versions, GPUs, each backend's availability with the reason."""
+    p = argparse.ArgumentParser(prog="python -m hf_cascade env",
+                                description="Versions, GPUs and each kernel backend's availability, with the reason.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = p.parse_args(argv)
+    from . import diagnostics
+    found = diagnostics.report()
+    print(json.dumps(found, indent=2) if args.json else diagnostics.format_report(found))
+    return 0
 
 
 def write_json(result: dict, path: str) -> None:
@@ -189,10 +269,19 @@ def write_json(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
+    """Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags (one line on stderr), 3 the run failed
+    for a reason the message names (unsupported model or backend, KV pool too small, checkpoint unreadable)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["env"]:
+        return env_main(argv[1:])
     args = parse_args(argv)
     warmup = args.warmup if args.warmup is not None else int(torch.device(args.device).type == "cuda")
-    result = run_comparison(args.model, args.prompt_len, args.beams, args.new_tokens, args.batch, args.device,
-                            args.dtype, args.backend, args.seed, warmup=warmup)
+    try:
+        result = run_comparison(args.model, args.prompt_len, args.beams, args.new_tokens, args.batch, args.device,
+                                args.dtype, args.backend, args.seed, warmup=warmup)
+    except (NotImplementedError, MemoryError, OSError) as err:      # errors that say what to do: no traceback
+        print(f"python -m hf_cascade: error: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
     print_table(result, Console(stderr=args.json == "-"))     # keep stdout pure JSON with --json -
     if args.json:
         write_json(result, args.json)
@@ -202,4 +291,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -22,9 +22,11 @@ __all__ = ["PoolExhausted", "AppendPlan", "BlockManager"]
 
 
 class PoolExhausted(MemoryError):
-    """Raised by :meth:`BlockManager.append` when ``max_blocks`` would be exceeded.
+    """The KV pool is full: more blocks are needed than its cap allows (``CascadeConfig.max_kv_bytes``).
 
-    The manager's state is unchanged when this is raised.
+    Raised by :meth:`BlockManager.append` when ``max_blocks`` would be exceeded (the manager's state is
+    unchanged) and by a pool storage asked for more blocks than its cap. A ``MemoryError``, so
+    ``except MemoryError`` catches it too; exported as ``hf_cascade.PoolExhausted``.
     """
 
 
@@ -80,6 +82,8 @@ class BlockManager:
             raise ValueError(f"max_blocks must be None or a non-negative integer, got {max_blocks!r}")
         self.block_size = int(block_size)
         self.max_blocks = None if max_blocks is None else int(max_blocks)
+        # the advice PoolExhausted gives; the owner of the cap words it in its own setting's name
+        self.cap_hint = "raise max_blocks"
         self._tables = np.full((0, 4), -1, dtype=np.int32)
         self._lengths = np.zeros(0, dtype=np.int64)
         # Over-allocated buffer so growing capacity one block at a time is amortised O(1).
@@ -242,7 +246,7 @@ class BlockManager:
                     f"KV block pool exhausted: append needs {need} new blocks but only {free} "
                     f"are free (max_blocks={self.max_blocks}, {in_use} in use, "
                     f"block_size={bs}). Lower the number of beams, the prompt length or the "
-                    f"number of new tokens, or raise max_blocks."
+                    f"number of new tokens, or {self.cap_hint}."
                 )
 
         new_len = self._lengths + counts

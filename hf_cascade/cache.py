@@ -34,15 +34,31 @@ class _NoAppend:      # the AppendPlan of a step that writes nothing (for probin
 
 @dataclass
 class CacheStats:
-    """Memory accounting of a CascadeCache (bytes are K and V of all layers)."""
+    """Memory accounting of a :class:`CascadeCache`, from :meth:`CascadeCache.stats`.
 
-    kv_bytes_in_use: int        # K/V bytes in blocks held by some row
-    peak_kv_bytes_in_use: int   # the largest kv_bytes_in_use since the cache was created or reset
-    kv_bytes_reserved: int      # capacity of the layers' pools
+    Bytes count K and V of all layers together. A dense per-row cache (transformers' DynamicCache)
+    would hold about ``tokens_logical / tokens_stored`` times ``kv_bytes_in_use``.
+
+    Attributes:
+        kv_bytes_in_use: bytes in blocks that some row holds now (whole blocks, partly filled ones
+            included).
+        peak_kv_bytes_in_use: the largest ``kv_bytes_in_use`` since the cache was created or last
+            reset: the smallest ``max_kv_bytes`` the same call would have fitted in.
+        kv_bytes_reserved: bytes the layers' pools hold from the device (allocated, or mapped for
+            ``memory="vmm"``): at least ``kv_bytes_in_use``, more where a pool grew ahead of need.
+        blocks_in_use: blocks some row holds (a block shared by several rows counts once).
+        blocks_shared: blocks held by more than one row (prompt blocks shared by beams/samples).
+        tokens_stored: distinct tokens physically stored (a shared token counts once; pads are not stored).
+        tokens_logical: tokens a dense per-row cache would hold: rows x sequence length, pads included.
+    """
+
+    kv_bytes_in_use: int
+    peak_kv_bytes_in_use: int
+    kv_bytes_reserved: int
     blocks_in_use: int
-    blocks_shared: int          # blocks held by more than one row
-    tokens_stored: int          # distinct tokens physically stored
-    tokens_logical: int         # tokens a dense per-row cache would hold (rows x sequence length, pads included)
+    blocks_shared: int
+    tokens_stored: int
+    tokens_logical: int
 
 
 class CascadeLayer(CacheLayerMixin):
@@ -127,16 +143,37 @@ class CascadeLayer(CacheLayerMixin):
 class CascadeCache(Cache):
     """A paged KV cache whose rows share blocks: prompts stored once for all their beams/samples.
 
+    Pass it to ``generate`` as ``cache=`` (transformers >= 5.24) or ``past_key_values=`` (earlier); keep
+    a reference to read :meth:`stats` afterwards and call :meth:`reset` to give its memory back.
+
     Args:
-        config: the model config (sets the number of layers up front; needed with ``max_kv_bytes``).
-            Without it, layers are added as ``update`` first sees them.
-        cascade_config: a :class:`CascadeConfig` (backend, block size, memory policy).
+        config: the model config (``model.config``; sets the number of layers up front; needed with
+            ``max_kv_bytes``). Without it, layers are added as ``update`` first sees them.
+        cascade_config: a :class:`CascadeConfig` or a dict of its fields (backend, block size, memory policy).
+
+    Raises:
+        TypeError: ``config`` is not a model config (e.g. a CascadeConfig passed first), or
+            ``cascade_config`` is neither a CascadeConfig nor a dict of its fields.
+        ValueError: ``max_kv_bytes`` without ``config``, or a ``max_kv_bytes`` that cannot hold one
+            block of all layers. One block's bytes are estimated from the model config:
+            ``2 x block_size x kv_heads x head_dim x bytes per element x layers``, with kv heads from
+            ``num_key_value_heads`` (else the attention heads), head_dim from ``head_dim`` (else
+            hidden size / heads), the element size from ``config.dtype`` (``torch_dtype`` before it)
+            and 2 bytes where the config names no dtype. The exact check runs again when the first
+            K/V arrives.
     """
 
-    def __init__(self, config=None, cascade_config: CascadeConfig | None = None):
-        self.cascade_config = cascade_config or CascadeConfig()
-        if self.cascade_config.max_kv_bytes is not None and config is None:
-            raise ValueError("CascadeCache(max_kv_bytes=...) needs the model config: CascadeCache(model.config, ...).")
+    def __init__(self, config=None, cascade_config: CascadeConfig | dict | None = None):
+        cascade_config = CascadeConfig.coerce(cascade_config)
+        if config is not None and not hasattr(config, "get_text_config"):
+            raise TypeError(f"CascadeCache's first argument is the model config (model.config), got "
+                            f"{type(config).__name__}. Use CascadeCache(model.config, cascade_config).")
+        if cascade_config.max_kv_bytes is not None:
+            if config is None:
+                raise ValueError("CascadeCache(max_kv_bytes=...) needs the model config: "
+                                 "CascadeCache(model.config, cascade_config).")
+            _check_cap_holds_a_block(config, cascade_config)
+        self.cascade_config = cascade_config
         num_layers = config.get_text_config(decoder=True).num_hidden_layers if config is not None else 0
         super().__init__(layers=[CascadeLayer(self, i) for i in range(num_layers)])
         self.block_size = self.cascade_config.block_size
@@ -252,6 +289,8 @@ class CascadeCache(Cache):
         self._next_write_mask = mask
 
     def stats(self) -> CacheStats:
+        """The cache's memory accounting now (:class:`CacheStats`); cheap, no device synchronisation.
+        Read it before :meth:`reset`, which empties the cache and restarts the peak."""
         block_bytes = self._block_bytes_all_layers()
         return CacheStats(
             kv_bytes_in_use=self.blocks.blocks_in_use * block_bytes,
@@ -311,14 +350,20 @@ class CascadeCache(Cache):
         if cap is None or self.blocks.max_blocks is not None:
             return
         per_layer = torch.empty((), dtype=dtype).element_size() * int(np.prod(block_shape))
-        max_blocks = cap // (per_layer * len(self.layers))
+        block_bytes = per_layer * len(self.layers)
+        max_blocks = cap // block_bytes
         if max_blocks < 1:
-            raise ValueError(f"max_kv_bytes={cap} holds less than one block ({per_layer * len(self.layers)} bytes "
+            raise ValueError(f"max_kv_bytes={cap} holds less than one block ({block_bytes} bytes "
                              "over all layers); raise it or lower CascadeConfig.block_size.")
         self.blocks.max_blocks = int(max_blocks)
+        self.blocks.cap_hint = (f"raise CascadeConfig.max_kv_bytes (now {cap} bytes: {max_blocks} blocks of "
+                                f"{block_bytes} bytes over all layers)")
 
     def _begin_step(self, key_states: torch.Tensor) -> StepContext:
-        num_rows, _, q_len, _ = key_states.shape
+        num_rows, num_heads, q_len, head_dim = key_states.shape
+        # the cap in blocks, known now from the K/V: checked before any state changes, and append then
+        # refuses (PoolExhausted) before taking a block
+        self._set_block_cap((2, self.block_size, num_heads, head_dim), key_states.dtype)
         return self._begin_step_shape(num_rows, q_len)
 
     def _begin_step_shape(self, num_rows: int, q_len: int) -> StepContext:
@@ -398,3 +443,27 @@ class CascadeCache(Cache):
                                    self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
                                    self._backend_min_saved_tokens if saved is None else saved,
                                    solo_rows=getattr(backend, "SOLO_PREFIX", False))
+
+def _check_cap_holds_a_block(config, cascade_config: CascadeConfig) -> None:
+    """Refuse a ``max_kv_bytes`` below one block of all layers, estimated from the model config (see
+    :class:`CascadeCache`), before the cache holds any state."""
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = (getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None)
+                or (1 if getattr(text, "multi_query", False) else heads))
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    layers = getattr(text, "num_hidden_layers", None)
+    if not (kv_heads and head_dim and layers):
+        return          # not a shape we can read: the exact check runs with the first K/V
+    dtype = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    itemsize = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
+    block_bytes = 2 * cascade_config.block_size * kv_heads * head_dim * itemsize * layers
+    cap = cascade_config.max_kv_bytes
+    if cap < block_bytes:
+        raise ValueError(
+            f"CascadeConfig.max_kv_bytes={cap} holds less than one KV block of this model ({block_bytes} bytes: "
+            f"2 x block_size {cascade_config.block_size} x {kv_heads} KV heads x head_dim {head_dim} x {itemsize} "
+            f"bytes x {layers} layers). Raise max_kv_bytes (it counts bytes, e.g. 4e9 for 4 GB) or lower "
+            "block_size.")

@@ -1,15 +1,30 @@
 """CascadeConfig: the knobs of the cascade cache and attention."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "flashinfer", "cuda", "reference")
 MEMORY_POLICIES = ("auto", "vmm", "grow", "static")
 
 
+class ConfigTypeError(TypeError, ValueError):
+    """A CascadeConfig field of the wrong type: a TypeError, and a ValueError as such errors were before."""
+
+
 @dataclass
 class CascadeConfig:
     """Settings of one :class:`~hf_cascade.CascadeCache`.
+
+    Every field is checked when the config is made: a value of the wrong type raises
+    :class:`ConfigTypeError` (a ``TypeError`` and a ``ValueError``), an out-of-range or unknown one
+    ``ValueError``, each naming the field and what it accepts.
+    ``generate(..., hf_cascade_config=...)`` and :class:`~hf_cascade.CascadeCache` also take a plain
+    dict of these fields (:meth:`coerce`).
 
     Args:
         backend: which kernels compute attention. ``"auto"`` picks the best available one;
@@ -22,7 +37,8 @@ class CascadeConfig:
             pool with one copy when it runs out (portable). ``"static"`` allocates ``max_kv_bytes`` up
             front and never grows. ``"auto"`` (default) picks ``"vmm"`` where it can run, else ``"grow"``.
         max_kv_bytes: cap on the KV pool of all layers together, in bytes (``None``: no cap
-            beyond device memory). Required for ``memory="static"``.
+            beyond device memory). Required for ``memory="static"``. Running out of it raises
+            :class:`~hf_cascade.PoolExhausted`.
         keep_kv_bytes: bytes of all layers together that a ``"vmm"`` pool keeps mapped when the
             cache is reset, for the next call (0: everything goes back to the device).
         min_group_rows: rows that must share a prefix before it is read once for all of them
@@ -61,40 +77,74 @@ class CascadeConfig:
     compile: bool = False
 
     def __post_init__(self):
-        if self.cuda_graphs not in (None, True, False, "eager"):
-            raise ValueError(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
-                             f"got {self.cuda_graphs!r}.")
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
+            error = ValueError if isinstance(self.cuda_graphs, str) else ConfigTypeError
+            raise error(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
+                        f"got {self.cuda_graphs!r}.")
         if not isinstance(self.compile, bool):
-            raise ValueError(f"CascadeConfig.compile must be a bool, got {self.compile!r}.")
+            raise ConfigTypeError(f"CascadeConfig.compile must be a bool, got {self.compile!r}.")
         if not isinstance(self.static_decode, bool):
-            raise ValueError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"CascadeConfig.backend must be one of {BACKENDS}, got {self.backend!r}.")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"CascadeConfig.block_size must be a positive int, got {self.block_size!r}.")
-        if self.memory not in MEMORY_POLICIES:
-            raise ValueError(f"CascadeConfig.memory must be one of {MEMORY_POLICIES}, got {self.memory!r}.")
+            raise ConfigTypeError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
+        self.backend = _choice("backend", self.backend, BACKENDS)
+        self.memory = _choice("memory", self.memory, MEMORY_POLICIES)
+        self.block_size = _integer("block_size", self.block_size, low=1)
         if self.max_kv_bytes is not None:
-            if not _is_number(self.max_kv_bytes) or self.max_kv_bytes < 1:
-                raise ValueError(f"CascadeConfig.max_kv_bytes must be a positive number of bytes or None, "
-                                 f"got {self.max_kv_bytes!r}.")
-            self.max_kv_bytes = int(self.max_kv_bytes)
-        if not _is_number(self.keep_kv_bytes) or self.keep_kv_bytes < 0:
-            raise ValueError(f"CascadeConfig.keep_kv_bytes must be a non-negative number of bytes, "
-                             f"got {self.keep_kv_bytes!r}.")
-        self.keep_kv_bytes = int(self.keep_kv_bytes)
+            self.max_kv_bytes = _byte_count("max_kv_bytes", self.max_kv_bytes, low=1, or_none=True)
+        self.keep_kv_bytes = _byte_count("keep_kv_bytes", self.keep_kv_bytes, low=0)
         if self.memory == "static" and self.max_kv_bytes is None:
             raise ValueError('CascadeConfig(memory="static") needs max_kv_bytes: the size of the fixed pool.')
-        if self.min_group_rows < 2:
-            raise ValueError(f"CascadeConfig.min_group_rows must be >= 2, got {self.min_group_rows!r}.")
-        if not isinstance(self.min_prefix_tokens, int) or self.min_prefix_tokens < 0:
-            raise ValueError(f"CascadeConfig.min_prefix_tokens must be an int >= 0, got {self.min_prefix_tokens!r}.")
-        if self.min_saved_tokens is not None and (not isinstance(self.min_saved_tokens, int)
-                                                  or isinstance(self.min_saved_tokens, bool)
-                                                  or self.min_saved_tokens < 0):
-            raise ValueError(f"CascadeConfig.min_saved_tokens must be an int >= 0 or None (the backend's "
-                             f"measured threshold), got {self.min_saved_tokens!r}.")
+        self.min_group_rows = _integer("min_group_rows", self.min_group_rows, low=2)
+        self.min_prefix_tokens = _integer("min_prefix_tokens", self.min_prefix_tokens, low=0)
+        if self.min_saved_tokens is not None:
+            self.min_saved_tokens = _integer("min_saved_tokens", self.min_saved_tokens, low=0,
+                                             note=" or None (the backend's measured threshold)")
+
+    @classmethod
+    def coerce(cls, obj) -> "CascadeConfig":
+        """``obj`` as a CascadeConfig: ``None`` gives the defaults, a CascadeConfig is returned as is,
+        a mapping gives ``CascadeConfig(**obj)`` (an unknown key raises ``TypeError`` naming the
+        fields); anything else raises ``TypeError``."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        if isinstance(obj, Mapping):
+            fields = [f.name for f in dataclasses.fields(cls)]
+            unknown = [k for k in obj if k not in fields]
+            if unknown:
+                hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k in unknown
+                                if (m := difflib.get_close_matches(str(k), fields, n=1)))
+                raise TypeError(f"unknown CascadeConfig field(s) {unknown}{hints}; the fields are {fields}.")
+            return cls(**obj)
+        raise TypeError(f"expected a hf_cascade.CascadeConfig, a dict of its fields or None, got "
+                        f"{type(obj).__name__}: e.g. hf_cascade_config=hf_cascade.CascadeConfig(backend='reference').")
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x   # not NaN
+def _choice(name: str, value, choices: tuple) -> str:
+    if not isinstance(value, str):
+        raise ConfigTypeError(f"CascadeConfig.{name} must be a string, one of {choices}; got {type(value).__name__} "
+                        f"{value!r}.")
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"CascadeConfig.{name} must be one of {choices}, got {value!r}{hint}.")
+    return value
+
+
+def _integer(name: str, value, *, low: int, note: str = "") -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ConfigTypeError(f"CascadeConfig.{name} must be an int >= {low}{note}, "
+                              f"got {type(value).__name__} {value!r}.")
+    if value < low:
+        raise ValueError(f"CascadeConfig.{name} must be an int >= {low}{note}, got {value!r}.")
+    return int(value)
+
+
+def _byte_count(name: str, value, *, low: int, or_none: bool = False) -> int:
+    """A number of bytes: an int, or a float such as 4e9 (rounded down)."""
+    what = f"a number of bytes >= {low}" + (" or None" if or_none else "")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ConfigTypeError(f"CascadeConfig.{name} must be {what}, got {type(value).__name__} {value!r}.")
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"CascadeConfig.{name} must be {what}, got {value!r}.")
+    return int(value)

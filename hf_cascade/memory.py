@@ -11,8 +11,9 @@ Every storage has the same small interface: ``tensor``, ``num_blocks``, ``block_
   never copies; its base address (``tensor.data_ptr()``) is fixed, only the tensor's shape grows.
 - ``auto``: ``vmm`` where the device supports it and cuda-bindings imports, else ``grow``.
 
-Block ids index dim 0, so growth never renumbers blocks. A storage raises MemoryError, with the
-numbers, when asked for more than it may hold, and is unchanged and usable afterwards.
+Block ids index dim 0, so growth never renumbers blocks. A storage raises PoolExhausted (a MemoryError),
+with the numbers, when asked for more blocks than its cap, MemoryError when the device has no room, and
+is unchanged and usable afterwards.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import sys
 
 import torch
 
+from .blocks import PoolExhausted
 from .config import MEMORY_POLICIES
 
 logger = logging.getLogger("hf_cascade")
@@ -55,8 +57,8 @@ class BlockStorage:
     def nbytes(self) -> int:
         return self.num_blocks * self.block_nbytes
 
-    def _too_many(self, num_blocks: int, cap: int) -> MemoryError:
-        return MemoryError(
+    def _too_many(self, num_blocks: int, cap: int) -> PoolExhausted:
+        return PoolExhausted(
             f"KV pool ({type(self).__name__}, one layer) needs {num_blocks} blocks = {num_blocks * self.block_nbytes} "
             f"bytes but holds at most {cap} blocks = {cap * self.block_nbytes} bytes; raise "
             "CascadeConfig.max_kv_bytes or lower beams, prompt length or new tokens.")

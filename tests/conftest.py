@@ -1,5 +1,8 @@
-"""Tiny random models, built from configs (no downloads), in pairs: stock sdpa and cascade, same weights."""
+"""Tiny random models, built from configs (no downloads), in pairs: stock sdpa and cascade, same weights;
+the `gpu` marker's skip; the cache keyword of this transformers version."""
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -8,6 +11,29 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 import hf_cascade  # noqa: F401  registers "cascade"
 
 VOCAB = 96
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` (or ``gpu(n)`` for n GPUs) skips a test where torch sees fewer CUDA devices."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = int(marker.args[0]) if marker is not None and marker.args else 1
+        if marker is not None and have < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), torch sees {have}"))
+
+
+def cache_kw(model, cache) -> dict:
+    """``{"cache": cache}`` on transformers >= 5.24, ``{"past_key_values": cache}`` before (5.24 renamed it
+    and warns about the old name), for ``generate`` and for a forward call."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def returned_cache(out):
+    """The cache ``generate(return_dict_in_generate=True)`` returned (``out.cache`` from 5.24, whose
+    ``out.past_key_values`` warns; ``out.past_key_values`` before)."""
+    return out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
 
 
 def tiny_config(family: str, **overrides):
@@ -59,7 +85,7 @@ class FirstForwardRows:
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.rows.append(ids.shape[0])
-        self.caches.append(kwargs.get("cache", kwargs.get("past_key_values")))
+        self.caches.append(kwargs.get("cache", kwargs.get("past_key_values")))   # 5.24 renamed it
 
     def remove(self):
         self.handle.remove()

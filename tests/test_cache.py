@@ -2,20 +2,13 @@
 beam reorders, crops, the pool's contents, and the dense fallback."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig
-from conftest import model_pair, padded_batch
-
-
-def cache_kw(model, cache):
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+from conftest import cache_kw, model_pair, padded_batch, returned_cache
 
 
 def positions(mask):
@@ -156,7 +149,7 @@ def test_cascade_cache_needs_cascade_model(pair):
     stock, _ = pair
     ids, mask = padded_batch(seed=1)
     with pytest.raises(ValueError, match="attn_implementation='cascade'"):
-        stock.generate(input_ids=ids, attention_mask=mask, past_key_values=CascadeCache(stock.config),
+        stock.generate(input_ids=ids, attention_mask=mask, **cache_kw(stock, CascadeCache(stock.config)),
                        max_new_tokens=2, pad_token_id=0)
     with pytest.raises(RuntimeError, match="attn_implementation='cascade'"):
         stock(input_ids=ids[:, -3:], **cache_kw(stock, CascadeCache(stock.config)))
@@ -168,20 +161,20 @@ def test_cache_reused_with_another_model(pair):
     ids, mask = padded_batch(seed=1)
     out = cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0,
                            return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     with pytest.raises(ValueError, match="another model"):
-        other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+        other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **cache_kw(other, cache))
     cache.reset()
-    other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    other.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **cache_kw(other, cache))
 
 
 def test_filled_cache_is_refused(pair):
     _, cascade = pair
     ids, mask = padded_batch(seed=1)
     cache = CascadeCache(cascade.config)
-    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **cache_kw(cascade, cache))
     with pytest.raises(ValueError, match="already holds"):
-        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **cache_kw(cascade, cache))
 
 
 def test_right_padding_is_refused(pair):
@@ -216,7 +209,7 @@ def test_pool_cap_error_releases_everything(pair):
     cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, max_kv_bytes=12 * per_block))
     with pytest.raises(MemoryError, match="block"):
         cascade.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8, pad_token_id=0,
-                         past_key_values=cache)
+                         **cache_kw(cascade, cache))
     cache.reset()
     assert cache.stats().blocks_in_use == 0
     kw = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
@@ -234,7 +227,7 @@ def test_min_prefix_tokens_reads_short_prefixes_as_suffixes(pair):
         out = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
                                hf_cascade_config=CascadeConfig(block_size=4, min_prefix_tokens=threshold))
         assert torch.equal(out.sequences, expected)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         token = torch.full((cache.blocks.num_rows, 1), 5)
         full = torch.ones(cache.blocks.num_rows, cache.get_seq_length() + 1, dtype=torch.long)
         cascade(input_ids=token, attention_mask=full, **cache_kw(cascade, cache))
@@ -253,7 +246,7 @@ def test_min_prefix_tokens_reads_short_prefixes_as_suffixes(pair):
 def _plan_after(cascade, ids, mask, kw, config):
     """Generate, then one more forward through the returned cache: that step's plan."""
     out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
-    cache = out.past_key_values
+    cache = returned_cache(out)
     token = torch.full((cache.blocks.num_rows, 1), 5)
     full = torch.ones(cache.blocks.num_rows, cache.get_seq_length() + 1, dtype=torch.long)
     cascade(input_ids=token, attention_mask=full, **cache_kw(cascade, cache))

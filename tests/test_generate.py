@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FirstForwardRows, model_pair, padded_batch
+from conftest import FirstForwardRows, cache_kw, model_pair, padded_batch, returned_cache
 
 FAMILIES = ["llama", "mistral", "qwen2"]
 NEW = 10
@@ -112,8 +112,8 @@ def test_explicit_cache_is_used_and_returned(llama_pair):
     ids, mask = padded_batch(seed=4)
     cache = CascadeCache(cascade.config, CascadeConfig(block_size=4))
     kw = dict(num_beams=4, max_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True)
-    out = cascade.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
-    assert out.past_key_values is cache
+    out = cascade.generate(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache), **kw)
+    assert returned_cache(out) is cache
     expected = stock.generate(input_ids=ids, attention_mask=mask, **kw).sequences
     assert torch.equal(out.sequences, expected)
     stats = cache.stats()
@@ -173,13 +173,13 @@ def test_blocks_released_after_exception(llama_pair):
     cache = CascadeCache(cascade.config)
     with pytest.raises(_Boom):
         cascade.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8, pad_token_id=0,
-                         past_key_values=cache, stopping_criteria=_exploding_criteria(3))
+                         **cache_kw(cascade, cache), stopping_criteria=_exploding_criteria(3))
     assert cache.stats().blocks_in_use > 0
     cache.reset()
     assert cache.stats().blocks_in_use == 0 and cache.blocks.refcount.sum() == 0
     # and the model still generates correctly afterwards
     out = cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=3, pad_token_id=0,
-                           past_key_values=cache)
+                           **cache_kw(cascade, cache))
     assert out.shape == (2, ids.shape[1] + 3)
 
 

@@ -3,8 +3,8 @@
 GPU tests (marked ``gpu``; skipped without CUDA or FlashInfer): the backend against the reference
 backend computed in float32 on the same bf16/fp16 pool, on random paged layouts built with
 ``build_step_plan`` (random block permutations, groups of different sizes, a row in no group, an
-empty-prefix step, prefixes up to 16k, suffixes up to 1024, block sizes 16 and 64, 1 and 3 query
-tokens per row, GQA 1/4/8), in both MODEs.
+empty-prefix step, prefixes up to 16k, suffixes up to 1024): one grid of dtype/head_dim x GQA 1/4/8 x
+block sizes 16 and 64 x 1 and 3 query tokens per row, and named layouts x query tokens, in both MODEs.
 
 CPU tests (always run): the backend's own logic against a stand-in ``flashinfer`` module written in
 torch with FlashInfer's documented semantics (paged NHD layout, int32 CPU plan arrays, bottom-right
@@ -34,6 +34,7 @@ import torch
 from hf_cascade import kernels
 from hf_cascade.kernels import reference
 from hf_cascade.plan import build_step_plan
+from kernel_helpers import random_layout
 
 FI_PATH = Path(kernels.__file__).with_name("flashinfer.py")
 LN2 = math.log(2.0)
@@ -52,57 +53,23 @@ class _Append:
 
 def make_case(seed, *, groups, prefixes, suffix, bs, Lq, Hq, Hkv, D, dtype, device, shuffle=True,
               garbage=1e4, extra_blocks=5, new_mask=None):
-    """A random paged step: (q [R, Lq, Hq, D] non-contiguous view, pool, plan, expected group count).
+    """A random paged step: (q [R, Lq, Hq, D] non-contiguous view, pool, plan).
 
     ``groups[i]`` rows share a prompt of ``prefixes[i]`` tokens; its full blocks are stored once (a
     group of one row, or a prompt shorter than a block, gives rows in no group). Every row then holds
     the prompt's partial last block (its own copy) and ``suffix`` = (lo, hi) more tokens, the last Lq
-    of which are this step's. Blocks come from a random permutation of the pool; unused slots hold
-    ``garbage``.
+    of which are this step's (:func:`kernel_helpers.random_layout` with ``aligned_prefixes``); the plan
+    comes from the rows' block tables through ``build_step_plan``, as the cache builds it.
     """
-    rng = np.random.default_rng(seed)
-    row_group = np.concatenate([np.full(n, g) for g, n in enumerate(groups)])
-    R = row_group.size
-    order = rng.permutation(R) if shuffle else np.arange(R)
-    row_group = row_group[order]                       # rows of a group interleaved with others
-    lo, hi = suffix
-    slen = rng.integers(max(lo, Lq), max(lo, Lq) + max(hi - max(lo, Lq), 0) + 1, size=R)
-    slen[rng.integers(R)] = max(lo, Lq)
-    shared_blocks = [p // bs for p in prefixes]
-    row_prompt = np.array([prefixes[g] for g in row_group], dtype=np.int64)
-    row_tail = row_prompt - np.array([shared_blocks[g] * bs for g in row_group]) + slen  # tokens in own blocks
-    own_blocks = -(-row_tail // bs)
-    N = sum(shared_blocks) + int(own_blocks.sum()) + extra_blocks
-    free = list(rng.permutation(N))
-    valid = np.zeros((N, bs), dtype=bool)
-    shared_ids = []
-    for nb in shared_blocks:
-        ids = [int(free.pop()) for _ in range(nb)]
-        valid[ids] = True
-        shared_ids.append(ids)
-    W = max(shared_blocks[g] + int(own_blocks[r]) for r, g in enumerate(row_group)) + 1
-    tables = np.full((R, W), -1, dtype=np.int32)
-    for r, g in enumerate(row_group):
-        nb = shared_blocks[g]
-        tables[r, :nb] = shared_ids[g]
-        for j in range(int(own_blocks[r])):
-            b = int(free.pop())
-            tables[r, nb + j] = b
-            valid[b, : min(bs, int(row_tail[r]) - j * bs)] = True
-    lengths = row_prompt + slen
-    counts = np.full(R, Lq, dtype=np.int64)
-    if new_mask is not None:
-        counts = new_mask.sum(axis=1).astype(np.int64)
-    plan = build_step_plan(tables, lengths.astype(np.int64), counts, new_mask, Lq, _Append(), bs, min_group_rows=2)
-    expected_groups = sum(1 for n, nb in zip(groups, shared_blocks) if n >= 2 and nb >= 1)
+    lay = random_layout(seed, groups=list(zip(groups, prefixes)), lone_rows=0, suffix=suffix, Lq=Lq, Hkv=Hkv, Hq=Hq,
+                        D=D, bs=bs, dtype=dtype, device=device, garbage=garbage, extra_blocks=extra_blocks,
+                        aligned_prefixes=True, shuffle=shuffle, q_view=True)
+    tables, lengths = lay.tables()
+    counts = np.full(len(lengths), Lq, dtype=np.int64) if new_mask is None else new_mask.sum(axis=1).astype(np.int64)
+    plan = build_step_plan(tables, lengths, counts, new_mask, Lq, _Append(), bs, min_group_rows=2)
+    expected_groups = sum(1 for n, p in zip(groups, prefixes) if n >= 2 and p >= bs)
     assert plan.num_groups == expected_groups
-
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(N, 2, bs, Hkv, D, generator=g)
-    pool.masked_fill_(~torch.from_numpy(valid)[:, None, :, None, None], garbage)
-    pool = pool.to(device=device, dtype=dtype)
-    q = torch.randn(R, Hq, Lq, D, generator=g).to(device=device, dtype=dtype).transpose(1, 2)  # as attention.py
-    return q, pool, plan
+    return lay.q, lay.pool, plan
 
 
 def rel_err(out, ref):
@@ -365,9 +332,7 @@ def test_auto_falls_through_when_flashinfer_missing(monkeypatch, fresh_selection
 
 @pytest.fixture(scope="module")
 def fib():
-    """The real FlashInfer backend on CUDA (skips when either is missing)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    """The real FlashInfer backend on CUDA (the ``gpu`` marker skips without CUDA; this, without FlashInfer)."""
     try:
         return importlib.import_module("hf_cascade.kernels.flashinfer")
     except ImportError as err:
@@ -375,39 +340,30 @@ def fib():
 
 
 BF, FP = torch.bfloat16, torch.float16
-GPU_CASES = {
-    # name: (dtype, D, Hq, Hkv, bs, Lq, groups, prefixes, suffix (lo, hi), shuffle)
-    "bf16-d128-gqa4-bs16-lq1-p16k": (BF, 128, 32, 8, 16, 1, [4, 3, 1], [16384, 1000, 300], (1, 64), True),
-    "bf16-d128-gqa8-bs64-lq3": (BF, 128, 16, 2, 64, 3, [5, 2, 1], [4096, 130, 777], (3, 1024), True),
-    "bf16-d128-gqa1-bs16-lq1-noprefix": (BF, 128, 8, 8, 16, 1, [3, 3], [5, 9], (1, 200), True),
-    "bf16-d128-gqa4-bs64-lq1-allgrouped": (BF, 128, 32, 8, 64, 1, [8, 8], [2048, 640], (1, 100), False),
-    "bf16-d128-gqa4-bs16-lq3-allgrouped-shuffled": (BF, 128, 32, 8, 16, 3, [4, 4], [3000, 200], (3, 300), True),
-    "bf16-d64-gqa8-bs16-lq1": (BF, 64, 16, 2, 16, 1, [4, 2, 1], [1024, 64, 32], (1, 1024), True),
-    "bf16-d64-gqa1-bs64-lq3": (BF, 64, 4, 4, 64, 3, [3, 2], [300, 0], (3, 50), True),
-    "fp16-d128-gqa4-bs16-lq1": (FP, 128, 32, 8, 16, 1, [4, 2, 1], [8192, 100, 50], (1, 512), True),
-    "fp16-d128-gqa8-bs64-lq3-p16k": (FP, 128, 32, 4, 64, 3, [2, 2, 2, 1], [0, 700, 16384, 20], (3, 1024), True),
-    "fp16-d128-gqa1-bs16-lq1-noprefix": (FP, 128, 8, 8, 16, 1, [1, 1, 1], [0, 0, 0], (1, 64), True),
+# (dtype, head_dim) pairs FlashInfer compiles a module for on first use (about 80 s each on the H200)
+DTYPE_DIMS = [(BF, 64), (BF, 128), (FP, 128)]
+LAYOUTS = {
+    # name: (groups, prefixes, suffix (lo, hi), shuffle), block sizes and Lq from the grid
+    "mixed": ([4, 3, 1], [1000, 130, 300], (1, 200), True),           # a row in no group, prefixes mid-block
+    "p16k": ([4, 3, 1], [16384, 1000, 300], (1, 64), True),
+    "noprefix": ([3, 3], [5, 9], (1, 200), True),                       # prompts shorter than a block
+    "allgrouped": ([8, 8], [2048, 640], (1, 100), False),
+    "allgrouped-shuffled": ([4, 4], [3000, 200], (1, 300), True),
+    "long-suffix": ([4, 2, 1], [1024, 64, 32], (1, 1024), True),
+    "empty-prefix-groups": ([2, 2, 2, 1], [0, 700, 16384, 20], (1, 1024), True),
+    "no-groups": ([1, 1, 1], [0, 0, 0], (1, 64), True),
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["two_wrappers", "multilevel"])
-@pytest.mark.parametrize("name", list(GPU_CASES))
-def test_flashinfer_matches_reference(fib, monkeypatch, name, mode):
-    dtype, D, Hq, Hkv, bs, Lq, groups, prefixes, suffix, shuffle = GPU_CASES[name]
-    monkeypatch.setattr(fib, "MODE", mode)
-    seed = zlib.crc32(name.encode()) % 1000
-    q, pool, plan = make_case(seed, groups=groups, prefixes=prefixes, suffix=suffix, bs=bs, Lq=Lq, Hq=Hq, Hkv=Hkv,
-                              D=D, dtype=dtype, device="cuda", shuffle=shuffle)
-    scale = D ** -0.5
+def _check_against_reference(fib, q, pool, plan, scale, label):
     assert fib.unsupported_reason(q, pool, plan) is None
     ref = reference_out(q, pool, plan, scale)
     out = fib.attend(q, pool, plan, scale)
     torch.cuda.synchronize()
-    assert out.shape == q.shape and out.dtype == dtype
+    assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     err = rel_err(out, ref)
-    assert err < 1e-2, f"{name} {mode}: relative error {err:.2e}"
+    assert err < 1e-2, f"{label}: relative error {err:.2e}"
     # the next layer of the step: same plan, other queries and pool; the wrappers are not re-planned
     key = next(k for k in plan.scratch if k[0] == "flashinfer" and k[1] != "plan_reason")
     step = plan.scratch[key]
@@ -415,6 +371,36 @@ def test_flashinfer_matches_reference(fib, monkeypatch, name, mode):
     out2 = fib.attend(q2, pool2, plan, scale)
     assert plan.scratch[key] is step
     assert rel_err(out2, reference_out(q2, pool2, plan, scale)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["two_wrappers", "multilevel"])
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("dtype,D", DTYPE_DIMS, ids=["bf16-d64", "bf16-d128", "fp16-d128"])
+def test_flashinfer_shape_grid(fib, monkeypatch, dtype, D, ratio, bs, Lq, mode):
+    """dtype x head_dim x GQA ratio x block size x query tokens, on one mixed layout, in both MODEs."""
+    groups, prefixes, suffix, shuffle = LAYOUTS["mixed"]
+    monkeypatch.setattr(fib, "MODE", mode)
+    Hkv = {1: 8, 4: 4, 8: 2}[ratio]
+    q, pool, plan = make_case(D + 10 * ratio + bs + Lq, groups=groups, prefixes=prefixes, suffix=(Lq, suffix[1]),
+                              bs=bs, Lq=Lq, Hq=Hkv * ratio, Hkv=Hkv, D=D, dtype=dtype, device="cuda", shuffle=shuffle)
+    _check_against_reference(fib, q, pool, plan, D ** -0.5, f"{dtype} D{D} gqa{ratio} bs{bs} Lq{Lq} {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["two_wrappers", "multilevel"])
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_flashinfer_layouts(fib, monkeypatch, name, Lq, mode):
+    """Layouts that stress the plan (16k prefixes, no groups, every row grouped, long suffixes) x Lq x MODE."""
+    groups, prefixes, suffix, shuffle = LAYOUTS[name]
+    monkeypatch.setattr(fib, "MODE", mode)
+    q, pool, plan = make_case(zlib.crc32(name.encode()) % 1000 + Lq, groups=groups, prefixes=prefixes,
+                              suffix=(max(Lq, suffix[0]), suffix[1]), bs=16, Lq=Lq, Hq=32, Hkv=8, D=128, dtype=BF,
+                              device="cuda", shuffle=shuffle)
+    _check_against_reference(fib, q, pool, plan, 128 ** -0.5, f"{name} Lq{Lq} {mode}")
 
 
 @pytest.mark.gpu

@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_cascade
+from conftest import cache_kw
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              intermediate_size=8192, vocab_size=128256, max_position_embeddings=8192, pad_token_id=0,
@@ -69,8 +69,7 @@ def test_bf16_teacher_forced_logprobs_match_stock(model_1b, backend):
             cache.batch_repeat_interleave(beams)
             tail = seqs[:, ids.shape[1] - 1:-1]
             pos = torch.arange(ids.shape[1] - 1, seqs.shape[1] - 1, device="cuda").expand(beams, -1)
-            kwarg = "cache" if "cache" in model.forward.__code__.co_varnames else "past_key_values"
-            got = model(input_ids=tail, position_ids=pos, use_cache=True, **{kwarg: cache}).logits.float()
+            got = model(input_ids=tail, position_ids=pos, use_cache=True, **cache_kw(model, cache)).logits.float()
             got = got.log_softmax(-1)
         target = seqs[:, ids.shape[1]:]
         lp_ref = ref.gather(-1, target[..., None]).squeeze(-1)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteriaList
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192, pad_token_id=0,

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from hf_cascade import kernels
 from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import reference
-from hf_cascade.plan import StepPlan
+from kernel_helpers import step_plan
 from test_reference_kernels import make_layout, make_three_level
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 GPU_BACKENDS = ("cuda", "flashinfer")
 
 
@@ -34,16 +33,6 @@ def backend(request):
     if "sinks" not in getattr(module, "QUIRKS", ()):
         pytest.skip(f"backend {request.param!r} does not declare attention sinks (QUIRKS) yet")
     return module
-
-
-def step_plan(lay) -> StepPlan:
-    """The StepPlan of a layout from test_reference_kernels (with its middle level, if it has one)."""
-    empty = np.zeros(0, dtype=np.int64)
-    levels = {name: lay[name].numpy() for name in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
-                                                   "q_limit", "mid_group_rows", "mid_table", "mid_len",
-                                                   "inner_suffix_table", "inner_q_limit") if name in lay}
-    return StepPlan(fresh=False, q_len=lay["q"].shape[1], src_index=None, write_block=empty, write_offset=empty,
-                    copy_src=empty, copy_dst=empty, **levels)
 
 
 def check_against_reference(module, q, pool, plan, scale, sinks, *, tol=1e-2, row_tol=2e-2, **quirks):
@@ -64,7 +53,7 @@ def check_against_reference(module, q, pool, plan, scale, sinks, *, tol=1e-2, ro
 
 
 def _on_gpu(lay, dtype):
-    return lay["q"].to("cuda", dtype), lay["pool"].to("cuda", dtype), lay["sinks"].to("cuda", dtype)
+    return lay.q.to("cuda", dtype), lay.pool.to("cuda", dtype), lay.sinks.to("cuda", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -74,9 +63,9 @@ def test_two_levels(backend, ratio, Lq, D, dtype):
     """Groups of several sizes, one with an empty prefix, a row in no group, NaN in unused slots, GQA."""
     lay = make_layout(40 + ratio + D + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=D, bs=16, dtype=torch.float32,
                       garbage=math.nan)
-    lay["sinks"] = 3.0 * torch.randn(lay["q"].shape[2], generator=torch.Generator().manual_seed(D + ratio))
+    lay.sinks = 3.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(D + ratio))
     q, pool, sinks = _on_gpu(lay, dtype)
-    check_against_reference(backend, q, pool, step_plan(lay), lay["scale"], sinks)
+    check_against_reference(backend, q, pool, step_plan(lay), lay.scale, sinks)
 
 
 @pytest.mark.parametrize("ratio,Lq", [(1, 1), (4, 1), (8, 2)])
@@ -84,7 +73,7 @@ def test_three_levels(backend, ratio, Lq):
     """System prompt, each prompt's rest, each row's suffix: the sink enters once per query."""
     lay = make_three_level(60 + ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=128, bs=16, dtype=torch.float32)
     q, pool, sinks = _on_gpu(lay, torch.bfloat16)
-    check_against_reference(backend, q, pool, step_plan(lay), lay["scale"], sinks)
+    check_against_reference(backend, q, pool, step_plan(lay), lay.scale, sinks)
 
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 30.0), (7, 20.0)])
@@ -95,9 +84,9 @@ def test_with_other_quirks(backend, window, softcap):
     if lacking:
         pytest.skip(f"{backend.__name__} does not declare {', '.join(lacking)}")
     lay = make_layout(80 + (window or 0), Lq=1, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32, garbage=math.nan)
-    lay["sinks"] = 3.0 * torch.randn(lay["q"].shape[2], generator=torch.Generator().manual_seed(5))
+    lay.sinks = 3.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(5))
     q, pool, sinks = _on_gpu(lay, torch.bfloat16)
-    check_against_reference(backend, q, pool, step_plan(lay), lay["scale"], sinks, **quirks)
+    check_against_reference(backend, q, pool, step_plan(lay), lay.scale, sinks, **quirks)
 
 
 @pytest.mark.parametrize("mode", ["beam", "sample"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_cascade.memory as memory
-from conftest import model_pair, padded_batch
+from conftest import model_pair, padded_batch, returned_cache
 from hf_cascade import CascadeConfig
 from hf_cascade.memory import GrowStorage, StaticStorage, make_storage
 
@@ -140,15 +140,15 @@ def test_static_generate_matches_stock_and_too_small_cap_raises(llama):
 
     out = cascade.generate(**kw, return_dict_in_generate=True, hf_cascade_config=CascadeConfig(memory="grow"))
     assert torch.equal(out.sequences, expected)
-    peak = out.past_key_values.stats().peak_kv_bytes_in_use    # the tightest cap this call fits in
-    out.past_key_values.reset()
+    peak = returned_cache(out).stats().peak_kv_bytes_in_use    # the tightest cap this call fits in
+    returned_cache(out).reset()
 
     got = cascade.generate(**kw, return_dict_in_generate=True,
                            hf_cascade_config=CascadeConfig(memory="static", max_kv_bytes=peak))
     assert torch.equal(got.sequences, expected)
-    stats = got.past_key_values.stats()
+    stats = returned_cache(got).stats()
     assert stats.kv_bytes_reserved == peak == stats.peak_kv_bytes_in_use    # static: all of it, from the start
-    got.past_key_values.reset()
+    returned_cache(got).reset()
 
     with pytest.raises(MemoryError, match="block"):
         cascade.generate(**kw, hf_cascade_config=CascadeConfig(memory="static", max_kv_bytes=peak // 2))

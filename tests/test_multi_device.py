@@ -13,13 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
 # NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "OMP_NUM_THREADS": "1"}
-needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
 
 def _run(args: list[str], torchrun: bool = False, timeout: int = 600) -> None:
@@ -79,8 +77,7 @@ def gpu_single(gpu_checkpoint, tmp_path_factory):
     return out
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@pytest.mark.gpu(2)
 def test_device_map_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tmp_path):
     _run(["device-map", *GPU_COMMON, "--gpus", "2", "--dir", str(gpu_checkpoint), "--ref", str(gpu_single),
           "--out", str(tmp_path / "dmap.json")])
@@ -90,8 +87,7 @@ def test_device_map_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tm
     assert res["tokens_match_ref"]
 
 
-@pytest.mark.gpu
-@needs_two_gpus
+@pytest.mark.gpu(2)
 def test_tensor_parallel_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tmp_path):
     _run(["tp", *GPU_COMMON, "--dir", str(gpu_checkpoint), "--ref", str(gpu_single),
           "--out", str(tmp_path / "tp.json")], torchrun=True)

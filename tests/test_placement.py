@@ -19,7 +19,7 @@ from hf_cascade import plan as plan_module  # noqa: E402
 from hf_cascade import CascadeConfig  # noqa: E402
 from hf_cascade.cache import CascadeCache  # noqa: E402
 
-from conftest import model_pair, padded_batch  # noqa: E402
+from conftest import cache_kw, model_pair, padded_batch, returned_cache  # noqa: E402
 
 NEW = 6
 GEN = dict(num_beams=3, num_return_sequences=2, max_new_tokens=NEW, pad_token_id=0)
@@ -34,7 +34,7 @@ def _device_map(layers: int = 2, layer_devices=None) -> dict[str, str]:
 
 def _generate_with_cache(model, ids, mask, **kw):
     out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **{**GEN, **kw})
-    cache = out.past_key_values
+    cache = returned_cache(out)
     assert isinstance(cache, CascadeCache)
     return out.sequences, cache
 
@@ -158,7 +158,6 @@ def test_pool_heads_follow_kv_tensors_not_config():
     cache.reset()
 
 
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_cache_without_config_sizes_pools_from_kv():
     """A CascadeCache built without the model config adds layers as they come, shaped by their K/V."""
     stock, cascade = model_pair("llama", num_hidden_layers=2)
@@ -168,7 +167,7 @@ def test_cache_without_config_sizes_pools_from_kv():
     assert len(cache.layers) == 0
     ids, mask = padded_batch(seed=2)
     expected = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
-    got = cascade.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **GEN)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache), **GEN)
     assert torch.equal(expected, got)
     assert [tuple(layer.pool.shape[-2:]) for layer in cache.layers] == [(1, 16), (2, 16)]
     cache.reset()

@@ -8,6 +8,7 @@ in float64 -- it shares no code with the kernels.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hf_cascade.kernels.reference import (
     prefix_attention,
     suffix_attention,
 )
+from kernel_helpers import random_layout
 
 LN2 = math.log(2.0)
 
@@ -38,73 +40,27 @@ def _single_thread():
     torch.set_num_threads(n)
 
 
-def make_layout(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=1e4, n_rows=7, extra_blocks=3):
-    """Random paged layout.
-
-    Rows are randomly assigned to groups of sizes 3, 2, 1 (groups in random order);
-    one row is in no group.  One group has an empty prefix.  One row has a suffix of
-    exactly Lq tokens (one token when Lq == 1).  Blocks come from a random permutation
-    of the pool; unused blocks and unused slots are filled with ``garbage``.
-    """
+def make_layout(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=1e4, extra_blocks=3):
+    """Random paged layout (:func:`kernel_helpers.random_layout`): 7 rows in groups of sizes 3, 2, 1 (in
+    random order, one with an empty prefix, one longer than three blocks) and one row in no group; one row
+    has a suffix of exactly Lq tokens; unused blocks and slots hold ``garbage``."""
     rng = np.random.default_rng(seed)
-    R, Hq = n_rows, Hkv * ratio
-    perm_rows = rng.permutation(R)
-    groups = [perm_rows[0:3], perm_rows[3:5], perm_rows[5:6]]  # perm_rows[6]: in no group
     plens = [int(rng.integers(1, 3 * bs + 6)), 0, int(rng.integers(1, 40))]
-    order = rng.permutation(3)
-    groups = [groups[i] for i in order]
-    plens = [plens[i] for i in order]
-    slens = rng.integers(Lq, Lq + 20, size=R)
-    slens[rng.integers(R)] = Lq
-
-    nblk = lambda n: -(-n // bs)  # noqa: E731
-    n_used = sum(nblk(p) for p in plens) + sum(nblk(int(s)) for s in slens)
-    N = n_used + extra_blocks
-    free = list(rng.permutation(N))
-
-    G, Rg = len(groups), max(len(g) for g in groups)
-    Mp = max(nblk(p) for p in plens) + 1  # at least one -1 padding column
-    Ms = max(nblk(int(s)) for s in slens) + 1
-    group_rows = torch.full((G, Rg), -1, dtype=torch.int32)
-    prefix_table = torch.full((G, Mp), -1, dtype=torch.int32)
-    suffix_table = torch.full((R, Ms), -1, dtype=torch.int32)
-    valid = torch.zeros(N, bs, dtype=torch.bool)  # slots holding real tokens
-    for g, (rows, p) in enumerate(zip(groups, plens)):
-        group_rows[g, : len(rows)] = torch.as_tensor(rng.permutation(rows), dtype=torch.int32)
-        for j in range(nblk(p)):
-            b = free.pop()
-            prefix_table[g, j] = b
-            valid[b, : min(bs, p - j * bs)] = True
-    for r in range(R):
-        s = int(slens[r])
-        for j in range(nblk(s)):
-            b = free.pop()
-            suffix_table[r, j] = b
-            valid[b, : min(bs, s - j * bs)] = True
-    prefix_len = torch.tensor(plens, dtype=torch.int32)
-    # the tail (the Lq queries) is the last Lq suffix tokens; query i sees up to tail token i
-    q_limit = torch.as_tensor(slens[:, None] - Lq + 1 + np.arange(Lq)[None, :], dtype=torch.int32)
-
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
-    pool = pool.masked_fill(~valid[:, None, :, None, None], garbage).to(dtype)
-    q = (2.0 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype)
-    return dict(
-        q=q, pool=pool, group_rows=group_rows, prefix_table=prefix_table, prefix_len=prefix_len,
-        suffix_table=suffix_table, q_limit=q_limit, scale=1.0 / math.sqrt(D),
-    )
+    groups = [((3, 2, 1)[i], plens[i]) for i in rng.permutation(3)]
+    return random_layout(seed, groups=groups, lone_rows=1, suffix=(Lq, Lq + 19), Lq=Lq, Hkv=Hkv, ratio=ratio, D=D,
+                         bs=bs, dtype=dtype, garbage=garbage, extra_blocks=extra_blocks, q_scale=2.0)
 
 
 def dense_reference(lay, *, use_prefix=True, use_suffix=True):
     """float64 softmax attention over explicitly materialised per-row key lists.
 
     returns o [R, Lq, Hq, D] float64, lse [R, Lq, Hq] float64 (base 2)."""
-    q, pool = lay["q"].double(), lay["pool"].double()
+    q, pool = lay.q.double(), lay.pool.double()
     R, Lq, Hq, D = q.shape
     bs, Hkv = pool.shape[2], pool.shape[3]
     ratio = Hq // Hkv
-    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
-    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    gr, pt, pl = lay.group_rows.tolist(), lay.prefix_table.tolist(), lay.prefix_len.tolist()
+    st_, ql = lay.suffix_table.tolist(), lay.q_limit.tolist()
     o = torch.zeros(R, Lq, Hq, D, dtype=torch.float64)
     lse = torch.full((R, Lq, Hq), -math.inf, dtype=torch.float64)
     for r in range(R):
@@ -120,32 +76,32 @@ def dense_reference(lay, *, use_prefix=True, use_suffix=True):
             blk, slot = (torch.tensor(x) for x in zip(*keys))
             K, V = pool[blk, 0, slot], pool[blk, 1, slot]  # [n, Hkv, D]: the row's keys, in order
             K, V = K.repeat_interleave(ratio, dim=1), V.repeat_interleave(ratio, dim=1)  # [n, Hq, D]
-            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay["scale"]
+            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay.scale
             lse[r, i] = torch.logsumexp(sc, dim=-1) / LN2
             o[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(sc, dim=-1), V)
     return o, lse
 
 
 def caches(lay):
-    pool = lay["pool"]
+    pool = lay.pool
     return pool[:, 0], pool[:, 1]  # non-contiguous views
 
 
 def run_prefix(lay):
     k, v = caches(lay)
-    return prefix_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"], lay["scale"])
+    return prefix_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len, lay.scale)
 
 
 def run_suffix(lay):
     k, v = caches(lay)
-    return suffix_attention(lay["q"], k, v, lay["suffix_table"], lay["q_limit"], lay["scale"])
+    return suffix_attention(lay.q, k, v, lay.suffix_table, lay.q_limit, lay.scale)
 
 
 def run_cascade(lay):
     k, v = caches(lay)
     return cascade_attention(
-        lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-        lay["suffix_table"], lay["q_limit"], lay["scale"],
+        lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+        lay.suffix_table, lay.q_limit, lay.scale,
     )
 
 
@@ -177,16 +133,16 @@ def test_against_dense(ratio, D, bs, Lq, dtype):
     o_suf, lse_suf = dense_reference(lay, use_prefix=False)
 
     o = run_cascade(lay)
-    assert o.shape == lay["q"].shape and o.dtype == dtype
+    assert o.shape == lay.q.shape and o.dtype == dtype
     check(o, o_full, dtype)
 
     op, lp = run_prefix(lay)
-    assert op.dtype == dtype and lp.dtype == cdt and lp.shape == lay["q"].shape[:3]
+    assert op.dtype == dtype and lp.dtype == cdt and lp.shape == lay.q.shape[:3]
     check(op, o_pre, dtype)
     check(lp, lse_pre, dtype)
 
     os_, ls = run_suffix(lay)
-    assert os_.dtype == dtype and ls.dtype == cdt and ls.shape == lay["q"].shape[:3]
+    assert os_.dtype == dtype and ls.dtype == cdt and ls.shape == lay.q.shape[:3]
     check(os_, o_suf, dtype)
     check(ls, lse_suf, dtype)
 
@@ -206,11 +162,11 @@ def test_against_dense(ratio, D, bs, Lq, dtype):
 def test_empty_segments_and_extreme_logits():
     """q_limit 0, no prefix, a single-token suffix, and logits far beyond exp's range."""
     lay = make_layout(7, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
-    lay["q"] = lay["q"] * 200.0  # exp(scores) would overflow without max subtraction
-    ungrouped = [r for r in range(7) if r not in lay["group_rows"].flatten().tolist()][0]
-    grouped = int(lay["group_rows"][lay["prefix_len"] > 0][0, 0])
-    lay["q_limit"][ungrouped] = 0  # no key at all -> o = 0, lse = -inf
-    lay["q_limit"][grouped] = torch.tensor([0, 1])  # prefix only / prefix + one suffix token
+    lay.q = lay.q * 200.0  # exp(scores) would overflow without max subtraction
+    ungrouped = [r for r in range(7) if r not in lay.group_rows.flatten().tolist()][0]
+    grouped = int(lay.group_rows[lay.prefix_len > 0][0, 0])
+    lay.q_limit[ungrouped] = 0  # no key at all -> o = 0, lse = -inf
+    lay.q_limit[grouped] = torch.tensor([0, 1])  # prefix only / prefix + one suffix token
     o_ref, lse_ref = dense_reference(lay)
     o = run_cascade(lay)
     check(o, o_ref, torch.float64)
@@ -309,20 +265,20 @@ def test_groups_without_rows_and_empty_tables():
     """G == 0 (no groups at all) and an empty suffix table reduce to the other level."""
     lay = make_layout(3, Lq=1, Hkv=1, ratio=8, D=32, bs=4, dtype=torch.float64)
     k, v = caches(lay)
-    R, Lq, Hq, D = lay["q"].shape
+    R, Lq, Hq, D = lay.q.shape
     o, lse = prefix_attention(
-        lay["q"], k, v, torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32),
-        torch.zeros(0, dtype=torch.int32), lay["scale"],
+        lay.q, k, v, torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, 2, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32), lay.scale,
     )
     assert (o == 0).all() and (lse == -math.inf).all() and lse.shape == (R, Lq, Hq)
     o, lse = suffix_attention(
-        lay["q"], k, v, torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay["scale"],
+        lay.q, k, v, torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay.scale,
     )
     assert (o == 0).all() and (lse == -math.inf).all()
     o_ref, _ = dense_reference(lay, use_suffix=False)
     o = cascade_attention(
-        lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-        torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay["scale"],
+        lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+        torch.zeros(R, 0, dtype=torch.int32), torch.zeros(R, Lq, dtype=torch.int32), lay.scale,
     )
     check(o, o_ref, torch.float64)
 
@@ -346,7 +302,7 @@ def test_pool_is_never_copied_whole():
 
     lay = make_layout(9, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float32, extra_blocks=400)
     o_ref, _ = dense_reference(lay)
-    half = lay["pool"][:, 0].numel()
+    half = lay.pool[:, 0].numel()
     with MaxNumel():
         o = run_cascade(lay)
     check(o, o_ref, torch.float32)
@@ -359,11 +315,11 @@ def test_pool_is_never_copied_whole():
 def _dense_quirks(lay, softcap, window):
     """float64 per-row key lists as in dense_reference, with a logit soft-cap and a sliding window of the
     last ``window`` keys of each query (itself included)."""
-    q, pool = lay["q"].double(), lay["pool"].double()
+    q, pool = lay.q.double(), lay.pool.double()
     R, Lq, Hq, D = q.shape
     bs, Hkv = pool.shape[2], pool.shape[3]
-    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
-    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    gr, pt, pl = lay.group_rows.tolist(), lay.prefix_table.tolist(), lay.prefix_len.tolist()
+    st_, ql = lay.suffix_table.tolist(), lay.q_limit.tolist()
     o = torch.zeros(R, Lq, Hq, D, dtype=torch.float64)
     for r in range(R):
         prefix = next(([(pt[g][t // bs], t % bs) for t in range(pl[g])] for g, rows in enumerate(gr) if r in rows), [])
@@ -376,7 +332,7 @@ def _dense_quirks(lay, softcap, window):
             blk, slot = (torch.tensor(x) for x in zip(*keys))
             K = pool[blk, 0, slot].repeat_interleave(Hq // Hkv, dim=1)
             V = pool[blk, 1, slot].repeat_interleave(Hq // Hkv, dim=1)
-            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay["scale"]
+            sc = torch.einsum("hd,nhd->hn", q[r, i], K) * lay.scale
             if softcap is not None:
                 sc = softcap * torch.tanh(sc / softcap)
             o[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(sc, dim=-1), V)
@@ -389,28 +345,27 @@ def _dense_quirks(lay, softcap, window):
 def test_softcap_and_window_against_dense(softcap, window, Lq):
     lay = make_layout(77 + Lq, Lq=Lq, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
     k, v = caches(lay)
-    o = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                          lay["suffix_table"], lay["q_limit"], lay["scale"], softcap=softcap, window=window)
+    o = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                          lay.suffix_table, lay.q_limit, lay.scale, softcap=softcap, window=window)
     check(o, _dense_quirks(lay, softcap, window), torch.float64)
     if softcap is not None or window in (1, 3, 9):   # the quirk changes the result (40 cuts nothing here)
         assert not torch.allclose(o, _dense_quirks(lay, None, None))
 
 
 def test_attend_reads_quirks_from_the_plan():
-    from types import SimpleNamespace
 
     from hf_cascade.kernels import reference
 
     lay = make_layout(5, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
-    dp = SimpleNamespace(**{n: lay[n] for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
+    dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
                                                  "q_limit")})
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
-    o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
+    o = reference.attend(lay.q, lay.pool, plan, lay.scale)
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
-    sinks = torch.linspace(-2.0, 3.0, lay["q"].shape[2], dtype=torch.float64)
+    sinks = torch.linspace(-2.0, 3.0, lay.q.shape[2], dtype=torch.float64)
     plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5, sinks=sinks)
-    o = reference.attend(lay["q"], lay["pool"], plan, lay["scale"])
-    check(o, _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], 1.5, 5, sinks), torch.float64)
+    o = reference.attend(lay.q, lay.pool, plan, lay.scale)
+    check(o, _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, 1.5, 5, sinks), torch.float64)
 
 
 def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
@@ -434,8 +389,6 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
 def test_quirk_sets_tell_layers_sinks_apart():
     """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
     layers with equal-valued sinks still get plans of their own, and a layer gets the same one every time."""
-    from types import SimpleNamespace
-
     from hf_cascade.context import Quirks, StepContext
     a, b = torch.zeros(4), torch.zeros(4)
     assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
@@ -478,9 +431,9 @@ def _dense_from_keys(q, pool, keys_of, scale, softcap=None, window=None, sinks=N
 
 
 def _two_level_keys(lay):
-    bs = lay["pool"].shape[2]
-    gr, pt, pl = lay["group_rows"].tolist(), lay["prefix_table"].tolist(), lay["prefix_len"].tolist()
-    st_, ql = lay["suffix_table"].tolist(), lay["q_limit"].tolist()
+    bs = lay.pool.shape[2]
+    gr, pt, pl = lay.group_rows.tolist(), lay.prefix_table.tolist(), lay.prefix_len.tolist()
+    st_, ql = lay.suffix_table.tolist(), lay.q_limit.tolist()
 
     def keys_of(r, i):
         prefix = next(([(pt[g][t // bs], t % bs) for t in range(pl[g])] for g, rows in enumerate(gr) if r in rows), [])
@@ -534,7 +487,7 @@ def make_three_level(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=math.nan):
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
     pool = pool.masked_fill(~valid[:, None, :, None, None], garbage).to(dtype)
-    return dict(
+    return SimpleNamespace(
         q=(2.0 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype), pool=pool,
         group_rows=torch.tensor(pad(groups, 6), dtype=torch.int32), prefix_table=prefix_table,
         prefix_len=torch.tensor(plens, dtype=torch.int32),
@@ -552,15 +505,15 @@ def make_three_level(seed, *, Lq, Hkv, ratio, D, bs, dtype, garbage=math.nan):
 def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
     """Two levels (a group prefix, each row's suffix), NaN in unused slots, a row in no group, an empty prefix."""
     lay = make_layout(300 + 7 * ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=32, bs=4, dtype=dtype, garbage=math.nan)
-    Hq = lay["q"].shape[2]
+    Hq = lay.q.shape[2]
     sinks = (3.0 * torch.randn(Hq, generator=torch.Generator().manual_seed(Hq), dtype=torch.float64)).to(dtype)
     k, v = caches(lay)
-    o = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                          lay["suffix_table"], lay["q_limit"], lay["scale"], softcap=softcap, window=window, sinks=sinks)
+    o = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                          lay.suffix_table, lay.q_limit, lay.scale, softcap=softcap, window=window, sinks=sinks)
     assert o.dtype == dtype
-    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window, sinks)
+    expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, softcap, window, sinks)
     check(o, expected, dtype)
-    without = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], softcap, window)
+    without = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, softcap, window)
     assert not torch.allclose(o.double(), without, atol=1e-3)     # the sinks matter here
 
 
@@ -570,36 +523,34 @@ def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
 def test_sinks_enter_once_with_three_levels(ratio, Lq, bs, dtype):
     """The sink is one key per query: merged once after the three levels, the three-level and the two-level
     paths both equal the float64 dense attention (with the sink a second time, or per level, they would not)."""
-    from types import SimpleNamespace
-
     from hf_cascade.kernels import reference
     from hf_cascade.kernels.reference import merge_sink, three_level_attention
 
     lay = make_three_level(500 + 10 * ratio + bs + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=16, bs=bs, dtype=dtype)
     k, v = caches(lay)
-    expected = _dense_from_keys(lay["q"], lay["pool"], _two_level_keys(lay), lay["scale"], sinks=lay["sinks"])
-    three = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                                  lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
-                                  lay["inner_q_limit"], lay["scale"], sinks=lay["sinks"])
-    two = cascade_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                            lay["suffix_table"], lay["q_limit"], lay["scale"], sinks=lay["sinks"])
+    expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, sinks=lay.sinks)
+    three = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                                  lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,
+                                  lay.inner_q_limit, lay.scale, sinks=lay.sinks)
+    two = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                            lay.suffix_table, lay.q_limit, lay.scale, sinks=lay.sinks)
     check(three, expected, dtype)
     check(two, expected, dtype)
     assert (three[9] == 0).all()         # no key at all: the whole weight goes to the sink (value 0)
     # attend() takes the three-level path for such a plan and reads the sinks from it
-    dp = SimpleNamespace(**{n: lay[n] for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
+    dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
                                                  "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table",
                                                  "inner_q_limit")})
-    plan = SimpleNamespace(on=lambda device: dp, sinks=lay["sinks"])
-    check(reference.attend(lay["q"], lay["pool"], plan, lay["scale"]), expected, dtype)
+    plan = SimpleNamespace(on=lambda device: dp, sinks=lay.sinks)
+    check(reference.attend(lay.q, lay.pool, plan, lay.scale), expected, dtype)
     # what the test tells apart: no sinks, and a sink merged into every level's partial state
-    without = three_level_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"],
-                                    lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["inner_suffix_table"],
-                                    lay["inner_q_limit"], lay["scale"])
-    levels = [prefix_attention(lay["q"], k, v, lay["group_rows"], lay["prefix_table"], lay["prefix_len"], lay["scale"]),
-              prefix_attention(lay["q"], k, v, lay["mid_group_rows"], lay["mid_table"], lay["mid_len"], lay["scale"]),
-              suffix_attention(lay["q"], k, v, lay["inner_suffix_table"], lay["inner_q_limit"], lay["scale"])]
-    per_level = [merge_sink(o, lse, lay["sinks"]) for o, lse in levels]
+    without = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
+                                    lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,
+                                    lay.inner_q_limit, lay.scale)
+    levels = [prefix_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len, lay.scale),
+              prefix_attention(lay.q, k, v, lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.scale),
+              suffix_attention(lay.q, k, v, lay.inner_suffix_table, lay.inner_q_limit, lay.scale)]
+    per_level = [merge_sink(o, lse, lay.sinks) for o, lse in levels]
     per_level = merge_state(*merge_state(*per_level[0], *per_level[1]), *per_level[2])[0]
     for wrong in (without, per_level):
         assert not torch.allclose(wrong.double(), expected, atol=1e-3)

@@ -6,7 +6,7 @@ import torch
 
 import hf_cascade
 from hf_cascade.generation import shared_prefix_length
-from conftest import FirstForwardRows, model_pair
+from conftest import FirstForwardRows, cache_kw, model_pair, returned_cache
 
 SHARED, TAILS, BEAMS, NEW = 200, (13, 30, 7, 21), 4, 6
 
@@ -49,7 +49,7 @@ def test_shared_system_prompt_matches_stock_and_is_stored_once(pair, mode):
     # one row for the shared part, one per prompt for the rests, then all rows
     n = 1 if mode == "greedy" else BEAMS
     assert rows.rows[:3] == [1, len(TAILS), len(TAILS) * n]
-    cache = out.past_key_values
+    cache = returned_cache(out)
     stats = cache.stats()
     bs = cache.block_size
     per_prompt = sum(TAILS) - len(TAILS)           # each prompt's own tokens, its last one fed by generate
@@ -95,7 +95,7 @@ def test_plan_has_three_levels_and_they_agree_with_two(pair):
     _, cascade = pair
     ids, mask = batch_with_system_prompt(seed=2)
     cache = hf_cascade.CascadeCache(cascade.config)
-    kwarg = "cache" if "cache" in cascade.forward.__code__.co_varnames else "past_key_values"
+    kwarg = next(iter(cache_kw(cascade, cache)))
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     assert prefill_prompts(cascade, cache, ids[:, :-1], mask[:, :-1], positions[:, :-1], kwarg) == SHARED
     cache.batch_repeat_interleave(BEAMS)

@@ -15,12 +15,22 @@ A backend is a module with:
   state, built by the first layer and reused by the others). Returns o [R, Lq, Hq, D] in q's dtype.
 
 :mod:`hf_cascade.kernels.reference` documents the semantics; every backend must match it.
+
+Which backend runs is logged on the ``"hf_cascade"`` logger: at INFO the choice per step shape and
+routine skips (a dtype or head_dim a backend does not take); at WARNING, once per process, a fast
+backend skipped on a GPU step for a reason the user can fix (FlashInfer not installed, the bundled
+CUDA kernels unavailable because nvcc is missing or the build failed), with what to do. See them with
+``logging.basicConfig()`` (WARNING is shown by default) or
+``logging.getLogger("hf_cascade").setLevel(logging.INFO)``; ``python -m hf_cascade env`` lists
+each backend's availability.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 from types import ModuleType
+
+import torch
 
 logger = logging.getLogger("hf_cascade")
 
@@ -48,10 +58,29 @@ def load(name: str) -> ModuleType:
     return found
 
 
-def _log_once(key, message, *args):
+# What to do when a fast backend is missing on a GPU (the WARNING says it once per process).
+FIXES = {
+    "cuda": "install the CUDA toolkit (nvcc on PATH, or $NVCC / $CUDA_HOME) to build the bundled kernels, "
+            "or a hf_cascade wheel built with them",
+    "flashinfer": "pip install 'hf_cascade[flashinfer]'",
+}
+FIXABLE_PREFIX = "CUDA kernels unavailable"   # kernels.cuda's reason when its library cannot build or load
+
+
+def _log_once(key, message, *args, level=logging.INFO):
     if key not in _logged:
         _logged.add(key)
-        logger.info(message, *args)
+        logger.log(level, message, *args)
+
+
+def _warn_fixable(name: str, reason: str, q) -> None:
+    """WARNING once per (process, backend) when a fast backend is off on a GPU step for a fixable reason
+    (bf16/fp16 steps only: no fast backend takes other dtypes, so nothing would be gained)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return
+    _log_once(("fixable", name), "hf_cascade: the %s attention kernels are off (%s); the next backend in %s "
+              "runs instead. To use them: %s. `python -m hf_cascade env` lists each backend's status.",
+              name, reason, AUTO_ORDER, FIXES.get(name, "see the reason"), level=logging.WARNING)
 
 
 QUIRK_NAMES = {"softcap": "attention logit softcapping", "window": "a sliding window shorter than the sequence",
@@ -81,10 +110,13 @@ def select(name: str, q, pool, plan) -> ModuleType:
             backend = load(candidate)
         except ImportError as err:
             _log_once((candidate, "import"), "hf_cascade: %s", err)
+            _warn_fixable(candidate, str(err), q)
             continue
         reason = _reason(backend, q, pool, plan)
         if reason is None:
             _log_once((candidate, key), "hf_cascade: attention backend %r for %s", candidate, key)
             return backend
         _log_once((candidate, key, reason), "hf_cascade: backend %r skipped (%s)", candidate, reason)
+        if reason.startswith(FIXABLE_PREFIX):
+            _warn_fixable(candidate, reason, q)
     raise RuntimeError("no kernel backend can run this step")  # unreachable: reference takes everything
