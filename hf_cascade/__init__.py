@@ -6,7 +6,8 @@
 Public API: :class:`CascadeConfig` (settings, checked when made), :class:`CascadeCache` (the paged KV
 cache; pass your own to ``generate`` to read :meth:`CascadeCache.stats`), :class:`CacheStats`,
 :class:`PoolExhausted` (the KV pool hit ``max_kv_bytes``; a ``MemoryError``), :func:`cascade_generate`
-(the decoding entry ``generate`` runs for cascade models), :func:`prefill` and :func:`register`.
+(the decoding entry ``generate`` runs for cascade models), :func:`prefill`, :func:`register` and
+:func:`release` (drop what generate keeps for a model's next call: reserved pools, a captured decode graph).
 Which kernel backend runs is logged on the ``"hf_cascade"`` logger; ``python -m hf_cascade env``
 reports what this machine offers.
 """
@@ -15,9 +16,11 @@ from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
+from .graphs import release
 
 __version__ = "0.1.0"
-__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register"]
+__all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register",
+           "release"]
 
 register()
 

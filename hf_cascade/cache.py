@@ -127,12 +127,13 @@ class CascadeLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def reset(self) -> None:
+    def reset(self, keep_storage: bool = False) -> None:
         """Give the pool's memory back (a vmm pool may keep ``keep_kv_bytes`` mapped for the next call);
-        the next K/V may come with another shape."""
+        the next K/V may come with another shape. ``keep_storage``: keep the storage object (a vmm pool's
+        reserved address range, nothing mapped) so that the next call's pool has the same address."""
         if self.storage is not None:
             self.storage.release()
-            if self.storage.nbytes == 0:
+            if self.storage.nbytes == 0 and not keep_storage:
                 self.storage = None
         self.is_initialized = False
 
@@ -187,7 +188,9 @@ class CascadeCache(Cache):
         # the threshold of the backend that ran the last step (0 until one has run)
         self._backend_min_saved_tokens = 0
         self._layout: DecodeLayout | None = None
+        self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
         self._decode_max_length: int | None = None
+        self.graph_runner = None     # the hf_cascade.graphs.DecodeGraphRunner of this cache's decode calls
 
     # ---- transformers' Cache API ------------------------------------------------------------
     @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
@@ -272,13 +275,31 @@ class CascadeCache(Cache):
 
     def reset(self) -> None:
         """Return every block to the pool and the pools' memory to the device; the cache becomes empty."""
+        self._reset(keep=False)
+
+    def reset_for_reuse(self) -> None:
+        """Like :meth:`reset`, but keep what a captured decode graph points at for a next call of the same
+        shape: the pools' storage objects (their addresses; a vmm pool keeps nothing mapped beyond
+        ``keep_kv_bytes``), the last decode layout (its buffers) and the graph runner."""
+        self._reset(keep=True)
+
+    def _reset(self, keep: bool) -> None:
         self.blocks.release()
         for layer in self.layers:
-            layer.reset()
+            layer.reset(keep_storage=keep)
         self.logical_length = 0
         self.model_fingerprint = None
         self._context, self._next_write_mask = None, None
+        kept = self._layout if keep else None
+        if kept is not None:
+            self._layout = None           # end_decode would release it
         self.end_decode()
+        if self._kept_layout is not None and self._kept_layout is not kept:
+            self._kept_layout.release()
+        self._kept_layout = kept if keep else None
+        if not keep and self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
         self._peak_blocks = 0
         step_context.forget(self)
 
@@ -439,10 +460,17 @@ class CascadeCache(Cache):
             self._backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
         prev = self.blocks.lengths if prev_lengths is None else prev_lengths
         max_new = self._decode_max_length - self.logical_length      # logical length counts the padding too
-        return DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, max_new,
-                                   self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
-                                   self._backend_min_saved_tokens if saved is None else saved,
-                                   solo_rows=getattr(backend, "SOLO_PREFIX", False))
+        layout = DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, max_new,
+                                     self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
+                                     self._backend_min_saved_tokens if saved is None else saved,
+                                     solo_rows=getattr(backend, "SOLO_PREFIX", False))
+        kept, self._kept_layout = self._kept_layout, None
+        if kept is not None and kept.same_geometry(layout):
+            return kept             # the last call's buffers (and the graph that points at them) fit
+        if kept is not None:
+            kept.release()
+        return layout
+
 
 def _check_cap_holds_a_block(config, cascade_config: CascadeConfig) -> None:
     """Refuse a ``max_kv_bytes`` below one block of all layers, estimated from the model config (see

@@ -200,7 +200,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                                   f"attn_implementation='{stock_attention(model)}'.")
 
     owned = not isinstance(existing, CascadeCache)
-    cache = CascadeCache(model.config, hf_cascade_config) if owned else existing
+    cache = graphs.owned_cache(model, hf_cascade_config) if owned else existing
     fingerprint = model_fingerprint(model)
     if cache.model_fingerprint is not None and cache.model_fingerprint != fingerprint:
         raise ValueError(f"This CascadeCache was used with another model ({cache.model_fingerprint}); this one is "
@@ -216,7 +216,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     if mask is not None and not bool(mask[:, -1].all()):
         raise ValueError("The last prompt token of some row is padding (right padding). Decoder-only generation "
                          "needs left padding: set tokenizer.padding_side='left'.")
-    ok = False
+    ok, runner = False, None
     try:
         if input_ids.shape[1] > 1:
             positions = model_kwargs.get("position_ids")
@@ -232,7 +232,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         ok = True
         return result
     finally:
-        cache.end_decode()
         handed_out = ok and generation_config.return_dict_in_generate
-        if owned and not handed_out:
-            cache.reset()     # nobody else can reach this cache: give every block back now
+        # nobody else can reach an owned cache that is not handed out: every block goes back now (what a
+        # captured graph points at is kept for the model's next call of the same shape)
+        graphs.finish_call(model, cache, runner, owned=owned and not handed_out, ok=ok)

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
+
+from .cache import CascadeCache
+from .config import CascadeConfig
 
 logger = logging.getLogger("hf_cascade")
 _logged: set = set()
@@ -67,8 +71,50 @@ def unsupported_reason(model, cache, mode) -> str | None:
     return None
 
 
+# the cache each model's last generate call made for itself and left with a captured graph (see owned_cache)
+_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def owned_cache(model, cascade_config) -> CascadeCache:
+    """The cache ``generate`` makes for itself: the one the model's last call left, when the settings are the
+    same, so that its pools keep their addresses and its captured graph is replayed from the first decode step
+    of a call of the same shape; otherwise a new one."""
+    cascade_config = CascadeConfig.coerce(cascade_config)
+    kept = _kept.pop(model, None)
+    if kept is not None and kept.cascade_config == cascade_config and kept.get_seq_length() == 0:
+        return kept
+    if kept is not None:
+        kept.reset()
+    return CascadeCache(model.config, cascade_config)
+
+
+def release(model) -> None:
+    """Drop what generate keeps for ``model``'s next call (its cache's reserved pools, decode buffers and
+    captured graph); the next call captures again."""
+    kept = _kept.pop(model, None)
+    if kept is not None:
+        kept.reset()
+
+
+def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
+    """End a generate call: an owned cache gives its blocks back (keeping what its graph points at when a
+    graph was captured and the call succeeded); another cache keeps its tokens, and its graph is dropped."""
+    if owned:
+        if ok and runner is not None and runner.graph is not None:
+            cache.reset_for_reuse()
+            _kept[model] = cache
+        else:
+            cache.reset()
+        return
+    cache.end_decode()
+    if cache.graph_runner is not None:
+        cache.graph_runner.release()
+        cache.graph_runner = None
+
+
 def decode_runner(model, cache, generation_config):
-    """A DecodeGraphRunner for this generate call, or None (the reason logged once)."""
+    """A DecodeGraphRunner for this generate call (the cache's own from its last call where it fits), or
+    None (the reason logged once)."""
     mode = cache.cascade_config.cuda_graphs
     reason = unsupported_reason(model, cache, mode)
     if reason is not None:
@@ -78,7 +124,14 @@ def decode_runner(model, cache, generation_config):
         return None
     _log_once(("on", mode), logging.INFO, "hf_cascade: decode steps run as %s",
               "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
-    return DecodeGraphRunner(model, cache, capture=mode != "eager", compile=cache.cascade_config.compile)
+    capture, compile = mode != "eager", cache.cascade_config.compile
+    runner = cache.graph_runner
+    if runner is None or runner.model is not model or (runner.capture_enabled, runner.compiled) != (capture, compile):
+        if runner is not None:
+            runner.release()
+        runner = cache.graph_runner = DecodeGraphRunner(model, cache, capture=capture, compile=compile)
+    runner.begin_call()
+    return runner
 
 
 class DecodeGraphRunner:
@@ -95,14 +148,20 @@ class DecodeGraphRunner:
         # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
         # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
         self.forward_fn = _compiled(self.original) if compile else self.original
+        self.compiled = compile
         self.graph = None
         self.pool = None
         self.static_kwargs: dict = {}
         self.static_out = None
         self.key = None
         self.disabled: str | None = None      # why graphs stopped for the rest of the call
-        self.captures, self.capture_seconds, self.replays, self.eager_calls = 0, 0.0, 0, 0
         self._saved = None
+        self.begin_call()
+
+    def begin_call(self) -> None:
+        """Counters of one generate call (a kept runner serves several)."""
+        self.captures, self.capture_seconds, self.replays, self.eager_calls, self.first_steps = 0, 0.0, 0, 0, 0
+        self.disabled = None
 
     # ---- installing ---------------------------------------------------------------------------------
     def __enter__(self):
@@ -115,7 +174,8 @@ class DecodeGraphRunner:
             self.model.forward = self._saved
         else:
             self.model.__dict__.pop("forward", None)
-        self.release()
+        if exc[0] is not None:        # a step failed: nothing half-captured stays
+            self.release()
         return False
 
     def release(self) -> None:
@@ -157,7 +217,7 @@ class DecodeGraphRunner:
         pools = tuple((layer.storage.stable_view().data_ptr(), tuple(layer.storage.stable_view().shape))
                       for layer in self.cache.layers if layer.storage is not None)
         layout = self.cache.layout
-        return inputs, id(layout), pools
+        return inputs, None if layout is None else layout.serial, pools
 
     def _static_kwargs(self, kwargs):
         """The forward's arguments with fixed-shape tensors copied into tensors the graph owns. The 2D
@@ -190,6 +250,7 @@ class DecodeGraphRunner:
     def _first_step(self, kwargs, key):
         """Run this step eagerly on fresh static inputs (its result is returned), then capture it."""
         self.release()
+        self.first_steps += 1
         static = self._static_kwargs(kwargs)
         ctx = self.cache.step
         if not self.capture_enabled:

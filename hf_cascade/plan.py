@@ -7,6 +7,7 @@ copy-on-write copies that must happen first) ride along so each layer's update i
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -286,6 +287,11 @@ def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size, width=No
 
 # ------------------------------------------------------------------------------ static decode layout
 
+_LAYOUT_SERIALS = itertools.count()
+_LEVEL_FIELDS = ("group_rows", "prefix_table", "prefix_len", "mid_group_rows", "mid_table", "mid_len",
+                 "row_prefix_blocks", "row_inner_blocks")
+
+
 class LayoutOutgrown(Exception):
     """A decode step no longer fits its static layout (other rows, a row that left its prefix, or a
     suffix longer than the capacity): the caller widens the layout or freezes a new one (and re-captures
@@ -324,6 +330,13 @@ class DecodeLayout:
     inner_width: int                   # 0 without a middle level
     state: dict = field(default_factory=dict, repr=False)
     _buffers: dict = field(default_factory=dict, repr=False)
+    serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))   # never reused (unlike id())
+
+    def same_geometry(self, other: "DecodeLayout") -> bool:
+        """The same rows, levels and capacities: ``other``'s buffers and backend state fit this layout."""
+        return (self.num_rows == other.num_rows and self.block_size == other.block_size
+                and self.suffix_width == other.suffix_width and self.inner_width == other.inner_width
+                and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _LEVEL_FIELDS))
 
     @classmethod
     def freeze(cls, tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, max_new_tokens: int,

@@ -143,3 +143,23 @@ def test_graphs_are_off_when_asked_and_for_several_devices(model, monkeypatch, c
         assert "several devices" in graphs.unsupported_reason(model, cache, None)
     finally:
         del model.hf_device_map
+
+
+@pytest.mark.parametrize("memory", ["vmm", "static"])
+def test_second_call_of_the_same_shape_replays_without_capturing(model, monkeypatch, memory):
+    if memory == "vmm" and hf_cascade.memory.vmm_unavailable_reason("cuda"):
+        pytest.skip("no CUDA virtual memory here")
+    hf_cascade.release(model)
+    config = CascadeConfig(cuda_graphs=True, memory=memory, max_kv_bytes=2 ** 30)
+    spy = Spy(monkeypatch)
+    outs = []
+    for seed in (5, 6, 5):
+        ids, mask = _batch((600, 420), seed=seed)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=24,
+                                   pad_token_id=0, output_scores=True, return_dict_in_generate=False,
+                                   hf_cascade_config=config))
+    first, second, third = spy.runners
+    assert first.captures == 1 and second is first
+    assert third.captures == 0 and third.first_steps == 0 and third.replays >= 20
+    assert torch.equal(outs[0], outs[2])             # the same prompts: the same tokens from a reused graph
+    hf_cascade.release(model)

@@ -218,6 +218,37 @@ def test_solo_rows_give_stock_tokens(case, llama_pair, monkeypatch):
     assert (layout.row_prefix_blocks > 0).all()
 
 
+def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch):
+    """The owned cache, its layout and its runner are kept for the model's next call: a call of the same
+    shape (other prompt contents) replays from its first decode step; another shape captures anew; a cache
+    handed out (return_dict_in_generate) is not kept."""
+    stock, cascade = llama_pair
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4)
+    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=7, pad_token_id=0)
+    spy = RunnerSpy(monkeypatch)
+    for seed in (1, 2):
+        ids, mask = padded_batch(seed=seed)
+        expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+        assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config),
+                           expected)
+    first, second = spy.runners
+    assert second is first and first.first_steps == 0 and first.replays >= 6
+    assert graphs._kept[cascade].get_seq_length() == 0
+    ids, mask = padded_batch(seed=3)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **{**kw, "num_beams": 4})
+    assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **{**kw, "num_beams": 4},
+                                        hf_cascade_config=config), expected)
+    assert spy.runners[-1].first_steps == 1
+    out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config,
+                           return_dict_in_generate=True)
+    assert cascade not in graphs._kept and out.past_key_values.graph_runner is None
+    # other settings: a new cache
+    cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
+    assert graphs._kept[cascade].cascade_config == CascadeConfig(cuda_graphs="eager")
+    hf_cascade.release(cascade)
+    assert cascade not in graphs._kept
+
+
 def test_failed_step_restores_forward_and_next_generate_is_exact(llama_pair):
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=4)
