@@ -197,6 +197,14 @@ def whole_step(args, dtype, console):
                 times[v]["t1"].append(r1["wall"])
                 times[v]["tn"].append(rn["wall"])
                 times[v]["peak"].append(rn["peak"])
+        for v in args.variants:             # a second call of the same shape in a row: the graph is reused
+            if v in errors or WHOLE_VARIANTS[v] is None or not WHOLE_VARIANTS[v].get("cuda_graphs"):
+                continue
+            again = {}
+            _timed_generate(model, ids, n, mode, v, {})
+            second = _timed_generate(model, ids, n, mode, v, again)
+            info[v].update(second_call_captures=again.get("captures"), second_call_wall_s=second.get("wall"),
+                           second_call_replays=again.get("replays"))
         row_stock = None
         for v in args.variants:
             if v in errors:
@@ -214,7 +222,7 @@ def whole_step(args, dtype, console):
             results.append(row)
     table = Table(title=f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}")
     cols = ["shape", "prompt", "mode", "variant", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock", "peak_gib",
-            "captures", "capture_s", "first_call_wall_s", "graph_disabled", "error"]
+            "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"]
     for c in cols:
         table.add_column(c)
     for r in results:
