@@ -49,15 +49,9 @@ def unsupported_reason(model, cache, mode) -> str | None:
         return "CascadeConfig(cuda_graphs=False)"
     if not cache.cascade_config.static_decode:
         return "CascadeConfig(static_decode=False)"
-    if mode == "eager":
-        return None
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        return "the model has no parameters"
-    if device.type != "cuda":
-        return f"the model is on {device.type}, not CUDA"
     devices = {str(p.device) for p in model.parameters()}
+    if not devices:
+        return "the model has no parameters"
     if len(devices) > 1 or len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1:
         return "the model spans several devices (device_map)"
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
@@ -68,6 +62,9 @@ def unsupported_reason(model, cache, mode) -> str | None:
     rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         return f"{rope.get('rope_type', rope.get('type'))} RoPE changes its frequencies on the host with the length"
+    device = next(model.parameters()).device
+    if device.type != "cuda" and mode != "eager":        # "eager": the static path without capture, any device
+        return f"the model is on {device.type}, not CUDA"
     return None
 
 

@@ -279,6 +279,13 @@ def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     stock, cascade = model_pair("llama")
     cache = hf_cascade.CascadeCache(cascade.config)
     assert "not CUDA" in graphs.unsupported_reason(cascade, cache, None)
+    _, windowed = model_pair("mistral", sliding_window=8)
+    assert "sliding-window" in graphs.unsupported_reason(windowed, cache, "eager")
+    _, dynamic = model_pair("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert "dynamic RoPE" in graphs.unsupported_reason(dynamic, cache, "eager")
+    import accelerate
+    hooked = accelerate.cpu_offload(model_pair("llama")[1], execution_device=torch.device("cpu"))
+    assert "accelerate hooks" in graphs.unsupported_reason(hooked, cache, "eager")
     assert graphs.unsupported_reason(cascade, cache, False) == "CascadeConfig(cuda_graphs=False)"
     assert graphs.unsupported_reason(cascade, cache, "eager") is None
     off = hf_cascade.CascadeCache(cascade.config, CascadeConfig(static_decode=False))
