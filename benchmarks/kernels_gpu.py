@@ -199,8 +199,7 @@ def main(argv=None) -> int:
         if name == "cuda" and cascade.scratch:
             st = next(v for k, v in cascade.scratch.items() if k[0] == "cuda")
             row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
-                                    m_tile=st.m_tile, suffix_splits=st.nsplit,
-                                    prefix_kernel=backend.library(q.device).prefix_kernel)
+                                    m_tile=st.m_tile, suffix_splits=st.nsplit)
         results.append(row)
         torch.cuda.empty_cache()
 

@@ -1,4 +1,4 @@
-"""The CUDA backend (csrc/cascade_attention.cu via hf_cascade.kernels.cuda) against the reference backend.
+"""The CUDA backend (csrc/*.cu via hf_cascade.kernels.cuda) against the reference backend.
 
 GPU tests (marked ``gpu``; tests/conftest.py skips them without CUDA) each build a random paged layout on
 the GPU (tests/kernel_helpers.py): a pool whose blocks are handed out in a random permutation, unused

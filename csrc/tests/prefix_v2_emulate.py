@@ -1,4 +1,4 @@
-"""CPU emulation of prefix_v2_kernel's index math (csrc/cascade_attention.cu), written without a GPU.
+"""CPU emulation of prefix_kernel's index math (csrc/prefix.cu), written without a GPU.
 
 A line-by-line transliteration of the kernel for one CTA at a time, lane by lane: the swizzled shared
 layout, the cp.async loader (zero-fill), ldmatrix (.trans) and mma.m16n8k16 with the fragment layouts of

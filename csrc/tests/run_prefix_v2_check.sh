@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build csrc/tests/prefix_v2_check.cu for the present GPU and run it (correctness of the v1 and v2 prefix
-# kernels against a float32 CPU reference, then v1 vs v2 timings). Needs a CUDA GPU and nvcc.
+# Build csrc/tests/prefix_v2_check.cu with the kernel library's sources (csrc/*.cu) for the present GPU and run it:
+# the prefix kernel against a float32 CPU reference, then its timings. Needs a CUDA GPU and nvcc.
 # Usage: csrc/tests/run_prefix_v2_check.sh [--no-timing] [--iters N]    ($ARCH overrides, e.g. ARCH=sm_90)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+csrc="$(dirname "$here")"
 nvcc_bin="${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 arch="${ARCH:-}"
 if [[ -z "$arch" ]]; then
@@ -13,6 +14,6 @@ fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 echo "building for $arch with $nvcc_bin"
-"$nvcc_bin" -O3 --use_fast_math -std=c++17 -lineinfo -arch="$arch" -o "$out/prefix_v2_check" \
-  "$here/prefix_v2_check.cu"
+"$nvcc_bin" -O3 --use_fast_math -std=c++17 -lineinfo -arch="$arch" -I"$csrc/include" -o "$out/prefix_v2_check" \
+  "$here/prefix_v2_check.cu" "$csrc"/*.cu
 "$out/prefix_v2_check" "$@"

@@ -1,22 +1,28 @@
-"""CUDA backend: the kernels of ``csrc/cascade_attention.cu``, built with nvcc on first use, loaded with ctypes.
+"""CUDA backend: the kernels of ``csrc/`` (one shared library, loaded with ctypes).
 
 Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host-device synchronisation:
 
-1. prefix (level 0): one CTA per (prefix chunk x row tile, KV head, group), all of a group's query rows
-   for that KV head against the chunk's K/V tiles on tensor cores; one partial (O, LSE) per chunk.
-   Two implementations with the same launcher and outputs: ``v1`` (``hfc_prefix``: WMMA, S/P in shared
-   memory) and ``v2`` (``hfc_prefix_v2``: mma.sync with S/P in registers, a deeper cp.async ring, more
-   CTAs per SM). ``$HF_CASCADE_PREFIX_KERNEL`` ("v2", the default, or "v1") picks one, read once when
-   the library is loaded;
-2. suffix (level 1): each row's queries against its own suffix (optionally split for long suffixes);
-3. merge: log-sum-exp of all partials of a row into the output, in q's dtype.
+1. prefix (level 0, ``csrc/prefix.cu``): one CTA per (prefix chunk x row tile, KV head, group), all of a
+   group's query rows for that KV head against the chunk's K/V tiles on tensor cores (mma.sync, softmax in
+   registers, a cp.async ring); one partial (O, LSE) per chunk;
+2. suffix (level 1, ``csrc/suffix.cu``): each row's queries against its own suffix (optionally split for long
+   suffixes);
+3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
+
+Each takes one parameter struct (``csrc/include/hfc/params.h``, mirrored below by ``_PrefixParams``,
+``_SuffixParams``, ``_MergeParams``); launches make no CUDA call but the launch itself, so they can be captured in a
+CUDA graph. :mod:`hf_cascade.kernels.ops` exposes them as torch operators (``torch.ops.hf_cascade.*``) for
+``torch.compile``; eager calls go straight through ctypes (the operator dispatch costs more than the launch).
 
 The chunking (chunk length in tokens, chunks per group, suffix splits) and the partial-output buffers are
 derived from the plan's host arrays and kept in ``plan.call_scratch``: once per step, or once per generate
 call on a static decode layout (then the suffix split follows the tables' capacity); every layer reuses them.
 
-The library is compiled for the present GPU (``-arch=sm_XY``) and cached under ``$HF_CASCADE_CACHE``
-(default ``~/.cache/hf_cascade``), keyed by a hash of the source, the arch, the flags and nvcc's version.
+Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
+libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
+nvcc for the present GPU on first use and cached under ``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``),
+keyed by a hash of the sources, the arch, the flags and nvcc's version; else the backend is unavailable (one
+WARNING) and the next backend runs.
 """
 from __future__ import annotations
 
@@ -25,7 +31,6 @@ import hashlib
 import logging
 import math
 import os
-import shutil
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -34,23 +39,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["unsupported_reason", "attend", "library", "choose_chunk_blocks", "choose_suffix_split", "SOURCE"]
+from . import _build, ops
+from .ops import DTYPE_CODES, HEAD_DIMS
+
+__all__ = ["unsupported_reason", "attend", "library", "availability", "choose_chunk_blocks", "choose_suffix_split",
+           "MIN_SAVED_TOKENS"]
 
 logger = logging.getLogger("hf_cascade")
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cascade_attention.cu"
-HEAD_DIMS = (64, 128, 256)
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}
-ABI_VERSION = 2
-PREFIX_KERNELS = ("v1", "v2")
-PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"
-NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-lineinfo")
+ABI_VERSION = 3                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
+RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
 LOG2E = 1.0 / math.log(2.0)
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
 MIN_SPLIT_TOKENS = 256     # same for suffix splits
-# v2 prefers 1024-token chunks while they still fill one wave: fewer partials to write and merge
+# prefer 1024-token prefix chunks while they still fill one wave: fewer partials to write and merge
 # (H200, 8x8 beams at 16k: prefix + merge 239 us at 1024 tokens vs 257 us at the wave rule's 448)
-PREFER_CHUNK_TOKENS = {"v1": None, "v2": 1024}
+PREFER_CHUNK_TOKENS = 1024
 # a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens);
 # below, every row reads its whole table (H200, benchmarks/RESULTS.md, kernels_gpu.py --threshold)
 MIN_SAVED_TOKENS = 8192
@@ -61,7 +66,7 @@ GRAPH_SAFE = True
 # the prefix kernel splits a long context over the whole GPU (H200, greedy 8B 4k: the suffix kernel read the 4k
 # context at ~1/8 of the roofline, benchmarks/RESULTS.md)
 SOLO_PREFIX = True
-SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in the .cu)
+SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in csrc/suffix.cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
 
 # Set True (tests do) to synchronise and check for errors after every launch; never in production.
@@ -69,18 +74,10 @@ debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed
+_warned = False
 
 
 # ----------------------------------------------------------------------------------------- building
-
-def _find_nvcc() -> str | None:
-    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
-                 os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc") if os.environ.get("CUDA_HOME") else None,
-                 "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
 
 def _cache_dir() -> Path:
     env = os.environ.get("HF_CASCADE_CACHE")
@@ -88,10 +85,11 @@ def _cache_dir() -> Path:
 
 
 def build_library(arch: str) -> Path:
-    """Compile ``csrc/cascade_attention.cu`` for ``arch`` (e.g. "sm_90") unless cached; returns the .so path."""
-    if not SOURCE.is_file():
-        raise RuntimeError(f"CUDA source not found at {SOURCE} (use hf_cascade from its source checkout)")
-    nvcc = _find_nvcc()
+    """Compile the kernels of ``csrc/`` for ``arch`` (e.g. "sm_90") unless cached; returns the .so path."""
+    csrc = _build.find_csrc()
+    if csrc is None:
+        raise RuntimeError("the CUDA kernel sources (csrc/) are not in this installation")
+    nvcc = _build.find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (put it on PATH or set $NVCC / $CUDA_HOME)")
     try:
@@ -99,74 +97,92 @@ def build_library(arch: str) -> Path:
     except (OSError, subprocess.SubprocessError) as err:
         raise RuntimeError(f"cannot run {nvcc} --version: {err}") from err
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), arch.encode(), version.encode(), " ".join(NVCC_FLAGS).encode(),
-                 str(ABI_VERSION).encode()):
-        digest.update(part)
+    cus, headers = _build.source_files(csrc)
+    for path in (*cus, *headers):
+        digest.update(path.relative_to(csrc).as_posix().encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    for part in (arch, version, " ".join(_build.NVCC_FLAGS), str(ABI_VERSION)):
+        digest.update(part.encode())
         digest.update(b"\0")
     cache = _cache_dir()
-    target = cache / f"cascade_attention_{arch}_{digest.hexdigest()[:20]}.so"
+    target = cache / f"hfc_kernels_{arch}_{digest.hexdigest()[:20]}.so"
     if target.is_file():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    cmd = [nvcc, *NVCC_FLAGS, f"-arch={arch}", "-o", str(tmp), str(SOURCE)]
-    logger.info("hf_cascade: building the CUDA kernels for %s (first use, takes a minute): %s", arch, " ".join(cmd))
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"nvcc could not run: {err}") from err
-    if res.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"nvcc failed with exit code {res.returncode}: {(res.stderr or res.stdout)[-3000:]}")
+    logger.info("hf_cascade: building the CUDA kernels for %s with %s (first use, takes a minute)", arch, nvcc)
+    _build.compile_library(tmp, [f"-arch={arch}"], nvcc=nvcc, csrc=csrc)
     os.replace(tmp, target)   # atomic: concurrent builders race harmlessly
     return target
 
 
-def _prefix_kernel_choice() -> str:
-    """Which prefix kernel ``$HF_CASCADE_PREFIX_KERNEL`` asks for ("v2" when unset or empty: 1.2-1.4x
-    faster than v1 on the H200, benchmarks/RESULTS.md)."""
-    choice = os.environ.get(PREFIX_KERNEL_ENV, "").strip().lower() or "v2"
-    if choice not in PREFIX_KERNELS:
-        raise RuntimeError(f"${PREFIX_KERNEL_ENV}={choice!r}: expected one of {', '.join(PREFIX_KERNELS)}")
-    return choice
+def _check_retired_choice() -> None:
+    choice = os.environ.get(RETIRED_PREFIX_KERNEL_ENV, "").strip().lower()
+    if choice == "v1":
+        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}=v1: the v1 prefix kernel was retired (v2, 1.2-1.4x faster "
+                         "on the H200, serves every shape v1 served); unset the variable")
+    if choice not in ("", "v2"):
+        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}={choice!r}: there is one prefix kernel now; unset the variable")
+
+
+# ------------------------------------------------------------------------------- the C ABI (ctypes)
+
+_vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _PrefixParams(ctypes.Structure):     # hfc_prefix_params
+    _fields_ = [(n, _vp) for n in ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Rg", "Mp", "chunk_tokens",
+                                    "max_chunks", "row_tiles")] + \
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32)]
+
+
+class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
+    _fields_ = [("ctas_per_sm", _i32), ("smem_bytes", _i32), ("tile_tokens", _i32)]
+
+
+class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
+    _fields_ = [(n, _vp) for n in ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32)]
+
+
+class _MergeParams(ctypes.Structure):      # hfc_merge_params
+    _fields_ = [(n, _vp) for n in ("part_o", "part_lse", "row_nchunks", "out")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "slot0", "nsplit")] + \
+               [("dtype", _i32), ("head_dim", _i32)]
 
 
 class _Lib:
-    """The loaded shared library with typed entry points."""
+    """The loaded shared library: one method per C entry point, raw pointers and sizes in, errors raised."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.prefix_kernel = _prefix_kernel_choice()      # read once, when the library is loaded
         lib = ctypes.CDLL(str(path))
-        vp, ll, i, f = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
-        st = ctypes.c_uint64
-        lib.hfc_abi_version.restype = i
+        lib.hfc_abi_version.restype = _i32
         lib.hfc_abi_version.argtypes = []
-        lib.hfc_error_string.restype = ctypes.c_char_p
-        lib.hfc_error_string.argtypes = [i]
-        lib.hfc_sync.restype = i
-        lib.hfc_sync.argtypes = []
-        lib.hfc_prefix_info.restype = i
-        lib.hfc_prefix_info.argtypes = [i, i, i, ctypes.POINTER(i), ctypes.POINTER(i), ctypes.POINTER(i)]
-        lib.hfc_prefix.restype = i
-        lib.hfc_prefix.argtypes = [i, i, i, vp, vp, vp, vp, vp, vp, vp] + [ll] * 11 + [f, st]
-        lib.hfc_prefix_v2_info.restype = i
-        lib.hfc_prefix_v2_info.argtypes = lib.hfc_prefix_info.argtypes
-        lib.hfc_prefix_v2.restype = i
-        lib.hfc_prefix_v2.argtypes = lib.hfc_prefix.argtypes
-        lib.hfc_suffix.restype = i
-        lib.hfc_suffix.argtypes = [i, i, vp, vp, vp, vp, vp, vp] + [ll] * 9 + [f, st]
-        lib.hfc_merge.restype = i
-        lib.hfc_merge.argtypes = [i, i, vp, vp, vp, vp] + [ll] * 5 + [st]
         got = lib.hfc_abi_version()
         if got != ABI_VERSION:
-            raise RuntimeError(f"{path} has ABI version {got}, expected {ABI_VERSION}")
+            raise RuntimeError(f"{path} has ABI version {got}, this hf_cascade needs {ABI_VERSION}")
+        lib.hfc_error_string.restype = ctypes.c_char_p
+        lib.hfc_error_string.argtypes = [ctypes.c_int]
+        lib.hfc_sync.restype = ctypes.c_int
+        lib.hfc_sync.argtypes = []
+        lib.hfc_prefix_setup.restype = ctypes.c_int
+        lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
+        for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
+                             ("hfc_merge", _MergeParams)):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(params), ctypes.c_size_t]
         self.lib = lib
-        # the chosen prefix kernel's launcher and occupancy query (same C signatures for v1 and v2)
-        v2 = self.prefix_kernel == "v2"
-        self.prefix_fn = lib.hfc_prefix_v2 if v2 else lib.hfc_prefix
-        self._prefix_info_fn = lib.hfc_prefix_v2_info if v2 else lib.hfc_prefix_info
         self._info: dict = {}
+
+    @property
+    def debug(self) -> bool:
+        """$HF_CASCADE_CUDA_DEBUG / tests: check every launch's arguments and synchronise after it."""
+        return debug_sync
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -178,37 +194,125 @@ class _Lib:
                 msg = self.lib.hfc_error_string(rc).decode(errors="replace")
                 raise RuntimeError(f"hf_cascade CUDA kernel {what} failed while running: {msg} (cudaError {rc})")
 
-    def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int) -> tuple[int, int, int]:
-        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one variant of the chosen prefix
-        kernel (v1 or v2, see ``prefix_kernel``)."""
-        key = (dtype_code, head_dim, m_tile, torch.cuda.current_device())
-        if key not in self._info:
-            occ, smem, tile = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
-            self.check(self._prefix_info_fn(dtype_code, head_dim, m_tile, ctypes.byref(occ), ctypes.byref(smem),
-                                            ctypes.byref(tile)), f"prefix_info ({self.prefix_kernel})")
-            if occ.value < 1:
-                raise RuntimeError(f"the prefix kernel {self.prefix_kernel} (head_dim {head_dim}, rows {m_tile}) "
-                                   "cannot run on this GPU "
-                                   f"({smem.value} bytes of shared memory)")
-            self._info[key] = (occ.value, smem.value, tile.value)
-        return self._info[key]
+    def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None = None
+                    ) -> tuple[int, int, int]:
+        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one prefix kernel variant.
+
+        The first call per variant and device runs ``hfc_prefix_setup`` (the kernel's shared-memory attributes:
+        not capture safe), which every prefix launch of that variant needs first; later calls are a dict lookup.
+        """
+        dev = torch.cuda.current_device() if device_index is None else device_index
+        key = (dtype_code, head_dim, m_tile, dev)
+        found = self._info.get(key)
+        if found is None:
+            info = _PrefixInfo()
+            with torch.cuda.device(dev):
+                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, ctypes.byref(info)),
+                           "prefix setup")
+            if info.ctas_per_sm < 1:
+                raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
+                                   f"({info.smem_bytes} bytes of shared memory)")
+            found = self._info[key] = (info.ctas_per_sm, info.smem_bytes, info.tile_tokens)
+        return found
+
+    # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
+    # them for the torch operators; attend checks q and the pool, _validate the plan once per step).
+    def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
+               chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int) -> None:
+        R, Lq, Hq, D = q.shape
+        G, Rg = group_rows.shape
+        dtype_code = DTYPE_CODES[q.dtype]
+        if (dtype_code, D, m_tile, q.device.index) not in self._info:   # setup runs once, before the first launch
+            self.prefix_info(dtype_code, D, m_tile, q.device.index)
+        params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
+                               prefix_len.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq,
+                               pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
+                               row_tiles, scale_log2, dtype_code, D, m_tile)
+        self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
+
+    def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
+               scale_log2: float, stream: int) -> None:
+        R, Lq, Hq, D = q.shape
+        params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
+                               part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
+                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, DTYPE_CODES[q.dtype], D)
+        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
+
+    def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int) -> None:
+        R, Lq, Hq, D = out.shape
+        params = _MergeParams(part_o.data_ptr(), part_lse.data_ptr(), row_nchunks.data_ptr(), out.data_ptr(), R, Lq,
+                              Hq, slot0, nsplit, DTYPE_CODES[out.dtype], D)
+        self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
+
+
+def _load(arch: str) -> _Lib:
+    """The prebuilt library if it is there and fits, else one built with nvcc for ``arch``."""
+    prebuilt_problem = None
+    if PREBUILT.is_file():
+        try:
+            return _Lib(PREBUILT)
+        except (OSError, RuntimeError) as err:
+            prebuilt_problem = f"the prebuilt {PREBUILT.name} is unusable ({err})"
+            logger.info("hf_cascade: %s; building from source instead", prebuilt_problem)
+    try:
+        return _Lib(build_library(arch))
+    except RuntimeError as err:
+        where = prebuilt_problem or "no prebuilt kernel library in this installation"
+        raise RuntimeError(f"{where}, and building one failed: {err}") from err
 
 
 def library(device) -> _Lib:
-    """The kernel library for ``device``'s architecture, built and loaded on first use (RuntimeError if it cannot)."""
+    """The kernel library for ``device``, loaded (or built) on first use; RuntimeError if it cannot be."""
+    global _warned
+    _check_retired_choice()
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"
     with _lock:
         found = _libs.get(arch)
         if found is None:
             try:
-                found = _Lib(build_library(arch))
+                found = _load(arch)
             except Exception as err:   # remember the reason: never retry a failed build every step
                 found = f"{type(err).__name__}: {err}"
+                if not _warned:
+                    _warned = True
+                    logger.warning("hf_cascade: the fast CUDA kernels are off (%s). To get them, install a wheel of "
+                                   "hf_cascade built where nvcc was present, or put nvcc (CUDA toolkit >= 12) on PATH "
+                                   "or set $CUDA_HOME; meanwhile the next attention backend runs.", found)
             _libs[arch] = found
     if isinstance(found, str):
         raise RuntimeError(found)
     return found
+
+
+def availability() -> tuple[bool, str]:
+    """Whether the CUDA kernels can run here, and why (for ``python -m hf_cascade env``). Builds nothing."""
+    try:
+        _check_retired_choice()
+    except ValueError as err:
+        return False, str(err)
+    if PREBUILT.is_file():
+        try:
+            source = f"prebuilt {_Lib(PREBUILT).path} (sm_80, sm_86, sm_89, sm_90 + compute_90 PTX)"
+        except (OSError, RuntimeError) as err:
+            source = None
+            problem = f"the prebuilt library is unusable ({err})"
+    else:
+        source, problem = None, "no prebuilt kernel library in this installation"
+    if source is None:
+        nvcc, csrc = _build.find_nvcc(), _build.find_csrc()
+        if nvcc and csrc:
+            source = f"built with {nvcc} from {csrc} on first use, cached in {_cache_dir()}"
+        else:
+            missing = "nvcc" if csrc else "the kernel sources (csrc/)"
+            return False, (f"{problem} and no {missing} to build one: install a wheel built with nvcc, or put nvcc on "
+                           "PATH / set $CUDA_HOME")
+    if not torch.cuda.is_available():
+        return False, f"no CUDA GPU visible to torch (kernels: {source})"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return False, f"compute capability {cap[0]}.{cap[1]} (needs 8.0 or newer; kernels: {source})"
+    return True, source
 
 
 # ------------------------------------------------------------------------------------------ chunking
@@ -328,7 +432,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepSt
         row_tiles = -(-rows_q // m_tile)
         occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[q.dtype], D, m_tile)
         chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens,
-                                           prefer_tokens=PREFER_CHUNK_TOKENS[lib.prefix_kernel])
+                                           prefer_tokens=PREFER_CHUNK_TOKENS)
         chunk_tokens = chunk_blocks * bs
         nchunks = -(-pl // chunk_tokens)
         max_chunks = int(nchunks.max())
@@ -399,8 +503,6 @@ def attend(q, pool, plan, scale):
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
-    num_blocks, _, bs, Hkv, _ = pool.shape
-    dtype_code = DTYPE_CODES[q.dtype]
     scale_log2 = float(scale) * LOG2E
     with torch.cuda.device(q.device):
         lib = library(q.device)
@@ -408,17 +510,9 @@ def attend(q, pool, plan, scale):
         dp = st.dp
         stream = torch.cuda.current_stream(q.device).cuda_stream
         if st.has_prefix:
-            G, Rg = dp.group_rows.shape
-            lib.check(lib.prefix_fn(
-                dtype_code, D, st.m_tile, q.data_ptr(), pool.data_ptr(), dp.group_rows.data_ptr(),
-                dp.prefix_table.data_ptr(), dp.prefix_len.data_ptr(), st.part_o.data_ptr(), st.part_lse.data_ptr(),
-                R, Lq, Hq, Hkv, bs, G, Rg, dp.prefix_table.shape[1], st.chunk_tokens, st.max_chunks, st.row_tiles,
-                scale_log2, stream), f"prefix ({lib.prefix_kernel})")
-        lib.check(lib.lib.hfc_suffix(
-            dtype_code, D, q.data_ptr(), pool.data_ptr(), dp.suffix_table.data_ptr(), dp.q_limit.data_ptr(),
-            st.part_o.data_ptr(), st.part_lse.data_ptr(), R, Lq, Hq, Hkv, bs, dp.suffix_table.shape[1],
-            st.split_tokens, st.nsplit, st.max_chunks, scale_log2, stream), "suffix")
-        lib.check(lib.lib.hfc_merge(
-            dtype_code, D, st.part_o.data_ptr(), st.part_lse.data_ptr(), st.row_nchunks.data_ptr(), out.data_ptr(),
-            R, Lq, Hq, st.max_chunks, st.nsplit, stream), "merge")
+            ops.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
+                       st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2)
+        ops.suffix(lib, stream, q, pool, dp.suffix_table, dp.q_limit, st.part_o, st.part_lse, st.split_tokens,
+                   st.nsplit, st.max_chunks, scale_log2)
+        ops.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.max_chunks, st.nsplit)
     return out

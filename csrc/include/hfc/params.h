@@ -1,0 +1,69 @@
+/* One parameter struct per kernel (the shape of flash-attention's flash.h), plain C: hf_cascade/kernels/cuda.py
+ * mirrors each one field for field as a ctypes.Structure (_PrefixParams, _SuffixParams, _MergeParams), so any
+ * change here changes HFC_ABI_VERSION (csrc/include/hfc/api.h) and cuda.py together.
+ *
+ * Layouts (all contiguous): q [R, Lq, Hq, D] and out in the dtype; pool [num_blocks, 2, block_size, Hkv, D]
+ * (K then V of each block; token t of a table is slot t % block_size of block table[t / block_size]);
+ * partials part_o float32 [slots, R, Lq, Hq, D], part_lse float32 [slots, R, Lq, Hq] (LSE base 2). Sizes are
+ * 64-bit here and checked against int range by the launchers. Every grid size comes from these fields.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { HFC_BF16 = 0, HFC_FP16 = 1 };  /* dtype codes */
+
+/* level 0: one CTA per (prefix chunk x row tile, KV head, group); writes slots [0, max_chunks) */
+typedef struct {
+  const void* q;
+  const void* pool;
+  const int32_t* group_rows;   /* [G, Rg] the rows of each group, -1 padding */
+  const int32_t* prefix_table; /* [G, Mp] block ids of each group's prefix */
+  const int32_t* prefix_len;   /* [G] prefix tokens of each group */
+  float* part_o;
+  float* part_lse;
+  int64_t R, Lq, Hq, Hkv, block_size;
+  int64_t G, Rg, Mp;
+  int64_t chunk_tokens, max_chunks, row_tiles; /* row_tiles x m_tile >= Rg x Lq x (Hq / Hkv) */
+  float scale_log2;                            /* softmax scale x log2(e) */
+  int32_t dtype, head_dim, m_tile;             /* m_tile: 16, 32, or 64 (head_dim <= 128) */
+} hfc_prefix_params;
+
+/* what hfc_prefix_setup reports for one (dtype, head_dim, m_tile) */
+typedef struct {
+  int32_t ctas_per_sm;  /* resident CTAs per SM (0: cannot run on this GPU) */
+  int32_t smem_bytes;   /* dynamic shared memory per CTA */
+  int32_t tile_tokens;  /* tokens per K/V tile: chunks should be a multiple of it */
+} hfc_prefix_info;
+
+/* level 1: one CTA per (split x query block, KV head, row); writes slots [slot0, slot0 + nsplit) */
+typedef struct {
+  const void* q;
+  const void* pool;
+  const int32_t* suffix_table; /* [R, Ms] block ids of each row's own tokens */
+  const int32_t* q_limit;      /* [R, Lq] query lq of row r sees the first q_limit[r, lq] suffix tokens */
+  float* part_o;
+  float* part_lse;
+  int64_t R, Lq, Hq, Hkv, block_size, Ms;
+  int64_t split_tokens, nsplit, slot0;
+  float scale_log2;
+  int32_t dtype, head_dim;
+} hfc_suffix_params;
+
+/* merge: one warp per (row, query, head) over slots [0, row_nchunks[r]) and [slot0, slot0 + nsplit) */
+typedef struct {
+  const float* part_o;
+  const float* part_lse;
+  const int32_t* row_nchunks; /* [R] prefix partials of each row (0: in no group) */
+  void* out;                  /* [R, Lq, Hq, D] in the dtype */
+  int64_t R, Lq, Hq, slot0, nsplit;
+  int32_t dtype, head_dim;
+} hfc_merge_params;
+
+#ifdef __cplusplus
+}
+#endif

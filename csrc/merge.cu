@@ -1,0 +1,90 @@
+// Merge: the log-sum-exp of a row's partials (its prefix chunks' slots [0, row_nchunks[r]) and its suffix slots
+// [slot0, slot0 + nsplit)) into the output in q's dtype; one warp per (row, query, head). All -inf -> 0, never
+// NaN. Semantics: hf_cascade/kernels/reference.py (merge_state); layouts: csrc/include/hfc/params.h.
+
+#include "hfc/common.cuh"
+#include "hfc/dispatch.h"
+#include "hfc/launch.h"
+
+namespace hfc {
+namespace {
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
+             const int* __restrict__ row_nchunks, T* __restrict__ out, int R, int Lq, int Hq, int slot0,
+             int nsplit) {
+  constexpr int EPL = D / 32;  // elements per lane: 2, 4, 8
+  const int64_t total = (int64_t)R * Lq * Hq;
+  const int64_t item = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (item >= total) return;  // whole warp
+  const int lane = threadIdx.x & 31;
+  const int r = (int)(item / ((int64_t)Lq * Hq));
+  const int npre = row_nchunks[r];
+  const int nslots = npre + nsplit;
+
+  float mx = neg_inf();
+  for (int s = lane; s < nslots; s += 32) {
+    const int slot = s < npre ? s : slot0 + (s - npre);
+    mx = fmaxf(mx, part_lse[(int64_t)slot * total + item]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
+
+  float acc[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
+  float wsum = 0.0f;
+  if (mx != neg_inf()) {
+    for (int s = 0; s < nslots; ++s) {
+      const int slot = s < npre ? s : slot0 + (s - npre);
+      const int64_t at = (int64_t)slot * total + item;
+      const float lse = part_lse[at];
+      if (lse == neg_inf()) continue;  // same for the whole warp
+      const float w = exp2f(lse - mx);
+      wsum += w;
+      const float* src = part_o + at * D + lane * EPL;
+      if constexpr (EPL == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        acc[0] = fmaf(w, v.x, acc[0]);
+        acc[1] = fmaf(w, v.y, acc[1]);
+      } else {
+#pragma unroll
+        for (int e4 = 0; e4 < EPL / 4; ++e4) {
+          const float4 v = *reinterpret_cast<const float4*>(src + e4 * 4);
+          acc[e4 * 4 + 0] = fmaf(w, v.x, acc[e4 * 4 + 0]);
+          acc[e4 * 4 + 1] = fmaf(w, v.y, acc[e4 * 4 + 1]);
+          acc[e4 * 4 + 2] = fmaf(w, v.z, acc[e4 * 4 + 2]);
+          acc[e4 * 4 + 3] = fmaf(w, v.w, acc[e4 * 4 + 3]);
+        }
+      }
+    }
+  }
+  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+  T* dst = out + item * D + lane * EPL;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) dst[e] = Cvt<T>::from_float(acc[e] * inv);
+}
+
+template <typename T, int D>
+cudaError_t launch_t(const hfc_merge_params& p, cudaStream_t stream) {
+  const long long items = (long long)p.R * p.Lq * p.Hq;
+  const long long blocks = (items + kWarps - 1) / kWarps;
+  if (!fits_int(blocks)) return cudaErrorInvalidConfiguration;
+  merge_kernel<T, D><<<(unsigned)blocks, kThreads, 0, stream>>>(p.part_o, p.part_lse, p.row_nchunks,
+                                                                 static_cast<T*>(p.out), (int)p.R, (int)p.Lq,
+                                                                 (int)p.Hq, (int)p.slot0, (int)p.nsplit);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream) {
+  if (!fits_int(p.R) || !fits_int(p.Lq) || !fits_int(p.Hq) || !fits_int(p.slot0) || !fits_int(p.nsplit) ||
+      !fits_int(p.R * p.Lq * p.Hq))
+    return cudaErrorInvalidValue;
+  if (p.R == 0 || p.Lq == 0 || p.Hq == 0) return cudaSuccess;
+  HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))
+}
+
+}  // namespace hfc

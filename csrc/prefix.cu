@@ -1,0 +1,456 @@
+// Level 0, the shared prefix: all of a group's query rows for one KV head against a chunk of the group's prefix,
+// on tensor cores. Semantics: hf_cascade/kernels/reference.py (prefix_attention); layouts: csrc/include/hfc/params.h.
+//
+// Grid: one CTA per (prefix chunk x row tile, KV head, group). A CTA takes up to M query rows (rows x Lq x GQA
+// group, M = 16/32/64) and the chunk's tokens [chunk x chunk_tokens, ...) of the group's prefix, and writes one
+// partial (O fp32 normalised, LSE fp32 base 2) per query row into slot `chunk`; a chunk with no tokens writes
+// O = 0, LSE = -inf. Rows in no group are never written. K/V tokens that are not valid are never read (zero
+// filled in shared memory), so garbage (even NaN) in unused pool slots cannot leak into the result.
+//
+// FlashAttention-2 style (this replaced a WMMA kernel that kept S and P in shared memory: 81-114 KB per CTA,
+// 2 CTAs per SM, one 32 KB K/V tile in flight each, ~64 KB outstanding per SM, about half of what HBM3e needs;
+// benchmarks/RESULTS.md has the comparison):
+//   * S = Q K^T and O += P V with mma.sync.m16n8k16 (inline PTX, fp32 accumulate), operands loaded
+//     with ldmatrix from an XOR-swizzled shared layout (16-byte chunk c of row r at c ^ (r & 7): no bank
+//     conflicts and no padding); S, P, the running max/sum and O live in registers; P is re-packed from
+//     the S accumulators into the A fragment of the P V product without touching shared memory.
+//   * shared memory holds only Q and a STAGES-deep ring of small K/V tiles (16 KB each), filled by
+//     cp.async (zero-fill form for invalid tokens: nothing is read for them); one barrier per tile.
+//     Result (D 128, 32 rows): 72 KB per CTA, 3 CTAs per SM, 3 tiles in flight per CTA = 144 KB
+//     outstanding per SM; D 128 / 64 rows: 96 KB, 2 CTAs, 4 tiles in flight = 128 KB.
+//   * warps: WM = M/16 warps along the rows (16 rows each), WN = 4/WM along the tokens. A tile's tokens
+//     are cut into sub-tiles of KW >= 16 tokens (one mma k step or more); sub-tile `gs` (counted over
+//     the whole chunk) belongs to warp column gs % WN. Each warp keeps its own online softmax over its
+//     sub-tiles; the WN partial states of a row are merged through shared memory at the end (the K/V
+//     ring is idle then). So 16- and 32-row tiles keep all 4 warps busy without splitting D.
+// Not chosen: TMA / cp.async.bulk (a paged gather of 256-byte rows needs one bulk copy per token and
+// block table: no gain over cp.async at these sizes, more risk); wgmma (64-row minimum, sm_90a only:
+// 16-32-row decode tiles would waste most of it, and the kernel is memory bound with mma.sync).
+
+#include "hfc/common.cuh"
+#include "hfc/dispatch.h"
+#include "hfc/launch.h"
+
+namespace hfc {
+namespace {
+
+template <int D, int M>
+struct PrefixCfg {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim");
+  static_assert(M == 16 || M == 32 || M == 64, "row tile");
+  static constexpr int WM = M / 16;                                  // warps along rows
+  static constexpr int WN = kWarps / WM;                             // warps along tokens
+  static constexpr int N = (D == 64) ? 64 : (D == 128) ? 32 : 16;    // tokens per K/V tile (16 KB K+V)
+  static constexpr int KW = (N / WN >= 16) ? N / WN : 16;            // tokens per warp sub-tile
+  static constexpr int SUB = N / KW;                                 // sub-tiles per K/V tile
+  static constexpr int STAGES = (D == 64) ? 4 : (D == 128) ? (M == 64 ? 5 : 4) : 5;
+  static constexpr int MIN_CTAS = (D == 256 || (D == 128 && M == 64)) ? 2 : 3;  // register cap
+  static constexpr int CH = D / 8;                                   // 16-byte chunks per row
+  static constexpr int NT = KW / 8;                                  // n tiles of S per sub-tile
+  static constexpr int DN = D / 8;                                   // n tiles of O
+  static constexpr int TILE_ELEMS = 2 * N * D;                       // K then V
+  static constexpr int Q_BYTES = M * D * 2;
+  static constexpr int KV_OFF = align128(Q_BYTES);
+  static constexpr int KV_BYTES = STAGES * TILE_ELEMS * 2;
+  static constexpr int LDO = D + 8;                                  // O staging row stride (floats)
+  static constexpr int O_BYTES = WN * M * LDO * 4;
+  static constexpr int SMEM = KV_OFF + (KV_BYTES > O_BYTES ? KV_BYTES : O_BYTES);
+  static constexpr int LD_TOK = kThreads / CH;                       // tokens per loader pass
+  static constexpr int LD_PASSES = N / LD_TOK;
+  static_assert(KW % 16 == 0 && N % KW == 0 && SUB * KW == N, "sub-tiling");
+  static_assert(LD_TOK * CH == kThreads && LD_PASSES * LD_TOK == N, "loader tiling");
+  static_assert((2 * WN + 1) * M * 4 <= Q_BYTES, "softmax statistics must fit in the Q buffer");
+  static_assert(CH % 8 == 0, "swizzle needs >= 8 chunks per row");
+};
+
+// element offset of 16-byte chunk c of row r in a [rows][D] tile, XOR-swizzled
+template <int D>
+__device__ __forceinline__ int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
+
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
+
+// c[0..3] += A(16x16, row) * B(16x8, col), fp32 accumulate; A = 4 x (2 elements), B = 2 x (2 elements)
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"), with
+// g = lane >> 2, q4 = lane & 3:
+//   A regs a[0..3]: (row g, cols 2q4..+1), (row g+8, cols 2q4..+1), (row g, cols 8+2q4..), (row g+8, 8+2q4..)
+//   B regs b0, b1:  (k 2q4..+1, col g), (k 8+2q4..+1, col g)
+//   C c[0..3]:      (row g, cols 2q4, 2q4+1), (row g+8, cols 2q4, 2q4+1)
+// ldmatrix .x4: lanes 8i..8i+7 give the row addresses of 8x8 matrix i, register i holds its
+// (row lane>>2, cols 2q4..+1); with .trans it holds (rows 2q4..+1, col lane>>2) instead.
+//   Q (A of S):  matrix i = rows 8(i&1).., d chunk 2kk + (i>>1)      -> a[0..3] as above
+//   K (B of S):  matrix i = tokens 8(i>>1).., d chunk 2kk + (i&1)    -> b0, b1 of token n-tile 0, then 1
+//   V (B of PV, .trans): matrix i = tokens 8(i&1).., d chunk 2dp + (i>>1) -> b0, b1 of d n-tile 0, then 1
+//   P (A of PV): S n-tiles 2j, 2j+1 of the sub-tile: a = {pack(c0,c1) of 2j, pack(c2,c3) of 2j,
+//                pack(c0,c1) of 2j+1, pack(c2,c3) of 2j+1}.
+
+template <typename T, int D, int M>
+__global__ void __launch_bounds__(kThreads, PrefixCfg<D, M>::MIN_CTAS)
+prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ group_rows,
+                 const int* __restrict__ prefix_table, const int* __restrict__ prefix_len,
+                 float* __restrict__ part_o, float* __restrict__ part_lse, int R, int Lq, int Hq, int Hkv,
+                 int bs, int Rg, int Mp, int chunk_tokens, int row_tiles, float scale_log2) {
+  using C = PrefixCfg<D, M>;
+  constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH, STAGES = C::STAGES;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Q_s = reinterpret_cast<T*>(smem);
+  T* KV_s = reinterpret_cast<T*>(smem + C::KV_OFF);
+
+  const int tile = blockIdx.x % row_tiles;
+  const int chunk = blockIdx.x / row_tiles;
+  const int h = blockIdx.y;
+  const int g = blockIdx.z;
+  const int grp = Hq / Hkv;
+  const int per_row = Lq * grp;
+  const int rows_q = Rg * per_row;
+  const int rows_here = min(M, rows_q - tile * M);
+  if (rows_here <= 0) return;  // a row tile past the group's rows: nothing to write
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+
+  // query row m of this tile -> its partial's item index (R, Lq, Hq flattened), or -1
+  auto item_of = [&](int m) -> int64_t {
+    const int mg = tile * M + m;
+    if (m >= rows_here) return -1;
+    const int rg = mg / per_row, rem = mg - rg * per_row;
+    const int lq = rem / grp, j = rem - lq * grp;
+    const int row = group_rows[(int64_t)g * Rg + rg];
+    if (row < 0) return -1;
+    return (((int64_t)chunk * R + row) * Lq + lq) * Hq + (int64_t)h * grp + j;
+  };
+
+  const int plen = prefix_len[g];
+  const int t_begin = chunk * chunk_tokens;
+  if (t_begin >= plen) {  // a chunk with no tokens: O = 0, LSE = -inf (uniform over the CTA, no barrier)
+    for (int i = tid; i < M * (D / 4); i += kThreads) {
+      const int m = i / (D / 4), v = i % (D / 4);
+      const int64_t item = item_of(m);
+      if (item < 0) continue;
+      *reinterpret_cast<float4*>(part_o + item * D + v * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (v == 0) part_lse[item] = neg_inf();
+    }
+    return;
+  }
+  const int t_end = min(t_begin + chunk_tokens, plen);
+  const int64_t slot_stride = (int64_t)Hkv * D;     // between token slots of a block
+  const int64_t kv_stride = (int64_t)bs * Hkv * D;  // V after K inside a block
+  const int* table = prefix_table + (int64_t)g * Mp;
+  const T* pool_h = pool + (int64_t)h * D;
+
+  // ---- queries of this row tile -> Q_s (swizzled; zero rows for padding), in the first cp.async group
+  for (int i = tid; i < M * CH; i += kThreads) {
+    const int m = i / CH, c = i % CH;
+    const int mg = tile * M + m;
+    const T* src = q;
+    int bytes = 0;
+    if (m < rows_here) {
+      const int rg = mg / per_row, rem = mg - rg * per_row;
+      const int lq = rem / grp, j = rem - lq * grp;
+      const int row = group_rows[(int64_t)g * Rg + rg];
+      if (row >= 0) {
+        src = q + (((int64_t)row * Lq + lq) * Hq + (int64_t)h * grp + j) * D + c * 8;
+        bytes = 16;
+      }
+    }
+    cp_async16_zfill(Q_s + swz<D>(m, c), src, bytes);
+  }
+
+  // ---- K/V tile loader: tokens [t0, t0 + N) of the chunk into ring slot `stage`. Each thread always
+  // copies chunk ld_c of tokens ld_n0 + p * LD_TOK. Tokens past the chunk end or in a -1 block are
+  // zero-filled (src-size 0: no global read; the address passed is the pool's base, never dereferenced).
+  const int ld_c = tid % CH, ld_n0 = tid / CH;
+  auto load_tile = [&](int t0, int stage) {
+    T* Ks = KV_s + stage * C::TILE_ELEMS;
+    T* Vs = Ks + N * D;
+#pragma unroll
+    for (int p = 0; p < C::LD_PASSES; ++p) {
+      const int n = ld_n0 + p * C::LD_TOK;
+      const int t = t0 + n;
+      int blk = -1;
+      if (t < t_end) blk = __ldg(table + t / bs);
+      const T* ksrc = pool;
+      const T* vsrc = pool;
+      int bytes = 0;
+      if (blk >= 0) {
+        ksrc = pool_h + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + ld_c * 8;
+        vsrc = ksrc + kv_stride;
+        bytes = 16;
+      }
+      const int off = swz<D>(n, ld_c);
+      cp_async16_zfill(Ks + off, ksrc, bytes);
+      cp_async16_zfill(Vs + off, vsrc, bytes);
+    }
+  };
+
+  const int ntiles = (t_end - t_begin + N - 1) / N;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) load_tile(t_begin + s * N, s);
+    cp_async_commit();  // always commit (possibly empty): group k <-> tile k
+  }
+
+  const int wm = warp / C::WN, wn = warp % C::WN;
+  const bool active = wm * 16 < rows_here;  // warp-uniform: a warp of padding rows only skips the math
+  const int lr = lane & 7, li = lane >> 3, q4 = lane & 3;
+  const int q_row = wm * 16 + (li & 1) * 8 + lr;  // ldmatrix row of this lane for Q
+  const int q_chunk = li >> 1;
+  const int k_tok = (li >> 1) * 8 + lr;           // ... for K (non-transposed)
+  const int k_chunk = li & 1;
+  const int v_tok = (li & 1) * 8 + lr;            // ... for V (transposed)
+  const int v_chunk = li >> 1;
+
+  float o[DN][4];
+#pragma unroll
+  for (int dn = 0; dn < DN; ++dn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dn][e] = 0.0f;
+  float m_run[2] = {neg_inf(), neg_inf()};  // rows g and g + 8 of the warp's 16
+  float l_run[2] = {0.0f, 0.0f};            // this lane's share of the row sums (reduced at the end)
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+    __syncthreads();              // everyone's have; everyone is done with tile it - 1 (its slot is free)
+    {
+      const int nx = it + STAGES - 1;
+      if (nx < ntiles) load_tile(t_begin + nx * N, nx % STAGES);
+      cp_async_commit();
+    }
+    if (!active) continue;
+    const T* Ks = KV_s + (it % STAGES) * C::TILE_ELEMS;
+    const T* Vs = Ks + N * D;
+#pragma unroll
+    for (int s = 0; s < C::SUB; ++s) {
+      if (C::WN > 1 && (it * C::SUB + s) % C::WN != wn) continue;
+      const int tok0 = s * KW;                               // first token of the sub-tile in the tile
+      const int valid = t_end - (t_begin + it * N + tok0);   // valid tokens of the sub-tile (if < KW)
+      if (valid <= 0) continue;
+
+      // ---- S = Q K^T (16 rows x KW tokens, fp32)
+      float sacc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, Q_s + swz<D>(q_row, 2 * kk + q_chunk));
+#pragma unroll
+        for (int tp = 0; tp < KW / 16; ++tp) {
+          uint32_t b[4];
+          ldsm_x4(b, Ks + swz<D>(tok0 + tp * 16 + k_tok, 2 * kk + k_chunk));
+          Mma<T>::run(sacc[2 * tp], a, b[0], b[1]);
+          Mma<T>::run(sacc[2 * tp + 1], a, b[2], b[3]);
+        }
+      }
+
+      // ---- online softmax in registers (log2 domain); masked columns -> -inf
+      float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = sacc[nt][e] * scale_log2;
+          if (valid < KW && nt * 8 + 2 * q4 + (e & 1) >= valid) v = neg_inf();
+          sacc[nt][e] = v;
+          mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+      float alpha[2], m_use[2], rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
+        const float m_new = fmaxf(m_run[r], mx[r]);
+        alpha[r] = (m_run[r] == neg_inf()) ? 0.0f : exp2f(m_run[r] - m_new);
+        m_use[r] = (m_new == neg_inf()) ? 0.0f : m_new;
+        m_run[r] = m_new;
+      }
+      uint32_t pf[KW / 16][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float p0 = exp2f(sacc[nt][0] - m_use[0]);  // exp2(-inf) = 0 for masked columns
+        const float p1 = exp2f(sacc[nt][1] - m_use[0]);
+        const float p2 = exp2f(sacc[nt][2] - m_use[1]);
+        const float p3 = exp2f(sacc[nt][3] - m_use[1]);
+        rsum[0] += p0 + p1;
+        rsum[1] += p2 + p3;
+        pf[nt >> 1][(nt & 1) * 2 + 0] = Mma<T>::pack(p0, p1);
+        pf[nt >> 1][(nt & 1) * 2 + 1] = Mma<T>::pack(p2, p3);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rsum[r];
+#pragma unroll
+      for (int dn = 0; dn < DN; ++dn) {
+        o[dn][0] *= alpha[0];
+        o[dn][1] *= alpha[0];
+        o[dn][2] *= alpha[1];
+        o[dn][3] *= alpha[1];
+      }
+
+      // ---- O += P V
+#pragma unroll
+      for (int jt = 0; jt < KW / 16; ++jt)
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t b[4];
+          ldsm_x4_t(b, Vs + swz<D>(tok0 + jt * 16 + v_tok, 2 * dp + v_chunk));
+          Mma<T>::run(o[2 * dp], pf[jt], b[0], b[1]);
+          Mma<T>::run(o[2 * dp + 1], pf[jt], b[2], b[3]);
+        }
+    }
+  }
+
+  // ---- epilogue: merge the WN warp columns' states of each row, normalise, write partials
+  cp_async_wait<0>();  // only empty groups can be left; the ring and Q_s are reused below
+  __syncthreads();
+  float* m_s = reinterpret_cast<float*>(smem);   // [WN][M]   (in Q_s, idle now)
+  float* l_s = m_s + C::WN * M;                   // [WN][M]
+  float* lse_s = l_s + C::WN * M;                 // [M]
+  float* O_s = reinterpret_cast<float*>(smem + C::KV_OFF);  // [WN][M][LDO]
+  const int row0 = wm * 16 + (lane >> 2);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(kFull, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(kFull, l_run[r], 2);
+  }
+  if (q4 == 0) {
+    m_s[wn * M + row0] = m_run[0];
+    m_s[wn * M + row0 + 8] = m_run[1];
+    l_s[wn * M + row0] = l_run[0];
+    l_s[wn * M + row0 + 8] = l_run[1];
+  }
+  __syncthreads();
+  float f[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    float mt = neg_inf();
+#pragma unroll
+    for (int w = 0; w < C::WN; ++w) mt = fmaxf(mt, m_s[w * M + row]);
+    float lt = 0.0f;
+#pragma unroll
+    for (int w = 0; w < C::WN; ++w) {
+      const float mw = m_s[w * M + row];
+      if (mw != neg_inf()) lt += l_s[w * M + row] * exp2f(mw - mt);
+    }
+    f[r] = (m_run[r] == neg_inf() || !(lt > 0.0f)) ? 0.0f : exp2f(m_run[r] - mt) / lt;
+    if (wn == 0 && q4 == 0) lse_s[row] = (lt > 0.0f) ? mt + log2f(lt) : neg_inf();
+  }
+  float* Ow = O_s + wn * M * C::LDO;
+#pragma unroll
+  for (int dn = 0; dn < DN; ++dn) {
+    const int col = dn * 8 + 2 * q4;
+    *reinterpret_cast<float2*>(Ow + row0 * C::LDO + col) = make_float2(o[dn][0] * f[0], o[dn][1] * f[0]);
+    *reinterpret_cast<float2*>(Ow + (row0 + 8) * C::LDO + col) = make_float2(o[dn][2] * f[1], o[dn][3] * f[1]);
+  }
+  __syncthreads();
+  for (int i = tid; i < M * (D / 4); i += kThreads) {
+    const int m = i / (D / 4), v = i % (D / 4);
+    const int64_t item = item_of(m);
+    if (item < 0) continue;
+    float4 acc = *reinterpret_cast<const float4*>(O_s + m * C::LDO + v * 4);
+#pragma unroll
+    for (int w = 1; w < C::WN; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(O_s + (w * M + m) * C::LDO + v * 4);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    *reinterpret_cast<float4*>(part_o + item * D + v * 4) = acc;
+    if (v == 0) part_lse[item] = lse_s[m];
+  }
+}
+
+// The dynamic shared memory limit and carve-out are per-function attributes (one non-stream call each): set
+// once per variant and device by hfc_prefix_setup, never on the launch path (CUDA-graph capture).
+template <typename T, int D, int M>
+cudaError_t setup_t(hfc_prefix_info* info) {
+  using C = PrefixCfg<D, M>;
+  auto kern = prefix_kernel<T, D, M>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  if (err != cudaSuccess) return err;
+  // several CTAs of up to ~100 KB each per SM: ask for the largest shared-memory carve-out
+  err = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess || info == nullptr) return err;
+  info->smem_bytes = C::SMEM;
+  info->tile_tokens = C::N;
+  int ctas = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, kThreads, C::SMEM);
+  info->ctas_per_sm = ctas;
+  return err;
+}
+
+template <typename T, int D, int M>
+cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
+  using C = PrefixCfg<D, M>;
+  const long long gx = (long long)p.row_tiles * p.max_chunks;
+  if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
+  prefix_kernel<T, D, M><<<grid, kThreads, C::SMEM, stream>>>(
+      static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.group_rows, p.prefix_table, p.prefix_len,
+      p.part_o, p.part_lse, (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Rg, (int)p.Mp,
+      (int)p.chunk_tokens, (int)p.row_tiles, p.scale_log2);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info) {
+  HFC_DISPATCH_DTYPE(dtype, T, HFC_DISPATCH_HEAD_DIM(head_dim, D, HFC_DISPATCH_M_TILE(D, m_tile, M,
+      return setup_t<T, D, M>(info);)))
+}
+
+cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
+  if (!fits_int(p.R) || !fits_int(p.Lq) || !fits_int(p.Hq) || !fits_int(p.Hkv) || !fits_int(p.block_size) ||
+      !fits_int(p.G) || !fits_int(p.Rg) || !fits_int(p.Mp) || !fits_int(p.chunk_tokens) ||
+      !fits_int(p.max_chunks) || !fits_int(p.row_tiles))
+    return cudaErrorInvalidValue;
+  if (p.Hkv < 1 || p.Hq % p.Hkv != 0 || p.block_size < 1 || p.chunk_tokens < 1 || p.row_tiles < 1 || p.Lq < 1)
+    return cudaErrorInvalidValue;
+  if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
+  if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
+  HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, HFC_DISPATCH_M_TILE(D, p.m_tile, M,
+      return launch_t<T, D, M>(p, stream);)))
+}
+
+}  // namespace hfc

@@ -1,0 +1,202 @@
+// Level 1, each row's own suffix: a row's queries against its own paged tokens, on CUDA cores. Semantics:
+// hf_cascade/kernels/reference.py (suffix_attention); layouts: csrc/include/hfc/params.h.
+//
+// Grid: one CTA per (suffix split x query block, KV head, row). A CTA takes up to kQB = 4 query vectors of the row
+// for that KV head against the row's suffix tokens [split range), query (lq) seeing the first q_limit[r, lq] of
+// them. Each token is read by D/8 lanes (16 bytes each), several tokens per warp, online softmax per lane group,
+// warp and CTA reductions at the end. Writes one partial into slot `slot0 + split`.
+
+#include "hfc/common.cuh"
+#include "hfc/dispatch.h"
+#include "hfc/launch.h"
+
+namespace hfc {
+namespace {
+
+constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda.py)
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads)
+suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ suffix_table,
+              const int* __restrict__ q_limit, float* __restrict__ part_o, float* __restrict__ part_lse, int R,
+              int Lq, int Hq, int Hkv, int bs, int Ms, int split_tokens, int nqb, int slot0, float scale_log2) {
+  constexpr int LPT = D / 8;         // lanes per token, 8 elements (16 bytes) each
+  constexpr int TPW = 32 / LPT;      // tokens per warp and step
+  constexpr int STEP = kWarps * TPW; // tokens per CTA and step
+  __shared__ float red_o[kWarps][kQB][D];
+  __shared__ float red_m[kWarps][kQB];
+  __shared__ float red_l[kWarps][kQB];
+
+  const int qb = blockIdx.x % nqb;
+  const int split = blockIdx.x / nqb;
+  const int h = blockIdx.y;
+  const int r = blockIdx.z;
+  const int grp = Hq / Hkv;
+  const int nq = Lq * grp;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int sub = lane % LPT, tg = lane / LPT;
+  const int cap = Ms * bs;
+
+  float qr[kQB][8];
+  int lim[kQB];
+  int tmax = 0;
+#pragma unroll
+  for (int qi = 0; qi < kQB; ++qi) {
+    const int qidx = qb * kQB + qi;
+    lim[qi] = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qr[qi][e] = 0.0f;
+    if (qidx < nq) {
+      const int lq = qidx / grp, j = qidx - lq * grp;
+      lim[qi] = max(0, min(q_limit[(int64_t)r * Lq + lq], cap));
+      tmax = max(tmax, lim[qi]);
+      const uint4 raw =
+          *reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8);
+      Cvt<T>::unpack8(raw, qr[qi]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qr[qi][e] *= scale_log2;
+    }
+  }
+  const int t_lo = split * split_tokens;
+  const int t_hi = min(t_lo + split_tokens, tmax);
+  const int* table = suffix_table + (int64_t)r * Ms;
+  const int64_t slot_stride = (int64_t)Hkv * D;
+  const int64_t kv_stride = (int64_t)bs * Hkv * D;
+  const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+
+  float m[kQB], l[kQB], o[kQB][8];
+#pragma unroll
+  for (int qi = 0; qi < kQB; ++qi) {
+    m[qi] = neg_inf();
+    l[qi] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[qi][e] = 0.0f;
+  }
+
+  auto load_tok = [&](int t, uint4& kk, uint4& vv) -> bool {
+    kk = zero4;
+    vv = zero4;
+    if (t >= t_hi) return false;
+    const int blk = __ldg(table + t / bs);
+    if (blk < 0) return false;
+    const T* src = pool + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + (int64_t)h * D + sub * 8;
+    kk = __ldg(reinterpret_cast<const uint4*>(src));
+    vv = __ldg(reinterpret_cast<const uint4*>(src + kv_stride));
+    return true;
+  };
+  auto process = [&](const uint4& kk, const uint4& vv, bool ok, int t) {
+    float kf[8], vf[8];
+    Cvt<T>::unpack8(kk, kf);
+    Cvt<T>::unpack8(vv, vf);
+#pragma unroll
+    for (int qi = 0; qi < kQB; ++qi) {
+      float s = 0.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s = fmaf(qr[qi][e], kf[e], s);
+#pragma unroll
+      for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);  // every lane takes part
+      if (ok && t < lim[qi]) {
+        const float mn = fmaxf(m[qi], s);
+        const float a = exp2f(m[qi] - mn);  // m = -inf -> 0
+        const float p = exp2f(s - mn);
+        l[qi] = l[qi] * a + p;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[qi][e] = fmaf(o[qi][e], a, p * vf[e]);
+        m[qi] = mn;
+      }
+    }
+  };
+
+  // the loop condition is uniform over the warp (tb does not depend on the lane)
+  for (int tb = t_lo + warp * TPW; tb < t_hi; tb += 2 * STEP) {
+    uint4 k0, v0, k1, v1;
+    const int t0 = tb + tg, t1 = tb + STEP + tg;
+    const bool ok0 = load_tok(t0, k0, v0);
+    const bool ok1 = load_tok(t1, k1, v1);
+    process(k0, v0, ok0, t0);
+    process(k1, v1, ok1, t1);
+  }
+
+  // merge the TPW token groups of the warp (lanes sub, sub + LPT, ...)
+#pragma unroll
+  for (int off = LPT; off < 32; off <<= 1) {
+#pragma unroll
+    for (int qi = 0; qi < kQB; ++qi) {
+      const float m2 = __shfl_xor_sync(kFull, m[qi], off);
+      const float l2 = __shfl_xor_sync(kFull, l[qi], off);
+      const float mn = fmaxf(m[qi], m2);
+      const float a1 = (m[qi] == neg_inf()) ? 0.0f : exp2f(m[qi] - mn);
+      const float a2 = (m2 == neg_inf()) ? 0.0f : exp2f(m2 - mn);
+      l[qi] = l[qi] * a1 + l2 * a2;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float o2 = __shfl_xor_sync(kFull, o[qi][e], off);
+        o[qi][e] = o[qi][e] * a1 + o2 * a2;
+      }
+      m[qi] = mn;
+    }
+  }
+  if (tg == 0) {
+#pragma unroll
+    for (int qi = 0; qi < kQB; ++qi) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) red_o[warp][qi][sub * 8 + e] = o[qi][e];
+      if (sub == 0) {
+        red_m[warp][qi] = m[qi];
+        red_l[warp][qi] = l[qi];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kQB * D; idx += kThreads) {
+    const int qi = idx / D, d = idx % D;
+    const int qidx = qb * kQB + qi;
+    if (qidx >= nq) continue;
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][qi]);
+    float L = 0.0f, O = 0.0f;
+    if (mx != neg_inf()) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = red_m[w][qi];
+        const float a = (mw == neg_inf()) ? 0.0f : exp2f(mw - mx);
+        L += a * red_l[w][qi];
+        O += a * red_o[w][qi][d];
+      }
+    }
+    const bool any = L > 0.0f;
+    const int lq = qidx / grp, j = qidx - lq * grp;
+    const int64_t item = (((int64_t)(slot0 + split) * R + r) * Lq + lq) * Hq + (int64_t)h * grp + j;
+    part_o[item * D + d] = any ? O / L : 0.0f;
+    if (d == 0) part_lse[item] = any ? mx + log2f(L) : neg_inf();
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_t(const hfc_suffix_params& p, cudaStream_t stream) {
+  const int nqb = (int)((p.Lq * (p.Hq / p.Hkv) + kQB - 1) / kQB);
+  const long long gx = (long long)p.nsplit * nqb;
+  if (!fits_int(gx) || p.Hkv > 65535 || p.R > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.R);
+  suffix_kernel<T, D><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.suffix_table, p.q_limit, p.part_o, p.part_lse,
+      (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Ms, (int)p.split_tokens, nqb,
+      (int)p.slot0, p.scale_log2);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream) {
+  if (!fits_int(p.R) || !fits_int(p.Lq) || !fits_int(p.Hq) || !fits_int(p.Hkv) || !fits_int(p.block_size) ||
+      !fits_int(p.Ms) || !fits_int(p.split_tokens) || !fits_int(p.nsplit) || !fits_int(p.slot0) ||
+      !fits_int(p.Ms * p.block_size))
+    return cudaErrorInvalidValue;
+  if (p.Hkv < 1 || p.Hq % p.Hkv != 0 || p.block_size < 1 || p.split_tokens < 1 || p.nsplit < 1 || p.Lq < 1)
+    return cudaErrorInvalidValue;
+  if (p.R == 0) return cudaSuccess;
+  HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))
+}
+
+}  // namespace hfc

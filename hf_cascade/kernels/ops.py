@@ -1,0 +1,225 @@
+"""Typed entry points of the CUDA kernels: ``torch.ops.hf_cascade.{prefix,suffix,merge}``.
+
+Each kernel is a ``torch.library`` custom operator that writes into buffers it is given (partials, output), with a
+fake implementation, so that ``torch.compile`` traces through the layers around it and the shapes, dtypes and
+devices are checked in one place (:func:`check_prefix`, :func:`check_suffix`, :func:`check_merge`; errors name the
+argument). Shapes (``csrc/include/hfc/params.h``)::
+
+    q            [R, Lq, Hq, D]               bfloat16 / float16, contiguous
+    pool         [num_blocks, 2, bs, Hkv, D]  q's dtype, contiguous (K then V of each block)
+    group_rows   [G, Rg] int32   prefix_table [G, Mp] int32   prefix_len [G] int32
+    suffix_table [R, Ms] int32   q_limit [R, Lq] int32        row_nchunks [R] int32
+    part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
+    out          [R, Lq, Hq, D]  q's dtype
+
+The eager path does not go through the operator dispatcher: on a 2-core CPU a custom-op call costs ~60 us against
+~3 us for the ctypes launch (``tests/test_kernel_ops.py`` measures both), three kernels per layer. So :func:`prefix`,
+:func:`suffix` and :func:`merge` call the library directly in eager mode (their arguments were checked by the
+backend once per step) and the operators while ``torch.compile`` traces.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
+HEAD_DIMS = (64, 128, 256)
+M_TILES = (16, 32, 64)
+
+
+# -------------------------------------------------------------------------------------------- checks
+
+def _fail(op: str, message: str, kind=ValueError):
+    raise kind(f"hf_cascade::{op}: {message}")
+
+
+def _tensor(op: str, name: str, t, *, dtype=None, dim=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(op, f"{name} must be a tensor, got {type(t).__name__}", TypeError)
+    if dtype is not None and t.dtype != dtype:
+        _fail(op, f"{name} must be {dtype}, got {t.dtype}", TypeError)
+    if dim is not None and t.dim() != dim:
+        _fail(op, f"{name} must have {dim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(op, f"{name} is on {t.device}, q on {device}")
+    if not t.is_contiguous():
+        _fail(op, f"{name} must be contiguous (call .contiguous())")
+
+
+def _q_pool(op: str, q, pool) -> tuple[int, int, int, int, int, int]:
+    _tensor(op, "q", q, dim=4)
+    if q.dtype not in DTYPE_CODES:
+        _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
+    _tensor(op, "pool", pool, dtype=q.dtype, dim=5, device=q.device)
+    R, Lq, Hq, D = q.shape
+    _, two, bs, Hkv, Dp = pool.shape
+    if D not in HEAD_DIMS:
+        _fail(op, f"q's head_dim {D} is not supported (supported: {HEAD_DIMS})")
+    if two != 2 or Dp != D or bs < 1 or Hkv < 1 or Hq % Hkv:
+        _fail(op, f"pool of shape {tuple(pool.shape)} does not fit q {tuple(q.shape)}: expected "
+                  f"[num_blocks, 2, block_size, Hkv, {D}] with Hkv dividing {Hq}")
+    return R, Lq, Hq, D, bs, Hkv
+
+
+def _index(op: str, name: str, t, shape, device) -> None:
+    _tensor(op, name, t, dtype=torch.int32, dim=len(shape), device=device)
+    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        _fail(op, f"{name} has shape {tuple(t.shape)}, expected {tuple('*' if s is None else s for s in shape)}")
+
+
+def _partials(op: str, part_o, part_lse, slots: int, items: int, D: int, device) -> None:
+    _tensor(op, "part_o", part_o, dtype=torch.float32, device=device)
+    _tensor(op, "part_lse", part_lse, dtype=torch.float32, device=device)
+    if part_o.numel() < slots * items * D:
+        _fail(op, f"part_o holds {part_o.numel()} floats, the kernel writes up to {slots} x {items} x {D}")
+    if part_lse.numel() < slots * items:
+        _fail(op, f"part_lse holds {part_lse.numel()} floats, the kernel writes up to {slots} x {items}")
+
+
+def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
+                 chunk_tokens: int, max_chunks: int) -> None:
+    """Raise TypeError / ValueError naming the argument unless the prefix kernel can take these arguments."""
+    R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, pool)
+    _index("prefix", "group_rows", group_rows, (None, None), q.device)
+    G, Rg = group_rows.shape
+    _index("prefix", "prefix_table", prefix_table, (G, None), q.device)
+    _index("prefix", "prefix_len", prefix_len, (G,), q.device)
+    if m_tile not in M_TILES or (m_tile == 64 and D > 128):
+        _fail("prefix", f"m_tile {m_tile} (16, 32, or 64 for head_dim <= 128)")
+    if row_tiles < 1 or row_tiles * m_tile < Rg * Lq * (Hq // Hkv):
+        _fail("prefix", f"row_tiles {row_tiles} x m_tile {m_tile} < the {Rg * Lq * (Hq // Hkv)} query rows of a "
+                        "group and KV head")
+    if chunk_tokens < 1 or max_chunks < 0:
+        _fail("prefix", f"chunk_tokens {chunk_tokens} must be >= 1 and max_chunks {max_chunks} >= 0")
+    _partials("prefix", part_o, part_lse, max_chunks, R * Lq * Hq, D, q.device)
+
+
+def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int) -> None:
+    """Raise TypeError / ValueError naming the argument unless the suffix kernel can take these arguments."""
+    R, Lq, Hq, D, _, _ = _q_pool("suffix", q, pool)
+    _index("suffix", "suffix_table", suffix_table, (R, None), q.device)
+    _index("suffix", "q_limit", q_limit, (R, Lq), q.device)
+    if split_tokens < 1 or nsplit < 1 or slot0 < 0:
+        _fail("suffix", f"split_tokens {split_tokens} and nsplit {nsplit} must be >= 1, slot0 {slot0} >= 0")
+    _partials("suffix", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, q.device)
+
+
+def check_merge(part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> None:
+    """Raise TypeError / ValueError naming the argument unless the merge kernel can take these arguments."""
+    _tensor("merge", "out", out, dim=4)
+    if out.dtype not in DTYPE_CODES:
+        _fail("merge", f"out must be bfloat16 or float16, got {out.dtype}", TypeError)
+    R, Lq, Hq, D = out.shape
+    if D not in HEAD_DIMS:
+        _fail("merge", f"out's head_dim {D} is not supported (supported: {HEAD_DIMS})")
+    _index("merge", "row_nchunks", row_nchunks, (R,), out.device)
+    if slot0 < 0 or nsplit < 0:
+        _fail("merge", f"slot0 {slot0} and nsplit {nsplit} must be >= 0")
+    _partials("merge", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, out.device)
+
+
+# ---------------------------------------------------------------------------------------- operators
+
+def _aligned(**tensors) -> None:
+    for name, t in tensors.items():
+        if t.data_ptr() % 16:
+            raise ValueError(f"hf_cascade: {name} must be 16-byte aligned (clone it)")
+
+
+def _lib(device):
+    from .cuda import library   # the operators' CUDA implementations need the loaded library (cuda imports ops)
+    return library(device)
+
+
+def _stream(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+@torch.library.custom_op("hf_cascade::prefix", mutates_args=("part_o", "part_lse"), device_types="cuda")
+def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, prefix_table: torch.Tensor,
+              prefix_len: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, m_tile: int, row_tiles: int,
+              chunk_tokens: int, max_chunks: int, scale_log2: float) -> None:
+    """Level 0: writes partial slots [0, max_chunks) of every row in a group (csrc/prefix.cu)."""
+    check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
+                 max_chunks)
+    _aligned(q=q, pool=pool)
+    with torch.cuda.device(q.device):
+        _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
+                              chunk_tokens, max_chunks, scale_log2, _stream(q.device))
+
+
+@prefix_op.register_fake
+def _prefix_fake(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
+                 max_chunks, scale_log2) -> None:
+    check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
+                 max_chunks)
+
+
+@torch.library.custom_op("hf_cascade::suffix", mutates_args=("part_o", "part_lse"), device_types="cuda")
+def suffix_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q_limit: torch.Tensor,
+              part_o: torch.Tensor, part_lse: torch.Tensor, split_tokens: int, nsplit: int, slot0: int,
+              scale_log2: float) -> None:
+    """Level 1: writes partial slots [slot0, slot0 + nsplit) of every row (csrc/suffix.cu)."""
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
+    _aligned(q=q, pool=pool)
+    with torch.cuda.device(q.device):
+        _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
+                              scale_log2, _stream(q.device))
+
+
+@suffix_op.register_fake
+def _suffix_fake(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2) -> None:
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
+
+
+@torch.library.custom_op("hf_cascade::merge", mutates_args=("out",), device_types="cuda")
+def merge_op(part_o: torch.Tensor, part_lse: torch.Tensor, row_nchunks: torch.Tensor, out: torch.Tensor, slot0: int,
+             nsplit: int) -> None:
+    """Log-sum-exp of each row's slots [0, row_nchunks[r]) and [slot0, slot0 + nsplit) into out (csrc/merge.cu)."""
+    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+    with torch.cuda.device(out.device):
+        _lib(out.device).merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, _stream(out.device))
+
+
+@merge_op.register_fake
+def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit) -> None:
+    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+
+
+# ------------------------------------------------------------------------------ entry points for attend
+
+def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
+           row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float) -> None:
+    """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
+    if torch.compiler.is_compiling():
+        torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
+                                    row_tiles, chunk_tokens, max_chunks, scale_log2)
+    else:
+        if lib.debug:
+            check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
+                         chunk_tokens, max_chunks)
+        lib.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
+                   max_chunks, scale_log2, stream)
+
+
+def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,
+           slot0: int, scale_log2: float) -> None:
+    """The suffix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
+    if torch.compiler.is_compiling():
+        torch.ops.hf_cascade.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
+                                    scale_log2)
+    else:
+        if lib.debug:
+            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
+        lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, stream)
+
+
+def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> None:
+    """The merge kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
+    if torch.compiler.is_compiling():
+        torch.ops.hf_cascade.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+    else:
+        if lib.debug:
+            check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+        lib.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, stream)
