@@ -12,8 +12,9 @@ argument). Shapes (``csrc/include/hfc/params.h``)::
     part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
     out          [R, Lq, Hq, D]  q's dtype
 
-The eager path does not go through the operator dispatcher: on a 2-core CPU a custom-op call costs ~60 us against
-~3 us for the ctypes launch (``tests/test_kernel_ops.py`` measures both), three kernels per layer. So :func:`prefix`,
+The eager path does not go through the operator dispatcher: a custom-op call that does nothing costs ~17 us of host
+time, the ctypes launch of one kernel ~4 us (x86 CPU, torch 2.13; ``benchmarks/kernel_call_overhead.py``), and
+a step makes three per layer. So :func:`prefix`,
 :func:`suffix` and :func:`merge` call the library directly in eager mode (their arguments were checked by the
 backend once per step) and the operators while ``torch.compile`` traces.
 """
