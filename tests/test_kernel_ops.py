@@ -205,7 +205,7 @@ def _real_case(dtype=torch.bfloat16, D=128):
     q, pool, plan, scale = make_case(31, dtype=dtype, D=D, Hkv=2, ratio=4, bs=16, groups=((4, 700), (3, 40)),
                                      lone_rows=1, suffix=(1, 300))
     eager = cuda_backend.attend(q, pool, plan, scale)
-    st = next(iter(plan.scratch.values()))
+    st = next(iter(plan.call_scratch.values()))
     dp = st.dp
     a = dict(q=q, pool=pool, group_rows=dp.group_rows, prefix_table=dp.prefix_table, prefix_len=dp.prefix_len,
              suffix_table=dp.suffix_table, q_limit=dp.q_limit, row_nchunks=st.row_nchunks,
