@@ -41,6 +41,29 @@ assert csrc is not None and env in csrc.resolve().parents, f"kernel sources at {
 if cuda.PREBUILT.is_file():
     lib = cuda._Lib(cuda.PREBUILT)          # raises unless the ABI version matches
     print(f"prebuilt library loads, ABI {lib.lib.hfc_abi_version()}: {cuda.PREBUILT}")
+    # the C side's argument checks answer before any CUDA call (no GPU here): the structs arrive intact
+    import ctypes
+    def prefix(**kw):
+        p = dict(R=4, Lq=1, Hq=8, Hkv=2, block_size=16, G=1, Rg=4, Mp=2, chunk_tokens=64, max_chunks=1, row_tiles=1,
+                 scale_log2=0.1, dtype=0, head_dim=128, m_tile=16)
+        return lib.lib.hfc_prefix(ctypes.byref(cuda._PrefixParams(**{**p, **kw})), 0)
+    def suffix(**kw):
+        p = dict(R=4, Lq=1, Hq=8, Hkv=2, block_size=16, Ms=2, split_tokens=32, nsplit=1, slot0=1, scale_log2=0.1,
+                 dtype=0, head_dim=128)
+        return lib.lib.hfc_suffix(ctypes.byref(cuda._SuffixParams(**{**p, **kw})), 0)
+    def merge(**kw):
+        p = dict(R=4, Lq=1, Hq=8, slot0=1, nsplit=1, dtype=0, head_dim=128)
+        return lib.lib.hfc_merge(ctypes.byref(cuda._MergeParams(**{**p, **kw})), 0)
+    INVALID = 1   # cudaErrorInvalidValue
+    answers = {"prefix R=0": (prefix(R=0), 0), "prefix Rg > row_tiles x m_tile": (prefix(Rg=5), INVALID),
+               "prefix m_tile 64, head_dim 256": (prefix(m_tile=64, head_dim=256), INVALID),
+               "prefix dtype 2": (prefix(dtype=2), INVALID), "prefix Hq % Hkv": (prefix(Hq=7), INVALID),
+               "suffix R=0": (suffix(R=0), 0), "suffix nsplit 0": (suffix(nsplit=0), INVALID),
+               "suffix head_dim 96": (suffix(head_dim=96), INVALID), "merge R=0": (merge(R=0), 0),
+               "merge slot0 -1": (merge(slot0=-1), INVALID)}
+    wrong = {k: v for k, v in answers.items() if v[0] != v[1]}
+    assert not wrong, f"C argument checks answered (got, want): {wrong}"
+    print(f"C argument checks: {len(answers)} answers as expected")
 else:
     assert not require, "the wheel has no prebuilt kernel library"
 print("availability:", cuda.availability())

@@ -264,12 +264,12 @@ def _load(arch: str) -> _Lib:
 def library(device) -> _Lib:
     """The kernel library for ``device``, loaded (or built) on first use; RuntimeError if it cannot be."""
     global _warned
-    _check_retired_choice()
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"
     with _lock:
         found = _libs.get(arch)
         if found is None:
+            _check_retired_choice()    # read when the library is loaded; raised, not a reason to fall back
             try:
                 found = _load(arch)
             except Exception as err:   # remember the reason: never retry a failed build every step
@@ -277,8 +277,8 @@ def library(device) -> _Lib:
                 if not _warned:
                     _warned = True
                     logger.warning("hf_cascade: the fast CUDA kernels are off (%s). To get them, install a wheel of "
-                                   "hf_cascade built where nvcc was present, or put nvcc (CUDA toolkit >= 12) on PATH "
-                                   "or set $CUDA_HOME; meanwhile the next attention backend runs.", found)
+                                   "hf_cascade built where nvcc was present, or put nvcc on PATH or set $CUDA_HOME; "
+                                   "meanwhile the next attention backend runs.", found.splitlines()[0])
             _libs[arch] = found
     if isinstance(found, str):
         raise RuntimeError(found)
