@@ -238,3 +238,48 @@ def test_operators_equal_the_eager_backend_bitwise(dtype, D):
         call(name, a)
     torch.cuda.synchronize()
     assert torch.equal(a["out"], eager)
+
+
+@gpu
+@needs_cuda
+def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
+    # the launches make no CUDA call but the launch (the prefix's one-time setup ran in the first, eager call)
+    from test_gpu_kernels import make_case
+    q, pool, plan, scale = make_case(41, dtype=torch.bfloat16, D=128, Hkv=2, ratio=4, bs=16,
+                                     groups=((4, 700), (3, 40)), lone_rows=1, suffix=(1, 300))
+    cuda_backend.attend(q, pool, plan, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_backend.attend(q, pool, plan, scale)
+    for seed in (1, 2):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, cuda_backend.attend(q.clone(), pool, plan, scale))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
+    # the three kernels through hf_cascade.kernels.ops inside torch.compile (the operators) vs eager (ctypes)
+    a, _ = _real_case()
+    lib = cuda_backend.library(a["q"].device)
+    stream = torch.cuda.current_stream().cuda_stream      # eager launches' stream (the operators find their own)
+
+    def layer(q, part_o, part_lse):
+        ops.prefix(lib, stream, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], part_o, part_lse,
+                   a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"])
+        ops.suffix(lib, stream, q, a["pool"], a["suffix_table"], a["q_limit"], part_o, part_lse, a["split_tokens"],
+                   a["nsplit"], a["slot0"], a["scale_log2"])
+        out = torch.empty_like(q)
+        ops.merge(lib, stream, part_o, part_lse, a["row_nchunks"], out, a["slot0"], a["nsplit"])
+        return out * 2
+
+    q = (a["q"].float() * 0.5).to(a["q"].dtype)
+    eager = layer(q, torch.zeros_like(a["part_o"]), torch.zeros_like(a["part_lse"]))
+    compiled = torch.compile(layer, backend=compile_backend, fullgraph=True)
+    got = compiled(q, torch.zeros_like(a["part_o"]), torch.zeros_like(a["part_lse"]))
+    torch.cuda.synchronize()
+    assert torch.equal(got, eager)
