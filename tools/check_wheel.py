@@ -86,6 +86,11 @@ def main() -> int:
     tmp.mkdir(parents=True, exist_ok=True)
 
     start = time.monotonic()
+    try:   # the builds below run without isolation: they need these in this Python (a fresh CI Python may lack them)
+        import setuptools  # noqa: F401
+        import wheel  # noqa: F401
+    except ImportError:
+        run([sys.executable, "-m", "pip", "install", "-q", "setuptools>=64", "wheel"])
     run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp / "sdist")], cwd=ROOT)
     sdists = sorted((tmp / "sdist").glob("hf_cascade-*.tar.gz"))
     if len(sdists) != 1:
