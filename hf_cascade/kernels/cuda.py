@@ -21,8 +21,9 @@ call on a static decode layout (then the suffix split follows the tables' capaci
 Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
 libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
 nvcc for the present GPU on first use and cached under ``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``),
-keyed by a hash of the sources, the arch, the flags and nvcc's version; else the backend is unavailable (one
-WARNING) and the next backend runs.
+keyed by a hash of the sources, the arch, the flags and nvcc's version; else the backend is unavailable (the
+reason starts with "CUDA kernels unavailable", on which :func:`hf_cascade.kernels.select` WARNs once with what
+to do) and the next backend runs.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ import torch
 from . import _build, ops
 from .ops import DTYPE_CODES, HEAD_DIMS
 
-__all__ = ["unsupported_reason", "attend", "library", "availability", "choose_chunk_blocks", "choose_suffix_split",
-           "MIN_SAVED_TOKENS"]
+__all__ = ["unsupported_reason", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
+           "choose_suffix_split", "MIN_SAVED_TOKENS"]
 
 logger = logging.getLogger("hf_cascade")
 
@@ -74,7 +75,7 @@ debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed
-_warned = False
+_find_nvcc = _build.find_nvcc                 # (hf_cascade.diagnostics reports it)
 
 
 # ----------------------------------------------------------------------------------------- building
@@ -156,6 +157,8 @@ class _MergeParams(ctypes.Structure):      # hfc_merge_params
 
 class _Lib:
     """The loaded shared library: one method per C entry point, raw pointers and sizes in, errors raised."""
+
+    prefix_kernel = "v2"      # the only prefix kernel since v1 was retired (python -m hf_cascade env reports it)
 
     def __init__(self, path: Path):
         self.path = path
@@ -245,6 +248,16 @@ class _Lib:
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
 
 
+def prebuilt_library() -> str | None:
+    """The path of this installation's prebuilt library if it loads with this ABI version, else None."""
+    if not PREBUILT.is_file():
+        return None
+    try:
+        return str(_Lib(PREBUILT).path)
+    except (OSError, RuntimeError):
+        return None
+
+
 def _load(arch: str) -> _Lib:
     """The prebuilt library if it is there and fits, else one built with nvcc for ``arch``."""
     prebuilt_problem = None
@@ -258,12 +271,17 @@ def _load(arch: str) -> _Lib:
         return _Lib(build_library(arch))
     except RuntimeError as err:
         where = prebuilt_problem or "no prebuilt kernel library in this installation"
-        raise RuntimeError(f"{where}, and building one failed: {err}") from err
+        detail = str(err)
+        if "\n" in detail:         # nvcc's messages: in full at INFO, the first line in the reason
+            logger.info("hf_cascade: building the CUDA kernels for %s failed:\n%s", arch, detail)
+            detail = detail.splitlines()[0] + " (nvcc's output: INFO on the 'hf_cascade' logger)"
+        raise RuntimeError(f"{where}, and building one failed: {detail}") from err
 
 
 def library(device) -> _Lib:
-    """The kernel library for ``device``, loaded (or built) on first use; RuntimeError if it cannot be."""
-    global _warned
+    """The kernel library for ``device``, loaded (or built) on first use; RuntimeError if it cannot be (the
+    reason is one line; :func:`hf_cascade.kernels.select` turns it into the one WARNING that says how to get
+    the kernels)."""
     major, minor = torch.cuda.get_device_capability(device)
     arch = f"sm_{major}{minor}"
     with _lock:
@@ -274,11 +292,6 @@ def library(device) -> _Lib:
                 found = _load(arch)
             except Exception as err:   # remember the reason: never retry a failed build every step
                 found = f"{type(err).__name__}: {err}"
-                if not _warned:
-                    _warned = True
-                    logger.warning("hf_cascade: the fast CUDA kernels are off (%s). To get them, install a wheel of "
-                                   "hf_cascade built where nvcc was present, or put nvcc on PATH or set $CUDA_HOME; "
-                                   "meanwhile the next attention backend runs.", found.splitlines()[0])
             _libs[arch] = found
     if isinstance(found, str):
         raise RuntimeError(found)
