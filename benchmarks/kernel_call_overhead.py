@@ -5,10 +5,17 @@ Runs without a GPU: the library is loaded from the wheel's prebuilt copy or buil
 launches get R = 0 rows, so the C side returns after its argument checks, before any CUDA call. Prints the best of
 several rounds (the host is shared; single rounds move by 2-3x).
 
-    OMP_NUM_THREADS=1 python benchmarks/kernel_call_overhead.py
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/kernel_call_overhead.py [--old-library old.so]
+
+``--old-library``: also time the same three launches through ABI 2 (positional ctypes arguments, before the
+params structs), built from commit 0abb577:
+    git show 0abb577:csrc/cascade_attention.cu > /tmp/old.cu && nvcc -O3 --use_fast_math -std=c++17 \
+        -Xcompiler -fPIC -shared -arch=sm_90 -o /tmp/old.so /tmp/old.cu
 """
 from __future__ import annotations
 
+import argparse
+import ctypes
 import time
 
 import torch
@@ -42,7 +49,39 @@ def best_us(fn, n=20000, rounds=7) -> float:
     return best * 1e6
 
 
+def old_abi_layer(path, a):
+    """The three launches as attend made them with ABI 2 (positional arguments, argtypes conversions)."""
+    old = ctypes.CDLL(path)
+    vp, ll, i, f, st = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float, ctypes.c_uint64
+    old.hfc_prefix_v2.restype = old.hfc_suffix.restype = old.hfc_merge.restype = i
+    old.hfc_prefix_v2.argtypes = [i, i, i, vp, vp, vp, vp, vp, vp, vp] + [ll] * 11 + [f, st]
+    old.hfc_suffix.argtypes = [i, i, vp, vp, vp, vp, vp, vp] + [ll] * 9 + [f, st]
+    old.hfc_merge.argtypes = [i, i, vp, vp, vp, vp] + [ll] * 5 + [st]
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(what)
+
+    def layer():
+        q, pool = a["q"], a["pool"]
+        R, Lq, Hq, D = q.shape
+        _, _, bs, Hkv, _ = pool.shape
+        G, Rg = a["gr"].shape
+        check(old.hfc_prefix_v2(0, D, 32, q.data_ptr(), pool.data_ptr(), a["gr"].data_ptr(), a["pt"].data_ptr(),
+                                a["pl"].data_ptr(), a["po"].data_ptr(), a["pls"].data_ptr(), R, Lq, Hq, Hkv, bs, G, Rg,
+                                a["pt"].shape[1], 1024, 16, 1, 0.1, 0), "prefix")
+        check(old.hfc_suffix(0, D, q.data_ptr(), pool.data_ptr(), a["st"].data_ptr(), a["ql"].data_ptr(),
+                             a["po"].data_ptr(), a["pls"].data_ptr(), R, Lq, Hq, Hkv, bs, a["st"].shape[1], 64, 1, 16,
+                             0.1, 0), "suffix")
+        check(old.hfc_merge(0, D, a["po"].data_ptr(), a["pls"].data_ptr(), a["rn"].data_ptr(), a["out"].data_ptr(), R,
+                            Lq, Hq, 16, 1, 0), "merge")
+    return layer
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old-library", help="an ABI 2 library built from commit 0abb577 (see above)")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     x, o = torch.zeros(4), torch.zeros(4)
     print(f"torch {torch.__version__}")
@@ -71,7 +110,11 @@ def main():
         ops.check_suffix(a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 0)
         ops.check_merge(a["po"], a["pls"], a["rn"], a["out"], 0, 1)
 
-    print(f"one layer's 3 launches, eager path (ctypes):   {best_us(layer):6.2f} us")
+    old = old_abi_layer(args.old_library, a) if args.old_library else None
+    for _ in range(3 if old else 1):          # interleaved: the host's load moves single figures
+        print(f"one layer's 3 launches, eager path (ctypes):   {best_us(layer):6.2f} us")
+        if old:
+            print(f"the same through ABI 2 (positional ctypes):    {best_us(old):6.2f} us")
     print(f"the operators' 3 argument checks (debug only): {best_us(checks):6.2f} us")
 
 

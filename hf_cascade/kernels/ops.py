@@ -21,6 +21,7 @@ backend once per step) and the operators while ``torch.compile`` traces.
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
 __all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
 
@@ -193,7 +194,7 @@ def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit) -> None:
 def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
            row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float) -> None:
     """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
                                     row_tiles, chunk_tokens, max_chunks, scale_log2)
     else:
@@ -207,7 +208,7 @@ def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part
 def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,
            slot0: int, scale_log2: float) -> None:
     """The suffix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         torch.ops.hf_cascade.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
                                     scale_log2)
     else:
@@ -218,7 +219,7 @@ def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, s
 
 def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> None:
     """The merge kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         torch.ops.hf_cascade.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
     else:
         if lib.debug:
