@@ -145,7 +145,7 @@ def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, pre
     """Level 0: writes partial slots [0, max_chunks) of every row in a group (csrc/prefix.cu)."""
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
                  max_chunks)
-    _aligned(q=q, pool=pool)
+    _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
                               chunk_tokens, max_chunks, scale_log2, _stream(q.device))
@@ -164,7 +164,7 @@ def suffix_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q
               scale_log2: float) -> None:
     """Level 1: writes partial slots [slot0, slot0 + nsplit) of every row (csrc/suffix.cu)."""
     check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
-    _aligned(q=q, pool=pool)
+    _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
                               scale_log2, _stream(q.device))
@@ -180,6 +180,7 @@ def merge_op(part_o: torch.Tensor, part_lse: torch.Tensor, row_nchunks: torch.Te
              nsplit: int) -> None:
     """Log-sum-exp of each row's slots [0, row_nchunks[r]) and [slot0, slot0 + nsplit) into out (csrc/merge.cu)."""
     check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+    _aligned(part_o=part_o)
     with torch.cuda.device(out.device):
         _lib(out.device).merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, _stream(out.device))
 
