@@ -194,8 +194,7 @@ def test_retired_prefix_kernel_choice(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu      # skipped without a CUDA device (tests/conftest.py)
 
 
 def _real_case(dtype=torch.bfloat16, D=128):
@@ -217,7 +216,6 @@ def _real_case(dtype=torch.bfloat16, D=128):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("op", ["prefix", "suffix", "merge"])
 def test_opcheck(op):
     a, _ = _real_case()
@@ -230,7 +228,6 @@ def test_opcheck(op):
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)])
 def test_operators_equal_the_eager_backend_bitwise(dtype, D):
     a, eager = _real_case(dtype, D)
@@ -241,7 +238,6 @@ def test_operators_equal_the_eager_backend_bitwise(dtype, D):
 
 
 @gpu
-@needs_cuda
 def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
     # the launches make no CUDA call but the launch (the prefix's one-time setup ran in the first, eager call)
     from test_gpu_kernels import make_case
@@ -260,7 +256,6 @@ def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
 
 
 @gpu
-@needs_cuda
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
 def test_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
     # the three kernels through hf_cascade.kernels.ops inside torch.compile (the operators) vs eager (ctypes)
