@@ -12,11 +12,12 @@ argument). Shapes (``csrc/include/hfc/params.h``)::
     part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
     out          [R, Lq, Hq, D]  q's dtype
 
-The eager path does not go through the operator dispatcher: a custom-op call that does nothing costs ~17 us of host
-time, the ctypes launch of one kernel ~4 us (x86 CPU, torch 2.13; ``benchmarks/kernel_call_overhead.py``), and
-a step makes three per layer. So :func:`prefix`,
-:func:`suffix` and :func:`merge` call the library directly in eager mode (their arguments were checked by the
-backend once per step) and the operators while ``torch.compile`` traces.
+The eager path does not go through the operator dispatcher: a custom-op call that does nothing costs ~16 us of host
+time, the ctypes launches of one layer's three kernels ~7 us together (x86 CPU, torch 2.13;
+``benchmarks/kernel_call_overhead.py``). So :func:`prefix`, :func:`suffix` and :func:`merge` call the library
+directly in eager mode (the backend checks q and the pool per call and the plan once per step; with
+``$HF_CASCADE_CUDA_DEBUG`` the operators' checks run on every launch too) and the operators while ``torch.compile``
+traces.
 """
 from __future__ import annotations
 
