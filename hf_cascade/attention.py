@@ -16,6 +16,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
+from . import encoder_decoder
 from .context import Quirks, take_pending
 
 NAME = "cascade"
@@ -142,6 +143,9 @@ def _check_padding_known(plan, attention_mask) -> None:
 @torch.compiler.disable            # reads the step context and launches our kernels: eager inside a compiled forward
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
+    cross = encoder_decoder.cross_layer_of(key)
+    if cross is not None:    # encoder-decoder cross-attention over K/V stored once per input
+        return encoder_decoder.cross_attention(cross, module, query, dropout, scaling, kwargs)
     found = take_pending(module.layer_idx)
     if found is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)

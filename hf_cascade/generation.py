@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import graphs
+from . import encoder_decoder, graphs
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -35,8 +35,8 @@ def _text_config(model):
 def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
-    if getattr(config, "is_encoder_decoder", False):
-        return "it is an encoder-decoder model (the cascade cache holds decoder self-attention only)"
+    if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+        return encoder_decoder.unsupported_reason(model)
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
@@ -173,6 +173,9 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         hf_cascade_streamer.put(input_ids.cpu())
     decode = GenerationMixin._beam_search if generation_config.num_beams > 1 else GenerationMixin._sample
     key = _cache_key(model_kwargs)
+    if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+        return encoder_decoder.generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                        synced_gpus, decode, hf_cascade_config, key, **model_kwargs)
     existing = model_kwargs.get(key)
     if existing is not None and not isinstance(existing, CascadeCache) and \
             generation_config.cache_implementation not in (None, "dynamic"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 
 import transformers
 from packaging.version import Version
@@ -24,6 +25,8 @@ SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers ve
 ASSISTED = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")   # generation options that mean assisted
 _original_generate = None
 _original_extract = None
+_original_expand = None
+_state = threading.local()     # set while generate runs our entry on an encoder-decoder model
 
 
 def is_applied() -> bool:
@@ -83,10 +86,38 @@ def _wrap(original):
         if streamer is not None:
             extra["hf_cascade_streamer"] = streamer
         arguments.pop("self")
-        return original(self, **arguments, **extra)
+        outer = getattr(_state, "defer_encoder_expansion", False)
+        _state.defer_encoder_expansion = bool(getattr(self.config, "is_encoder_decoder", False))
+        try:
+            return original(self, **arguments, **extra)
+        finally:
+            _state.defer_encoder_expansion = outer
 
     generate.__hf_cascade_original__ = original
     return generate
+
+
+def _wrap_expand(original):
+    """Encoder-decoder models on our entry: the encoder output is not copied once per beam
+    (hf_cascade.encoder_decoder.defer_expansion keeps one row per input; the rest is expanded as stock)."""
+    function = original.__func__ if isinstance(original, staticmethod) else original   # static before 5.2x
+
+    @functools.wraps(function)
+    def expand(*args, **kwargs):
+        encoder_outputs = kwargs.get("encoder_outputs")
+        size = kwargs.get("expand_size", 1)
+        if not getattr(_state, "defer_encoder_expansion", False) or encoder_outputs is None or size == 1 \
+                or not kwargs.get("is_encoder_decoder", False):
+            return function(*args, **kwargs)
+        from hf_cascade.encoder_decoder import defer_expansion
+
+        kwargs = {**kwargs, "is_encoder_decoder": False}
+        del kwargs["encoder_outputs"]
+        input_ids, model_kwargs = function(*args, **kwargs)
+        model_kwargs["encoder_outputs"] = defer_expansion(encoder_outputs, size)
+        return input_ids, model_kwargs
+
+    return staticmethod(expand) if isinstance(original, staticmethod) else expand
 
 
 def apply() -> None:
@@ -100,5 +131,8 @@ def apply() -> None:
                        "models will not prefill prompts once (attention still works).", version, *SUPPORTED)
         return
     _original_generate, _original_extract = GenerationMixin.generate, GenerationMixin._extract_generation_mode_kwargs
+    global _original_expand
+    _original_expand = GenerationMixin.__dict__["_expand_inputs_for_generation"]
     GenerationMixin.generate = _wrap(_original_generate)
     GenerationMixin._extract_generation_mode_kwargs = _wrap_extract(_original_extract)
+    GenerationMixin._expand_inputs_for_generation = _wrap_expand(_original_expand)

@@ -1,0 +1,367 @@
+"""Encoder-decoder models (T5, BART/mBART, Marian, M2M100/NLLB, Whisper) on the cascade path.
+
+Stock ``generate(num_beams=k)`` copies the encoder output k times, projects every decoder layer's
+cross-attention K/V from the k copies and copies that K/V again at every beam reorder. Here:
+
+- the encoder output is not expanded (``patches`` hands us the B unexpanded rows; the decoder sees a
+  zero-stride placeholder of the expanded shape, which nothing reads);
+- :class:`CrossAttentionCache` projects each decoder layer's cross K/V once per input, with the
+  layer's own linears, storing only the input's real (unpadded) encoder tokens in a paged pool;
+- its reorder is a no-op (beams never move between inputs; checked every step);
+- every cross-attention call runs as a cascade with one level: the group of an input's beams reads
+  that input's encoder blocks once, through the same ``backend.attend(q, pool, plan, scale)`` as the
+  decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty suffix);
+- decoder self-attention runs on a :class:`~hf_cascade.cache.CascadeCache` as for decoder-only
+  models (a shared decoder prompt, e.g. Whisper's start tokens, is prefilled once), except for
+  families with a relative position bias (T5), whose self-attention stays on a DynamicCache (stock
+  attention; beams share no decoder tokens there anyway).
+
+The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
+directly and pass them to the attention function: those tensors are placeholders that carry a
+reference to their layer, which :func:`cross_layer_of` finds.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
+
+from . import kernels
+from .cache import CascadeCache
+from .config import CascadeConfig
+from .plan import StepPlan
+
+logger = logging.getLogger("hf_cascade")
+
+# model_type -> quirk; every entry is tested token-exact against stock (tests/test_encoder_decoder.py)
+SUPPORTED = {"bart": "", "mbart": "", "marian": "", "m2m_100": "", "whisper": "", "t5": "relative bias",
+             "mt5": "relative bias"}
+_ATTR = "_hf_cascade_cross"       # the placeholder K tensor's reference to its CrossLayer
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the encoder-decoder cascade path cannot serve ``model`` (None when it can)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED:
+        return (f"it is an encoder-decoder model of type {model_type!r}; the cascade path serves "
+                f"{', '.join(sorted(SUPPORTED))}")
+    if not hasattr(model, "get_decoder"):
+        return f"{type(model).__name__} has no decoder to generate with"
+    return None
+
+
+def _decoder(model):
+    decoder = model.get_decoder()
+    return decoder.get_decoder() if hasattr(decoder, "get_decoder") and not hasattr(decoder, "layers") \
+        and not hasattr(decoder, "block") else decoder
+
+
+def cross_attention_modules(model) -> list:
+    """Each decoder layer's cross-attention module, in layer order."""
+    decoder = _decoder(model)
+    if hasattr(decoder, "block"):                                  # T5 / mT5
+        return [block.layer[1].EncDecAttention for block in decoder.block]
+    return [layer.encoder_attn for layer in decoder.layers]        # BART family, Whisper
+
+
+def _project(attn, states: torch.Tensor):
+    """The module's own cross K/V projection of ``states`` [N, d] -> two [N, H, D]."""
+    if hasattr(attn, "k_proj"):
+        k, v, head_dim = attn.k_proj(states), attn.v_proj(states), attn.head_dim
+    else:                                                          # T5Attention
+        k, v, head_dim = attn.k(states), attn.v(states), attn.key_value_proj_dim
+    return k.view(states.shape[0], -1, head_dim), v.view(states.shape[0], -1, head_dim)
+
+
+def uses_relative_bias(model) -> bool:
+    return SUPPORTED.get(getattr(model.config, "model_type", None)) == "relative bias"
+
+
+# ---- the encoder output: never expanded k times ----------------------------------------------------
+def defer_expansion(encoder_outputs, expand_size: int):
+    """Called by ``patches`` instead of ``repeat_interleave``: keep the B unexpanded rows of every
+    tensor field (in ``encoder_outputs.hf_cascade_unexpanded``) and put a zero-stride NaN placeholder
+    of the expanded shape in its place (reading it would give NaN, never plausible values)."""
+    kept = {}
+    for key in list(encoder_outputs.keys()):
+        value = encoder_outputs[key]
+        if isinstance(value, torch.Tensor):
+            kept[key] = value
+            encoder_outputs[key] = _placeholder(value, value.shape[0] * expand_size)
+    encoder_outputs.hf_cascade_unexpanded = kept
+    encoder_outputs.hf_cascade_expand_size = expand_size
+    return encoder_outputs
+
+
+def _placeholder(like: torch.Tensor, rows: int) -> torch.Tensor:
+    return like.new_full((), float("nan")).expand(rows, *like.shape[1:])
+
+
+def unexpanded_states(encoder_outputs, n: int) -> torch.Tensor:
+    """The encoder's last hidden state, one row per input [B, S, d] (no copy)."""
+    kept = getattr(encoder_outputs, "hf_cascade_unexpanded", None)
+    if kept is not None:
+        return kept["last_hidden_state"] if "last_hidden_state" in kept else next(iter(kept.values()))
+    return encoder_outputs[0][::n]               # expanded by stock (patch not applied): a view of row 0, n, ...
+
+
+def restore_expansion(encoder_outputs) -> None:
+    """Undo :func:`defer_expansion` (stock's k copies) for a path that runs stock dense decoding."""
+    kept = getattr(encoder_outputs, "hf_cascade_unexpanded", None)
+    if kept:
+        for key, value in kept.items():
+            encoder_outputs[key] = value.repeat_interleave(encoder_outputs.hf_cascade_expand_size, dim=0)
+        encoder_outputs.hf_cascade_unexpanded = None
+
+
+# ---- the cross-attention K/V, once per input ------------------------------------------------------
+class CrossLayer(CacheLayerMixin):
+    """One decoder layer's cross K/V: a pool ``[num_blocks, 2, block_size, H, D]`` holding each
+    input's real encoder tokens once. ``keys``/``values`` are placeholders ``[B, H, S_max, D]`` the
+    model passes back to the attention function (T5 reads S_max from them)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, cache: "CrossAttentionCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.pool = None
+
+    def fill(self, k: torch.Tensor, v: torch.Tensor, num_blocks: int, block: torch.Tensor, slot: torch.Tensor,
+             batch: int, max_len: int) -> None:
+        """``k``/``v`` [N, H, D]: the real tokens of all inputs, in order; token i goes to (block[i], slot[i])."""
+        _, heads, dim = k.shape
+        self.pool = k.new_zeros(num_blocks, 2, self.cache.block_size, heads, dim)
+        self.pool[block, 0, slot] = k
+        self.pool[block, 1, slot] = v
+        self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
+        self.values = self.keys
+        setattr(self.keys, _ATTR, weakref.ref(self))
+        self.dtype, self.device, self.is_initialized = k.dtype, k.device, True
+
+    def lazy_initialization(self, key_states, value_states):
+        raise RuntimeError("CrossAttentionCache is filled by hf_cascade's generate entry, never by the model.")
+
+    def update(self, *args, **kwargs):
+        self.lazy_initialization(None, None)
+
+    def get_seq_length(self) -> int:
+        return self.cache.max_len
+
+    def get_mask_sizes(self, query_length: int):
+        return self.cache.max_len, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx):
+        return None          # all beams of an input read the same K/V
+
+    def reset(self) -> None:
+        self.pool, self.keys, self.values, self.is_initialized = None, None, None, False
+
+
+def cross_layer_of(key) -> CrossLayer | None:
+    """The CrossLayer whose placeholder ``key`` is (the attention function's cross-attention test)."""
+    ref = getattr(key, _ATTR, None)
+    return None if ref is None else ref()
+
+
+class CrossAttentionCache(Cache):
+    """Cross-attention K/V of every decoder layer, once per input (see the module docstring)."""
+
+    def __init__(self, num_layers: int, cascade_config: CascadeConfig | None = None):
+        self.cascade_config = cascade_config or CascadeConfig()
+        super().__init__(layers=[CrossLayer(self, i) for i in range(num_layers)])
+        self.block_size = self.cascade_config.block_size
+        self.batch, self.max_len = 0, 0
+        self.lengths = np.zeros(0, np.int64)
+        self.prefix_table = np.zeros((0, 0), np.int32)
+        self._plans: dict = {}
+
+    @torch.no_grad()
+    def fill(self, modules, states: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Project and store each input's real encoder tokens: ``states`` [B, S, d], ``mask`` [B, S] or None."""
+        batch, width, _ = states.shape
+        real = torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
+        lengths = real.sum(1).numpy().astype(np.int64)            # one host read per generate call
+        if (lengths == 0).any():
+            raise ValueError("An input of the batch has no real encoder token (its attention_mask is all zeros); "
+                             "remove it from the batch.")
+        bs = self.block_size
+        blocks = -(-lengths // bs)
+        first = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+        table = np.full((batch, int(blocks.max())), -1, np.int32)
+        for b in range(batch):                                    # once per input, not per token
+            table[b, : blocks[b]] = np.arange(first[b], first[b] + blocks[b])
+        order = np.concatenate([np.arange(n) for n in lengths])   # token's index within its input
+        owner = np.repeat(np.arange(batch), lengths)
+        device = states.device
+        block = torch.from_numpy(first[owner] + order // bs).to(device)
+        slot = torch.from_numpy(order % bs).to(device)
+        flat = states.reshape(batch * width, -1)
+        if mask is not None:
+            flat = flat[real.reshape(-1).to(device)]              # only real tokens: pads are never stored
+        for layer, attn in zip(self.layers, modules):
+            k, v = _project(attn, flat)
+            layer.fill(k, v, int(blocks.sum()), block, slot, batch, width)
+        self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
+        self._plans = {}
+
+    def plan(self, rows: int, q_len: int) -> StepPlan:
+        """The one-level cascade of a step with ``rows`` query rows (input b owns rows b*n .. b*n+n-1):
+        groups = inputs, prefix = the input's encoder blocks, no suffix. Built once per (rows, q_len)."""
+        key = (rows, q_len)
+        if key not in self._plans:
+            if not self.batch or rows % self.batch:
+                raise RuntimeError(f"cross-attention with {rows} query rows over {self.batch} inputs: rows must be "
+                                   "a whole number of beams/samples per input.")
+            n = rows // self.batch
+            none = np.zeros(0, np.int64)
+            self._plans[key] = StepPlan(
+                fresh=False, q_len=q_len, src_index=None, write_block=none, write_offset=none,
+                copy_src=none, copy_dst=none,
+                group_rows=np.arange(rows, dtype=np.int32).reshape(self.batch, n),
+                prefix_table=self.prefix_table, prefix_len=self.lengths.astype(np.int32),
+                suffix_table=np.zeros((rows, 0), np.int32), q_limit=np.zeros((rows, q_len), np.int32))
+        return self._plans[key]
+
+    def check_reorder(self, beam_idx) -> None:
+        """Beams never move between inputs: what makes the no-op reorder exact (checked every step)."""
+        index = np.asarray(beam_idx.detach().cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx)
+        rows = index.size
+        if not self.batch or rows % self.batch:
+            return
+        n = rows // self.batch
+        if not (index // n == np.arange(rows) // n).all():
+            raise RuntimeError("A beam reorder moved a row to another input; the cross-attention K/V are stored "
+                               "once per input and cannot follow. Use attn_implementation='sdpa'.")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.max_len
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.check_reorder(beam_idx)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.batch, self.max_len, self._plans = 0, 0, {}
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(l.pool.numel() * l.pool.element_size() for l in self.layers if l.pool is not None)
+
+
+class CascadeEncoderDecoderCache(EncoderDecoderCache):
+    """Decoder self-attention (CascadeCache, or DynamicCache for relative-bias families) plus the
+    cross-attention K/V once per input. Reordering beams touches the self-attention part only."""
+
+    def __init__(self, self_attention_cache: Cache, cross_attention_cache: CrossAttentionCache):
+        super().__init__(self_attention_cache, cross_attention_cache)
+        self.is_updated = {i: True for i in range(len(cross_attention_cache.layers))}   # the model never projects
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.cross_attention_cache.check_reorder(beam_idx)
+        self.self_attention_cache.reorder_cache(beam_idx)
+
+    def reset(self) -> None:
+        self.self_attention_cache.reset()
+        self.cross_attention_cache.reset()
+
+
+# ---- the attention of a cross-attention call --------------------------------------------------------
+def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
+    """``query`` [R, H, q, D] of R = B x n rows against their input's stored encoder K/V. Returns ([R, q, H, D], None)."""
+    reasons = []
+    if dropout:
+        reasons.append("attention dropout (the model is in training mode; call model.eval())")
+    if kwargs.get("position_bias") is not None and getattr(module, "has_relative_attention_bias", False):
+        reasons.append("a relative position bias in cross-attention")
+    if reasons:   # T5's cross-attention bias is zeros (no relative bias in EncDecAttention): nothing to add
+        raise NotImplementedError(f"{type(module).__name__} cross-attention uses {', '.join(reasons)}, which the "
+                                  "cascade attention does not support. Load the model with attn_implementation='sdpa'.")
+    q = query.transpose(1, 2)                                          # [R, q, H, D]
+    plan = layer.cache.plan(q.shape[0], q.shape[1])
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    backend = kernels.select(layer.cache.cascade_config.backend, q, layer.pool, plan)
+    return backend.attend(q, layer.pool, plan, scale).contiguous(), None
+
+
+# ---- the generate entry -----------------------------------------------------------------------------
+def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+           model_kwargs):
+    """Stock dense decoding (stock's expanded encoder output restored)."""
+    if model_kwargs.get("encoder_outputs") is not None:
+        restore_expansion(model_kwargs["encoder_outputs"])
+    return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                  synced_gpus=synced_gpus, **model_kwargs)
+
+
+def _without_cache(result):
+    """generate's output without the cache (ours is released; ModelOutput cannot delete a field)."""
+    names = ("cache", "past_key_values")
+    if not hasattr(result, "keys") or not any(name in result.keys() for name in names):
+        return result
+    return type(result)(**{k: v for k, v in result.items() if k not in names})
+
+
+def generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, decode,
+             cascade_config: CascadeConfig | None, key: str, **model_kwargs):
+    """:func:`hf_cascade.generation.cascade_generate` for encoder-decoder models (see the module docstring)."""
+    existing = model_kwargs.get(key)
+    if isinstance(existing, (CascadeCache, CascadeEncoderDecoderCache)):
+        raise ValueError("A cache passed to generate of an encoder-decoder model is not supported by the cascade "
+                         "path (Whisper reuses it across segments); pass no cache.")
+    if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
+                                                      or generation_config.output_attentions):
+        logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
+                       "(encoder output expanded per beam, as stock).")
+        return _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus, model_kwargs)
+    if not generation_config.use_cache or (existing is not None and getattr(existing, "_is_user_defined", False)):
+        return _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus, model_kwargs)
+    encoder_outputs = model_kwargs.get("encoder_outputs")
+    if encoder_outputs is None:
+        raise ValueError("generate of an encoder-decoder model reached the cascade entry without encoder_outputs.")
+    n = max(generation_config.num_beams, generation_config.num_return_sequences or 1)
+    rows = input_ids.shape[0]
+    states = unexpanded_states(encoder_outputs, n)
+    if states.shape[0] * n != rows:
+        raise ValueError(f"{states.shape[0]} encoder rows do not match {rows} decoder rows / {n} per input.")
+    mask = model_kwargs.get("attention_mask")
+    source_mask = None if mask is None else mask[::n]
+
+    modules = cross_attention_modules(model)
+    cross = CrossAttentionCache(len(modules), cascade_config)
+    cross.fill(modules, states, source_mask)
+    relative = uses_relative_bias(model)
+    self_cache = DynamicCache() if relative else CascadeCache(model.config, cascade_config)
+    cache = CascadeEncoderDecoderCache(self_cache, cross)
+    model_kwargs[key] = cache
+    # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
+    if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:
+        encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
+        encoder_outputs.hf_cascade_expand_size = n
+        encoder_outputs["last_hidden_state"] = _placeholder(states, rows)
+    try:
+        decoder_mask = model_kwargs.get("decoder_attention_mask")
+        if decoder_mask is not None and not bool(decoder_mask.all()):
+            raise NotImplementedError("a padded decoder prompt (decoder_attention_mask with zeros) is not supported "
+                                      "by the cascade path; use attn_implementation='sdpa'.")
+        if not relative and input_ids.shape[1] > 1:
+            # the decoder prompt (Whisper's start tokens, a prompt) is the same for an input's beams: once
+            with torch.no_grad():
+                model(decoder_input_ids=input_ids[::n, :-1], encoder_outputs=(_placeholder(states, rows // n),),
+                      attention_mask=source_mask, use_cache=True, **{key: cache})
+            self_cache.batch_repeat_interleave(n)
+        result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, **model_kwargs)
+        return _without_cache(result)
+    finally:
+        cache.reset()        # nobody else can reach this cache: give every block back now

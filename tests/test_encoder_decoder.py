@@ -1,0 +1,161 @@
+"""Encoder-decoder models on the cascade path give stock's tokens (float64, tiny random models).
+
+Each family is built twice from its config (stock sdpa and "cascade", same weights). Beam search
+(4 beams, 2 returned), sampling (3 returned, fixed seed) and greedy run on a padded batch of two
+sources (right padding, as the tokenizers of these families pad; left padding once). Besides the
+tokens: the encoder output is not copied per beam, the cross K/V is projected once per input from
+its real tokens only, and a forward without generate (a loss pass) is bit-identical to sdpa.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from transformers import AutoModelForSeq2SeqLM
+
+import hf_cascade  # noqa: F401  registers "cascade"
+from hf_cascade import encoder_decoder
+
+VOCAB = 96
+NEW = 7
+SOURCES = (13, 9)
+
+
+def _bart_like(cls, **extra):
+    common = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                  decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                  forced_bos_token_id=None, forced_eos_token_id=None)
+    common.update(extra)
+    return lambda: cls(**common)
+
+
+FAMILIES = {
+    "bart": _bart_like(T.BartConfig),
+    "mbart": _bart_like(T.MBartConfig),
+    "marian": _bart_like(T.MarianConfig, decoder_start_token_id=0, decoder_vocab_size=VOCAB),
+    "m2m_100": _bart_like(T.M2M100Config),
+    "t5": lambda: T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                             num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+    "mt5": lambda: T.MT5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                               num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                               pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+}
+MODES = {
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "sample": dict(do_sample=True, num_return_sequences=3, top_k=0),
+    "greedy": dict(),
+}
+
+
+def pair(family: str, dtype=torch.float64, seed: int = 0):
+    torch.manual_seed(seed)
+    make = FAMILIES[family]
+    stock = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="sdpa", dtype=dtype).eval()
+    cascade = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="cascade", dtype=dtype).eval()
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
+def sources(lengths=SOURCES, side="right", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        cols = slice(0, n) if side == "right" else slice(width - n, width)
+        mask[row, cols] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask
+
+
+def run(model, ids, mask, mode, **extra):
+    torch.manual_seed(1234)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
+                         return_dict_in_generate=True, output_scores=True, **MODES[mode], **extra)
+    return out
+
+
+_PAIRS = {}
+
+
+def cached_pair(family):
+    if family not in _PAIRS:
+        _PAIRS[family] = pair(family)
+    return _PAIRS[family]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_stock_tokens(family, mode):
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    want, got = run(stock, ids, mask, mode), run(cascade, ids, mask, mode)
+    assert torch.equal(want.sequences, got.sequences)
+    if mode == "beam":
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_left_padded_sources_and_more_beams(family):
+    stock, cascade = cached_pair(family)
+    ids, mask = sources(lengths=(5, 16, 11), side="left", seed=3)
+    kwargs = dict(max_new_tokens=9, num_beams=5, num_return_sequences=5, length_penalty=0.7)
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kwargs),
+                       cascade.generate(input_ids=ids, attention_mask=mask, **kwargs))
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_cross_kv_projected_once_per_input_from_real_tokens(family):
+    """Stock projects the cross K/V from B x beams encoder rows (pads included); here from each input's
+    real tokens, once; and the encoder output reaching the decoder is never a real per-beam copy."""
+    _, cascade = cached_pair(family)
+    ids, mask = sources()
+    rows_seen, storages = [], []
+    first = encoder_decoder.cross_attention_modules(cascade)[0]
+    linear = first.k_proj if hasattr(first, "k_proj") else first.k
+    hooks = [linear.register_forward_hook(lambda m, a, o: rows_seen.append(tuple(a[0].shape))),
+             cascade.get_decoder().register_forward_pre_hook(
+                 lambda m, a, kw: storages.append(kw.get("encoder_hidden_states")), with_kwargs=True)]
+    try:
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=4)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert rows_seen == [(sum(SOURCES), cascade.config.d_model)]
+    assert storages and all(s.stride(0) == 0 and s.shape[0] == 8 for s in storages)
+
+
+def test_cross_reorder_copies_nothing_and_stays_within_inputs():
+    _, cascade = cached_pair("bart")
+    cross = encoder_decoder.CrossAttentionCache(2)
+    ids, mask = sources()
+    states = cascade.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    cross.fill(encoder_decoder.cross_attention_modules(cascade), states, mask)
+    before = [layer.pool.clone() for layer in cross.layers]
+    cross.reorder_cache(torch.tensor([1, 1, 0, 0, 5, 4, 4, 7]))
+    assert all(torch.equal(b, layer.pool) for b, layer in zip(before, cross.layers))
+    with pytest.raises(RuntimeError, match="another input"):
+        cross.reorder_cache(torch.tensor([4, 1, 0, 0, 5, 4, 4, 7]))
+    tokens = cross.kv_bytes // (2 * 2 * 32 * 8)              # layers x K/V x d_model x float64 bytes
+    assert tokens == 16 + 16                                 # blocks of 16: one per input, pads not stored
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_loss_forward_bit_identical(family):
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    labels = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))
+    want, got = stock(input_ids=ids, attention_mask=mask, labels=labels), \
+        cascade(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.equal(want.logits, got.logits) and torch.equal(want.loss, got.loss)
+
+
+def test_unsupported_family_refused():
+    config = T.ProphetNetConfig(vocab_size=VOCAB, hidden_size=32, encoder_ffn_dim=48, decoder_ffn_dim=48,
+                                num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=4,
+                                num_decoder_attention_heads=4, max_position_embeddings=64)
+    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="cascade").eval()
+    with pytest.raises(NotImplementedError, match="encoder-decoder model of type 'prophetnet'.*sdpa"):
+        model.generate(input_ids=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
