@@ -335,7 +335,11 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     if states.shape[0] * n != rows:
         raise ValueError(f"{states.shape[0]} encoder rows do not match {rows} decoder rows / {n} per input.")
     mask = model_kwargs.get("attention_mask")
-    source_mask = None if mask is None else mask[::n]
+    # Whisper's cross-attention has no mask (its attention_mask is over mel frames, for the encoder only)
+    source_mask = None if mask is None or model.config.model_type == "whisper" else mask[::n]
+    if source_mask is not None and source_mask.shape != states.shape[:2]:
+        raise ValueError(f"attention_mask {tuple(source_mask.shape)} does not match the encoder output "
+                         f"{tuple(states.shape[:2])}; use attn_implementation='sdpa' for this model.")
 
     modules = cross_attention_modules(model)
     cross = CrossAttentionCache(len(modules), cascade_config)
@@ -360,6 +364,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                 model(decoder_input_ids=input_ids[::n, :-1], encoder_outputs=(_placeholder(states, rows // n),),
                       attention_mask=source_mask, use_cache=True, **{key: cache})
             self_cache.batch_repeat_interleave(n)
+            if decoder_mask is None:   # generate's first step feeds only the tokens past the cache when a mask says how many
+                model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
         result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, **model_kwargs)
         return _without_cache(result)

@@ -159,3 +159,72 @@ def test_unsupported_family_refused():
     model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="cascade").eval()
     with pytest.raises(NotImplementedError, match="encoder-decoder model of type 'prophetnet'.*sdpa"):
         model.generate(input_ids=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
+
+
+# ---- Whisper: its own generate (init tokens, timestamps, segments, temperature fallback) ------------------
+def _whisper_config():
+    return T.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+                           decoder_ffn_dim=48, init_std=0.2, max_source_positions=32, max_target_positions=64,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+                           suppress_tokens=[], begin_suppress_tokens=[])
+
+
+def whisper_tiny(attn: str, dtype=torch.float64):
+    """A tiny random Whisper with the special tokens its generate needs (timestamps: ids 10..95)."""
+    model = T.WhisperForConditionalGeneration._from_config(_whisper_config(), attn_implementation=attn,
+                                                           dtype=dtype).eval()
+    g = model.generation_config
+    g.decoder_start_token_id, g.no_timestamps_token_id, g.prev_sot_token_id = 3, 9, 8
+    g.lang_to_id, g.task_to_id = {"<|en|>": 4, "<|de|>": 5}, {"transcribe": 6, "translate": 7}
+    g.is_multilingual, g.eos_token_id, g.pad_token_id, g.max_initial_timestamp_index = True, 2, 0, 5
+    g.suppress_tokens, g.begin_suppress_tokens = [], []
+    return model
+
+
+_WHISPER = {}
+
+
+def whisper_pair():
+    if not _WHISPER:
+        torch.manual_seed(0)
+        stock = whisper_tiny("sdpa")
+        cascade = whisper_tiny("cascade")
+        cascade.load_state_dict(stock.state_dict())
+        _WHISPER["pair"] = (stock, cascade)
+    return _WHISPER["pair"]
+
+
+_SHORT = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+_LONG = torch.randn(2, 8, 200, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+_LONG_MASK = (torch.arange(200)[None, :] < torch.tensor([[200], [150]])).long()
+WHISPER_CASES = {
+    "beams": (_SHORT, dict(num_beams=3, no_repeat_ngram_size=2)),
+    "beams_returned": (_SHORT, dict(num_beams=3, num_return_sequences=2, no_repeat_ngram_size=2)),
+    "timestamps": (_SHORT, dict(num_beams=3, return_timestamps=True)),
+    "greedy": (_SHORT, dict()),
+    "prompt_shared_by_beams": (_SHORT, dict(num_beams=2, prompt_ids=torch.tensor([8] + list(range(20, 40))),
+                                            no_repeat_ngram_size=2)),
+    "temperature_fallback": (_SHORT, dict(num_beams=2, temperature=(0.0, 0.4, 0.8), logprob_threshold=0.0,
+                                          compression_ratio_threshold=1.2)),
+    "long_form": (_LONG, dict(attention_mask=_LONG_MASK, return_timestamps=True, num_beams=2)),
+    "long_form_fallback": (_LONG, dict(attention_mask=_LONG_MASK, return_timestamps=True, num_beams=2,
+                                       temperature=(0.0, 0.5), logprob_threshold=0.0, condition_on_prev_tokens=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(WHISPER_CASES))
+def test_whisper_stock_tokens(case, monkeypatch):
+    stock, cascade = whisper_pair()
+    features, kwargs = WHISPER_CASES[case]
+    fills = []
+    original = encoder_decoder.CrossAttentionCache.fill
+    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "fill",
+                        lambda self, *a: (fills.append(a[1].shape), original(self, *a))[1])
+    torch.manual_seed(5)
+    want = stock.generate(features, language="en", max_new_tokens=10, **kwargs)
+    torch.manual_seed(5)
+    got = cascade.generate(features, language="en", max_new_tokens=10, **kwargs)
+    assert want.shape == got.shape and torch.equal(want, got)
+    # the cascade entry ran with one encoder row per input (Whisper itself repeats the features per returned sequence)
+    assert fills and all(shape[0] <= 2 * kwargs.get("num_return_sequences", 1) for shape in fills)
