@@ -193,13 +193,7 @@ def test_sliding_window_beyond_window_matches_stock():
                        cascade.generate(input_ids=ids, attention_mask=mask, **kw))
 
 
-def test_encoder_decoder_is_refused():
-    from transformers import AutoModelForSeq2SeqLM, BartConfig
-    config = BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
-    model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="cascade").eval()
-    with pytest.raises(NotImplementedError, match="encoder-decoder.*sdpa"):
-        model.generate(input_ids=torch.tensor([[5, 6, 7]]), num_beams=2, max_new_tokens=3)
+# encoder-decoder models: served, or refused by family, in tests/test_encoder_decoder.py
 
 
 def test_pool_cap_error_releases_everything(pair):
