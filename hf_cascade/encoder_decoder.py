@@ -129,13 +129,21 @@ class CrossLayer(CacheLayerMixin):
     def __init__(self, cache: "CrossAttentionCache", layer_idx: int):
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.pool = None
+        self.pool = self.kv = None
 
     def fill(self, k: torch.Tensor, v: torch.Tensor, num_blocks: int, block: torch.Tensor, slot: torch.Tensor,
              batch: int, max_len: int) -> None:
         """``k``/``v`` [N, H, D]: the real tokens of all inputs, in order; token i goes to (block[i], slot[i])."""
         _, heads, dim = k.shape
-        self.pool = k.new_zeros(num_blocks, 2, self.cache.block_size, heads, dim)
+        bs = self.cache.block_size
+        if k.device.type == "cpu":
+            # K of all blocks, then V of all blocks: an input's tokens are one contiguous run that
+            # attention reads in place (cross_attention); ``pool`` is the same memory in the paged layout
+            self.kv = k.new_zeros(2, num_blocks * bs, heads, dim)
+            self.pool = self.kv.view(2, num_blocks, bs, heads, dim).permute(1, 0, 2, 3, 4)
+        else:     # the GPU kernels take a contiguous [num_blocks, 2, block_size, H, D] pool
+            self.kv = None
+            self.pool = k.new_zeros(num_blocks, 2, bs, heads, dim)
         self.pool[block, 0, slot] = k
         self.pool[block, 1, slot] = v
         self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
@@ -162,7 +170,8 @@ class CrossLayer(CacheLayerMixin):
         return None          # all beams of an input read the same K/V
 
     def reset(self) -> None:
-        self.pool, self.keys, self.values, self.is_initialized = None, None, None, False
+        self.pool = self.kv = self.keys = self.values = None
+        self.is_initialized = False
 
 
 def cross_layer_of(key) -> CrossLayer | None:
@@ -210,6 +219,7 @@ class CrossAttentionCache(Cache):
             k, v = _project(attn, flat)
             layer.fill(k, v, int(blocks.sum()), block, slot, batch, width)
         self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
+        self.starts = (first * bs).tolist()        # each input's first token in the K (and V) run of a layer
         self._plans = {}
 
     def plan(self, rows: int, q_len: int) -> StepPlan:
@@ -256,6 +266,26 @@ class CrossAttentionCache(Cache):
     def kv_bytes(self) -> int:
         return sum(l.pool.numel() * l.pool.element_size() for l in self.layers if l.pool is not None)
 
+    def sdpa_in_place(self, layer: CrossLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """CPU: each input's beams stacked on the query axis, one sdpa over that input's K/V run read in
+        place (no gather, no copy of the K/V); all inputs in one call when they are equally long.
+        ``query`` [R, H, q, D] -> [R, q, H, D]."""
+        rows, heads, q_len, dim = query.shape
+        n, batch = rows // self.batch, self.batch
+        stacked = query.reshape(batch, n, heads, q_len, dim).transpose(1, 2).reshape(batch, heads, n * q_len, dim)
+        lengths = self.lengths.tolist()
+        if len(set(lengths)) == 1:
+            stride = self.starts[1] if batch > 1 else lengths[0]
+            k, v = (layer.kv[i][: batch * stride].view(batch, stride, heads, dim)[:, : lengths[0]].transpose(1, 2)
+                    for i in (0, 1))
+            out = torch.nn.functional.scaled_dot_product_attention(stacked, k, v, scale=scale)
+        else:      # one call per input: a loop over inputs, not tokens or blocks
+            out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                stacked[b:b + 1], layer.kv[0][None, start:start + length].transpose(1, 2),
+                layer.kv[1][None, start:start + length].transpose(1, 2), scale=scale)
+                for b, (start, length) in enumerate(zip(self.starts, lengths))])
+        return out.reshape(batch, heads, n, q_len, dim).permute(0, 2, 3, 1, 4).reshape(rows, q_len, heads, dim)
+
 
 class CascadeEncoderDecoderCache(EncoderDecoderCache):
     """Decoder self-attention (CascadeCache, or DynamicCache for relative-bias families) plus the
@@ -285,10 +315,14 @@ def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
     if reasons:   # T5's cross-attention bias is zeros (no relative bias in EncDecAttention): nothing to add
         raise NotImplementedError(f"{type(module).__name__} cross-attention uses {', '.join(reasons)}, which the "
                                   "cascade attention does not support. Load the model with attn_implementation='sdpa'.")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    cache = layer.cache
+    if layer.kv is not None and cache.cascade_config.backend == "auto" \
+            and query.shape[1] == layer.kv.shape[2] and query.shape[0] % cache.batch == 0:
+        return cache.sdpa_in_place(layer, query, scale), None
     q = query.transpose(1, 2)                                          # [R, q, H, D]
-    plan = layer.cache.plan(q.shape[0], q.shape[1])
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    backend = kernels.select(layer.cache.cascade_config.backend, q, layer.pool, plan)
+    plan = cache.plan(q.shape[0], q.shape[1])
+    backend = kernels.select(cache.cascade_config.backend, q, layer.pool, plan)
     return backend.attend(q, layer.pool, plan, scale).contiguous(), None
 
 

@@ -228,3 +228,26 @@ def test_whisper_stock_tokens(case, monkeypatch):
     assert want.shape == got.shape and torch.equal(want, got)
     # the cascade entry ran with one encoder row per input (Whisper itself repeats the features per returned sequence)
     assert fills and all(shape[0] <= 2 * kwargs.get("num_return_sequences", 1) for shape in fills)
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+def test_paged_plan_through_reference_backend(family, monkeypatch):
+    """backend="reference" reads the cross K/V through the paged plan and backend.attend (what the GPU
+    backends serve), block size 4 so inputs span several blocks; "auto" on the CPU reads it in place."""
+    config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
+    plans = []
+    original = encoder_decoder.CrossAttentionCache.plan
+    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan", lambda self, *a: plans.append(a) or original(self, *a))
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
+        want = stock.generate(_SHORT, **kw)
+        got = cascade.generate(_SHORT, **kw, hf_cascade_config=config)
+    else:
+        stock, cascade = cached_pair(family)
+        ids, mask = sources()
+        kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+        want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    assert torch.equal(want, got)
+    assert plans
