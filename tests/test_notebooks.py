@@ -12,7 +12,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "examples" / "notebooks"
-NAMES = ["beam_search.ipynb", "shared_system_prompt.ipynb", "trainer_eval.ipynb"]
+NAMES = ["beam_search.ipynb", "shared_system_prompt.ipynb", "trainer_eval.ipynb", "seq2seq_trainer_eval.ipynb",
+         "whisper_beam_search.ipynb"]
 
 
 @pytest.fixture
@@ -47,7 +48,7 @@ def test_notebook_runs(name, offline_env):
     client.execute()        # raises CellExecutionError on the first failing cell
     text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
                      if o.get("output_type") == "stream")
-    if name != "trainer_eval.ipynb":
+    if name in ("beam_search.ipynb", "shared_system_prompt.ipynb"):
         assert "falling back to hf_cascade's built-in random Llama" in text
     if name in ("beam_search.ipynb", "shared_system_prompt.ipynb"):
         assert "identical tokens: True" in text
@@ -56,3 +57,9 @@ def test_notebook_runs(name, offline_env):
                    for c in nb.cells if c.cell_type == "code" for o in c.outputs), "no plot"
     if name == "trainer_eval.ipynb":
         assert "agrees with sdpa on 100.0%" in text
+    if name == "seq2seq_trainer_eval.ipynb":
+        assert "falling back to a built-in random BART" in text
+        assert "cascade predictions identical to sdpa's: True" in text and "rougeL" in text
+    if name == "whisper_beam_search.ipynb":
+        assert "falling back to a built-in random Whisper" in text
+        assert "identical tokens: True" in text and "identical tokens with timestamps: True" in text
