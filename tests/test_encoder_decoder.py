@@ -251,3 +251,26 @@ def test_paged_plan_through_reference_backend(family, monkeypatch):
         got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
     assert torch.equal(want, got)
     assert plans
+
+
+def test_dense_fallbacks_give_stock_tokens(caplog):
+    """Options the cascade path does not serve run stock's dense decoding (encoder output expanded as stock)."""
+    stock, cascade = cached_pair("bart")
+    ids, mask = sources()
+    kw = dict(max_new_tokens=5, num_beams=3, return_dict_in_generate=True, output_hidden_states=True)
+    with caplog.at_level("WARNING", logger="hf_cascade"):
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
+    want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(want.sequences, got.sequences) and "dense attention" in caplog.text
+    assert torch.equal(want.encoder_hidden_states[-1], got.encoder_hidden_states[-1])
+    kw = dict(max_new_tokens=5, num_beams=3, use_cache=False)
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
+                       cascade.generate(input_ids=ids, attention_mask=mask, **kw))
+
+
+def test_cache_passed_by_the_caller_is_refused():
+    _, cascade = cached_pair("bart")
+    ids, mask = sources()
+    cache = hf_cascade.CascadeCache(cascade.config)
+    with pytest.raises(ValueError, match="encoder-decoder.*pass no cache"):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache)
