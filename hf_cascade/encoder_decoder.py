@@ -80,6 +80,22 @@ def uses_relative_bias(model) -> bool:
     return SUPPORTED.get(getattr(model.config, "model_type", None)) == "relative bias"
 
 
+def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device, config: CascadeConfig) -> bool:
+    """Whether the decoder self-attention runs on a paged CascadeCache (else stock's DynamicCache).
+
+    Not for relative-bias families (T5: the bias is computed from the width of the K/V the cache returns).
+    On a GPU, or with a backend chosen explicitly, always: no per-step reorder copy of the self K/V. On the
+    CPU with backend="auto", only where the beams can share decoder prompt blocks (a prompt of at least
+    one block, e.g. Whisper with prompt_ids): with a one-token decoder prompt there is nothing to share,
+    and the PyTorch paged attention costs more per step than DynamicCache's small reorder copy
+    (bart-base, 8 beams: 10.5 vs 9.0 s; benchmarks/RESULTS.md)."""
+    if uses_relative_bias(model):
+        return False
+    if device.type != "cpu" or config.backend != "auto":
+        return True
+    return decoder_ids.shape[1] - 1 >= config.block_size
+
+
 # ---- the encoder output: never expanded k times ----------------------------------------------------
 def defer_expansion(encoder_outputs, expand_size: int):
     """Called by ``patches`` instead of ``repeat_interleave``: keep the B unexpanded rows of every
@@ -378,8 +394,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     modules = cross_attention_modules(model)
     cross = CrossAttentionCache(len(modules), cascade_config)
     cross.fill(modules, states, source_mask)
-    relative = uses_relative_bias(model)
-    self_cache = DynamicCache() if relative else CascadeCache(model.config, cascade_config)
+    paged = paged_self_attention(model, input_ids, states.device, cascade_config or CascadeConfig())
+    self_cache = CascadeCache(model.config, cascade_config) if paged else DynamicCache()
     cache = CascadeEncoderDecoderCache(self_cache, cross)
     model_kwargs[key] = cache
     # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
@@ -392,7 +408,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         if decoder_mask is not None and not bool(decoder_mask.all()):
             raise NotImplementedError("a padded decoder prompt (decoder_attention_mask with zeros) is not supported "
                                       "by the cascade path; use attn_implementation='sdpa'.")
-        if not relative and input_ids.shape[1] > 1:
+        if paged and input_ids.shape[1] > 1:
             # the decoder prompt (Whisper's start tokens, a prompt) is the same for an input's beams: once
             with torch.no_grad():
                 model(decoder_input_ids=input_ids[::n, :-1], encoder_outputs=(_placeholder(states, rows // n),),

@@ -230,14 +230,19 @@ def test_whisper_stock_tokens(case, monkeypatch):
     assert fills and all(shape[0] <= 2 * kwargs.get("num_return_sequences", 1) for shape in fills)
 
 
-@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+@pytest.mark.parametrize("family", [*FAMILIES, "whisper"])
 def test_paged_plan_through_reference_backend(family, monkeypatch):
-    """backend="reference" reads the cross K/V through the paged plan and backend.attend (what the GPU
-    backends serve), block size 4 so inputs span several blocks; "auto" on the CPU reads it in place."""
+    """backend="reference" (as on a GPU) reads the cross K/V through the paged plan and backend.attend (what
+    the GPU backends serve), block size 4 so inputs span several blocks, and runs the decoder self-attention
+    on the paged CascadeCache (T5: DynamicCache); "auto" on the CPU reads the cross K/V in place."""
     config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
     plans = []
     original = encoder_decoder.CrossAttentionCache.plan
     monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan", lambda self, *a: plans.append(a) or original(self, *a))
+    selfs = []
+    init = encoder_decoder.CascadeEncoderDecoderCache.__init__
+    monkeypatch.setattr(encoder_decoder.CascadeEncoderDecoderCache, "__init__",
+                        lambda self, own, cross: selfs.append(own) or init(self, own, cross))
     if family == "whisper":
         stock, cascade = whisper_pair()
         kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
@@ -251,6 +256,8 @@ def test_paged_plan_through_reference_backend(family, monkeypatch):
         got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
     assert torch.equal(want, got)
     assert plans
+    if family not in ("t5", "mt5"):
+        assert selfs and all(isinstance(c, hf_cascade.CascadeCache) for c in selfs)
 
 
 def test_dense_fallbacks_give_stock_tokens(caplog):
@@ -274,3 +281,13 @@ def test_cache_passed_by_the_caller_is_refused():
     cache = hf_cascade.CascadeCache(cascade.config)
     with pytest.raises(ValueError, match="encoder-decoder.*pass no cache"):
         cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache)
+
+
+@pytest.mark.parametrize("mode", ["sample", "greedy"])
+@pytest.mark.parametrize("family", ["bart", "marian", "m2m_100"])
+def test_paged_self_attention_sampling_and_greedy(family, mode):
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
+    want, got = run(stock, ids, mask, mode), run(cascade, ids, mask, mode, hf_cascade_config=config)
+    assert torch.equal(want.sequences, got.sequences)
