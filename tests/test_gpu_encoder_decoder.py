@@ -66,7 +66,11 @@ def test_cross_attention_matches_dense(backend, heads, head_dim, lengths, beams,
     for name in (backend, "reference"):
         cache = encoder_decoder.CrossAttentionCache(1, CascadeConfig(backend=name))
         cache.fill([module], states, mask)
-        outs[name], _ = encoder_decoder.cross_attention(cache.layers[0], module, q, 0.0, scale, {})
+        try:
+            outs[name], _ = encoder_decoder.cross_attention(cache.layers[0], module, q, 0.0, scale, {})
+        except NotImplementedError as err:     # a backend may refuse a plan with no suffix (backend="auto" moves on)
+            assert name == "flashinfer" and "cannot run this step" in str(err)
+            pytest.skip(str(err))
     want = _dense(q.transpose(1, 2), states, mask, module, beams, scale)
     torch.testing.assert_close(outs["reference"].float(), want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs[backend].float(), want, atol=2e-2, rtol=2e-2)
