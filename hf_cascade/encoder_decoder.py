@@ -231,9 +231,14 @@ class CrossAttentionCache(Cache):
         flat = states.reshape(batch * width, -1)
         if mask is not None:
             flat = flat[real.reshape(-1).to(device)]              # only real tokens: pads are never stored
+        on_device = {}     # a model spread over devices (device_map): each layer's K/V on its layer's device
         for layer, attn in zip(self.layers, modules):
-            k, v = _project(attn, flat)
-            layer.fill(k, v, int(blocks.sum()), block, slot, batch, width)
+            dev = next(attn.parameters()).device
+            if dev not in on_device:
+                on_device[dev] = (flat.to(dev), block.to(dev), slot.to(dev))
+            states_d, block_d, slot_d = on_device[dev]
+            k, v = _project(attn, states_d)
+            layer.fill(k, v, int(blocks.sum()), block_d, slot_d, batch, width)
         self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
         self.starts = (first * bs).tolist()        # each input's first token in the K (and V) run of a layer
         self._plans = {}
