@@ -120,6 +120,20 @@ def _wrap_expand(original):
     return staticmethod(expand) if isinstance(original, staticmethod) else expand
 
 
+def _wrap_whisper(original):
+    """Whisper's generate switches the whole model to eager attention for token timestamps (it needs the
+    cross-attention weights): say so once for a cascade model, whose later calls then run stock eager."""
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if _is_cascade(self) and kwargs.get("return_token_timestamps"):
+            logger.warning("hf_cascade: return_token_timestamps needs cross-attention weights, so Whisper switches "
+                           "this model to eager attention (its own behaviour): this and every later generate call "
+                           "run stock eager attention. Use a separate model for token timestamps.")
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
 def apply() -> None:
     """Wrap GenerationMixin.generate once (idempotent); outside the checked versions, log and skip."""
     global _original_generate, _original_extract
@@ -136,3 +150,5 @@ def apply() -> None:
     GenerationMixin.generate = _wrap(_original_generate)
     GenerationMixin._extract_generation_mode_kwargs = _wrap_extract(_original_extract)
     GenerationMixin._expand_inputs_for_generation = _wrap_expand(_original_expand)
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+    WhisperGenerationMixin.generate = _wrap_whisper(WhisperGenerationMixin.generate)

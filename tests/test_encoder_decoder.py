@@ -291,3 +291,19 @@ def test_paged_self_attention_sampling_and_greedy(family, mode):
     config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
     want, got = run(stock, ids, mask, mode), run(cascade, ids, mask, mode, hf_cascade_config=config)
     assert torch.equal(want.sequences, got.sequences)
+
+
+def test_whisper_token_timestamps_warn_and_give_stock_tokens(caplog):
+    """Whisper turns the model eager for token timestamps (its own behaviour): logged, stock's tokens."""
+    torch.manual_seed(0)
+    stock, cascade = whisper_tiny("sdpa"), whisper_tiny("cascade")
+    cascade.load_state_dict(stock.state_dict())
+    for model in (stock, cascade):
+        model.generation_config.alignment_heads = [[0, 0], [1, 1]]
+    kw = dict(language="en", max_new_tokens=6, num_beams=2, return_token_timestamps=True)
+    want = stock.generate(_SHORT, **kw)
+    with caplog.at_level("WARNING", logger="hf_cascade"):
+        got = cascade.generate(_SHORT, **kw)
+    assert torch.equal(want["sequences"], got["sequences"])
+    assert torch.equal(want["token_timestamps"], got["token_timestamps"])
+    assert "switches this model to eager attention" in caplog.text
