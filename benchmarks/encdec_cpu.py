@@ -34,7 +34,7 @@ from transformers import AutoModelForSeq2SeqLM, WhisperForConditionalGeneration 
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import hf_cascade  # noqa: E402,F401
+import hf_cascade  # noqa: E402,F401  registers "cascade"
 from common import git_commit  # noqa: E402
 
 SOURCE_LEN, BATCH = 512, 2

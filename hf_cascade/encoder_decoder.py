@@ -11,10 +11,12 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
 - every cross-attention call runs as a cascade with one level: the group of an input's beams reads
   that input's encoder blocks once, through the same ``backend.attend(q, pool, plan, scale)`` as the
   decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty suffix);
+  on the CPU with backend="auto", one sdpa per input (its beams stacked on the query axis) reads the
+  input's K/V in place instead (the PyTorch backend would gather a copy of it every layer and step);
 - decoder self-attention runs on a :class:`~hf_cascade.cache.CascadeCache` as for decoder-only
-  models (a shared decoder prompt, e.g. Whisper's start tokens, is prefilled once), except for
-  families with a relative position bias (T5), whose self-attention stays on a DynamicCache (stock
-  attention; beams share no decoder tokens there anyway).
+  models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
+  once) — see :func:`paged_self_attention` for where it stays on stock's DynamicCache (T5's relative
+  position bias; one-token decoder prompts on the CPU).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders that carry a
@@ -327,7 +329,8 @@ class CascadeEncoderDecoderCache(EncoderDecoderCache):
 
 # ---- the attention of a cross-attention call --------------------------------------------------------
 def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
-    """``query`` [R, H, q, D] of R = B x n rows against their input's stored encoder K/V. Returns ([R, q, H, D], None)."""
+    """``query`` [R, H, q, D] of R = B x n rows against their input's stored encoder K/V.
+    Returns ([R, q, H, D], None)."""
     reasons = []
     if dropout:
         reasons.append("attention dropout (the model is in training mode; call model.eval())")
@@ -419,7 +422,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                 model(decoder_input_ids=input_ids[::n, :-1], encoder_outputs=(_placeholder(states, rows // n),),
                       attention_mask=source_mask, use_cache=True, **{key: cache})
             self_cache.batch_repeat_interleave(n)
-            if decoder_mask is None:   # generate's first step feeds only the tokens past the cache when a mask says how many
+            if decoder_mask is None:   # with a mask, generate's first step feeds only the tokens past the cache
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
         result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=synced_gpus, **model_kwargs)

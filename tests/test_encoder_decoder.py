@@ -157,7 +157,8 @@ def test_unsupported_family_refused():
                                 num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=4,
                                 num_decoder_attention_heads=4, max_position_embeddings=64)
     model = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="cascade").eval()
-    with pytest.raises(NotImplementedError, match="encoder-decoder model of type 'prophetnet'.*attn_implementation='(sdpa|eager)'"):
+    with pytest.raises(NotImplementedError,
+                       match="encoder-decoder model of type 'prophetnet'.*attn_implementation='(sdpa|eager)'"):
         model.generate(input_ids=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
 
 
@@ -238,7 +239,8 @@ def test_paged_plan_through_reference_backend(family, monkeypatch):
     config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
     plans = []
     original = encoder_decoder.CrossAttentionCache.plan
-    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan", lambda self, *a: plans.append(a) or original(self, *a))
+    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan",
+                        lambda self, *a: plans.append(a) or original(self, *a))
     selfs = []
     init = encoder_decoder.CascadeEncoderDecoderCache.__init__
     monkeypatch.setattr(encoder_decoder.CascadeEncoderDecoderCache, "__init__",
