@@ -104,6 +104,7 @@ def defer_expansion(encoder_outputs, expand_size: int):
     tensor field (in ``encoder_outputs.hf_cascade_unexpanded``) and put a zero-stride NaN placeholder
     of the expanded shape in its place (reading it would give NaN, never plausible values)."""
     kept = {}
+    encoder_outputs = type(encoder_outputs)(**encoder_outputs)    # a copy: the caller's object stays as it was
     for key in list(encoder_outputs.keys()):
         value = encoder_outputs[key]
         if isinstance(value, torch.Tensor):

@@ -309,3 +309,27 @@ def test_whisper_token_timestamps_warn_and_give_stock_tokens(caplog):
     assert torch.equal(want["sequences"], got["sequences"])
     assert torch.equal(want["token_timestamps"], got["token_timestamps"])
     assert "switches this model to eager attention" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_beam_sample_and_precomputed_encoder_outputs(family):
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    kw = dict(max_new_tokens=NEW, num_beams=3, do_sample=True, num_return_sequences=2)
+    torch.manual_seed(3)
+    want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.manual_seed(3)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(want, got)
+    # encoder outputs computed by the caller: not expanded per beam either, same tokens
+    with torch.no_grad():
+        encoded = stock.get_encoder()(input_ids=ids, attention_mask=mask)
+    kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+    want = stock.generate(encoder_outputs=encoded, attention_mask=mask, **kw)
+    with torch.no_grad():
+        encoded = cascade.get_encoder()(input_ids=ids, attention_mask=mask)
+    states = encoded.last_hidden_state
+    got = cascade.generate(encoder_outputs=encoded, attention_mask=mask, **kw)
+    assert torch.equal(want, got)
+    assert encoded.last_hidden_state is states                     # the caller's encoder outputs are untouched
+    assert torch.equal(cascade.generate(encoder_outputs=encoded, attention_mask=mask, **kw), got)
