@@ -373,6 +373,9 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
              cascade_config: CascadeConfig | None, key: str, **model_kwargs):
     """:func:`hf_cascade.generation.cascade_generate` for encoder-decoder models (see the module docstring)."""
     existing = model_kwargs.get(key)
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
+                         "attn_implementation='cascade', which brings its own cache. Unset it, or use sdpa.")
     if isinstance(existing, (CascadeCache, CascadeEncoderDecoderCache)):
         raise ValueError("A cache passed to generate of an encoder-decoder model is not supported by the cascade "
                          "path (Whisper reuses it across segments); pass no cache.")

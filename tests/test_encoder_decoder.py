@@ -280,6 +280,9 @@ def test_dense_fallbacks_give_stock_tokens(caplog):
 def test_cache_passed_by_the_caller_is_refused():
     _, cascade = cached_pair("bart")
     ids, mask = sources()
+    with pytest.raises(ValueError, match="cache_implementation='static' conflicts"):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2,
+                         cache_implementation="static")
     cache = hf_cascade.CascadeCache(cascade.config)
     with pytest.raises(ValueError, match="encoder-decoder.*pass no cache"):
         cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache)
