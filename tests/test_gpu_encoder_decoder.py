@@ -93,3 +93,33 @@ def test_bart_float32_beam_search_matches_stock():
     kw = dict(num_beams=4, num_return_sequences=2, max_new_tokens=16, no_repeat_ngram_size=2)
     assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
                        cascade.generate(input_ids=ids, attention_mask=mask, **kw))
+
+
+def test_whisper_float32_beam_search_matches_stock():
+    """Whisper on the GPU: cross K/V in the paged pool layout, decoder self-attention paged (float32: the
+    reference backend under "auto"), through Whisper's own generate with timestamps."""
+    import transformers as T
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def make(attn):
+        config = T.WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=256, encoder_layers=2, decoder_layers=2,
+                                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=512,
+                                 decoder_ffn_dim=512, max_source_positions=1500, max_target_positions=448,
+                                 pad_token_id=50257, bos_token_id=50257, eos_token_id=50257,
+                                 decoder_start_token_id=50258, suppress_tokens=[], begin_suppress_tokens=[])
+        model = T.WhisperForConditionalGeneration._from_config(config, attn_implementation=attn).cuda().eval()
+        g = model.generation_config
+        g.decoder_start_token_id, g.eos_token_id, g.pad_token_id = 50258, 50257, 50257
+        g.lang_to_id, g.task_to_id = {"<|en|>": 50259}, {"transcribe": 50359, "translate": 50358}
+        g.no_timestamps_token_id, g.prev_sot_token_id, g.is_multilingual = 50363, 50361, True
+        g.max_initial_timestamp_index, g.suppress_tokens, g.begin_suppress_tokens = 50, [], []
+        return model
+
+    torch.manual_seed(0)
+    stock = make("sdpa")
+    cascade = make("cascade")
+    cascade.load_state_dict(stock.state_dict())
+    features = torch.randn(3, 80, 3000, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    for kw in (dict(num_beams=5, no_repeat_ngram_size=2), dict(num_beams=4, return_timestamps=True)):
+        kw = dict(kw, language="en", max_new_tokens=24)
+        assert torch.equal(stock.generate(features, **kw), cascade.generate(features, **kw))
