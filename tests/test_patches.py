@@ -119,3 +119,17 @@ def test_own_attention_table_gives_clear_error_at_load():
         AutoModelForCausalLM.from_config(config, attn_implementation="cascade")
     AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                                   num_attention_heads=2), attn_implementation="sdpa")
+
+
+def test_upstream_encoder_expansion_hook_still_exists():
+    """The encoder output of a cascade encoder-decoder model is not expanded per beam: generate must still
+    expand inputs through _expand_inputs_for_generation(expand_size=, is_encoder_decoder=, encoder_outputs=)."""
+    expand = GenerationMixin.__dict__["_expand_inputs_for_generation"]
+    function = expand.__func__ if isinstance(expand, staticmethod) else expand
+    params = inspect.signature(inspect.unwrap(function)).parameters
+    for name in ("expand_size", "is_encoder_decoder", "input_ids", "model_kwargs"):
+        assert name in params, f"_expand_inputs_for_generation lost its {name!r} parameter"
+    source = inspect.getsource(GenerationMixin.generate.__hf_cascade_original__)
+    assert "_expand_inputs_for_generation(" in source and "is_encoder_decoder=" in source
+    from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
+    assert "return_token_timestamps" in inspect.signature(inspect.unwrap(WhisperGenerationMixin.generate)).parameters
