@@ -209,6 +209,7 @@ WHISPER_CASES = {
     "temperature_fallback": (_SHORT, dict(num_beams=2, temperature=(0.0, 0.4, 0.8), logprob_threshold=0.0,
                                           compression_ratio_threshold=1.2)),
     "long_form": (_LONG, dict(attention_mask=_LONG_MASK, return_timestamps=True, num_beams=2)),
+    "language_detected": (_SHORT, dict(num_beams=3, language=None)),
     "long_form_fallback": (_LONG, dict(attention_mask=_LONG_MASK, return_timestamps=True, num_beams=2,
                                        temperature=(0.0, 0.5), logprob_threshold=0.0, condition_on_prev_tokens=True)),
 }
@@ -222,10 +223,11 @@ def test_whisper_stock_tokens(case, monkeypatch):
     original = encoder_decoder.CrossAttentionCache.fill
     monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "fill",
                         lambda self, *a: (fills.append(a[1].shape), original(self, *a))[1])
+    kwargs = {"language": "en", **kwargs}
     torch.manual_seed(5)
-    want = stock.generate(features, language="en", max_new_tokens=10, **kwargs)
+    want = stock.generate(features, max_new_tokens=10, **kwargs)
     torch.manual_seed(5)
-    got = cascade.generate(features, language="en", max_new_tokens=10, **kwargs)
+    got = cascade.generate(features, max_new_tokens=10, **kwargs)
     assert want.shape == got.shape and torch.equal(want, got)
     # the cascade entry ran with one encoder row per input (Whisper itself repeats the features per returned sequence)
     assert fills and all(shape[0] <= 2 * kwargs.get("num_return_sequences", 1) for shape in fills)
