@@ -411,7 +411,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     cache = CascadeEncoderDecoderCache(self_cache, cross)
     model_kwargs[key] = cache
     # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
-    if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:
+    if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy to change
+        model_kwargs["encoder_outputs"] = encoder_outputs = type(encoder_outputs)(**encoder_outputs)
         encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
         encoder_outputs.hf_cascade_expand_size = n
         encoder_outputs["last_hidden_state"] = _placeholder(states, rows)

@@ -338,3 +338,6 @@ def test_beam_sample_and_precomputed_encoder_outputs(family):
     assert torch.equal(want, got)
     assert encoded.last_hidden_state is states                     # the caller's encoder outputs are untouched
     assert torch.equal(cascade.generate(encoder_outputs=encoded, attention_mask=mask, **kw), got)
+    greedy = cascade.generate(encoder_outputs=encoded, attention_mask=mask, max_new_tokens=NEW)   # n = 1
+    assert encoded.last_hidden_state is states
+    assert torch.equal(greedy, stock.generate(encoder_outputs=encoded, attention_mask=mask, max_new_tokens=NEW))
