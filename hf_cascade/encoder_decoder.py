@@ -136,6 +136,21 @@ def restore_expansion(encoder_outputs) -> None:
         encoder_outputs.hf_cascade_unexpanded = None
 
 
+def repeated_inputs(states: torch.Tensor, mask: torch.Tensor | None) -> int:
+    """m > 1 when the inputs come in runs of m identical ones (Whisper's best-of-m repeats its features
+    before generate sees them): their cross K/V is then stored and read once per run, exactly. A cheap
+    fingerprint first, then exact comparisons of the candidates only (a few host reads per call)."""
+    batch = states.shape[0]
+    if batch < 2:
+        return 1
+    fingerprint = states.reshape(batch, -1).float().sum(1).tolist()
+    same = [fingerprint[i] == fingerprint[i - 1] and torch.equal(states[i], states[i - 1])
+            and (mask is None or torch.equal(mask[i], mask[i - 1])) for i in range(1, batch)]
+    starts = [0] + [i for i in range(1, batch) if not same[i - 1]]
+    runs = {b - a for a, b in zip(starts, starts[1:] + [batch])}
+    return runs.pop() if len(runs) == 1 else 1
+
+
 # ---- the cross-attention K/V, once per input ------------------------------------------------------
 class CrossLayer(CacheLayerMixin):
     """One decoder layer's cross K/V: a pool ``[num_blocks, 2, block_size, H, D]`` holding each
@@ -405,7 +420,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
 
     modules = cross_attention_modules(model)
     cross = CrossAttentionCache(len(modules), cascade_config)
-    cross.fill(modules, states, source_mask)
+    repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
+    cross.fill(modules, states[::repeats], None if source_mask is None else source_mask[::repeats])
     paged = paged_self_attention(model, input_ids, states.device, cascade_config or CascadeConfig())
     self_cache = CascadeCache(model.config, cascade_config) if paged else DynamicCache()
     cache = CascadeEncoderDecoderCache(self_cache, cross)

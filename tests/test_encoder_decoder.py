@@ -229,8 +229,9 @@ def test_whisper_stock_tokens(case, monkeypatch):
     torch.manual_seed(5)
     got = cascade.generate(features, max_new_tokens=10, **kwargs)
     assert want.shape == got.shape and torch.equal(want, got)
-    # the cascade entry ran with one encoder row per input (Whisper itself repeats the features per returned sequence)
-    assert fills and all(shape[0] <= 2 * kwargs.get("num_return_sequences", 1) for shape in fills)
+    # the cascade entry ran with one encoder row per input (also where Whisper repeats the features per
+    # returned sequence: identical inputs share their cross K/V)
+    assert fills and all(shape[0] <= 2 for shape in fills)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "whisper"])
@@ -341,3 +342,20 @@ def test_beam_sample_and_precomputed_encoder_outputs(family):
     greedy = cascade.generate(encoder_outputs=encoded, attention_mask=mask, max_new_tokens=NEW)   # n = 1
     assert encoded.last_hidden_state is states
     assert torch.equal(greedy, stock.generate(encoder_outputs=encoded, attention_mask=mask, max_new_tokens=NEW))
+
+
+def test_identical_inputs_share_their_cross_kv(monkeypatch):
+    stock, cascade = cached_pair("bart")
+    ids, mask = sources(lengths=(13, 13, 9, 9), seed=4)
+    ids[1], ids[3] = ids[0], ids[2]                               # runs of two identical sources
+    fills = []
+    original = encoder_decoder.CrossAttentionCache.fill
+    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "fill",
+                        lambda self, *a: (fills.append(a[1].shape[0]), original(self, *a))[1])
+    kw = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, no_repeat_ngram_size=2)
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
+                       cascade.generate(input_ids=ids, attention_mask=mask, **kw))
+    ids[3, 0] = ids[3, 0] % 90 + 4                                # no longer runs of equal length
+    assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
+                       cascade.generate(input_ids=ids, attention_mask=mask, **kw))
+    assert fills == [2, 4]
