@@ -143,7 +143,7 @@ def repeated_inputs(states: torch.Tensor, mask: torch.Tensor | None) -> int:
     batch = states.shape[0]
     if batch < 2:
         return 1
-    fingerprint = states.reshape(batch, -1).float().sum(1).tolist()
+    fingerprint = states.reshape(batch, -1).sum(1, dtype=torch.float32).tolist()     # no float copy of states
     same = [fingerprint[i] == fingerprint[i - 1] and torch.equal(states[i], states[i - 1])
             and (mask is None or torch.equal(mask[i], mask[i - 1])) for i in range(1, batch)]
     starts = [0] + [i for i in range(1, batch) if not same[i - 1]]
