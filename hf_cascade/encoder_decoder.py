@@ -170,7 +170,7 @@ class CrossLayer(CacheLayerMixin):
         """``k``/``v`` [N, H, D]: the real tokens of all inputs, in order; token i goes to (block[i], slot[i])."""
         _, heads, dim = k.shape
         bs = self.cache.block_size
-        if k.device.type == "cpu":
+        if in_place_layout(k.device):
             # K of all blocks, then V of all blocks: an input's tokens are one contiguous run that
             # attention reads in place (cross_attention); ``pool`` is the same memory in the paged layout
             self.kv = k.new_zeros(2, num_blocks * bs, heads, dim)
@@ -206,6 +206,12 @@ class CrossLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.pool = self.kv = self.keys = self.values = None
         self.is_initialized = False
+
+
+def in_place_layout(device: torch.device) -> bool:
+    """Where the cross K/V is stored as one K run and one V run (read in place by sdpa): the CPU. GPU kernels
+    take the contiguous paged pool."""
+    return device.type == "cpu"
 
 
 def cross_layer_of(key) -> CrossLayer | None:

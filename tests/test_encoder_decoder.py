@@ -359,3 +359,27 @@ def test_identical_inputs_share_their_cross_kv(monkeypatch):
     assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
                        cascade.generate(input_ids=ids, attention_mask=mask, **kw))
     assert fills == [2, 4]
+
+
+@pytest.mark.parametrize("family", ["bart", "whisper"])
+def test_gpu_pool_layout_through_the_plan(family, monkeypatch):
+    """The contiguous [blocks, 2, block_size, H, D] cross pool the GPU kernels take, read through the paged
+    plan by the reference backend (on the CPU, as a GPU run would with backend="reference")."""
+    monkeypatch.setattr(encoder_decoder, "in_place_layout", lambda device: False)
+    config = hf_cascade.CascadeConfig(block_size=4)
+    pools = []
+    original = encoder_decoder.CrossLayer.fill
+    monkeypatch.setattr(encoder_decoder.CrossLayer, "fill",
+                        lambda self, *a: (original(self, *a), pools.append(self.pool))[0])
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
+        want, got = stock.generate(_SHORT, **kw), cascade.generate(_SHORT, **kw, hf_cascade_config=config)
+    else:
+        stock, cascade = cached_pair(family)
+        ids, mask = sources()
+        kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+        want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    assert torch.equal(want, got)
+    assert pools and all(p.is_contiguous() and p.shape[1:3] == (2, 4) for p in pools)
