@@ -228,8 +228,9 @@ class CrossAttentionCache(Cache):
         super().__init__(layers=[CrossLayer(self, i) for i in range(num_layers)])
         self.block_size = self.cascade_config.block_size
         self.batch, self.max_len = 0, 0
-        self.lengths = np.zeros(0, np.int64)
-        self.prefix_table = np.zeros((0, 0), np.int32)
+        self.lengths = np.zeros(0, np.int64)                      # each input's real encoder tokens
+        self.prefix_table = np.zeros((0, 0), np.int32)            # each input's blocks
+        self.starts: list[int] = []                               # each input's first token in a layer's K run
         self._plans: dict = {}
 
     @torch.no_grad()
@@ -264,7 +265,7 @@ class CrossAttentionCache(Cache):
             k, v = _project(attn, states_d)
             layer.fill(k, v, int(blocks.sum()), block_d, slot_d, batch, width)
         self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
-        self.starts = (first * bs).tolist()        # each input's first token in the K (and V) run of a layer
+        self.starts = (first * bs).tolist()
         self._plans = {}
 
     def plan(self, rows: int, q_len: int) -> StepPlan:
