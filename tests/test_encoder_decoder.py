@@ -16,6 +16,8 @@ from transformers import AutoModelForSeq2SeqLM
 import hf_cascade  # noqa: F401  registers "cascade"
 from hf_cascade import encoder_decoder
 
+from conftest import cache_kw
+
 VOCAB = 96
 NEW = 7
 SOURCES = (13, 9)
@@ -288,7 +290,8 @@ def test_cache_passed_by_the_caller_is_refused():
                          cache_implementation="static")
     cache = hf_cascade.CascadeCache(cascade.config)
     with pytest.raises(ValueError, match="encoder-decoder.*pass no cache"):
-        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, past_key_values=cache)
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2,
+                         **cache_kw(cascade, cache))
 
 
 @pytest.mark.parametrize("mode", ["sample", "greedy"])
