@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from types import SimpleNamespace
 
 import torch
 from transformers import GenerationMixin
@@ -227,8 +228,12 @@ def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, i
     """Why this generate call (without a CascadeCache of the caller's) runs on stock's own path — dense
     attention with transformers' default cache — or None to run the cascade. A call pays for the paged
     cache only where enough is shared: several sequences per prompt, or a prefix common to the batch,
-    worth at least ``MIN_SHARED_TOKENS`` on the model's device.
+    worth at least ``MIN_SHARED_TOKENS`` on the model's device — or where its decode steps will run as a
+    graph (:mod:`hf_cascade.graphs`), which is faster than stock's even with nothing to share.
     ``input_ids``/``mask``/``positions``/``inputs`` are as generate expanded them (rows = prompts x n)."""
+    if graphs.unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config),
+                                 cascade_config.cuda_graphs) is None:
+        return None       # a decode step replayed as a graph beats stock's even with nothing shared
     n = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     inputs = inputs or {}
     embeds = inputs.get("inputs_embeds")
@@ -328,7 +333,8 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     width = _prompt_width(input_ids, model_kwargs)
     inputs = _prompt_inputs(model, model_kwargs, input_ids.shape[0], width, strict=False)   # _cascade checks
-    reason = stock_path_reason(model, hf_cascade_config or CascadeConfig(), generation_config, input_ids, mask,
+    hf_cascade_config = CascadeConfig.coerce(hf_cascade_config)
+    reason = stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
                                positions, inputs)
     if reason is not None:
         _log_stock_path(reason)
