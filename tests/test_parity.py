@@ -9,12 +9,10 @@ import logging
 import pytest
 import torch
 import transformers
-from packaging.version import Version
 from transformers import AutoModelForCausalLM, GPT2Config, StoppingCriteria, StoppingCriteriaList
 
-import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig, generation
-from conftest import VOCAB, FirstForwardRows, model_pair, padded_batch
+from conftest import VOCAB, FirstForwardRows, cache_kw, model_pair, padded_batch, returned_cache
 
 NEW = 6
 MODES = {
@@ -22,18 +20,6 @@ MODES = {
     "sample": dict(do_sample=True, num_return_sequences=3, top_k=0, temperature=1.5),
     "beam": dict(num_beams=4, num_return_sequences=3, length_penalty=0.7),
 }
-CACHE_KWARG = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
-
-
-def cache_kw(cache) -> dict:
-    """generate's cache argument under this transformers version's name (5.24 renamed it)."""
-    return {CACHE_KWARG: cache}
-
-
-def returned_cache(out):
-    return getattr(out, CACHE_KWARG)
-
-
 def both(pair, seed=0, **kw):
     """(stock output, cascade output) of the same call with the same RNG seed."""
     outs = []
@@ -89,7 +75,7 @@ def test_token_type_ids_reach_the_prefill(gpt2_pair, mode, explicit):
     without = stock.generate(**{k: v for k, v in kw.items() if k != "token_type_ids"})
     assert not torch.equal(expected.sequences, without.sequences)
     torch.manual_seed(0)
-    extra = cache_kw(CascadeCache(cascade.config)) if explicit else {}
+    extra = cache_kw(cascade, CascadeCache(cascade.config)) if explicit else {}
     assert_same(expected, cascade.generate(**kw, **extra))
 
 
@@ -142,7 +128,7 @@ def test_generate_from_inputs_embeds(llama_pair, mode, with_ids):
     embeds = stock.get_input_embeddings()(ids)
     kw = out_kw(mode, inputs_embeds=embeds, attention_mask=mask, **({"input_ids": ids} if with_ids else {}))
     expected = both(llama_pair, **kw)[0]
-    for extra in ({}, cache_kw(CascadeCache(cascade.config))):
+    for extra in ({}, cache_kw(cascade, CascadeCache(cascade.config))):
         torch.manual_seed(0)
         assert_same(expected, cascade.generate(**kw, **extra))
 
@@ -168,7 +154,7 @@ def test_continue_from_returned_cache(llama_pair, first, second):
     expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     torch.manual_seed(0)
     got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
-                           **({} if first == "sample" else cache_kw(CascadeCache(cascade.config))))
+                           **({} if first == "sample" else cache_kw(cascade, CascadeCache(cascade.config))))
     assert torch.equal(expected.sequences, got.sequences)
     cache = returned_cache(got)
     assert isinstance(cache, CascadeCache)      # the caller's, or (sampling 2 per prompt shares) generate's own
@@ -177,7 +163,7 @@ def test_continue_from_returned_cache(llama_pair, first, second):
     second_kw = out_kw(second, input_ids=ids2, attention_mask=mask2)
     if second == "greedy":    # stock continues its own cache: one row per stored row
         torch.manual_seed(0)
-        want = stock.generate(**second_kw, **cache_kw(returned_cache(expected)))
+        want = stock.generate(**second_kw, **cache_kw(cascade, returned_cache(expected)))
     else:                     # stock cannot fork a cache to beams: compare with the whole conversation afresh
         torch.manual_seed(0)
         want = stock.generate(**second_kw)
@@ -185,7 +171,7 @@ def test_continue_from_returned_cache(llama_pair, first, second):
     rows = FirstForwardRows(cascade)
     try:
         torch.manual_seed(0)
-        have = cascade.generate(**second_kw, **cache_kw(cache))
+        have = cascade.generate(**second_kw, **cache_kw(cascade, cache))
     finally:
         rows.remove()
     assert_same(want, have)
@@ -200,20 +186,20 @@ def test_continuation_refusals(llama_pair):
     _, cascade = llama_pair
     ids, mask = padded_batch(seed=9)
     kw = dict(max_new_tokens=3, pad_token_id=0, return_dict_in_generate=True)
-    out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kw(CascadeCache(cascade.config)))
+    out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kw(cascade, CascadeCache(cascade.config)))
     ids2, mask2 = next_turn(out.sequences, mask, seed=10)
     with pytest.raises(ValueError, match="holds 2 rows.*has 1 prompts"):
-        cascade.generate(input_ids=ids2[:1], attention_mask=mask2[:1], **kw, **cache_kw(returned_cache(out)))
+        cascade.generate(input_ids=ids2[:1], attention_mask=mask2[:1], **kw, **cache_kw(cascade, returned_cache(out)))
     assert returned_cache(out).get_seq_length() == 0              # refused: left empty
     beams = cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, **kw,
-                             **cache_kw(CascadeCache(cascade.config)))
+                             **cache_kw(cascade, CascadeCache(cascade.config)))
     ids2, mask2 = next_turn(beams.sequences, mask, seed=10)
     with pytest.raises(ValueError, match="filled by beam search"):
-        cascade.generate(input_ids=ids2, attention_mask=mask2, **kw, **cache_kw(returned_cache(beams)))
-    again = cascade.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kw(CascadeCache(cascade.config)))
+        cascade.generate(input_ids=ids2, attention_mask=mask2, **kw, **cache_kw(cascade, returned_cache(beams)))
+    again = cascade.generate(input_ids=ids, attention_mask=mask, **kw, **cache_kw(cascade, CascadeCache(cascade.config)))
     with pytest.raises(ValueError, match="at least one new token"):
         cascade.generate(input_ids=again.sequences[:, :-1], attention_mask=mask2[:, :again.sequences.shape[1] - 1],
-                         **kw, **cache_kw(returned_cache(again)))
+                         **kw, **cache_kw(cascade, returned_cache(again)))
 
 
 # ---- empty prompts in a left-padded batch ----------------------------------------------------------------
@@ -234,7 +220,7 @@ def test_empty_prompt_in_left_padded_batch(unpadded_embedding_pair, mode, explic
     expected = both(unpadded_embedding_pair, **kw)[0]
     assert not bool((expected.sequences[-1, -NEW:] == 0).all()), "test setup: the empty row generates tokens"
     torch.manual_seed(0)
-    extra = cache_kw(CascadeCache(cascade.config)) if explicit else {}
+    extra = cache_kw(cascade, CascadeCache(cascade.config)) if explicit else {}
     assert_same(expected, cascade.generate(**kw, **extra))
 
 
@@ -310,7 +296,7 @@ def test_explicit_cache_keeps_the_cascade_path(llama_pair):
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0)
     seen = FirstForwardRows(cascade)
     try:
-        got = cascade.generate(**kw, **cache_kw(cache))
+        got = cascade.generate(**kw, **cache_kw(cascade, cache))
     finally:
         seen.remove()
     assert torch.equal(stock.generate(**kw), got)
@@ -355,14 +341,14 @@ def test_failed_generate_leaves_cache_empty_and_reusable(llama_pair, failure, fi
     if filled and failure != "pool exhausted":          # a conversation in progress: its cache fails too
         ids, mask = kw["input_ids"], padded_batch(seed=16)[1]
         first = cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
-                                 return_dict_in_generate=True, **cache_kw(cache))
+                                 return_dict_in_generate=True, **cache_kw(cascade, cache))
         assert cache.get_seq_length() > 0 and returned_cache(first) is cache
         ids2, mask2 = next_turn(first.sequences, mask, seed=18)
         if failure == "bad input":
             mask2[0, -1] = 0
         kw = dict(kw, input_ids=ids2, attention_mask=mask2)
     with pytest.raises(error) as info:
-        cascade.generate(**kw, **cache_kw(cache))
+        cascade.generate(**kw, **cache_kw(cascade, cache))
     if failure == "pool exhausted":
         assert "max_kv_bytes" in str(info.value) or "PoolExhausted" in type(info.value).__name__
     stats = cache.stats()
@@ -371,7 +357,7 @@ def test_failed_generate_leaves_cache_empty_and_reusable(llama_pair, failure, fi
     # reusable: the next call gives stock's tokens
     ids, mask = padded_batch(seed=17)
     ok = dict(input_ids=ids[:1, -5:], num_beams=2, max_new_tokens=4, pad_token_id=0)   # fits the small pool too
-    assert torch.equal(stock.generate(**ok), cascade.generate(**ok, **cache_kw(cache)))
+    assert torch.equal(stock.generate(**ok), cascade.generate(**ok, **cache_kw(cascade, cache)))
 
 
 # ---- refusals name an attention implementation the model has ---------------------------------------------
