@@ -6,12 +6,16 @@ sequences) and calls :func:`cascade_generate` (``patches`` makes it the default 
 We run the model on rows ``0, n, 2n, ...`` minus their last token into a :class:`CascadeCache`
 (padding not stored), fork the cache to all rows without copying K/V, and call
 ``GenerationMixin._beam_search`` / ``_sample``, whose own prefill then feeds the last prompt token
-for all rows.
+for all rows. Other per-token model inputs (``token_type_ids``, ``inputs_embeds``) are sliced the same way.
+A call that shares too little to pay for the paged cache runs on stock's own path instead
+(:func:`stock_path_reason`).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
+from types import SimpleNamespace
 
 import torch
 from transformers import GenerationMixin
@@ -37,6 +41,8 @@ def unsupported_reason(model) -> str | None:
     config, text = model.config, _text_config(model)
     if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
         return encoder_decoder.unsupported_reason(model)
+    if getattr(text, "num_attention_heads", None) is None:
+        return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
@@ -70,14 +76,17 @@ def _cache_key(model_kwargs) -> str:
 
 
 @torch.no_grad()
-def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-            position_ids: torch.Tensor | None = None, cache_kwarg: str | None = None):
-    """Run ``model`` on ``input_ids`` [B, L] into ``cache``, storing only the tokens where
-    ``attention_mask`` [B, L] is 1. If the cache already holds tokens, the new ones follow them (and
-    ``position_ids`` should say where). Returns the model output (logits of the last position only)."""
+def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None, cache_kwarg: str | None = None,
+            inputs_embeds: torch.Tensor | None = None, **model_inputs):
+    """Run ``model`` on ``input_ids`` [B, L] (or ``inputs_embeds`` [B, L, H]) into ``cache``, storing only
+    the tokens where ``attention_mask`` [B, L] is 1. If the cache already holds tokens, the new ones follow
+    them (and ``position_ids`` should say where). ``model_inputs`` (e.g. ``token_type_ids`` [B, L]) go to
+    the model's forward as they are. Returns the model output (logits of the last position only)."""
+    shape = tuple((input_ids if inputs_embeds is None else inputs_embeds).shape[:2])
     if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if tuple(attention_mask.shape) != shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match the inputs' {shape}")
         if not bool(attention_mask.all()):
             cache.set_write_mask(attention_mask)
         if position_ids is None:
@@ -89,13 +98,18 @@ def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor, attention_m
     kwargs = {cache_kwarg or ("cache" if _accepts(model, "cache") else "past_key_values"): cache}
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1
+    if inputs_embeds is not None:
+        kwargs["inputs_embeds"] = inputs_embeds
+        input_ids = None
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                 **kwargs)
+                 **{**model_inputs, **kwargs})
 
 
-def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, min_tokens: int) -> int:
+def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, min_tokens: int,
+                         also: tuple = ()) -> int:
     """How many tokens every left-padded prompt of the batch begins with (a common system prompt),
-    leaving each prompt at least one token of its own; 0 if fewer than ``min_tokens``."""
+    leaving each prompt at least one token of its own; 0 if fewer than ``min_tokens``. Tensors in
+    ``also`` ([B, L, ...]: token types, positions) must agree over the shared tokens too."""
     batch, width = input_ids.shape
     if batch < 2:
         return 0
@@ -110,8 +124,11 @@ def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tens
     longest = int((width - starts).min()) - 1
     if longest < min_tokens:
         return 0
-    real = ids.gather(1, starts[:, None] + torch.arange(longest)[None, :])       # [B, longest], pads skipped
-    differs = (real != real[:1]).any(0)
+    columns = starts[:, None] + torch.arange(longest)[None, :]                   # [B, longest], pads skipped
+    differs = torch.zeros(longest, dtype=torch.bool)
+    for t in (ids, *also):
+        real = t.cpu()[torch.arange(batch)[:, None], columns].reshape(batch, longest, -1)
+        differs |= (real != real[:1]).flatten(2).any(2).any(0)
     shared = int(differs.int().argmax()) if bool(differs.any()) else longest
     return shared if shared >= min_tokens else 0
 
@@ -122,21 +139,32 @@ def _has_sliding_window(model) -> bool:
                                                                                  or [])
 
 
+def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: dict) -> int:
+    """The tokens :func:`prefill_prompts` stores once for the whole batch (0: none)."""
+    if prompts is None or "inputs_embeds" in inputs or _has_sliding_window(model):
+        return 0                  # embeddings are not compared; a window would count the other prompts' pads
+    also = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor)) + (() if positions is None else (positions,))
+    return shared_prefix_length(prompts, mask, min_tokens=block_size, also=also)
+
+
 @torch.no_grad()
-def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor, mask: torch.Tensor | None,
-                    positions: torch.Tensor | None, cache_kwarg: str) -> int:
+def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor | None, mask: torch.Tensor | None,
+                    positions: torch.Tensor | None, cache_kwarg: str, **inputs) -> int:
     """Prefill B left-padded prompts [B, L] once each; tokens they all begin with (a shared system
-    prompt) are prefilled and stored once for the whole batch. Returns the shared length."""
-    shared = 0
-    if not _has_sliding_window(model):               # a window would count the other prompts' pads
-        shared = shared_prefix_length(prompts, mask, min_tokens=cache.block_size)
+    prompt) are prefilled and stored once for the whole batch. ``inputs`` are per-row model inputs
+    laid out like the prompt ([B, L, ...]: ``inputs_embeds``, ``token_type_ids``), sliced with it.
+    Returns the shared length."""
+    shared = _shareable_length(model, cache.block_size, prompts, mask, positions, inputs)
     if not shared:
-        prefill(model, cache, prompts, attention_mask=mask, position_ids=positions, cache_kwarg=cache_kwarg)
+        prefill(model, cache, prompts, attention_mask=mask, position_ids=positions, cache_kwarg=cache_kwarg, **inputs)
         return 0
     batch, width = prompts.shape
     start = 0 if mask is None else width - int(mask[0].sum())
-    prefill(model, cache, prompts[:1, start:start + shared], cache_kwarg=cache_kwarg,
-            position_ids=torch.arange(shared, device=prompts.device)[None])
+    part = slice(start, start + shared)
+    prefill(model, cache, prompts[:1, part], cache_kwarg=cache_kwarg,
+            position_ids=(torch.arange(shared, device=prompts.device)[None] if positions is None
+                          else positions[:1, part]),
+            **{name: t[:1, part] for name, t in inputs.items()})
     cache.batch_repeat_interleave(batch)
     if width > shared:
         # Each prompt's rest, left-padded among themselves: with left padding, column c of the rest is
@@ -144,13 +172,115 @@ def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor, mask:
         rest_mask = None if mask is None else mask[:, : width - shared]
         rest_positions = None if positions is None else positions[:, shared:]
         prefill(model, cache, prompts[:, shared:], attention_mask=rest_mask, position_ids=rest_positions,
-                cache_kwarg=cache_kwarg)
+                cache_kwarg=cache_kwarg, **{name: t[:, shared:] for name, t in inputs.items()})
     return shared
 
 
 def _accepts(model, name: str) -> bool:
     import inspect
     return name in inspect.signature(model.forward).parameters
+
+
+# Model inputs that stock generate lays out like input_ids ([rows, L], sliced on the sequence axis every
+# step): the cascade prefill takes each prompt's columns of them.
+SEQUENCE_INPUTS = ("inputs_embeds", "token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
+# model_kwargs this module places itself
+_OWN_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "streamer",
+               "labels", "next_sequence_length")   # the last two: stock never forwards them
+
+
+def _prompt_inputs(model, model_kwargs: dict, rows: int, width: int, strict: bool = True) -> dict:
+    """The model inputs besides ids, mask and positions that stock's prefill forward would get: per-row
+    sequence inputs (trimmed to the prompt's ``width`` columns, as stock slices them) and plain options.
+    A tensor we cannot place per prompt is refused rather than dropped (it would change the tokens);
+    ``strict=False`` leaves it out instead (for deciding the path only)."""
+    inputs = {}
+    for name, value in model_kwargs.items():
+        if name in _OWN_KWARGS or value is None:
+            continue
+        if name in SEQUENCE_INPUTS and isinstance(value, torch.Tensor):
+            if value.dim() < 2 or value.shape[0] != rows or value.shape[1] < width:
+                raise ValueError(f"generate got {name} of shape {tuple(value.shape)}; it must have one row per "
+                                 f"sequence ({rows}) and cover the prompt's {width} positions.")
+            inputs[name] = value[:, value.shape[1] - width:]
+        elif isinstance(value, (bool, int, float, str)):
+            inputs[name] = value               # an option every forward gets, the prefill too
+        elif strict:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise NotImplementedError(
+                f"generate got the model input {name!r} ({shape}), which the cascade prefill cannot place per "
+                f"prompt (it handles {', '.join(SEQUENCE_INPUTS)}, position_ids and attention_mask). Load the model "
+                f"with attn_implementation='{stock_attention(model)}' to use it.")
+    return inputs
+
+
+# Where the paged cache starts to pay: prompt tokens that sharing saves per layer and step (each prompt's
+# tokens x (sequences per prompt - 1), plus a batch's common prefix x (prompts - 1)). Below it, the cascade's
+# per-step bookkeeping costs more than the reads it saves. Measured on 2 CPU threads (benchmarks/RESULTS.md,
+# "no loss where nothing is shared"): cascade / stock 1.12-1.19 at 381 saved (4 beams or samples, prompt 128),
+# 1.05 at 889 (8 beams, 128), <= 0.96 from 765 (4 x 256) up. Devices not listed: any sharing runs the cascade.
+MIN_SHARED_TOKENS = {"cpu": 1024}
+
+
+def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, input_ids: torch.LongTensor,
+                      mask: torch.Tensor | None, positions: torch.Tensor | None = None,
+                      inputs: dict | None = None) -> str | None:
+    """Why this generate call (without a CascadeCache of the caller's) runs on stock's own path — dense
+    attention with transformers' default cache — or None to run the cascade. A call pays for the paged
+    cache only where enough is shared: several sequences per prompt, or a prefix common to the batch,
+    worth at least ``MIN_SHARED_TOKENS`` on the model's device — or where its decode steps will run as a
+    graph (:mod:`hf_cascade.graphs`), which is faster than stock's even with nothing to share.
+    ``input_ids``/``mask``/``positions``/``inputs`` are as generate expanded them (rows = prompts x n)."""
+    if graphs.unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config),
+                                 cascade_config.cuda_graphs) is None:
+        return None       # a decode step replayed as a graph beats stock's even with nothing shared
+    n = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    inputs = inputs or {}
+    embeds = inputs.get("inputs_embeds")
+    rows, width = (input_ids if embeds is None else embeds).shape[:2]
+    prompts = rows // n
+    stored = prompts * (width - 1) if mask is None else int(mask[::n, :-1].sum())   # prompt tokens prefilled
+    sequence = {k: v[::n, :-1] for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    shared = _shareable_length(model, cascade_config.block_size,
+                               input_ids[::n, :-1] if input_ids.shape[1] == width else None,
+                               None if mask is None else mask[::n, :-1],
+                               None if positions is None or positions.dim() != 2 else positions[::n, :-1], sequence)
+    saved = (n - 1) * stored + shared * (prompts - 1)
+    if saved == 0:
+        return "one sequence per prompt and no prefix common to the batch: nothing to share"
+    device = model.device.type
+    threshold = MIN_SHARED_TOKENS.get(device, 0)
+    if saved < threshold:
+        return (f"sharing would save {saved} prompt-token reads per step, fewer than the {threshold} where the "
+                f"paged cache pays on {device} (MIN_SHARED_TOKENS)")
+    return None
+
+
+_stock_path_logged = False
+_beam_rows = weakref.WeakSet()    # caches a beam search filled: their rows are running beams, not the sequences
+
+
+def _log_stock_path(reason: str) -> None:
+    global _stock_path_logged
+    if not _stock_path_logged:
+        _stock_path_logged = True
+        logger.info("hf_cascade: generate runs on stock's dense path where %s; pass a CascadeCache to generate "
+                    "to run the cascade anyway (logged once).", reason)
+
+
+def _check_continuation(cache: CascadeCache, past: int, prompts: int, width: int) -> None:
+    """What continuing from a filled CascadeCache needs (a chat's next turn)."""
+    if cache in _beam_rows:
+        raise ValueError("This CascadeCache was filled by beam search: its rows are the running beams, not the "
+                         "sequences generate returned, so it cannot be continued. Call cache.reset() (or pass a new "
+                         "cache) and generate from the whole conversation.")
+    if cache.batch_size != prompts:
+        raise ValueError(f"The CascadeCache holds {cache.batch_size} rows (sequences of the previous call) but this "
+                         f"call has {prompts} prompts; continuing needs one prompt per stored row, each the previous "
+                         "sequence followed by its new tokens. Call cache.reset() or pass a new cache otherwise.")
+    if width <= past:
+        raise ValueError(f"The CascadeCache already holds {past} positions but the prompt has {width}: continuing "
+                         "needs the previous sequences followed by at least one new token.")
 
 
 def cascade_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -161,6 +291,12 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     ``hf_cascade_streamer`` carries generate's ``streamer`` (transformers drops it for custom callables);
     ``hf_cascade_config`` sets the cache's :class:`CascadeConfig` when generate creates the cache;
     ``tokenizer`` is generate's own (the patch keeps it for generate's stop-string criteria; unused here).
+
+    A call with nothing to share runs on stock's path (:func:`stock_path_reason`) unless the caller passed
+    a CascadeCache. A CascadeCache that a previous greedy or sampling call returned is continued: its rows
+    must be this call's prompts (each the previous sequence plus new tokens); only the new tokens are
+    prefilled, and the rows fork to this call's beams or samples. A call that raises leaves the caller's
+    CascadeCache empty.
     """
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
@@ -171,67 +307,57 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
             raise ValueError("`streamer` cannot be used with beam search (yet!). Make sure that `num_beams` is set to 1.")
         model_kwargs["streamer"] = hf_cascade_streamer
         hf_cascade_streamer.put(input_ids.cpu())
-    decode = GenerationMixin._beam_search if generation_config.num_beams > 1 else GenerationMixin._sample
+    beam = generation_config.num_beams > 1
+    decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
     key = _cache_key(model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
         return encoder_decoder.generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, decode, hf_cascade_config, key, **model_kwargs)
     existing = model_kwargs.get(key)
-    if existing is not None and not isinstance(existing, CascadeCache) and \
-            generation_config.cache_implementation not in (None, "dynamic"):
+    explicit = isinstance(existing, CascadeCache)
+
+    def stock():
+        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus=synced_gpus, **model_kwargs)
+
+    if explicit:
+        return _run(model, existing, False, input_ids, generation_config, model_kwargs, key, stock)
+    if existing is not None and generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
                          "attn_implementation='cascade', which brings its own cache. Unset it, or use "
-                         f"{stock_attention(model)}.")
-    if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
-                                                      or generation_config.output_attentions):
-        # stock returns them for every prompt position, which a once-per-prompt prefill does not compute
-        if isinstance(existing, CascadeCache):
-            raise ValueError("output_hidden_states/output_attentions need every prompt position's outputs, which a "
-                             "CascadeCache prefill does not keep; pass no cache (dense decoding) or use "
-                             f"{stock_attention(model)}.")
+                         f"attn_implementation='{stock_attention(model)}'.")
+    if _per_position_outputs(generation_config):
         logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
                        "(no prompt sharing).")
-        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=synced_gpus, **model_kwargs)
-    if not generation_config.use_cache or (existing is not None and not isinstance(existing, CascadeCache)
-                                           and getattr(existing, "_is_user_defined", False)):
+        return stock()
+    if not generation_config.use_cache or (existing is not None and getattr(existing, "_is_user_defined", False)):
         # No cache, or the user's own non-cascade cache: stock decoding; attention takes the dense path.
-        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus=synced_gpus, **model_kwargs)
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise NotImplementedError("cascade generate needs input_ids, not inputs_embeds; use "
-                                  f"attn_implementation='{stock_attention(model)}'.")
+        return stock()
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    width = _prompt_width(input_ids, model_kwargs)
+    inputs = _prompt_inputs(model, model_kwargs, input_ids.shape[0], width, strict=False)   # _cascade checks
+    hf_cascade_config = CascadeConfig.coerce(hf_cascade_config)
+    reason = stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
+                               positions, inputs)
+    if reason is not None:
+        _log_stock_path(reason)
+        return stock()
+    return _run(model, graphs.owned_cache(model, hf_cascade_config), True, input_ids, generation_config, model_kwargs,
+                key, stock)
 
-    owned = not isinstance(existing, CascadeCache)
-    cache = graphs.owned_cache(model, hf_cascade_config) if owned else existing
-    fingerprint = model_fingerprint(model)
-    if cache.model_fingerprint is not None and cache.model_fingerprint != fingerprint:
-        raise ValueError(f"This CascadeCache was used with another model ({cache.model_fingerprint}); this one is "
-                         f"{fingerprint}. Call cache.reset() or pass a new CascadeCache.")
-    if cache.get_seq_length() > 0:
-        raise ValueError(f"The CascadeCache passed to generate already holds {cache.get_seq_length()} tokens; "
-                         "continuing from a filled cache is not supported. Call cache.reset() or pass a new one.")
-    cache.model_fingerprint = fingerprint
-    model_kwargs[key] = cache
 
-    n = max(generation_config.num_beams, generation_config.num_return_sequences or 1)
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask[:, -1].all()):
-        raise ValueError("The last prompt token of some row is padding (right padding). Decoder-only generation "
-                         "needs left padding: set tokenizer.padding_side='left'.")
+def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, model_kwargs: dict, key: str, decode):
+    """Fill ``cache`` with the prompts' new tokens, then stock decoding (a captured graph where it can run)."""
     ok, runner = False, None
     try:
-        if input_ids.shape[1] > 1:
-            positions = model_kwargs.get("position_ids")
-            prefill_prompts(model, cache, input_ids[::n, :-1], None if mask is None else mask[::n, :-1],
-                            None if positions is None else positions[::n, :-1], key)
-            cache.batch_repeat_interleave(n)
+        _prefill_call(model, cache, input_ids, generation_config, model_kwargs, key)
         if cache.cascade_config.static_decode:
             cache.begin_decode(generation_config.max_length or input_ids.shape[1] + 1)
         runner = graphs.decode_runner(model, cache, generation_config)
         with runner if runner is not None else contextlib.nullcontext():
-            result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                            synced_gpus=synced_gpus, **model_kwargs)
+            result = decode()
+        if generation_config.num_beams > 1:
+            _beam_rows.add(cache)
         ok = True
         return result
     finally:
@@ -239,3 +365,66 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         # nobody else can reach an owned cache that is not handed out: every block goes back now (what a
         # captured graph points at is kept for the model's next call of the same shape)
         graphs.finish_call(model, cache, runner, owned=owned and not handed_out, ok=ok)
+        if not ok and not owned:
+            cache.reset()       # the caller's cache: empty and reusable, never half filled
+
+
+def _per_position_outputs(generation_config) -> bool:
+    # stock returns them for every prompt position, which a once-per-prompt prefill does not compute
+    return bool(generation_config.return_dict_in_generate and (generation_config.output_hidden_states
+                                                               or generation_config.output_attentions))
+
+
+def _prompt_width(input_ids, model_kwargs) -> int:
+    embeds = model_kwargs.get("inputs_embeds")
+    return input_ids.shape[1] if embeds is None else embeds.shape[1]
+
+
+def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, model_kwargs: dict, key: str) -> None:
+    """Check the call, prefill each prompt's new tokens once into ``cache`` and fork it to all rows."""
+    if _per_position_outputs(generation_config):
+        raise ValueError("output_hidden_states/output_attentions need every prompt position's outputs, which a "
+                         "CascadeCache prefill does not keep; pass no cache (dense decoding) or use "
+                         f"attn_implementation='{stock_attention(model)}'.")
+    if not generation_config.use_cache:
+        raise ValueError("generate got a CascadeCache and use_cache=False; pass no cache, or use_cache=True.")
+    fingerprint = model_fingerprint(model)
+    if cache.model_fingerprint is not None and cache.model_fingerprint != fingerprint:
+        raise ValueError(f"This CascadeCache was used with another model ({cache.model_fingerprint}); this one is "
+                         f"{fingerprint}. Call cache.reset() or pass a new CascadeCache.")
+    rows = input_ids.shape[0]
+    n = max(generation_config.num_beams, generation_config.num_return_sequences or 1)
+    width = _prompt_width(input_ids, model_kwargs)
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    inputs = _prompt_inputs(model, model_kwargs, rows, width)
+    past = cache.get_seq_length()
+    if past:
+        _check_continuation(cache, past, rows // n, width)
+    if positions is not None and positions.dim() != 2:
+        raise NotImplementedError(f"position_ids of shape {tuple(positions.shape)} (several position axes) are not "
+                                  "supported by the cascade prefill; load the model with "
+                                  f"attn_implementation='{stock_attention(model)}'.")
+    last_is_pad = None
+    if mask is not None and not bool(mask[:, -1].all()):
+        last_is_pad = mask[:, -1] == 0
+        if bool(mask[last_is_pad].any()):
+            raise ValueError("The last prompt token of some row is padding but the row has real tokens (right "
+                             "padding). Decoder-only generation needs left padding: set tokenizer.padding_side='left'.")
+    cache.model_fingerprint = fingerprint
+    model_kwargs[key] = cache
+    _beam_rows.discard(cache)
+    new = slice(past, width - 1)          # the prompt positions this call prefills (generate feeds the last)
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    options = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    if width - past > 1:
+        ids = None if "inputs_embeds" in tensors and input_ids.shape[1] != width else input_ids[::n, new]
+        args = (None if mask is None else mask[::n, new], None if positions is None else positions[::n, new], key)
+        sliced = {k: v[::n, new] for k, v in tensors.items()}
+        if past:
+            prefill(model, cache, ids, *args, **sliced, **options)
+        else:
+            prefill_prompts(model, cache, ids, *args, **sliced, **options)
+    if cache.batch_size:
+        cache.batch_repeat_interleave(n)
+    if last_is_pad is not None:
+        cache.set_write_mask(~last_is_pad[:, None])   # an empty prompt's last (pad) token is not stored either

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 import hf_cascade  # noqa: F401  registers "cascade"
+from hf_cascade import generation
 
 VOCAB = 96
 
@@ -89,6 +90,13 @@ class FirstForwardRows:
 
     def remove(self):
         self.handle.remove()
+
+
+@pytest.fixture(autouse=True)
+def cascade_on_tiny_prompts(monkeypatch):
+    """The tests' prompts are far below the CPU threshold where sharing pays (generation.MIN_SHARED_TOKENS), so
+    generate would run them on stock's path; keep them on the cascade (tests/test_parity.py tests the threshold)."""
+    monkeypatch.setattr(generation, "MIN_SHARED_TOKENS", {})
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from conftest import VOCAB, padded_batch
+from hf_cascade import CascadeCache
+from conftest import VOCAB, cache_kw, padded_batch
 
 NEW = 7            # new tokens per generate call
 PROMPTS = (21, 15)  # prompt lengths of the left-padded batch; a sequence reaches at most 21 + NEW = 28 positions
@@ -100,6 +101,11 @@ FAMILIES: dict[str, Family] = {
                   quirks="learned positions (from the padding mask), MHA with bias"),
     "GPT-2": Family(_cfg(T.GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=256),
                     quirks="learned positions, Conv1D qkv"),
+    "GPT-2 (token types)": Family(_cfg(T.GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                       initializer_range=0.3),
+                                  extra={"token_type_ids": torch.randint(0, 4, (2, max(PROMPTS)),
+                                                                         generator=torch.Generator().manual_seed(0))},
+                                  quirks="token_type_ids (embedded like tokens), prefilled per prompt"),
     "GPT-NeoX": Family(_cfg(T.GPTNeoXConfig, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256),
                        quirks="partial RoPE, parallel residual"),
@@ -144,6 +150,8 @@ FAMILIES: dict[str, Family] = {
                       load=dict(experts_implementation="eager"), init=_spread_sinks,
                       quirks="attention sinks (s_aux, spread to std 2), hybrid layers with sliding window 12, MoE MLP (stock: eager, "
                              "as it has no sdpa; experts in eager, as stock's grouped_mm has no float64)"),
+    "Mamba": Family(_cfg(T.MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4), status="refused",
+                    error="no attention layers", quirks="state-space model: no attention, told to load eager"),
     "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
                     error="does not route its attention through transformers' AttentionInterface",
                     quirks="ALiBi, own attention code (not AttentionInterface)"),
@@ -205,7 +213,9 @@ def test_family(name, mode):
         assert f"attn_implementation='{stock.config._attn_implementation}'" in str(err.value)
         return
     expected = run(stock, mode, ids, mask, **family.extra)
-    got = run(cascade, mode, ids, mask, **family.extra)
+    # greedy has nothing to share here and would run on stock's path: a CascadeCache of our own keeps it cascade
+    forced = cache_kw(cascade, CascadeCache(cascade.config)) if mode == "greedy" else {}
+    got = run(cascade, mode, ids, mask, **family.extra, **forced)
     assert expected.shape == got.shape
     assert torch.equal(expected, got), f"{name} {mode}: cascade tokens differ from stock"
 
@@ -227,7 +237,7 @@ def test_refusals_name_an_attention_the_model_has():
         assert named(model.model.layers[0].self_attn) == expected
         ids, mask = padded_batch(seed=3, lengths=PROMPTS)
         with pytest.raises(NotImplementedError, match=f"attention dropout.*attn_implementation='{expected}'"):
-            run(model, "greedy", ids, mask)
+            run(model, "beam", ids, mask)        # greedy shares nothing: it would run on stock's path
 
 
 def test_gpt_oss_forward_without_cache_is_stock_eager():

@@ -169,13 +169,11 @@ def test_blocks_released_after_exception(llama_pair):
     finally:
         seen.remove()
     assert seen.caches[0].stats().blocks_in_use == 0
-    # the user's cache: kept as it was, fully released by reset()
+    # the user's cache: left empty (tests/test_parity.py covers more failures)
     cache = CascadeCache(cascade.config)
     with pytest.raises(_Boom):
         cascade.generate(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=8, pad_token_id=0,
                          **cache_kw(cascade, cache), stopping_criteria=_exploding_criteria(3))
-    assert cache.stats().blocks_in_use > 0
-    cache.reset()
     assert cache.stats().blocks_in_use == 0 and cache.blocks.refcount.sum() == 0
     # and the model still generates correctly afterwards
     out = cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=3, pad_token_id=0,

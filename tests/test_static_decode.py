@@ -19,7 +19,7 @@ from hf_cascade.blocks import BlockManager
 from hf_cascade.kernels import reference
 from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
 
-from conftest import model_pair, padded_batch
+from conftest import cache_kw, model_pair, padded_batch
 from test_families import FAMILIES, generate_kwargs
 from test_families import model_pair as family_pair
 
@@ -216,7 +216,9 @@ def test_solo_rows_give_stock_tokens(case, llama_pair, monkeypatch):
 
     monkeypatch.setattr(hf_cascade.CascadeCache, "_freeze_layout", keep)
     torch.manual_seed(3)
-    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(block_size=4))
+    # greedy shares nothing (it would run on stock's path): a CascadeCache of our own keeps it on the cascade
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
+                           **cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, CascadeConfig(block_size=4))))
     assert torch.equal(expected, got)
     layout, = plans
     assert (layout.row_prefix_blocks > 0).all()
