@@ -102,3 +102,24 @@ def cascade_on_tiny_prompts(monkeypatch):
 @pytest.fixture(scope="module")
 def llama_pair():
     return model_pair("llama")
+
+
+class RunnerSpy:
+    """Records the graph runners (hf_cascade.graphs.DecodeGraphRunner, or None) generate calls create."""
+
+    def __init__(self, monkeypatch):
+        from hf_cascade import graphs
+        self.runners = []
+        real = graphs.decode_runner
+
+        def spy(*args, **kwargs):
+            runner = real(*args, **kwargs)
+            self.runners.append(runner)
+            return runner
+
+        monkeypatch.setattr(graphs, "decode_runner", spy)
+
+
+@pytest.fixture
+def runner_spy(monkeypatch):
+    return RunnerSpy(monkeypatch)

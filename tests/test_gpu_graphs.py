@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteriaList
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
 
+from conftest import RunnerSpy
+
 pytestmark = pytest.mark.gpu
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -27,19 +29,6 @@ def model():
         m = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="cascade",
                                              dtype=torch.bfloat16)
     return m.eval()
-
-
-class Spy:
-    def __init__(self, monkeypatch):
-        self.runners = []
-        real = graphs.decode_runner
-
-        def spy(*args, **kwargs):
-            runner = real(*args, **kwargs)
-            self.runners.append(runner)
-            return runner
-
-        monkeypatch.setattr(graphs, "decode_runner", spy)
 
 
 def _batch(lengths, seed=0, shared=0):
@@ -75,7 +64,7 @@ def test_replay_equals_eager_bitwise(model, monkeypatch, case, backend, memory, 
     ids, mask = _batch((700, 460, 590), seed=1, shared=shared)
     kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case])
     outs = []
-    spy = Spy(monkeypatch)
+    spy = RunnerSpy(monkeypatch)
     for mode in ("eager", True):
         torch.manual_seed(11)
         config = CascadeConfig(cuda_graphs=mode, backend=backend, memory=memory, block_size=4)
@@ -103,7 +92,7 @@ def test_float32_graphs_give_stock_tokens(monkeypatch):
                                                    dtype=torch.float32).eval()
     cascade.load_state_dict(stock.state_dict())
     ids, mask = _batch((300, 210), seed=2)
-    spy = Spy(monkeypatch)
+    spy = RunnerSpy(monkeypatch)
     for case in ("beam", "greedy"):
         kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
         expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
@@ -132,7 +121,7 @@ def test_exception_inside_a_step_leaves_no_graph_and_next_call_is_the_same(model
 
 
 def test_graphs_are_off_when_asked_and_for_several_devices(model, monkeypatch, caplog):
-    spy = Spy(monkeypatch)
+    spy = RunnerSpy(monkeypatch)
     ids, mask = _batch((200,), seed=4)
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
                    hf_cascade_config=CascadeConfig(cuda_graphs=False))
@@ -151,7 +140,7 @@ def test_second_call_of_the_same_shape_replays_without_capturing(model, monkeypa
         pytest.skip("no CUDA virtual memory here")
     hf_cascade.release(model)
     config = CascadeConfig(cuda_graphs=True, memory=memory, max_kv_bytes=2 ** 30)
-    spy = Spy(monkeypatch)
+    spy = RunnerSpy(monkeypatch)
     outs, counts = [], []
     for seed in (5, 6, 5):
         ids, mask = _batch((600, 420), seed=seed)

@@ -19,7 +19,7 @@ from hf_cascade.blocks import BlockManager
 from hf_cascade.kernels import reference
 from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
 
-from conftest import cache_kw, model_pair, padded_batch
+from conftest import RunnerSpy, cache_kw, model_pair, padded_batch
 from test_families import FAMILIES, generate_kwargs
 from test_families import model_pair as family_pair
 
@@ -129,21 +129,6 @@ def test_cache_replans_when_the_layout_is_outgrown(llama_pair, caplog):
 # families whose layers the cuda kernels serve (no window shorter than the sequence, no softcap, no sinks)
 GPU_SERVED = [name for name, f in FAMILIES.items() if f.status == "exact"
               and name not in ("Mistral", "Gemma2", "Cohere2", "Starcoder2", "GPT-OSS")]
-
-
-class RunnerSpy:
-    """Records the graph runners generate creates."""
-
-    def __init__(self, monkeypatch):
-        self.runners = []
-        real = graphs.decode_runner
-
-        def spy(*args, **kwargs):
-            runner = real(*args, **kwargs)
-            self.runners.append(runner)
-            return runner
-
-        monkeypatch.setattr(graphs, "decode_runner", spy)
 
 
 @pytest.mark.parametrize("name", GPU_SERVED)
