@@ -1,6 +1,8 @@
-// Merge: the log-sum-exp of a row's partials (its prefix chunks' slots [0, row_nchunks[r]) and its suffix slots
-// [slot0, slot0 + nsplit)) into the output in q's dtype; one warp per (row, query, head). All -inf -> 0, never
-// NaN. Semantics: hf_cascade/kernels/reference.py (merge_state); layouts: csrc/include/hfc/params.h.
+// Merge: the log-sum-exp of a row's partials (its prefix chunks' slots [0, row_nchunks[r]), with three levels its
+// middle-level chunks' slots [mid_slot0, mid_slot0 + row_nmid[r]), and its suffix slots [slot0, slot0 + nsplit))
+// into the output in q's dtype; one warp per (row, query, head). An attention sink is one more partial (O = 0,
+// LSE = sinks[h] x log2 e): it joins the maximum and the weight sum only. All -inf (and no sink) -> 0, never NaN.
+// Semantics: hf_cascade/kernels/reference.py (merge_state, merge_sink); layouts: csrc/include/hfc/params.h.
 
 #include "hfc/common.cuh"
 #include "hfc/dispatch.h"
@@ -9,11 +11,12 @@
 namespace hfc {
 namespace {
 
-template <typename T, int D>
+// EXTRA: middle-level slots and/or sinks compiled in (the plain instantiation is the code from before them)
+template <typename T, int D, bool EXTRA>
 __global__ void __launch_bounds__(kThreads)
 merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
              const int* __restrict__ row_nchunks, T* __restrict__ out, int R, int Lq, int Hq, int slot0,
-             int nsplit) {
+             int nsplit, const int* __restrict__ row_nmid, int mid_slot0, const float* __restrict__ sinks) {
   constexpr int EPL = D / 32;  // elements per lane: 2, 4, 8
   const int64_t total = (int64_t)R * Lq * Hq;
   const int64_t item = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -21,23 +24,28 @@ merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ls
   const int lane = threadIdx.x & 31;
   const int r = (int)(item / ((int64_t)Lq * Hq));
   const int npre = row_nchunks[r];
-  const int nslots = npre + nsplit;
+  // slot s of the row's list: prefix chunks, then (three levels) middle chunks, then suffix splits
+  const int nmid = (EXTRA && row_nmid != nullptr) ? row_nmid[r] : 0;
+  const int nslots = npre + nmid + nsplit;
+  auto slot_of = [&](int s) {
+    return s < npre ? s : s < npre + nmid ? mid_slot0 + (s - npre) : slot0 + (s - npre - nmid);
+  };
 
   float mx = neg_inf();
-  for (int s = lane; s < nslots; s += 32) {
-    const int slot = s < npre ? s : slot0 + (s - npre);
-    mx = fmaxf(mx, part_lse[(int64_t)slot * total + item]);
-  }
+  for (int s = lane; s < nslots; s += 32) mx = fmaxf(mx, part_lse[(int64_t)slot_of(s) * total + item]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
+  const float sink = (EXTRA && sinks != nullptr) ? sinks[item % Hq] * 1.4426950408889634f : neg_inf();
+  if (EXTRA) mx = fmaxf(mx, sink);
 
   float acc[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) acc[e] = 0.0f;
   float wsum = 0.0f;
   if (mx != neg_inf()) {
+    if (EXTRA && sink != neg_inf()) wsum = exp2f(sink - mx);  // the sink's weight, with no value
     for (int s = 0; s < nslots; ++s) {
-      const int slot = s < npre ? s : slot0 + (s - npre);
+      const int slot = slot_of(s);
       const int64_t at = (int64_t)slot * total + item;
       const float lse = part_lse[at];
       if (lse == neg_inf()) continue;  // same for the whole warp
@@ -71,9 +79,11 @@ cudaError_t launch_t(const hfc_merge_params& p, cudaStream_t stream) {
   const long long items = (long long)p.R * p.Lq * p.Hq;
   const long long blocks = (items + kWarps - 1) / kWarps;
   if (!fits_int(blocks)) return cudaErrorInvalidConfiguration;
-  merge_kernel<T, D><<<(unsigned)blocks, kThreads, 0, stream>>>(p.part_o, p.part_lse, p.row_nchunks,
+  const bool extra = p.row_nmid != nullptr || p.sinks != nullptr;
+  (extra ? merge_kernel<T, D, true> : merge_kernel<T, D, false>)<<<(unsigned)blocks, kThreads, 0, stream>>>(p.part_o, p.part_lse, p.row_nchunks,
                                                                  static_cast<T*>(p.out), (int)p.R, (int)p.Lq,
-                                                                 (int)p.Hq, (int)p.slot0, (int)p.nsplit);
+                                                                 (int)p.Hq, (int)p.slot0, (int)p.nsplit, p.row_nmid,
+                                                                 (int)p.mid_slot0, p.sinks);
   return cudaGetLastError();
 }
 
@@ -81,7 +91,7 @@ cudaError_t launch_t(const hfc_merge_params& p, cudaStream_t stream) {
 
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream) {
   if (!fits_int(p.R) || !fits_int(p.Lq) || !fits_int(p.Hq) || !fits_int(p.slot0) || !fits_int(p.nsplit) ||
-      !fits_int(p.R * p.Lq * p.Hq))
+      !fits_int(p.R * p.Lq * p.Hq) || !fits_int(p.mid_slot0))
     return cudaErrorInvalidValue;
   if (p.R == 0 || p.Lq == 0 || p.Hq == 0) return cudaSuccess;
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))

@@ -123,12 +123,16 @@ template <> struct Mma<__half> {
 //   P (A of PV): S n-tiles 2j, 2j+1 of the sub-tile: a = {pack(c0,c1) of 2j, pack(c2,c3) of 2j,
 //                pack(c0,c1) of 2j+1, pack(c2,c3) of 2j+1}.
 
-template <typename T, int D, int M>
+// VAR: the per-layer variants (csrc/include/hfc/params.h) are compiled in; the plain instantiation (VAR false)
+// is the same code as before they existed. cap_out > 0: softcap, logit = cap_out x tanh(cap_in x q.k) (log2
+// domain); window > 0: query row sees the prefix tokens >= prefix_len + q_limit[row, lq] - window.
+template <typename T, int D, int M, bool VAR>
 __global__ void __launch_bounds__(kThreads, PrefixCfg<D, M>::MIN_CTAS)
 prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ group_rows,
                  const int* __restrict__ prefix_table, const int* __restrict__ prefix_len,
                  float* __restrict__ part_o, float* __restrict__ part_lse, int R, int Lq, int Hq, int Hkv,
-                 int bs, int Rg, int Mp, int chunk_tokens, int row_tiles, float scale_log2) {
+                 int bs, int Rg, int Mp, int chunk_tokens, int row_tiles, float scale_log2,
+                 const int* __restrict__ q_limit, float cap_in, float cap_out, int window) {
   using C = PrefixCfg<D, M>;
   constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH, STAGES = C::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -160,7 +164,40 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
 
   const int plen = prefix_len[g];
   const int t_begin = chunk * chunk_tokens;
-  if (t_begin >= plen) {  // a chunk with no tokens: O = 0, LSE = -inf (uniform over the CTA, no barrier)
+  // first token the CTA reads: with a window, the tile holding the earliest token any of its rows sees
+  int t_first = t_begin;
+  // the first prefix token of this lane's two rows (g, g + 8 of its warp's 16) inside the window
+  int win_lo[2] = {0, 0};
+  if constexpr (VAR) {
+    if (window > 0) {
+      auto row_start = [&](int m) -> int {  // INT_MAX: a padding row (sees nothing, never written)
+        if (m >= rows_here) return 0x7fffffff;
+        const int mg = tile * M + m;
+        const int rg = mg / per_row, lq = (mg - rg * per_row) / grp;
+        const int row = group_rows[(int64_t)g * Rg + rg];
+        if (row < 0) return 0x7fffffff;
+        return plen + q_limit[(int64_t)row * Lq + lq] - window;
+      };
+      const int wrow = (warp / PrefixCfg<D, M>::WN) * 16 + (lane >> 2);
+      win_lo[0] = row_start(wrow);
+      win_lo[1] = row_start(wrow + 8);
+      // CTA-wide minimum through the K/V ring (nothing is in flight yet), so every thread skips the same tiles
+      int lo = 0x7fffffff;
+      for (int m = tid; m < rows_here; m += kThreads) lo = min(lo, row_start(m));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) lo = min(lo, __shfl_xor_sync(kFull, lo, off));
+      int* red = reinterpret_cast<int*>(smem + PrefixCfg<D, M>::KV_OFF);
+      if (lane == 0) red[warp] = lo;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) lo = min(lo, red[w]);
+      __syncthreads();  // everyone has read red[] before the ring is filled
+      if (lo > t_begin) t_first = (lo - t_begin >= chunk_tokens) ? t_begin + chunk_tokens
+                                                                   : t_begin + (lo - t_begin) / PrefixCfg<D, M>::N * PrefixCfg<D, M>::N;
+    }
+  }
+  // a chunk with no tokens (or none inside any row's window): O = 0, LSE = -inf (uniform over the CTA)
+  if (t_begin >= plen || (VAR && t_first >= min(t_begin + chunk_tokens, plen))) {
     for (int i = tid; i < M * (D / 4); i += kThreads) {
       const int m = i / (D / 4), v = i % (D / 4);
       const int64_t item = item_of(m);
@@ -221,10 +258,10 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     }
   };
 
-  const int ntiles = (t_end - t_begin + N - 1) / N;
+  const int ntiles = (t_end - t_first + N - 1) / N;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(t_begin + s * N, s);
+    if (s < ntiles) load_tile(t_first + s * N, s);
     cp_async_commit();  // always commit (possibly empty): group k <-> tile k
   }
 
@@ -251,7 +288,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     __syncthreads();              // everyone's have; everyone is done with tile it - 1 (its slot is free)
     {
       const int nx = it + STAGES - 1;
-      if (nx < ntiles) load_tile(t_begin + nx * N, nx % STAGES);
+      if (nx < ntiles) load_tile(t_first + nx * N, nx % STAGES);
       cp_async_commit();
     }
     if (!active) continue;
@@ -261,7 +298,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     for (int s = 0; s < C::SUB; ++s) {
       if (C::WN > 1 && (it * C::SUB + s) % C::WN != wn) continue;
       const int tok0 = s * KW;                               // first token of the sub-tile in the tile
-      const int valid = t_end - (t_begin + it * N + tok0);   // valid tokens of the sub-tile (if < KW)
+      const int valid = t_end - (t_first + it * N + tok0);   // valid tokens of the sub-tile (if < KW)
       if (valid <= 0) continue;
 
       // ---- S = Q K^T (16 rows x KW tokens, fp32)
@@ -290,6 +327,10 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float v = sacc[nt][e] * scale_log2;
+          if constexpr (VAR) {
+            if (cap_out > 0.0f) v = cap_out * tanhf(sacc[nt][e] * cap_in);
+            if (window > 0 && t_first + it * N + tok0 + nt * 8 + 2 * q4 + (e & 1) < win_lo[e >> 1]) v = neg_inf();
+          }
           if (valid < KW && nt * 8 + 2 * q4 + (e & 1) >= valid) v = neg_inf();
           sacc[nt][e] = v;
           mx[e >> 1] = fmaxf(mx[e >> 1], v);
@@ -406,12 +447,16 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
 template <typename T, int D, int M>
 cudaError_t setup_t(hfc_prefix_info* info) {
   using C = PrefixCfg<D, M>;
-  auto kern = prefix_kernel<T, D, M>;
-  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-  if (err != cudaSuccess) return err;
-  // several CTAs of up to ~100 KB each per SM: ask for the largest shared-memory carve-out
-  err = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  if (err != cudaSuccess || info == nullptr) return err;
+  auto kern = prefix_kernel<T, D, M, false>;
+  cudaError_t err = cudaSuccess;
+  for (auto k : {prefix_kernel<T, D, M, false>, prefix_kernel<T, D, M, true>}) {  // plain and variants
+    err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+    if (err != cudaSuccess) return err;
+    // several CTAs of up to ~100 KB each per SM: ask for the largest shared-memory carve-out
+    err = cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+  }
+  if (info == nullptr) return err;
   info->smem_bytes = C::SMEM;
   info->tile_tokens = C::N;
   int ctas = 0;
@@ -426,10 +471,14 @@ cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
   const long long gx = (long long)p.row_tiles * p.max_chunks;
   if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
-  prefix_kernel<T, D, M><<<grid, kThreads, C::SMEM, stream>>>(
+  const bool var = p.softcap > 0.0f || p.window > 0;
+  // softcap: cap x tanh(scale q.k / cap) in the log2 domain
+  const float cap_in = p.softcap > 0.0f ? (float)(p.scale_log2 * 0.6931471805599453 / p.softcap) : 0.0f;
+  const float cap_out = p.softcap > 0.0f ? (float)(p.softcap * 1.4426950408889634) : 0.0f;
+  (var ? prefix_kernel<T, D, M, true> : prefix_kernel<T, D, M, false>)<<<grid, kThreads, C::SMEM, stream>>>(
       static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.group_rows, p.prefix_table, p.prefix_len,
       p.part_o, p.part_lse, (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Rg, (int)p.Mp,
-      (int)p.chunk_tokens, (int)p.row_tiles, p.scale_log2);
+      (int)p.chunk_tokens, (int)p.row_tiles, p.scale_log2, p.q_limit, cap_in, cap_out, (int)p.window);
   return cudaGetLastError();
 }
 
@@ -447,6 +496,7 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.Hkv < 1 || p.Hq % p.Hkv != 0 || p.block_size < 1 || p.chunk_tokens < 1 || p.row_tiles < 1 || p.Lq < 1)
     return cudaErrorInvalidValue;
+  if (p.window < 0 || (p.window > 0 && p.q_limit == nullptr) || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
   if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, HFC_DISPATCH_M_TILE(D, p.m_tile, M,

@@ -15,11 +15,15 @@ namespace {
 
 constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda.py)
 
-template <typename T, int D>
+// VAR: the per-layer variants compiled in (the plain instantiation is the code from before them). cap_out > 0:
+// softcap, logit = cap_out x tanh(cap_in x s) with s the log2-domain dot product; window > 0: query lq sees
+// the suffix tokens [q_limit - window, q_limit).
+template <typename T, int D, bool VAR>
 __global__ void __launch_bounds__(kThreads)
 suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ suffix_table,
               const int* __restrict__ q_limit, float* __restrict__ part_o, float* __restrict__ part_lse, int R,
-              int Lq, int Hq, int Hkv, int bs, int Ms, int split_tokens, int nqb, int slot0, float scale_log2) {
+              int Lq, int Hq, int Hkv, int bs, int Ms, int split_tokens, int nqb, int slot0, float scale_log2,
+              float cap_in, float cap_out, int window) {
   constexpr int LPT = D / 8;         // lanes per token, 8 elements (16 bytes) each
   constexpr int TPW = 32 / LPT;      // tokens per warp and step
   constexpr int STEP = kWarps * TPW; // tokens per CTA and step
@@ -57,8 +61,18 @@ suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
       for (int e = 0; e < 8; ++e) qr[qi][e] *= scale_log2;
     }
   }
-  const int t_lo = split * split_tokens;
+  int t_lo = split * split_tokens;
   const int t_hi = min(t_lo + split_tokens, tmax);
+  int lo[kQB];  // VAR with a window: the first suffix token each query sees
+  if constexpr (VAR) {
+    int tmin = 0x7fffffff;  // the same in every thread (all read the same q_limit): no reduction needed
+#pragma unroll
+    for (int qi = 0; qi < kQB; ++qi) {
+      lo[qi] = window > 0 ? lim[qi] - window : 0;
+      if (qb * kQB + qi < nq) tmin = min(tmin, lo[qi]);
+    }
+    if (window > 0) t_lo = max(t_lo, tmin);
+  }
   const int* table = suffix_table + (int64_t)r * Ms;
   const int64_t slot_stride = (int64_t)Hkv * D;
   const int64_t kv_stride = (int64_t)bs * Hkv * D;
@@ -95,7 +109,12 @@ suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
       for (int e = 0; e < 8; ++e) s = fmaf(qr[qi][e], kf[e], s);
 #pragma unroll
       for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);  // every lane takes part
-      if (ok && t < lim[qi]) {
+      bool sees = ok && t < lim[qi];
+      if constexpr (VAR) {
+        if (cap_out > 0.0f) s = cap_out * tanhf(s * cap_in);
+        sees = sees && t >= lo[qi];
+      }
+      if (sees) {
         const float mn = fmaxf(m[qi], s);
         const float a = exp2f(m[qi] - mn);  // m = -inf -> 0
         const float p = exp2f(s - mn);
@@ -179,10 +198,14 @@ cudaError_t launch_t(const hfc_suffix_params& p, cudaStream_t stream) {
   const long long gx = (long long)p.nsplit * nqb;
   if (!fits_int(gx) || p.Hkv > 65535 || p.R > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.R);
-  suffix_kernel<T, D><<<grid, kThreads, 0, stream>>>(
+  const bool var = p.softcap > 0.0f || p.window > 0;
+  // softcap: s is scale x q.k x log2(e); cap x tanh(scale q.k / cap) x log2(e)
+  const float cap_in = p.softcap > 0.0f ? (float)(0.6931471805599453 / p.softcap) : 0.0f;
+  const float cap_out = p.softcap > 0.0f ? (float)(p.softcap * 1.4426950408889634) : 0.0f;
+  (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.suffix_table, p.q_limit, p.part_o, p.part_lse,
       (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Ms, (int)p.split_tokens, nqb,
-      (int)p.slot0, p.scale_log2);
+      (int)p.slot0, p.scale_log2, cap_in, cap_out, (int)p.window);
   return cudaGetLastError();
 }
 
@@ -195,6 +218,7 @@ cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.Hkv < 1 || p.Hq % p.Hkv != 0 || p.block_size < 1 || p.split_tokens < 1 || p.nsplit < 1 || p.Lq < 1)
     return cudaErrorInvalidValue;
+  if (p.window < 0 || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0) return cudaSuccess;
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))
 }

@@ -36,18 +36,22 @@ def layout(device="cuda", dtype=torch.bfloat16, R=6, Lq=1, Hq=8, Hkv=2, D=128, b
         q_limit=torch.empty(R, Lq, dtype=I32, device=device), row_nchunks=torch.empty(R, dtype=I32, device=device),
         part_o=torch.empty(slots * R * Lq * Hq * D, device=device), part_lse=torch.empty(slots * R * Lq * Hq, device=device),
         out=torch.empty_like(q), m_tile=m_tile, row_tiles=-(-rows // m_tile), chunk_tokens=64, max_chunks=max_chunks,
-        split_tokens=32, nsplit=nsplit, slot0=max_chunks, scale_log2=0.1)
+        split_tokens=32, nsplit=nsplit, slot0=max_chunks, scale_log2=0.1,
+        pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=max_chunks, sinks=None)
 
 
 def call(name, a):
     if name == "prefix":
         return torch.ops.hf_cascade.prefix(a["q"], a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"],
                                            a["part_o"], a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"],
-                                           a["max_chunks"], a["scale_log2"])
+                                           a["max_chunks"], a["scale_log2"], a["q_limit"], a["pslot0"], a["softcap"],
+                                           a["window"])
     if name == "suffix":
         return torch.ops.hf_cascade.suffix(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
-                                           a["part_lse"], a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"])
-    return torch.ops.hf_cascade.merge(a["part_o"], a["part_lse"], a["row_nchunks"], a["out"], a["slot0"], a["nsplit"])
+                                           a["part_lse"], a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"],
+                                           a["softcap"], a["window"])
+    return torch.ops.hf_cascade.merge(a["part_o"], a["part_lse"], a["row_nchunks"], a["out"], a["slot0"], a["nsplit"],
+                                      a["row_nmid"], a["mid_slot0"], a["sinks"])
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -111,6 +115,12 @@ BAD = [  # (operator, argument, how it is wrong, exception) -> the message must 
     ("suffix", "part_lse", lambda a: _shaped(a["part_lse"], 5), ValueError),
     ("merge", "row_nchunks", lambda a: _shaped(a["row_nchunks"], 5), ValueError),
     ("merge", "out", lambda a: a["out"].float(), TypeError),
+    ("prefix", "window", -1, ValueError),
+    ("suffix", "softcap", -2.0, ValueError),
+    ("prefix", "part_o", lambda a: a["part_o"], ValueError),   # with pslot0 below: slots past the buffer
+    ("merge", "sinks", lambda a: torch.empty(5, device=a["out"].device), ValueError),
+    ("merge", "sinks", lambda a: torch.empty(8, dtype=torch.bfloat16, device=a["out"].device), TypeError),
+    ("merge", "row_nmid", lambda a: _shaped(a["row_nchunks"], 4), ValueError),
 ]
 
 
@@ -118,8 +128,11 @@ BAD = [  # (operator, argument, how it is wrong, exception) -> the message must 
 def test_fake_implementations_name_the_wrong_argument(op, arg, value, exc):
     with FakeTensorMode():
         a = layout()
+        bad = _bad(a, arg, value)
+        if arg == "part_o" and bad["part_o"] is a["part_o"]:
+            bad["pslot0"] = a["max_chunks"] + a["nsplit"]      # the middle level's slots would not fit
         with pytest.raises(exc, match=rf"hf_cascade::{op}: .*\b{arg}\b"):
-            call(op, _bad(a, arg, value))
+            call(op, bad)
 
 
 def test_m_tile_64_needs_head_dim_at_most_128():
@@ -140,7 +153,8 @@ class _Layer(torch.nn.Module):
     def forward(self, x, a):
         q = self.proj(x).view(a["q"].shape)
         ops.prefix(None, 0, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], a["part_o"],
-                   a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"])
+                   a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"],
+                   a["q_limit"])
         ops.suffix(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
                    a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"])
         out = torch.empty_like(q)
@@ -210,7 +224,8 @@ def _real_case(dtype=torch.bfloat16, D=128):
              suffix_table=dp.suffix_table, q_limit=dp.q_limit, row_nchunks=st.row_nchunks,
              part_o=torch.zeros_like(st.part_o), part_lse=torch.zeros_like(st.part_lse), out=torch.empty_like(q),
              m_tile=st.m_tile, row_tiles=st.row_tiles, chunk_tokens=st.chunk_tokens, max_chunks=st.max_chunks,
-             split_tokens=st.split_tokens, nsplit=st.nsplit, slot0=st.max_chunks, scale_log2=scale * cuda_backend.LOG2E)
+             split_tokens=st.split_tokens, nsplit=st.nsplit, slot0=st.max_chunks, scale_log2=scale * cuda_backend.LOG2E,
+             pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=st.max_chunks, sinks=None)
     assert st.has_prefix and st.max_chunks >= 1
     return a, eager
 
@@ -220,10 +235,12 @@ def _real_case(dtype=torch.bfloat16, D=128):
 def test_opcheck(op):
     a, _ = _real_case()
     args = {"prefix": ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse", "m_tile",
-                       "row_tiles", "chunk_tokens", "max_chunks", "scale_log2"),
+                       "row_tiles", "chunk_tokens", "max_chunks", "scale_log2", "q_limit", "pslot0", "softcap",
+                       "window"),
             "suffix": ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse", "split_tokens", "nsplit",
-                       "slot0", "scale_log2"),
-            "merge": ("part_o", "part_lse", "row_nchunks", "out", "slot0", "nsplit")}[op]
+                       "slot0", "scale_log2", "softcap", "window"),
+            "merge": ("part_o", "part_lse", "row_nchunks", "out", "slot0", "nsplit", "row_nmid", "mid_slot0",
+                      "sinks")}[op]
     torch.library.opcheck(getattr(torch.ops.hf_cascade, op).default, tuple(a[k] for k in args))
 
 
@@ -265,7 +282,7 @@ def test_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
 
     def layer(q, part_o, part_lse):
         ops.prefix(lib, stream, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], part_o, part_lse,
-                   a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"])
+                   a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"], a["q_limit"])
         ops.suffix(lib, stream, q, a["pool"], a["suffix_table"], a["q_limit"], part_o, part_lse, a["split_tokens"],
                    a["nsplit"], a["slot0"], a["scale_log2"])
         out = torch.empty_like(q)

@@ -48,7 +48,7 @@ __all__ = ["unsupported_reason", "attend", "library", "availability", "prebuilt_
 
 logger = logging.getLogger("hf_cascade")
 
-ABI_VERSION = 3                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+ABI_VERSION = 4                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
 LOG2E = 1.0 / math.log(2.0)
@@ -69,6 +69,10 @@ GRAPH_SAFE = True
 SOLO_PREFIX = True
 SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in csrc/suffix.cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
+
+# per-layer variants the kernels implement (hf_cascade.kernels.select): softcap and a sliding window in the prefix
+# and suffix kernels, attention sinks in the merge
+QUIRKS = ("softcap", "window", "sinks")
 
 # Set True (tests do) to synchronise and check for errors after every launch; never in production.
 debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
@@ -136,7 +140,8 @@ class _PrefixParams(ctypes.Structure):     # hfc_prefix_params
     _fields_ = [(n, _vp) for n in ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse")] + \
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Rg", "Mp", "chunk_tokens",
                                     "max_chunks", "row_tiles")] + \
-               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32)]
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32),
+                ("q_limit", _vp), ("softcap", _f32), ("window", _i32)]
 
 
 class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
@@ -146,13 +151,13 @@ class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
 class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
     _fields_ = [(n, _vp) for n in ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse")] + \
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
-               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32)]
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32)]
 
 
 class _MergeParams(ctypes.Structure):      # hfc_merge_params
     _fields_ = [(n, _vp) for n in ("part_o", "part_lse", "row_nchunks", "out")] + \
                [(n, _i64) for n in ("R", "Lq", "Hq", "slot0", "nsplit")] + \
-               [("dtype", _i32), ("head_dim", _i32)]
+               [("dtype", _i32), ("head_dim", _i32), ("row_nmid", _vp), ("mid_slot0", _i64), ("sinks", _vp)]
 
 
 class _Lib:
@@ -221,30 +226,38 @@ class _Lib:
     # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
     # them for the torch operators; attend checks q and the pool, _validate the plan once per step).
     def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
-               chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int) -> None:
+               chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int, q_limit=None, slot0: int = 0,
+               softcap: float = 0.0, window: int = 0) -> None:
         R, Lq, Hq, D = q.shape
+        items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
+        o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
         G, Rg = group_rows.shape
         dtype_code = DTYPE_CODES[q.dtype]
         if (dtype_code, D, m_tile, q.device.index) not in self._info:   # setup runs once, before the first launch
             self.prefix_info(dtype_code, D, m_tile, q.device.index)
         params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
-                               prefix_len.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq,
+                               prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
                                pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
-                               row_tiles, scale_log2, dtype_code, D, m_tile)
+                               row_tiles, scale_log2, dtype_code, D, m_tile,
+                               None if q_limit is None else q_limit.data_ptr(), softcap, window)
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-               scale_log2: float, stream: int) -> None:
+               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0) -> None:
         R, Lq, Hq, D = q.shape
         params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
                                part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
-                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, DTYPE_CODES[q.dtype], D)
+                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, DTYPE_CODES[q.dtype], D,
+                               softcap, window)
         self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
 
-    def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int) -> None:
+    def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
+              mid_slot0: int = 0, sinks=None) -> None:
         R, Lq, Hq, D = out.shape
         params = _MergeParams(part_o.data_ptr(), part_lse.data_ptr(), row_nchunks.data_ptr(), out.data_ptr(), R, Lq,
-                              Hq, slot0, nsplit, DTYPE_CODES[out.dtype], D)
+                              Hq, slot0, nsplit, DTYPE_CODES[out.dtype], D,
+                              None if row_nmid is None else row_nmid.data_ptr(), mid_slot0,
+                              None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
 
 
@@ -377,6 +390,17 @@ def choose_suffix_split(max_tokens: int, ctas: int, slots: int, min_tokens: int 
 
 
 @dataclass
+class _PrefixLevel:
+    """The prefix kernel's launch shape for one shared level (the group prefix, or a three-level plan's middle)."""
+    has: bool
+    m_tile: int
+    row_tiles: int
+    chunk_tokens: int
+    max_chunks: int
+    row_nchunks: np.ndarray       # int32 [R]: this level's partials of each row (0: in no (sub)group)
+
+
+@dataclass
 class _StepState:
     has_prefix: bool
     m_tile: int
@@ -390,81 +414,115 @@ class _StepState:
     part_o: torch.Tensor          # float32 [slots, R, Lq, Hq, D]
     part_lse: torch.Tensor        # float32 [slots, R, Lq, Hq]
     dp: object                    # the plan's DevicePlan
+    # three levels: the middle level's chunks in slots [max_chunks, max_chunks + mid.max_chunks), then the suffix
+    three: bool = False
+    mid: _PrefixLevel | None = None
+    row_nmid: torch.Tensor | None = None   # int32 [R]: middle-level partials of each row
+
+    @property
+    def suffix_slot0(self) -> int:
+        return self.max_chunks + (self.mid.max_chunks if self.three else 0)
 
 
-def _validate(plan, R, Lq, bs, num_blocks) -> None:
-    """Loud, cheap host checks of the plan (the kernels trust every index)."""
-    gr, pt, pl = plan.group_rows, plan.prefix_table, plan.prefix_len
-    stb, ql = plan.suffix_table, plan.q_limit
-    if ql.shape != (R, Lq):
-        raise ValueError(f"plan.q_limit has shape {ql.shape}, expected {(R, Lq)}")
-    if stb.ndim != 2 or stb.shape[0] != R:
-        raise ValueError(f"plan.suffix_table has shape {stb.shape}, expected ({R}, Ms)")
+def _check_prefix_level(name, gr, pt, pl, R, bs, num_blocks) -> None:
     if gr.ndim != 2 or pt.ndim != 2 or pl.shape != (gr.shape[0],) or pt.shape[0] != gr.shape[0]:
-        raise ValueError(f"inconsistent prefix plan: group_rows {gr.shape}, prefix_table {pt.shape}, "
-                         f"prefix_len {pl.shape}")
+        raise ValueError(f"inconsistent {name} plan: rows {gr.shape}, table {pt.shape}, lengths {pl.shape}")
     member = gr[gr >= 0]
     if (gr < -1).any() or (member >= R).any() or np.unique(member).size != member.size:
-        raise ValueError("plan.group_rows must hold distinct rows in [0, R) or -1")
+        raise ValueError(f"the {name} plan's rows must be distinct rows in [0, R) or -1")
     if (pl < 0).any() or (pl > pt.shape[1] * bs).any():
-        raise ValueError("plan.prefix_len outside [0, prefix blocks x block_size]")
+        raise ValueError(f"the {name} plan's lengths are outside [0, table blocks x block_size]")
+    need = np.arange(pt.shape[1])[None, :] < (-(-pl.astype(np.int64) // bs))[:, None]
+    _check_blocks(f"the {name} table", pt[need], num_blocks)
+
+
+def _check_suffix_level(name, stb, ql, R, Lq, bs, num_blocks) -> None:
+    if ql.shape != (R, Lq):
+        raise ValueError(f"{name} q_limit has shape {ql.shape}, expected {(R, Lq)}")
+    if stb.ndim != 2 or stb.shape[0] != R:
+        raise ValueError(f"{name} suffix_table has shape {stb.shape}, expected ({R}, Ms)")
     if (ql < 0).any() or (ql > stb.shape[1] * bs).any():
-        raise ValueError("plan.q_limit outside [0, suffix blocks x block_size]")
-    need_p = np.arange(pt.shape[1])[None, :] < (-(-pl.astype(np.int64) // bs))[:, None]
-    need_s = np.arange(stb.shape[1])[None, :] < (-(-ql.max(axis=1, initial=0).astype(np.int64) // bs))[:, None]
-    for name, table, need in (("prefix_table", pt, need_p), ("suffix_table", stb, need_s)):
-        used = table[need]
-        if used.size and (used.min() < 0 or used.max() >= num_blocks):
-            raise ValueError(f"plan.{name} references blocks outside the pool [0, {num_blocks}) or -1 inside "
-                             "the tokens it must cover")
+        raise ValueError(f"{name} q_limit outside [0, suffix blocks x block_size]")
+    need = np.arange(stb.shape[1])[None, :] < (-(-ql.max(axis=1, initial=0).astype(np.int64) // bs))[:, None]
+    _check_blocks(f"{name} suffix_table", stb[need], num_blocks)
 
 
-def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan) -> _StepState:
+def _check_blocks(name, used, num_blocks) -> None:
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        raise ValueError(f"{name} references blocks outside the pool [0, {num_blocks}) or -1 inside the tokens it "
+                         "must cover")
+
+
+def _validate(plan, R, Lq, bs, num_blocks, three: bool = False) -> None:
+    """Loud, cheap host checks of the plan (the kernels trust every index)."""
+    _check_suffix_level("plan.", plan.suffix_table, plan.q_limit, R, Lq, bs, num_blocks)
+    _check_prefix_level("prefix", plan.group_rows, plan.prefix_table, plan.prefix_len, R, bs, num_blocks)
+    if three:
+        _check_prefix_level("middle-level", plan.mid_group_rows, plan.mid_table, plan.mid_len, R, bs, num_blocks)
+        _check_suffix_level("plan.inner_", plan.inner_suffix_table, plan.inner_q_limit, R, Lq, bs, num_blocks)
+
+
+def _has_middle(plan) -> bool:
+    """A three-level plan (group prefix, subgroup prefix, suffix) the kernels run as such."""
+    return (plan.mid_group_rows.shape[0] > 0 and plan.mid_group_rows.shape[1] > 0 and plan.mid_table.shape[1] > 0
+            and plan.inner_suffix_table is not None and plan.inner_q_limit is not None)
+
+
+def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms) -> _PrefixLevel:
+    """Row tile and chunking of one shared level's prefix kernel launch (host arrays only, no sync)."""
+    pl = np.asarray(pl).astype(np.int64)
+    gr = np.asarray(gr)
+    G, Rg = gr.shape
+    row_nchunks = np.zeros(R, dtype=np.int32)
+    if not (G > 0 and Rg > 0 and table_blocks > 0 and int(pl.max(initial=0)) > 0):
+        return _PrefixLevel(False, 1, 1, 1, 0, row_nchunks)
+    rows_q = Rg * Lq * grp
+    m_max = 64 if D <= 128 else 32
+    m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
+    row_tiles = -(-rows_q // m_tile)
+    occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[dtype], D, m_tile)
+    chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens,
+                                       prefer_tokens=PREFER_CHUNK_TOKENS)
+    chunk_tokens = chunk_blocks * bs
+    nchunks = -(-pl // chunk_tokens)
+    for g in range(G):              # one iteration per group (a prompt), not per block
+        rows = gr[g][gr[g] >= 0]
+        row_nchunks[rows] = nchunks[g]
+    return _PrefixLevel(True, m_tile, row_tiles, chunk_tokens, int(nchunks.max()), row_nchunks)
+
+
+def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: bool = False) -> _StepState:
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
-    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype)
+    # three: the plan's middle level runs as one (layers with a window read two levels: see attend)
+    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three)
     scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
     state = scratch.get(key)
     if state is not None:
         return state
-    _validate(plan, R, Lq, bs, num_blocks)
+    _validate(plan, R, Lq, bs, num_blocks, three)
     grp = Hq // Hkv
-    gr = np.asarray(plan.group_rows)
-    pl = np.asarray(plan.prefix_len).astype(np.int64)
-    G, Rg = gr.shape
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    row_nchunks = np.zeros(R, dtype=np.int32)
-    has_prefix = G > 0 and Rg > 0 and plan.prefix_table.shape[1] > 0 and int(pl.max(initial=0)) > 0
-    m_tile = row_tiles = chunk_tokens = 1
-    max_chunks = 0
-    if has_prefix:
-        rows_q = Rg * Lq * grp
-        m_max = 64 if D <= 128 else 32
-        m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
-        row_tiles = -(-rows_q // m_tile)
-        occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[q.dtype], D, m_tile)
-        chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens,
-                                           prefer_tokens=PREFER_CHUNK_TOKENS)
-        chunk_tokens = chunk_blocks * bs
-        nchunks = -(-pl // chunk_tokens)
-        max_chunks = int(nchunks.max())
-        for g in range(G):              # one iteration per group (a prompt), not per block
-            rows = gr[g][gr[g] >= 0]
-            row_nchunks[rows] = nchunks[g]
+    pre = _prefix_level(lib, plan.group_rows, plan.prefix_len, plan.prefix_table.shape[1], R, Lq, grp, Hkv, D,
+                        q.dtype, bs, sms)
+    mid = (_prefix_level(lib, plan.mid_group_rows, plan.mid_len, plan.mid_table.shape[1], R, Lq, grp, Hkv, D,
+                         q.dtype, bs, sms) if three else None)
+    suffix_table, q_limit = (plan.inner_suffix_table, plan.inner_q_limit) if three else (plan.suffix_table, plan.q_limit)
     nqb = -(-(Lq * grp) // SUFFIX_QB)
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
     # replays the launch; CTAs past a row's length write empty partials)
-    tmax = plan.suffix_table.shape[1] * bs if plan.static else int(np.asarray(plan.q_limit).max(initial=0))
+    tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
     split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
-    slots = max_chunks + nsplit
+    slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
     state = _StepState(
-        has_prefix=has_prefix, m_tile=m_tile, row_tiles=row_tiles, chunk_tokens=chunk_tokens, max_chunks=max_chunks,
-        split_tokens=split_tokens, nsplit=nsplit, slots=slots,
-        row_nchunks=torch.from_numpy(row_nchunks).to(dev),
+        has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
+        max_chunks=pre.max_chunks, split_tokens=split_tokens, nsplit=nsplit, slots=slots,
+        row_nchunks=torch.from_numpy(pre.row_nchunks).to(dev),
         part_o=torch.empty(slots * R * Lq * Hq * D, dtype=torch.float32, device=dev),
         part_lse=torch.empty(slots * R * Lq * Hq, dtype=torch.float32, device=dev),
-        dp=plan.on(dev))
+        dp=plan.on(dev), three=three, mid=mid,
+        row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None)
     scratch[key] = state
     return state
 
@@ -517,15 +575,47 @@ def attend(q, pool, plan, scale):
     if out.numel() == 0:
         return out
     scale_log2 = float(scale) * LOG2E
+    # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
+    # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
+    softcap, window, sinks = _quirks(plan, q)
+    # like the reference, a layer with a window reads two levels (its window start is defined over the group
+    # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
+    three = window == 0 and _has_middle(plan)
     with torch.cuda.device(q.device):
         lib = library(q.device)
-        st = _step_state(lib, q, pool, plan)
+        st = _step_state(lib, q, pool, plan, three)
         dp = st.dp
         stream = torch.cuda.current_stream(q.device).cuda_stream
         if st.has_prefix:
             ops.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
-                       st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2)
-        ops.suffix(lib, stream, q, pool, dp.suffix_table, dp.q_limit, st.part_o, st.part_lse, st.split_tokens,
-                   st.nsplit, st.max_chunks, scale_log2)
-        ops.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.max_chunks, st.nsplit)
+                       st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap,
+                       window)
+        if three and st.mid.has:
+            mid = st.mid
+            ops.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
+                       mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
+                       st.max_chunks, softcap, 0)
+        suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
+        ops.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
+                   st.nsplit, st.suffix_slot0, scale_log2, softcap, window)
+        ops.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
+                  st.row_nmid if three else None, st.max_chunks, sinks)
     return out
+
+
+def _quirks(plan, q) -> tuple[float, int, torch.Tensor | None]:
+    """(softcap, window, sinks) of the layer as the kernels take them: 0 for off, the sinks float32 [Hq] on q's
+    device."""
+    softcap = getattr(plan, "softcap", None)
+    window = getattr(plan, "window", None)
+    sinks = getattr(plan, "sinks", None)
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"cuda backend: softcap {softcap} must be > 0 (None: off)")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"cuda backend: sliding window {window} must be >= 1 (None: off)")
+    if sinks is not None:
+        if sinks.shape != (q.shape[2],):
+            raise ValueError(f"cuda backend: sinks of shape {tuple(sinks.shape)}, expected ({q.shape[2]},) (one per "
+                             "query head)")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()   # a no-op when it is already so
+    return (0.0 if softcap is None else float(softcap)), (0 if window is None else int(window)), sinks

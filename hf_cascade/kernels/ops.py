@@ -11,6 +11,12 @@ argument). Shapes (``csrc/include/hfc/params.h``)::
     suffix_table [R, Ms] int32   q_limit [R, Lq] int32        row_nchunks [R] int32
     part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
     out          [R, Lq, Hq, D]  q's dtype
+    row_nmid     [R] int32 or None (three levels)               sinks [Hq] float32 or None
+
+Per-layer variants (0: off): ``softcap`` (logits -> softcap x tanh(logit / softcap)) and ``window`` (each query
+sees its last ``window`` keys over the group prefix and its suffix; the prefix kernel reads the suffix level's
+``q_limit`` for it) in the prefix and suffix kernels, ``sinks`` in the merge. The prefix kernel writes its
+chunks from slot ``slot0`` on (the middle level of a three-level plan follows the group prefix's chunks).
 
 The eager path does not go through the operator dispatcher: a custom-op call that does nothing costs ~16 us of host
 time, the ctypes launches of one layer's three kernels ~7 us together (x86 CPU, torch 2.13;
@@ -20,6 +26,8 @@ directly in eager mode (the backend checks q and the pool per call and the plan 
 traces.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
@@ -80,10 +88,21 @@ def _partials(op: str, part_o, part_lse, slots: int, items: int, D: int, device)
         _fail(op, f"part_lse holds {part_lse.numel()} floats, the kernel writes up to {slots} x {items}")
 
 
+def _variants(op: str, softcap: float, window: int) -> None:
+    if not softcap >= 0.0 or window < 0:
+        _fail(op, f"softcap {softcap} and window {window} must be >= 0 (0: off)")
+
+
 def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
-                 chunk_tokens: int, max_chunks: int) -> None:
+                 chunk_tokens: int, max_chunks: int, q_limit=None, slot0: int = 0, softcap: float = 0.0,
+                 window: int = 0) -> None:
     """Raise TypeError / ValueError naming the argument unless the prefix kernel can take these arguments."""
     R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, pool)
+    _variants("prefix", softcap, window)
+    if window > 0:                          # read only with a window
+        _index("prefix", "q_limit", q_limit, (R, Lq), q.device)
+    if slot0 < 0:
+        _fail("prefix", f"slot0 {slot0} must be >= 0")
     _index("prefix", "group_rows", group_rows, (None, None), q.device)
     G, Rg = group_rows.shape
     _index("prefix", "prefix_table", prefix_table, (G, None), q.device)
@@ -95,12 +114,14 @@ def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse
                         "group and KV head")
     if chunk_tokens < 1 or max_chunks < 0:
         _fail("prefix", f"chunk_tokens {chunk_tokens} must be >= 1 and max_chunks {max_chunks} >= 0")
-    _partials("prefix", part_o, part_lse, max_chunks, R * Lq * Hq, D, q.device)
+    _partials("prefix", part_o, part_lse, slot0 + max_chunks, R * Lq * Hq, D, q.device)
 
 
-def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int) -> None:
+def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
+                 softcap: float = 0.0, window: int = 0) -> None:
     """Raise TypeError / ValueError naming the argument unless the suffix kernel can take these arguments."""
     R, Lq, Hq, D, _, _ = _q_pool("suffix", q, pool)
+    _variants("suffix", softcap, window)
     _index("suffix", "suffix_table", suffix_table, (R, None), q.device)
     _index("suffix", "q_limit", q_limit, (R, Lq), q.device)
     if split_tokens < 1 or nsplit < 1 or slot0 < 0:
@@ -108,7 +129,8 @@ def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens:
     _partials("suffix", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, q.device)
 
 
-def check_merge(part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> None:
+def check_merge(part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, row_nmid=None, mid_slot0: int = 0,
+                sinks=None) -> None:
     """Raise TypeError / ValueError naming the argument unless the merge kernel can take these arguments."""
     _tensor("merge", "out", out, dim=4)
     if out.dtype not in DTYPE_CODES:
@@ -117,8 +139,16 @@ def check_merge(part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> 
     if D not in HEAD_DIMS:
         _fail("merge", f"out's head_dim {D} is not supported (supported: {HEAD_DIMS})")
     _index("merge", "row_nchunks", row_nchunks, (R,), out.device)
-    if slot0 < 0 or nsplit < 0:
-        _fail("merge", f"slot0 {slot0} and nsplit {nsplit} must be >= 0")
+    if slot0 < 0 or nsplit < 0 or mid_slot0 < 0:
+        _fail("merge", f"slot0 {slot0}, nsplit {nsplit} and mid_slot0 {mid_slot0} must be >= 0")
+    if row_nmid is not None:
+        _index("merge", "row_nmid", row_nmid, (R,), out.device)
+        if mid_slot0 > slot0:
+            _fail("merge", f"the middle level's slots (from {mid_slot0}) must come before the suffix's ({slot0})")
+    if sinks is not None:
+        _tensor("merge", "sinks", sinks, dtype=torch.float32, dim=1, device=out.device)
+        if sinks.shape[0] != Hq:
+            _fail("merge", f"sinks has {sinks.shape[0]} entries, out {Hq} query heads")
     _partials("merge", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, out.device)
 
 
@@ -142,88 +172,97 @@ def _stream(device) -> int:
 @torch.library.custom_op("hf_cascade::prefix", mutates_args=("part_o", "part_lse"), device_types="cuda")
 def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, prefix_table: torch.Tensor,
               prefix_len: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, m_tile: int, row_tiles: int,
-              chunk_tokens: int, max_chunks: int, scale_log2: float) -> None:
-    """Level 0: writes partial slots [0, max_chunks) of every row in a group (csrc/prefix.cu)."""
+              chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit: torch.Tensor, slot0: int,
+              softcap: float, window: int) -> None:
+    """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
+    (csrc/prefix.cu)."""
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks)
+                 max_chunks, q_limit, slot0, softcap, window)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                              chunk_tokens, max_chunks, scale_log2, _stream(q.device))
+                              chunk_tokens, max_chunks, scale_log2, _stream(q.device), q_limit, slot0, softcap, window)
 
 
 @prefix_op.register_fake
 def _prefix_fake(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, scale_log2) -> None:
+                 max_chunks, scale_log2, q_limit, slot0, softcap, window) -> None:
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks)
+                 max_chunks, q_limit, slot0, softcap, window)
 
 
 @torch.library.custom_op("hf_cascade::suffix", mutates_args=("part_o", "part_lse"), device_types="cuda")
 def suffix_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q_limit: torch.Tensor,
               part_o: torch.Tensor, part_lse: torch.Tensor, split_tokens: int, nsplit: int, slot0: int,
-              scale_log2: float) -> None:
+              scale_log2: float, softcap: float, window: int) -> None:
     """Level 1: writes partial slots [slot0, slot0 + nsplit) of every row (csrc/suffix.cu)."""
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                              scale_log2, _stream(q.device))
+                              scale_log2, _stream(q.device), softcap, window)
 
 
 @suffix_op.register_fake
-def _suffix_fake(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2) -> None:
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
+def _suffix_fake(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, softcap,
+                 window) -> None:
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
 
 
 @torch.library.custom_op("hf_cascade::merge", mutates_args=("out",), device_types="cuda")
 def merge_op(part_o: torch.Tensor, part_lse: torch.Tensor, row_nchunks: torch.Tensor, out: torch.Tensor, slot0: int,
-             nsplit: int) -> None:
-    """Log-sum-exp of each row's slots [0, row_nchunks[r]) and [slot0, slot0 + nsplit) into out (csrc/merge.cu)."""
-    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+             nsplit: int, row_nmid: Optional[torch.Tensor], mid_slot0: int, sinks: Optional[torch.Tensor]) -> None:
+    """Log-sum-exp of each row's slots [0, row_nchunks[r]), [mid_slot0, mid_slot0 + row_nmid[r]) and [slot0, slot0 +
+    nsplit), and the head's sink, into out (csrc/merge.cu)."""
+    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
     _aligned(part_o=part_o)
     with torch.cuda.device(out.device):
-        _lib(out.device).merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, _stream(out.device))
+        _lib(out.device).merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, _stream(out.device), row_nmid,
+                               mid_slot0, sinks)
 
 
 @merge_op.register_fake
-def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit) -> None:
-    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks) -> None:
+    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
 
 
 # ------------------------------------------------------------------------------ entry points for attend
 
 def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
-           row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float) -> None:
+           row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit, slot0: int = 0,
+           softcap: float = 0.0, window: int = 0) -> None:
     """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
         torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
-                                    row_tiles, chunk_tokens, max_chunks, scale_log2)
+                                    row_tiles, chunk_tokens, max_chunks, scale_log2, q_limit, slot0, softcap, window)
     else:
         if lib.debug:
             check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                         chunk_tokens, max_chunks)
+                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
         lib.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                   max_chunks, scale_log2, stream)
+                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window)
 
 
 def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,
-           slot0: int, scale_log2: float) -> None:
+           slot0: int, scale_log2: float, softcap: float = 0.0, window: int = 0) -> None:
     """The suffix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
         torch.ops.hf_cascade.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                                    scale_log2)
+                                    scale_log2, softcap, window)
     else:
         if lib.debug:
-            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0)
-        lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, stream)
+            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap,
+                         window)
+        lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, stream,
+                   softcap, window)
 
 
-def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int) -> None:
+def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, row_nmid=None,
+          mid_slot0: int = 0, sinks=None) -> None:
     """The merge kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
-        torch.ops.hf_cascade.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
+        torch.ops.hf_cascade.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
     else:
         if lib.debug:
-            check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit)
-        lib.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, stream)
+            check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
+        lib.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, stream, row_nmid, mid_slot0, sinks)

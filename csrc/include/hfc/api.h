@@ -12,7 +12,7 @@
 
 #include "hfc/params.h"
 
-#define HFC_ABI_VERSION 3
+#define HFC_ABI_VERSION 4
 
 #if defined(_WIN32)
 #define HFC_API __declspec(dllexport)

@@ -31,6 +31,13 @@ typedef struct {
   int64_t chunk_tokens, max_chunks, row_tiles; /* row_tiles x m_tile >= Rg x Lq x (Hq / Hkv) */
   float scale_log2;                            /* softmax scale x log2(e) */
   int32_t dtype, head_dim, m_tile;             /* m_tile: 16, 32, or 64 (head_dim <= 128) */
+  /* per-layer variants (0: off). softcap: logits s -> softcap x tanh(s / softcap) (s scaled, natural log) before
+   * the softmax. window: query lq of row r sees the prefix tokens t >= prefix_len[g] + q_limit[r, lq] - window
+   * (its last `window` keys over the prefix and its suffix, itself included); whole K/V tiles and chunks before
+   * the CTA's earliest visible token are skipped. q_limit [R, Lq]: the suffix level's (read only with a window). */
+  const int32_t* q_limit;
+  float softcap;
+  int32_t window;
 } hfc_prefix_params;
 
 /* what hfc_prefix_setup reports for one (dtype, head_dim, m_tile) */
@@ -52,9 +59,14 @@ typedef struct {
   int64_t split_tokens, nsplit, slot0;
   float scale_log2;
   int32_t dtype, head_dim;
+  /* per-layer variants (0: off), as in hfc_prefix_params; with a window, query lq of row r sees the suffix
+   * tokens [q_limit[r, lq] - window, q_limit[r, lq]) and a CTA starts at its earliest visible token */
+  float softcap;
+  int32_t window;
 } hfc_suffix_params;
 
-/* merge: one warp per (row, query, head) over slots [0, row_nchunks[r]) and [slot0, slot0 + nsplit) */
+/* merge: one warp per (row, query, head) over slots [0, row_nchunks[r]), [mid_slot0, mid_slot0 + row_nmid[r])
+ * (three levels only) and [slot0, slot0 + nsplit), plus the head's attention sink if any */
 typedef struct {
   const float* part_o;
   const float* part_lse;
@@ -62,6 +74,10 @@ typedef struct {
   void* out;                  /* [R, Lq, Hq, D] in the dtype */
   int64_t R, Lq, Hq, slot0, nsplit;
   int32_t dtype, head_dim;
+  const int32_t* row_nmid;    /* [R] middle-level partials of each row from mid_slot0 on, or NULL (two levels) */
+  int64_t mid_slot0;
+  const float* sinks;         /* [Hq] attention-sink logits (natural log): one more partial (O = 0, LSE =
+                               * sinks[h] x log2 e) per query, or NULL */
 } hfc_merge_params;
 
 #ifdef __cplusplus
