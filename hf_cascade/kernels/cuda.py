@@ -491,6 +491,10 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms)
     return _PrefixLevel(True, m_tile, row_tiles, chunk_tokens, int(nchunks.max()), row_nchunks)
 
 
+def _sm_count(dev) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
 def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: bool = False) -> _StepState:
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
@@ -503,7 +507,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
         return state
     _validate(plan, R, Lq, bs, num_blocks, three)
     grp = Hq // Hkv
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _sm_count(dev)
     pre = _prefix_level(lib, plan.group_rows, plan.prefix_len, plan.prefix_table.shape[1], R, Lq, grp, Hkv, D,
                         q.dtype, bs, sms)
     mid = (_prefix_level(lib, plan.mid_group_rows, plan.mid_len, plan.mid_table.shape[1], R, Lq, grp, Hkv, D,
@@ -574,6 +578,14 @@ def attend(q, pool, plan, scale):
     out = torch.empty_like(q)
     if out.numel() == 0:
         return out
+    with torch.cuda.device(q.device):
+        lib = library(q.device)
+        _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, plan, scale, out)
+    return out
+
+
+def _launch(lib, stream: int, q, pool, plan, scale, out, kernels=ops) -> None:
+    """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
     scale_log2 = float(scale) * LOG2E
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
     # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
@@ -581,26 +593,22 @@ def attend(q, pool, plan, scale):
     # like the reference, a layer with a window reads two levels (its window start is defined over the group
     # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
     three = window == 0 and _has_middle(plan)
-    with torch.cuda.device(q.device):
-        lib = library(q.device)
-        st = _step_state(lib, q, pool, plan, three)
-        dp = st.dp
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        if st.has_prefix:
-            ops.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
+    st = _step_state(lib, q, pool, plan, three)
+    dp = st.dp
+    if st.has_prefix:
+        kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
                        st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap,
                        window)
-        if three and st.mid.has:
-            mid = st.mid
-            ops.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
+    if three and st.mid.has:
+        mid = st.mid
+        kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
                        mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
                        st.max_chunks, softcap, 0)
-        suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
-        ops.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
+    suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
+    kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window)
-        ops.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
+    kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
                   st.row_nmid if three else None, st.max_chunks, sinks)
-    return out
 
 
 def _quirks(plan, q) -> tuple[float, int, torch.Tensor | None]:

@@ -1,0 +1,342 @@
+"""The cuda backend's index and mask arithmetic, emulated on the CPU (no GPU needed).
+
+``hf_cascade.kernels.cuda._launch`` (the chunking, the slot layout of the partials, the three-level and
+variant launches) runs for real, with numpy transliterations of the three kernels of ``csrc/`` in place of
+``hf_cascade.kernels.ops``: each emulated kernel walks its grid as the CUDA code does (CTA -> warps -> K/V
+tiles -> sub-tiles for the prefix kernel, the token loop of the suffix kernel, the slot list of the merge),
+with the same skips and masks (sliding window: chunks and tiles skipped before the CTA's earliest visible
+token, the edge masked per row; softcap; sinks; middle-level slots), and computes the selected keys' softmax in
+float64. The result must equal the float64 reference (hf_cascade/kernels/reference.py) and every key must be
+taken at most once; unused pool slots hold NaN, so a key read that should not be shows up. This checks the
+arithmetic only as far as the transliteration is faithful; tests/test_gpu_kernels.py runs the real kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_cascade.context import LayerPlan, Quirks
+from hf_cascade.kernels import cuda as cuda_backend
+from hf_cascade.kernels import ops, reference
+from kernel_helpers import random_layout, step_plan
+from test_reference_kernels import make_three_level
+
+INT_MAX = 0x7FFFFFFF
+LOG2E = 1.0 / math.log(2.0)
+NEG = -np.inf
+
+
+def prefix_cfg(D, M):
+    """PrefixCfg<D, M> of csrc/prefix.cu."""
+    WM = M // 16
+    WN = 4 // WM
+    N = 64 if D == 64 else 32 if D == 128 else 16
+    KW = N // WN if N // WN >= 16 else 16
+    return WM, WN, N, KW, N // KW
+
+
+def f32(x) -> float:
+    return float(np.float32(x))
+
+
+def softmax_state(scores, values, D):
+    """(o, lse base 2) of log2-domain scores [n] over values [n, D]; no key: (0, -inf)."""
+    if len(scores) == 0:
+        return np.zeros(D), NEG
+    s = np.asarray(scores)
+    m = s.max()
+    p = np.exp2(s - m)
+    return (p[:, None] * np.asarray(values)).sum(0) / p.sum(), m + math.log2(p.sum())
+
+
+class Emulated:
+    """numpy stand-ins for hf_cascade.kernels.ops.{prefix,suffix,merge} (same signatures)."""
+
+    def __init__(self):
+        self.taken = []          # (level, row, lq, head, key position) of every key a kernel used
+        self.prefix_tiles = 0    # K/V tiles the prefix kernel loaded
+
+    def prefix(self, lib, stream, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
+               chunk_tokens, max_chunks, scale_log2, q_limit, slot0=0, softcap=0.0, window=0):
+        ops.check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
+                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
+        R, Lq, Hq, D = q.shape
+        _, _, bs, Hkv, _ = pool.shape
+        qn, pn = q.double().numpy(), pool.double().numpy()
+        gr, pt, pl, ql = group_rows.numpy(), prefix_table.numpy(), prefix_len.numpy(), q_limit.numpy()
+        po = part_o.view(-1, R, Lq, Hq, D).numpy()[slot0:]       # the launcher's pointer offset
+        plse = part_lse.view(-1, R, Lq, Hq).numpy()[slot0:]
+        G, Rg = gr.shape
+        M = m_tile
+        WM, WN, N, KW, SUB = prefix_cfg(D, M)
+        var = softcap > 0 or window > 0
+        cap_in = f32(scale_log2 * math.log(2.0) / softcap) if softcap > 0 else 0.0
+        cap_out = f32(softcap * LOG2E) if softcap > 0 else 0.0
+        grp = Hq // Hkv
+        per_row = Lq * grp
+        rows_q = Rg * per_row
+        for g in range(G):
+            for h in range(Hkv):
+                for bx in range(row_tiles * max_chunks):
+                    tile, chunk = bx % row_tiles, bx // row_tiles
+                    rows_here = min(M, rows_q - tile * M)
+                    if rows_here <= 0:
+                        continue
+
+                    def where(m):          # query row m of the tile -> (row, lq, head) or None
+                        if m >= rows_here:
+                            return None
+                        mg = tile * M + m
+                        rg, rem = divmod(mg, per_row)
+                        lq, j = divmod(rem, grp)
+                        row = int(gr[g, rg])
+                        return None if row < 0 else (row, lq, h * grp + j)
+
+                    plen = int(pl[g])
+                    t_begin = chunk * chunk_tokens
+                    t_first = t_begin
+
+                    def row_start(m):
+                        w = where(m)
+                        return INT_MAX if w is None else plen + int(ql[w[0], w[1]]) - window
+
+                    if var and window > 0:
+                        lo = min(row_start(m) for m in range(rows_here))
+                        if lo > t_begin:
+                            t_first = t_begin + chunk_tokens if lo - t_begin >= chunk_tokens else \
+                                t_begin + (lo - t_begin) // N * N
+                    items = [where(m) for m in range(M)]
+                    if t_begin >= plen or (var and t_first >= min(t_begin + chunk_tokens, plen)):
+                        for w in items:
+                            if w is not None:
+                                po[chunk][w] = 0.0
+                                plse[chunk][w] = NEG
+                        continue
+                    t_end = min(t_begin + chunk_tokens, plen)
+                    ntiles = (t_end - t_first + N - 1) // N
+                    qtile = np.zeros((M, D))
+                    for m, w in enumerate(items):
+                        if w is not None:
+                            qtile[m] = qn[w]
+                    scores = [[] for _ in range(M)]
+                    values = [[] for _ in range(M)]
+                    keys = [[] for _ in range(M)]
+                    for it in range(ntiles):
+                        self.prefix_tiles += 1
+                        K = np.zeros((N, D))
+                        V = np.zeros((N, D))
+                        for n in range(N):            # the loader: zero fill past the chunk and in -1 blocks
+                            t = t_first + it * N + n
+                            blk = int(pt[g, t // bs]) if t < t_end else -1
+                            if blk >= 0:
+                                K[n], V[n] = pn[blk, 0, t % bs, h], pn[blk, 1, t % bs, h]
+                        for warp in range(4):
+                            wm, wn = warp // WN, warp % WN
+                            if not wm * 16 < rows_here:
+                                continue
+                            for s in range(SUB):
+                                if WN > 1 and (it * SUB + s) % WN != wn:
+                                    continue
+                                tok0 = s * KW
+                                valid = t_end - (t_first + it * N + tok0)
+                                if valid <= 0:
+                                    continue
+                                for m in range(wm * 16, wm * 16 + 16):
+                                    lo_m = row_start(m) if (var and window > 0) else 0
+                                    for c in range(KW):
+                                        tok = t_first + it * N + tok0 + c
+                                        if (var and window > 0 and tok < lo_m) or (valid < KW and c >= valid):
+                                            continue
+                                        dot = float(qtile[m] @ K[tok0 + c])
+                                        v = cap_out * math.tanh(dot * cap_in) if (var and cap_out > 0) \
+                                            else dot * scale_log2
+                                        scores[m].append(v)
+                                        values[m].append(V[tok0 + c])
+                                        keys[m].append(tok)
+                    for m, w in enumerate(items):
+                        if w is None:
+                            continue
+                        po[chunk][w], plse[chunk][w] = softmax_state(scores[m], values[m], D)
+                        self.taken += [(f"prefix from slot {slot0}", g, *w, t) for t in keys[m]]
+
+    def suffix(self, lib, stream, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
+               scale_log2, softcap=0.0, window=0):
+        ops.check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
+        R, Lq, Hq, D = q.shape
+        _, _, bs, Hkv, _ = pool.shape
+        qn, pn, tb_, ql = q.double().numpy(), pool.double().numpy(), suffix_table.numpy(), q_limit.numpy()
+        po = part_o.view(-1, R, Lq, Hq, D).numpy()
+        plse = part_lse.view(-1, R, Lq, Hq).numpy()
+        grp = Hq // Hkv
+        nq = Lq * grp
+        nqb = -(-nq // 4)
+        Ms = tb_.shape[1]
+        TPW = 32 // (D // 8)
+        STEP = 4 * TPW
+        var = softcap > 0 or window > 0
+        cap_in = f32(math.log(2.0) / softcap) if softcap > 0 else 0.0
+        cap_out = f32(softcap * LOG2E) if softcap > 0 else 0.0
+        for r in range(R):
+            for h in range(Hkv):
+                for bx in range(nsplit * nqb):
+                    qb, split = bx % nqb, bx // nqb
+                    qis = [qi for qi in range(4) if qb * 4 + qi < nq]
+                    where = {qi: (r, (qb * 4 + qi) // grp, h * grp + (qb * 4 + qi) % grp) for qi in qis}
+                    lim = {qi: max(0, min(int(ql[r, where[qi][1]]), Ms * bs)) for qi in qis}
+                    tmax = max([0] + list(lim.values()))
+                    t_lo = split * split_tokens
+                    t_hi = min(t_lo + split_tokens, tmax)
+                    lo = {qi: 0 for qi in qis}
+                    if var:
+                        lo = {qi: lim[qi] - window if window > 0 else 0 for qi in qis}
+                        if window > 0:
+                            t_lo = max(t_lo, min(lo.values()))
+                    scores = {qi: [] for qi in qis}
+                    values = {qi: [] for qi in qis}
+                    keys = {qi: [] for qi in qis}
+                    for warp in range(4):
+                        tb = t_lo + warp * TPW
+                        while tb < t_hi:
+                            for tg in range(TPW):
+                                for t in (tb + tg, tb + STEP + tg):
+                                    blk = int(tb_[r, t // bs]) if t < t_hi else -1
+                                    if blk < 0:
+                                        continue
+                                    k, v = pn[blk, 0, t % bs, h], pn[blk, 1, t % bs, h]
+                                    for qi in qis:
+                                        if not (t < lim[qi] and t >= lo[qi]):
+                                            continue
+                                        dot = float((qn[where[qi]] * scale_log2) @ k)
+                                        s = cap_out * math.tanh(dot * cap_in) if (var and cap_out > 0) else dot
+                                        scores[qi].append(s)
+                                        values[qi].append(v)
+                                        keys[qi].append(t)
+                            tb += 2 * STEP
+                    for qi in qis:
+                        po[slot0 + split][where[qi]], plse[slot0 + split][where[qi]] = \
+                            softmax_state(scores[qi], values[qi], D)
+                        self.taken += [("suffix", -1, *where[qi], t) for t in keys[qi]]
+
+    def merge(self, lib, stream, part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid=None, mid_slot0=0,
+              sinks=None):
+        R, Lq, Hq, D = out.shape
+        po = part_o.view(-1, R, Lq, Hq, D).numpy()
+        plse = part_lse.view(-1, R, Lq, Hq).numpy()
+        on = out.numpy()
+        extra = row_nmid is not None or sinks is not None
+        for r in range(R):
+            npre = int(row_nchunks[r])
+            nmid = int(row_nmid[r]) if (extra and row_nmid is not None) else 0
+            slots = list(range(npre)) + [mid_slot0 + i for i in range(nmid)] + [slot0 + i for i in range(nsplit)]
+            for lq in range(Lq):
+                for hq in range(Hq):
+                    lses = np.array([plse[s, r, lq, hq] for s in slots], dtype=np.float64)
+                    mx = lses.max(initial=NEG)
+                    sink = float(sinks[hq]) * LOG2E if (extra and sinks is not None) else NEG
+                    mx = max(mx, sink)
+                    acc, wsum = np.zeros(D), 0.0
+                    if mx != NEG:
+                        wsum = math.exp2(sink - mx) if sink != NEG else 0.0
+                        for s, lse in zip(slots, lses):
+                            if lse == NEG:
+                                continue
+                            w = math.exp2(lse - mx)
+                            wsum += w
+                            acc += w * po[s, r, lq, hq].astype(np.float64)
+                    on[r, lq, hq] = acc / wsum if wsum > 0 else 0.0
+
+
+class _FakeLib:
+    """prefix_info as the library reports it (2 CTAs per SM, the kernel's K/V tile)."""
+
+    def prefix_info(self, dtype_code, D, m_tile):
+        return 2, 0, prefix_cfg(D, m_tile)[2]
+
+
+@pytest.fixture(autouse=True)
+def _small_pieces(monkeypatch):
+    # short prefix chunks (two K/V tiles) and a suffix split in several parts, so that small layouts exercise
+    # the window's chunk and tile skips and the slot layout of many partials
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)
+    monkeypatch.setattr(cuda_backend, "choose_chunk_blocks",
+                        lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split",
+                        lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+
+
+def run(lay, plan, *, softcap=None, window=None, sinks=None):
+    """The emulated cuda backend and the float64 reference on the same (bf16) inputs; returns both and the
+    emulation (its list of the keys taken)."""
+    q = lay.q.to(torch.bfloat16)
+    pool = lay.pool.to(torch.bfloat16)
+    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
+    emu = Emulated()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(_FakeLib(), 0, q, pool, LayerPlan(plan, quirks), lay.scale, out, kernels=emu)
+    ref = reference.attend(q.double(), pool.double(), LayerPlan(plan, Quirks(softcap=softcap, window=window,
+                                                                            sinks=None if sinks is None else
+                                                                            sinks.double())), lay.scale)
+    return out, ref, emu
+
+
+def check(out, ref, emu, tol=2e-5):
+    assert torch.isfinite(out).all(), "a NaN key (an unused pool slot) was read"
+    err = (out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+    assert err < tol, f"max error {err:.2e} relative to the largest output"
+    taken = emu.taken
+    assert len(set(taken)) == len(taken), "a key was taken twice"
+
+
+@pytest.mark.parametrize("D,ratio,Lq", [(64, 4, 1), (128, 8, 2), (256, 1, 1), (64, 16, 3)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 20.0), (300, 30.0), (1, None)])
+def test_two_levels_with_variants(D, ratio, Lq, window, softcap):
+    # prefixes long enough for several chunks (the SM count is patched to 2), suffixes for several splits
+    lay = random_layout(D + ratio + Lq + (window or 0), groups=((3, 700), (2, 90), (2, 0)), lone_rows=1,
+                        suffix=(Lq, 300), Lq=Lq, Hkv=2, ratio=ratio, D=D, bs=16, dtype=torch.float32,
+                        random_limits=Lq > 1, q_scale=1.5)
+    plan = step_plan(lay)
+    out, ref, emu = run(lay, plan, softcap=softcap, window=window)
+    check(out, ref, emu)
+    st = next(iter(plan.scratch.values()))
+    assert st.max_chunks > 1 and st.nsplit > 1
+    if window is not None and window < 100:
+        # tiles and chunks before the window are never read: a query takes at most `window` keys
+        counts = {}
+        for _, _, r, lq, hq, _ in emu.taken:
+            counts[(r, lq, hq)] = counts.get((r, lq, hq), 0) + 1
+        assert max(counts.values()) <= window
+        _, _, full = run(lay, step_plan(lay), softcap=softcap)
+        assert emu.prefix_tiles < full.prefix_tiles / 2
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_sinks(window):
+    lay = random_layout(5, groups=((3, 400), (2, 0)), lone_rows=2, suffix=(1, 40), Lq=1, Hkv=2, ratio=4, D=64,
+                        bs=16, dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    plan.q_limit[0] = 0          # a row that sees no key at all (in no group or with an empty prefix): o = 0
+    sinks = 3.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(1))
+    out, ref, emu = run(lay, plan, sinks=sinks, window=window)
+    check(out, ref, emu)
+    plain, _, _ = run(lay, step_plan(lay), window=window)
+    assert not torch.allclose(plain, out, atol=1e-3)
+
+
+@pytest.mark.parametrize("ratio,Lq,softcap", [(1, 1, None), (4, 1, 25.0), (8, 2, None)])
+def test_three_levels(ratio, Lq, softcap):
+    lay = make_three_level(60 + ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=128, bs=16, dtype=torch.float32)
+    plan = step_plan(lay)
+    sinks = torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(2))
+    out, ref, emu = run(lay, plan, softcap=softcap, sinks=sinks)
+    check(out, ref, emu)
+    st = next(iter(plan.scratch.values()))
+    assert st.three and st.mid.has and st.row_nmid is not None
+    # the middle level was read once per subgroup by the prefix kernel, not per row by the suffix kernel
+    mid_rows = set(plan.mid_group_rows[plan.mid_group_rows >= 0].tolist())
+    assert mid_rows
+    # a window turns the middle level off (the reference's semantics): two levels, same result as the reference
+    out_w, ref_w, emu_w = run(lay, step_plan(lay), window=20)
+    check(out_w, ref_w, emu_w)
