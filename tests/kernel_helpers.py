@@ -153,3 +153,62 @@ def random_layout(seed, *, groups=((3, 40),), lone_rows=1, suffix=(1, 20), Lq=1,
     return PagedLayout(q=q, pool=pool, group_rows=t(group_rows), prefix_table=t(prefix_table),
                        prefix_len=t(np.asarray(prefixes, dtype=np.int32)), suffix_table=t(suffix_table),
                        q_limit=t(q_limit), suffix_len=slens.astype(np.int64), scale=1.0 / math.sqrt(D))
+
+
+def random_three_level(seed, *, sys_tokens, prompts, beams, own_tokens, suffix, lone_rows=1, Lq=1, Hkv=2, ratio=4,
+                       D=128, bs=16, dtype=torch.float64, garbage=float("nan")):
+    """A three-level layout as a batch of prompts sharing a system prompt holds it: all ``prompts x beams`` rows
+    share ``sys_tokens`` (level 0, whole blocks), each prompt's beams its own ``own_tokens`` = (low, high) tokens
+    after it (the middle level, whole blocks), each row its own suffix of ``suffix`` = (low, high) tokens (at least
+    Lq, causal limits); ``lone_rows`` rows in no group read a suffix only. Rows in random order, blocks in a random
+    permutation, NaN in unused slots and blocks. Returns a namespace with the level tables as CPU tensors (for
+    :func:`step_plan`), q, pool and scale; the two-level ``suffix_table`` / ``q_limit`` are each row's middle
+    blocks followed by its own suffix."""
+    from types import SimpleNamespace
+    assert sys_tokens % bs == 0
+    rng = np.random.default_rng(seed)
+    nblk = lambda n: -(-int(n) // bs)  # noqa: E731
+    R, Hq = prompts * beams + lone_rows, Hkv * ratio
+    order = rng.permutation(R)
+    subgroups = [order[p * beams:(p + 1) * beams] for p in range(prompts)]
+    lone = order[prompts * beams:]
+    mids = [bs * nblk(rng.integers(own_tokens[0], own_tokens[1] + 1)) for _ in range(prompts)]
+    lo = max(suffix[0], Lq)
+    own = rng.integers(lo, max(suffix[1], lo) + 1, size=R)
+    N = nblk(sys_tokens) + sum(nblk(m) for m in mids) + sum(nblk(n) for n in own) + 3
+    free = iter(rng.permutation(N).tolist())
+    valid = np.zeros((N, bs), dtype=bool)
+
+    def take(n):
+        ids = [next(free) for _ in range(nblk(n))]
+        for j, b in enumerate(ids):
+            valid[b, : min(bs, int(n) - j * bs)] = True
+        return ids
+
+    def padded(rows, width):
+        out = np.full((len(rows), width), -1, dtype=np.int32)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return out
+
+    sys_blocks = take(sys_tokens)
+    mid_blocks = [take(m) for m in mids]
+    own_blocks = [take(n) for n in own]
+    mid_of = {int(r): p for p, rows in enumerate(subgroups) for r in rows}
+    two_level = [(mid_blocks[mid_of[r]] if r in mid_of else []) + own_blocks[r] for r in range(R)]
+    causal = own[:, None] - Lq + 1 + np.arange(Lq)[None, :]
+    q_limit = causal + np.array([mids[mid_of[r]] if r in mid_of else 0 for r in range(R)])[:, None]
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(N, 2, bs, Hkv, D, generator=gen, dtype=torch.float64)
+    pool = pool.masked_fill(~torch.from_numpy(valid)[:, None, :, None, None], garbage).to(dtype)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))  # noqa: E731
+    grouped = np.concatenate(subgroups)
+    return SimpleNamespace(
+        q=(1.5 * torch.randn(R, Lq, Hq, D, generator=gen, dtype=torch.float64)).to(dtype), pool=pool,
+        group_rows=t(grouped[None, :]), prefix_table=t(padded([sys_blocks], len(sys_blocks) + 1)),
+        prefix_len=t([sys_tokens]),
+        mid_group_rows=t(np.stack(subgroups)), mid_table=t(padded(mid_blocks, max(map(len, mid_blocks)) + 1)),
+        mid_len=t(mids),
+        inner_suffix_table=t(padded(own_blocks, max(map(len, own_blocks)) + 1)), inner_q_limit=t(causal),
+        suffix_table=t(padded(two_level, max(map(len, two_level)) + 1)), q_limit=t(q_limit),
+        scale=1.0 / math.sqrt(D), lone_rows=lone)

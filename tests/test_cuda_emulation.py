@@ -21,7 +21,7 @@ import torch
 from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import ops, reference
-from kernel_helpers import random_layout, step_plan
+from kernel_helpers import random_layout, random_three_level, step_plan
 from test_reference_kernels import make_three_level
 
 INT_MAX = 0x7FFFFFFF
@@ -340,3 +340,17 @@ def test_three_levels(ratio, Lq, softcap):
     # a window turns the middle level off (the reference's semantics): two levels, same result as the reference
     out_w, ref_w, emu_w = run(lay, step_plan(lay), window=20)
     check(out_w, ref_w, emu_w)
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (None, 10.0), (100, None)])
+def test_three_levels_chunked(window, softcap):
+    # a system prompt and each prompt's own part long enough for several chunks each
+    lay = random_three_level(7, sys_tokens=320, prompts=2, beams=2, own_tokens=(150, 260), suffix=(1, 40),
+                             lone_rows=1, Lq=1, Hkv=2, ratio=4, D=64, bs=16)
+    plan = step_plan(lay)
+    out, ref, emu = run(lay, plan, softcap=softcap, window=window)
+    check(out, ref, emu)
+    st = next(iter(plan.scratch.values()))
+    assert st.three == (window is None)
+    if st.three:
+        assert st.max_chunks > 1 and st.mid.max_chunks > 1

@@ -8,6 +8,11 @@ block size x query tokens per row.
 The reference runs in float32 on the same inputs; the CUDA output (bf16/fp16) must match it to a relative
 error below 1e-2 overall (2e-2 per row and query) with no NaN.
 
+The per-layer variants (sliding window, softcap, attention sinks) run as a combined grid (window x softcap x
+sinks x GQA ratio x head_dim x dtype, prefixes up to 4k, suffixes up to 300) against the float32 reference, and
+three-level plans (a shared system prompt, each prompt's rest, each row's suffix) against the reference's
+three-level attention.
+
 Run on the GPU machine:  PYTHONPATH=. python -m pytest -q -m gpu tests/test_gpu_kernels.py
 """
 from __future__ import annotations
@@ -17,9 +22,11 @@ import numpy as np
 import pytest
 import torch
 
+from hf_cascade import kernels
+from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import reference
-from kernel_helpers import random_layout
+from kernel_helpers import random_layout, random_three_level, step_plan
 
 BF, FP = torch.bfloat16, torch.float16
 
@@ -37,6 +44,22 @@ def check_case(q, pool, plan, scale, *, tol=1e-2, row_tol=2e-2):
     out = cuda_backend.attend(q, pool, plan, scale)
     torch.cuda.synchronize()
     ref = reference.attend(q.float(), pool.float(), plan, scale)
+    return compare(out, ref, q, tol=tol, row_tol=row_tol)
+
+
+def check_variants(q, pool, plan, scale, *, softcap=None, window=None, sinks=None, tol=1e-2, row_tol=2e-2):
+    """The cuda backend with a layer's variants vs the float32 reference with the same ones; returns both."""
+    layer = LayerPlan(plan, Quirks(softcap=softcap, window=window, sinks=sinks))
+    assert kernels.select("cuda", q, pool, layer) is cuda_backend      # the backend declares them (QUIRKS)
+    out = cuda_backend.attend(q, pool, layer, scale)
+    torch.cuda.synchronize()
+    ref = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(
+        softcap=softcap, window=window, sinks=None if sinks is None else sinks.float())), scale)
+    compare(out, ref, q, tol=tol, row_tol=row_tol)
+    return out, ref
+
+
+def compare(out, ref, q, *, tol=1e-2, row_tol=2e-2):
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     o = out.float()
     assert torch.isfinite(o).all(), "NaN/inf in the CUDA output"
@@ -184,3 +207,109 @@ def test_rejects_bad_plans_loudly():
     with pytest.raises(ValueError):
         cuda_backend.attend(q, pool, plan, scale)
     assert "dtype" in cuda_backend.unsupported_reason(q.float(), pool.float(), plan)
+
+
+# ------------------------------------------------------------------------------------ variants (GPU)
+
+WINDOWS = (None, 1, 37, 1000)      # off, only the query itself, inside the suffix mostly, across prefix chunks
+SOFTCAP = 3.0                      # small enough to change the softmax of these logits (checked below)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 4, 8])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+def test_variant_grid(dtype, D, ratio):
+    # one layout per (dtype, D, ratio): a group with a prefix of 1k-4k tokens (ending inside a block), a short
+    # one, an empty one, rows in no group, suffixes 1-300; Lq 1 or 3 (random limits); every combination of
+    # window x softcap x sinks on it
+    seed = 1000 + D + 10 * ratio + (dtype == FP)
+    rng = np.random.default_rng(seed)
+    Lq = 3 if (D + ratio) % 3 == 0 else 1
+    Hkv = {1: 4, 4: 2, 8: 1}[ratio]
+    q, pool, plan, scale = make_case(seed, dtype=dtype, D=D, Hkv=Hkv, ratio=ratio, bs=16, Lq=Lq,
+                                     random_limits=Lq > 1, lone_rows=2, suffix=(1, 300),
+                                     groups=((4, int(rng.integers(1024, 4097))), (2, int(rng.integers(1, 300))),
+                                             (2, 0)))
+    sinks = (2.0 * torch.randn(q.shape[2], generator=torch.Generator().manual_seed(seed))).cuda()
+    results = {}
+    for window in WINDOWS:
+        for softcap in (None, SOFTCAP):
+            for with_sinks in (False, True):
+                results[window, softcap, with_sinks] = check_variants(
+                    q, pool, plan, scale, softcap=softcap, window=window, sinks=sinks if with_sinks else None)
+    # each variant changes the result (so the comparisons above check it)
+    plain = results[None, None, False][1]
+    for key in ((37, None, False), (1000, None, False), (None, SOFTCAP, False), (None, None, True)):
+        assert not torch.allclose(results[key][1], plain, atol=1e-3), key
+    # one state for all variants of the step: the launch shapes do not depend on them
+    assert len(plan.scratch) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [64, 300])
+def test_window_skips_long_prefix_chunks(window):
+    # an 8k prefix cut into many chunks: chunks and tiles before every row's window are skipped, the edge masked
+    q, pool, plan, scale = make_case(1100 + window, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
+                                     groups=((4, 8192 + 5), (3, 2000)), lone_rows=1, suffix=(1, 100))
+    check_variants(q, pool, plan, scale, window=window, softcap=50.0)
+    assert next(iter(plan.scratch.values())).max_chunks > 2
+
+
+@pytest.mark.gpu
+def test_window_in_a_cuda_graph_follows_the_device_lengths(monkeypatch):
+    monkeypatch.setattr(cuda_backend, "debug_sync", False)   # no device synchronisation inside a capture
+    # the window is applied from the device-side lengths: a captured step replays correctly after the lengths
+    # change (as a static decode layout's buffers do between steps), with the same launch shapes
+    q, pool, plan, scale = make_case(1200, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
+                                     groups=((4, 700), (3, 90)), lone_rows=1, suffix=(40, 120))
+    layer = LayerPlan(plan, Quirks(window=64, softcap=20.0))
+    cuda_backend.attend(q, pool, layer, scale)           # the prefix kernel's one-time setup, the step state
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_backend.attend(q, pool, layer, scale)
+    dp = plan.on(q.device)
+    for cut in (0, 30):
+        plan.q_limit[:] = np.maximum(plan.q_limit - cut, 0)   # fewer suffix tokens: the window moves back
+        dp.q_limit.copy_(torch.from_numpy(plan.q_limit))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(window=64, softcap=20.0)), scale)
+        compare(out, ref, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("ratio,Lq", [(1, 1), (4, 2), (8, 1)])
+def test_three_level_plans(ratio, Lq, D, dtype):
+    # small three-level layouts (tests/test_reference_kernels.py): subgroups with and without a middle level,
+    # a row in no subgroup, rows in no group, NaN in unused slots; with softcap and sinks too
+    from test_reference_kernels import make_three_level
+    lay = make_three_level(1300 + ratio + Lq + D, Lq=Lq, Hkv=2, ratio=ratio, D=D, bs=16, dtype=torch.float32)
+    q, pool = lay.q.to("cuda", dtype), lay.pool.to("cuda", dtype)
+    plan = step_plan(lay)
+    sinks = lay.sinks.cuda()
+    for softcap, s in ((None, None), (SOFTCAP, None), (None, sinks), (SOFTCAP, sinks)):
+        check_variants(q, pool, plan, lay.scale, softcap=softcap, sinks=s)
+    st = next(iter(plan.scratch.values()))
+    assert st.three and st.mid.has and st.mid.max_chunks >= 1
+    # a layer with a window reads the same plan as two levels (the reference's semantics), next to the others
+    check_variants(q, pool, plan, lay.scale, window=20, sinks=sinks)
+    assert len(plan.scratch) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,ratio", [(128, 4), (64, 8)])
+def test_three_levels_long(D, ratio):
+    # 4 prompts x 4 beams sharing a 2k system prompt, each prompt's own 300-700 tokens, suffixes up to 64, plus
+    # rows in no group: both shared levels are chunked
+    lay = random_three_level(1400 + D, sys_tokens=2048, prompts=4, beams=4, own_tokens=(300, 700), suffix=(1, 64),
+                             lone_rows=2, Lq=1, Hkv=2, ratio=ratio, D=D, bs=16)
+    q, pool = lay.q.to("cuda", BF), lay.pool.to("cuda", BF)
+    plan = step_plan(lay)
+    check_variants(q, pool, plan, lay.scale, softcap=50.0)
+    st = next(iter(plan.scratch.values()))
+    assert st.three and st.max_chunks >= 1 and st.mid.max_chunks >= 1
+    assert (st.row_nmid.cpu().numpy() > 0).sum() == 16
