@@ -63,15 +63,14 @@ suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
   }
   int t_lo = split * split_tokens;
   const int t_hi = min(t_lo + split_tokens, tmax);
-  int lo[kQB];  // VAR with a window: the first suffix token each query sees
   if constexpr (VAR) {
-    int tmin = 0x7fffffff;  // the same in every thread (all read the same q_limit): no reduction needed
+    if (window > 0) {  // start at the earliest token a query of the CTA sees (query qi: lim[qi] - window on)
+      int tmin = 0x7fffffff;  // the same in every thread (all read the same q_limit): no reduction needed
 #pragma unroll
-    for (int qi = 0; qi < kQB; ++qi) {
-      lo[qi] = window > 0 ? lim[qi] - window : 0;
-      if (qb * kQB + qi < nq) tmin = min(tmin, lo[qi]);
+      for (int qi = 0; qi < kQB; ++qi)
+        if (qb * kQB + qi < nq) tmin = min(tmin, lim[qi] - window);
+      t_lo = max(t_lo, tmin);
     }
-    if (window > 0) t_lo = max(t_lo, tmin);
   }
   const int* table = suffix_table + (int64_t)r * Ms;
   const int64_t slot_stride = (int64_t)Hkv * D;
@@ -112,7 +111,7 @@ suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
       bool sees = ok && t < lim[qi];
       if constexpr (VAR) {
         if (cap_out > 0.0f) s = cap_out * tanhf(s * cap_in);
-        sees = sees && t >= lo[qi];
+        sees = sees && (window <= 0 || t + window >= lim[qi]);
       }
       if (sees) {
         const float mn = fmaxf(m[qi], s);

@@ -9,6 +9,18 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
+A three-level plan (a system prompt shared by a batch, each prompt's rest shared by its beams, each row's suffix)
+runs the prefix kernel twice, for the group prefix and for the middle level (its partials in the slots after the
+group prefix's), and the suffix kernel on the inner suffix; the merge reads the three ranges of slots of each row.
+
+Per-layer variants (``QUIRKS``), runtime scalars of the launches (a CUDA graph bakes them; the plain path's code is
+unchanged, the kernels take a compiled-in variant branch only when one is on): a logit softcap and a sliding window
+in the prefix and suffix kernels, attention sinks as one more partial in the merge. The window is applied in the
+kernels from the device-side lengths (``prefix_len``, ``q_limit``): they skip whole chunks and K/V tiles before a
+CTA's earliest visible token and mask the edge, and the launch shapes never depend on the window. A layer with a
+window reads a three-level plan as two levels (the window is defined over the group prefix and the row's suffix,
+as in :mod:`hf_cascade.kernels.reference`).
+
 Each takes one parameter struct (``csrc/include/hfc/params.h``, mirrored below by ``_PrefixParams``,
 ``_SuffixParams``, ``_MergeParams``); launches make no CUDA call but the launch itself, so they can be captured in a
 CUDA graph. :mod:`hf_cascade.kernels.ops` exposes them as torch operators (``torch.ops.hf_cascade.*``) for
