@@ -101,7 +101,8 @@ def main():
     lib._info[(0, 128, 32, None)] = (3, 0, 32)      # CPU tensors: skip the one-time setup (a CUDA call)
 
     def layer():
-        ops.prefix(lib, 0, a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024, 16, 0.1)
+        ops.prefix(lib, 0, a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024, 16, 0.1,
+                   a["ql"])
         ops.suffix(lib, 0, a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 16, 0.1)
         ops.merge(lib, 0, a["po"], a["pls"], a["rn"], a["out"], 16, 1)
 
