@@ -56,14 +56,28 @@ def _model(name, window):
 
 
 def _greedy(model, ids, mask, backend, new):
+    # an explicit cache: greedy decoding of unrelated prompts would otherwise run on stock's own path
+    cache = hf_cascade.CascadeCache(model.config, hf_cascade.CascadeConfig(backend=backend))
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,
-                         eos_token_id=None, return_dict_in_generate=True, output_logits=True,
-                         hf_cascade_config=hf_cascade.CascadeConfig(backend=backend))
+                         eos_token_id=None, return_dict_in_generate=True, output_logits=True, **cache_kw(model, cache))
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float().log_softmax(-1)
 
 
+def _count_cuda_layers(monkeypatch) -> list:
+    """Every attend call the cuda backend serves, with its layer's (window, softcap)."""
+    from hf_cascade.kernels import cuda as cuda_backend
+    calls, real = [], cuda_backend.attend
+
+    def counted(q, pool, plan, scale):
+        calls.append((getattr(plan, "window", None), getattr(plan, "softcap", None)))
+        return real(q, pool, plan, scale)
+
+    monkeypatch.setattr(cuda_backend, "attend", counted)
+    return calls
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_greedy_generate_cuda_equals_reference(name):
+def test_greedy_generate_cuda_equals_reference(name, monkeypatch):
     window = 48
     model = _model(name, window)
     g = torch.Generator().manual_seed(1)
@@ -74,7 +88,11 @@ def test_greedy_generate_cuda_equals_reference(name):
     ids, mask = ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
     new = 40
     want, lp_ref = _greedy(model, ids, mask, "reference", new)
+    calls = _count_cuda_layers(monkeypatch)
     got, lp_cuda = _greedy(model, ids, mask, "cuda", new)
+    # the decode steps ran on the cuda kernels, windowed layers (and for Gemma-2 softcapped ones) among them
+    assert sum(w is not None for w, _ in calls) >= new - 1
+    assert name != "Gemma2" or sum(c is not None for _, c in calls) >= 2 * (new - 1)
     assert torch.isfinite(lp_cuda).all()
     same_steps = 0
     for r in range(ids.shape[0]):
@@ -91,7 +109,7 @@ def test_greedy_generate_cuda_equals_reference(name):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_teacher_forced_long_shared_prompt(name):
+def test_teacher_forced_long_shared_prompt(name, monkeypatch):
     # 8 beams of one 2k-token prompt (7 x 2k shared-token reads saved: a cascade for the cuda backend too), window
     # 500: the prefix kernel reads the prompt once for all beams and skips its chunks before the window; then a
     # 24-token tail per beam (queries of 24 tokens, causal inside the tail) and one decode step
@@ -100,6 +118,7 @@ def test_teacher_forced_long_shared_prompt(name):
     beams = 8
     tail = torch.randint(2, VOCAB, (beams, 25), generator=torch.Generator().manual_seed(3)).cuda()
     lps = {}
+    calls = _count_cuda_layers(monkeypatch)
     for backend in ("reference", "cuda"):
         cache = hf_cascade.CascadeCache(model.config, hf_cascade.CascadeConfig(backend=backend))
         with torch.no_grad():
@@ -110,6 +129,7 @@ def test_teacher_forced_long_shared_prompt(name):
             pos = torch.full((beams, 1), ids.shape[1] + 24, device="cuda")
             b = model(input_ids=tail[:, 24:], position_ids=pos, use_cache=True, **cache_kw(model, cache)).logits
         lps[backend] = torch.cat([a, b], 1).float().log_softmax(-1)
+    assert len(calls) == 2 * model.config.num_hidden_layers and any(w for w, _ in calls)   # tail, decode step
     assert torch.isfinite(lps["cuda"]).all()
     diff = (lps["cuda"] - lps["reference"]).abs().max().item()
     print(f"\n{name}: largest |log-prob difference| cuda vs reference over {beams} x 25 positions = {diff:.4f}")
