@@ -80,10 +80,9 @@ cudaError_t launch_t(const hfc_merge_params& p, cudaStream_t stream) {
   const long long blocks = (items + kWarps - 1) / kWarps;
   if (!fits_int(blocks)) return cudaErrorInvalidConfiguration;
   const bool extra = p.row_nmid != nullptr || p.sinks != nullptr;
-  (extra ? merge_kernel<T, D, true> : merge_kernel<T, D, false>)<<<(unsigned)blocks, kThreads, 0, stream>>>(p.part_o, p.part_lse, p.row_nchunks,
-                                                                 static_cast<T*>(p.out), (int)p.R, (int)p.Lq,
-                                                                 (int)p.Hq, (int)p.slot0, (int)p.nsplit, p.row_nmid,
-                                                                 (int)p.mid_slot0, p.sinks);
+  (extra ? merge_kernel<T, D, true> : merge_kernel<T, D, false>)<<<(unsigned)blocks, kThreads, 0, stream>>>(
+      p.part_o, p.part_lse, p.row_nchunks, static_cast<T*>(p.out), (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.slot0,
+      (int)p.nsplit, p.row_nmid, (int)p.mid_slot0, p.sinks);
   return cudaGetLastError();
 }
 

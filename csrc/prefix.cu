@@ -178,7 +178,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
         if (row < 0) return 0x7fffffff;
         return plen + q_limit[(int64_t)row * Lq + lq] - window;
       };
-      const int wrow = (warp / PrefixCfg<D, M>::WN) * 16 + (lane >> 2);
+      const int wrow = (warp / C::WN) * 16 + (lane >> 2);
       win_lo[0] = row_start(wrow);
       win_lo[1] = row_start(wrow + 8);
       // CTA-wide minimum through the K/V ring (nothing is in flight yet), so every thread skips the same tiles
@@ -186,14 +186,14 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
       for (int m = tid; m < rows_here; m += kThreads) lo = min(lo, row_start(m));
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) lo = min(lo, __shfl_xor_sync(kFull, lo, off));
-      int* red = reinterpret_cast<int*>(smem + PrefixCfg<D, M>::KV_OFF);
+      int* red = reinterpret_cast<int*>(smem + C::KV_OFF);
       if (lane == 0) red[warp] = lo;
       __syncthreads();
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) lo = min(lo, red[w]);
       __syncthreads();  // everyone has read red[] before the ring is filled
-      if (lo > t_begin) t_first = (lo - t_begin >= chunk_tokens) ? t_begin + chunk_tokens
-                                                                   : t_begin + (lo - t_begin) / PrefixCfg<D, M>::N * PrefixCfg<D, M>::N;
+      if (lo > t_begin)
+        t_first = lo - t_begin >= chunk_tokens ? t_begin + chunk_tokens : t_begin + (lo - t_begin) / N * N;
     }
   }
   // a chunk with no tokens (or none inside any row's window): O = 0, LSE = -inf (uniform over the CTA)
