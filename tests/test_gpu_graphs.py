@@ -123,7 +123,8 @@ def test_exception_inside_a_step_leaves_no_graph_and_next_call_is_the_same(model
 def test_graphs_are_off_when_asked_and_for_several_devices(model, monkeypatch, caplog):
     spy = RunnerSpy(monkeypatch)
     ids, mask = _batch((200,), seed=4)
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0,
+    # two beams: a call that shares nothing (greedy) would run on stock's path and make no runner at all
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=2,
                    hf_cascade_config=CascadeConfig(cuda_graphs=False))
     assert spy.runners == [None]
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
