@@ -73,6 +73,16 @@ class ForwardTimer:
             h.remove()
 
 
+def _model_and_prompt(models: dict, shape: str, prompt: int, dtype):
+    """The model of ``shape`` (one kept at a time) and one random prompt of ``prompt`` tokens on the GPU."""
+    if shape not in models:
+        models.clear()
+        torch.cuda.empty_cache()
+        models[shape] = build(shape, dtype)
+    ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
+    return models[shape], ids
+
+
 def run_one(model, ids, beams, new_tokens, variant):
     """variant: "stock" or a backend name. Returns a dict of figures (or {"error": ...})."""
     model.set_attn_implementation("sdpa" if variant == "stock" else "cascade")
@@ -172,12 +182,7 @@ def whole_step(args, dtype, console):
     for entry in tqdm(args.configs, desc="configs"):
         shape, prompt, mode = entry.split(":")
         prompt = int(prompt)
-        if shape not in models:
-            models.clear()
-            torch.cuda.empty_cache()
-            models[shape] = build(shape, dtype)
-        model = models[shape]
-        ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
+        model, ids = _model_and_prompt(models, shape, prompt, dtype)
         n = args.new_tokens
         times = {v: {"t1": [], "tn": [], "peak": []} for v in args.variants}
         info = {v: {} for v in args.variants}
@@ -253,12 +258,7 @@ def main(argv=None):
     for entry in tqdm(args.configs if not args.whole_step else [], desc="configs"):
         shape, prompt, beams = entry.split(":")
         prompt, beams = int(prompt), int(beams)
-        if shape not in models:
-            models.clear()
-            torch.cuda.empty_cache()
-            models[shape] = build(shape, dtype)
-        model = models[shape]
-        ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
+        model, ids = _model_and_prompt(models, shape, prompt, dtype)
         run_one(model, ids[:, :256], 2, 4, "stock")                   # warm-up (cuBLAS, allocator)
         stock = run_one(model, ids, beams, args.new_tokens, "stock")
         rows = [("stock", stock)]

@@ -236,6 +236,19 @@ def test_whisper_stock_tokens(case, monkeypatch):
     assert fills and all(shape[0] <= 2 for shape in fills)
 
 
+def _beam_search_pair(family, config):
+    """Stock's and the cascade's beam search sequences for ``family`` (Whisper: its own generate)."""
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
+        return stock.generate(_SHORT, **kw), cascade.generate(_SHORT, **kw, hf_cascade_config=config)
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+    return (stock.generate(input_ids=ids, attention_mask=mask, **kw),
+            cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config))
+
+
 @pytest.mark.parametrize("family", [*FAMILIES, "whisper"])
 def test_paged_plan_through_reference_backend(family, monkeypatch):
     """backend="reference" (as on a GPU) reads the cross K/V through the paged plan and backend.attend (what
@@ -250,17 +263,7 @@ def test_paged_plan_through_reference_backend(family, monkeypatch):
     init = encoder_decoder.CascadeEncoderDecoderCache.__init__
     monkeypatch.setattr(encoder_decoder.CascadeEncoderDecoderCache, "__init__",
                         lambda self, own, cross: selfs.append(own) or init(self, own, cross))
-    if family == "whisper":
-        stock, cascade = whisper_pair()
-        kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
-        want = stock.generate(_SHORT, **kw)
-        got = cascade.generate(_SHORT, **kw, hf_cascade_config=config)
-    else:
-        stock, cascade = cached_pair(family)
-        ids, mask = sources()
-        kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
-        want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
-        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)
     assert plans
     if family not in ("t5", "mt5"):
@@ -374,15 +377,6 @@ def test_gpu_pool_layout_through_the_plan(family, monkeypatch):
     original = encoder_decoder.CrossLayer.fill
     monkeypatch.setattr(encoder_decoder.CrossLayer, "fill",
                         lambda self, *a: (original(self, *a), pools.append(self.pool))[0])
-    if family == "whisper":
-        stock, cascade = whisper_pair()
-        kw = dict(language="en", max_new_tokens=8, num_beams=3, no_repeat_ngram_size=2)
-        want, got = stock.generate(_SHORT, **kw), cascade.generate(_SHORT, **kw, hf_cascade_config=config)
-    else:
-        stock, cascade = cached_pair(family)
-        ids, mask = sources()
-        kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
-        want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
-        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)
     assert pools and all(p.is_contiguous() and p.shape[1:3] == (2, 4) for p in pools)
