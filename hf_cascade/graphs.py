@@ -99,7 +99,8 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
     if owned:
         if ok and runner is not None and runner.graph is not None:
             cache.reset_for_reuse()
-            _kept[model] = cache
+            runner.detach()
+            _kept[model] = cache           # weakly keyed, and nothing kept refers to the model
         else:
             cache.reset()
         return
@@ -127,6 +128,7 @@ def decode_runner(model, cache, generation_config):
         if runner is not None:
             runner.release()
         runner = cache.graph_runner = DecodeGraphRunner(model, cache, capture=capture, compile=compile)
+    runner.attach(model)
     runner.begin_call()
     return runner
 
@@ -140,12 +142,11 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model, cache, capture: bool = True, compile: bool = False):
-        self.model, self.cache, self.capture_enabled = model, cache, capture
-        self.original = model.forward
-        # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
-        # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
-        self.forward_fn = _compiled(self.original) if compile else self.original
-        self.compiled = compile
+        # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive
+        self._model = weakref.ref(model)
+        self.cache, self.capture_enabled, self.compiled = cache, capture, compile
+        self.original = self.forward_fn = None
+        self.attach(model)
         self.graph = None
         self.pool = None
         self.static_kwargs: dict = {}
@@ -154,6 +155,23 @@ class DecodeGraphRunner:
         self.disabled: str | None = None      # why graphs stopped for the rest of the call
         self._saved = None
         self.begin_call()
+
+    @property
+    def model(self):
+        return self._model()
+
+    def attach(self, model) -> None:
+        """Take the model's forward for a call (dropped again by :meth:`detach` when the runner is kept)."""
+        if self.original is None:
+            self.original = model.forward
+            # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
+            # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
+            self.forward_fn = _compiled(self.original) if self.compiled else self.original
+
+    def detach(self) -> None:
+        """Drop every strong reference to the model (its bound forward); the graph and static tensors stay."""
+        self.original = self.forward_fn = None
+        self._saved = None
 
     def begin_call(self) -> None:
         """Counters of one generate call (a kept runner serves several)."""

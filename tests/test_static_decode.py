@@ -240,6 +240,20 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
     assert cascade not in graphs._kept
 
 
+def test_a_kept_graph_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+    _, cascade = model_pair("llama")
+    ids, mask = padded_batch(seed=1)
+    cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=4, pad_token_id=0,
+                     hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
+    assert cascade in graphs._kept
+    ref = weakref.ref(cascade)
+    del cascade
+    gc.collect()
+    assert ref() is None
+
+
 def test_failed_step_restores_forward_and_next_generate_is_exact(llama_pair):
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=4)
