@@ -225,15 +225,20 @@ def whole_step(args, dtype, console):
                 row["step_vs_stock"] = row["step_ms"] / row_stock["step_ms"]
                 row["t1_vs_stock"] = row["t1_s"] / row_stock["t1_s"]
             results.append(row)
-    table = Table(title=f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}")
-    cols = ["shape", "prompt", "mode", "variant", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock", "peak_gib",
-            "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"]
+    _print_table(console, f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
+                 ["shape", "prompt", "mode", "variant", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock", "peak_gib",
+                  "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"],
+                 results)
+    return results
+
+
+def _print_table(console, title, cols, results):
+    table = Table(title=title)
     for c in cols:
         table.add_column(c)
     for r in results:
         table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     console.print(table)
-    return results
 
 
 def main(argv=None):
@@ -254,8 +259,9 @@ def main(argv=None):
     results, models = [], {}
     console = Console()
     if args.whole_step:
-        results = whole_step(args, dtype, console)
-    for entry in tqdm(args.configs if not args.whole_step else [], desc="configs"):
+        _write(args, whole_step(args, dtype, console), console)
+        return
+    for entry in tqdm(args.configs, desc="configs"):
         shape, prompt, beams = entry.split(":")
         prompt, beams = int(prompt), int(beams)
         model, ids = _model_and_prompt(models, shape, prompt, dtype)
@@ -279,17 +285,10 @@ def main(argv=None):
                 fig["peak_vs_stock"] = fig["peak_gib_above_weights"] / stock["peak_gib_above_weights"]
             results.append({"shape": shape, "prompt": prompt, "beams": beams, "variant": variant,
                             **{k: v for k, v in fig.items() if k != "sequences"}})
-    if args.whole_step:
-        _write(args, results, console)
-        return
-    table = Table(title=f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens")
-    cols = ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
-            "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock", "error"]
-    for c in cols:
-        table.add_column(c)
-    for r in results:
-        table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
-    console.print(table)
+    _print_table(console, f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens",
+                 ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
+                  "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock",
+                  "error"], results)
     _write(args, results, console)
 
 

@@ -290,13 +290,14 @@ class CascadeCache(Cache):
         self.logical_length = 0
         self.model_fingerprint = None
         self._context, self._next_write_mask = None, None
-        kept = self._layout if keep else None
-        if kept is not None:
-            self._layout = None           # end_decode would release it
-        self.end_decode()
-        if self._kept_layout is not None and self._kept_layout is not kept:
+        if keep and self._layout is not None:      # not released: the kept runner's graph points at its buffers
+            if self._kept_layout is not None:
+                self._kept_layout.release()
+            self._kept_layout, self._layout = self._layout, None
+        elif not keep and self._kept_layout is not None:
             self._kept_layout.release()
-        self._kept_layout = kept if keep else None
+            self._kept_layout = None
+        self.end_decode()
         if not keep and self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
@@ -352,8 +353,7 @@ class CascadeCache(Cache):
     def prepare_step(self, num_rows: int, q_len: int = 1) -> StepContext:
         """Begin a step before the forward runs (the graph runner: the plan must be uploaded before a
         replay); the forward's layers then write into this step."""
-        ctx = self._begin_step_shape(num_rows, q_len)
-        return ctx
+        return self._begin_step_shape(num_rows, q_len)
 
     def rewind_step(self) -> None:
         """Let the current step's layers write again (a capture re-runs the step just run: same slots,

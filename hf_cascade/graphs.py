@@ -229,8 +229,8 @@ class DecodeGraphRunner:
         inputs = tuple(sorted((k, tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor)
                               else (k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
                               for k, v in kwargs.items() if k not in _IGNORED))
-        pools = tuple((layer.storage.stable_view().data_ptr(), tuple(layer.storage.stable_view().shape))
-                      for layer in self.cache.layers if layer.storage is not None)
+        views = (layer.storage.stable_view() for layer in self.cache.layers if layer.storage is not None)
+        pools = tuple((view.data_ptr(), tuple(view.shape)) for view in views)
         layout = self.cache.layout
         return inputs, None if layout is None else layout.serial, pools
 
@@ -238,12 +238,7 @@ class DecodeGraphRunner:
         """The forward's arguments with fixed-shape tensors copied into tensors the graph owns. The 2D
         attention mask grows every step and is left out: decode attention reads each row's own tokens from
         the cache (pads are never stored) and positions come from ``position_ids``."""
-        static = {}
-        for k, v in kwargs.items():
-            if k in _IGNORED:
-                continue
-            static[k] = v.clone() if isinstance(v, torch.Tensor) else v
-        return static
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items() if k not in _IGNORED}
 
     def _copy_inputs(self, kwargs):
         for k, v in self.static_kwargs.items():

@@ -354,22 +354,20 @@ class DecodeLayout:
         group_rows, prefix_table, prefix_len = levels.group_arrays(tables)
         mid_group_rows, mid_table, mid_len = levels.mid_arrays(tables)
         row_prefix, row_inner = levels.row_blocks(num_rows)
-        # row r ends with at most ceil((prev + max_new) / bs) blocks (+1: one step more while finishing)
-        total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size) + 1
-        suffix_width = int((total - row_prefix).max(initial=1))
-        inner_width = int((total - row_inner).max(initial=1)) if levels.mid_groups else 0
+        suffix_width, inner_width = _widths(prev_lengths, max_new_tokens, block_size, row_prefix,
+                                            row_inner if levels.mid_groups else None)
         return cls(num_rows, block_size, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table, mid_len,
                    row_prefix, row_inner, suffix_width, inner_width)
 
     def widened(self, prev_lengths: np.ndarray, max_new_tokens: int) -> "DecodeLayout":
         """The same levels with room for ``max_new_tokens`` more tokens per row (levels are never re-found
         mid-call: beams that came to share decode blocks would make levels the next reorder breaks)."""
-        total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // self.block_size) + 1
+        suffix_width, inner_width = _widths(prev_lengths, max_new_tokens, self.block_size, self.row_prefix_blocks,
+                                            self.row_inner_blocks if self.has_mid else None)
         return DecodeLayout(
             self.num_rows, self.block_size, self.group_rows, self.prefix_table, self.prefix_len, self.mid_group_rows,
             self.mid_table, self.mid_len, self.row_prefix_blocks, self.row_inner_blocks,
-            max(self.suffix_width, int((total - self.row_prefix_blocks).max(initial=1))),
-            max(self.inner_width, int((total - self.row_inner_blocks).max(initial=1))) if self.has_mid else 0)
+            max(self.suffix_width, suffix_width), max(self.inner_width, inner_width))
 
     @property
     def has_mid(self) -> bool:
@@ -437,6 +435,16 @@ class DecodeLayout:
         """Drop the device buffers and the backends' state (the layout's call is over)."""
         self._buffers.clear()
         self.state.clear()
+
+
+def _widths(prev_lengths, max_new_tokens, block_size, row_prefix_blocks, row_inner_blocks=None):
+    """Suffix table widths (blocks) for rows holding ``prev_lengths`` tokens that get at most ``max_new_tokens``
+    more: row r ends with at most ceil((prev + max_new) / bs) blocks (+1: one step more while finishing),
+    minus the blocks its shared levels cover. The inner width is 0 without a middle level."""
+    total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size) + 1
+    suffix = int((total - row_prefix_blocks).max(initial=1))
+    inner = 0 if row_inner_blocks is None else int((total - row_inner_blocks).max(initial=1))
+    return suffix, inner
 
 
 class _StaticBuffers:
