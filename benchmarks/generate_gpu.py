@@ -7,10 +7,14 @@ peak memory above the weights, tokens/s and token agreement. Prints a table, wri
 ``--whole-step`` measures instead what a user waits for per new token: the whole generate() wall time,
 step = (t(N new) - t(1 new)) / (N - 1), beam search / sampling bookkeeping included, for stock and for
 hf_cascade with CUDA graphs off ("eager") and on ("graph"), interleaved (s, e, g, s, e, g, ...) after a
-warm-up of the same shape, the median of ``--rounds`` rounds. Entries are shape:prompt:mode with mode
-beamK, sampleK (K returned samples) or greedy:
+warm-up of the same shape, the median of ``--rounds`` rounds. Entries are shape:prompt:mode with shape
+one of SHAPES (Llama 1B/8B, Mistral-7B, Gemma-2-9B, GPT-OSS-20B; stock runs the last two in eager, as
+they have no faithful sdpa), prompt a length or "4096+512x8" (8 prompts sharing a 4096-token system prompt,
+then 512 tokens each), mode beamK, sampleK (K returned samples) or greedy. Cascade rows also give the K/V
+bytes the first decode step's attention reads (each shared level once) and what per-row reads would be:
 
-    PYTHONPATH=. python benchmarks/generate_gpu.py --whole-step --configs 8b:16384:beam8 8b:4096:greedy
+    PYTHONPATH=. python benchmarks/generate_gpu.py --whole-step --configs 8b:16384:beam8 8b:4096:greedy \
+        mistral7b:8192:beam8 8b:4096+512x8:beam4
 """
 from __future__ import annotations
 
@@ -25,26 +29,57 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig
 
 import hf_cascade
 from common import git_commit
 
+# shape name: (config class, its fields). Random weights; the names say which checkpoint's shape.
 SHAPES = {
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-               intermediate_size=8192),
-    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               intermediate_size=14336),
+    "1b": (LlamaConfig, dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=64, intermediate_size=8192, vocab_size=128256)),
+    "8b": (LlamaConfig, dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, intermediate_size=14336, vocab_size=128256)),
+    # Mistral-7B-v0.1: every layer has a 4096-token sliding window
+    "mistral7b": (MistralConfig, dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+                                      sliding_window=4096)),
+    # Gemma-2-9B: logit softcap 50 on every layer, a 4096-token window on every other layer
+    "gemma2-9b": (Gemma2Config, dict(hidden_size=3584, num_hidden_layers=42, num_attention_heads=16,
+                                     num_key_value_heads=8, head_dim=256, intermediate_size=14336, vocab_size=256000,
+                                     sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                     query_pre_attn_scalar=256)),
+    # GPT-OSS-20B: attention sinks, a 128-token window on every other layer, 32 experts (4 per token)
+    "gpt-oss-20b": (GptOssConfig, dict(hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                                       num_key_value_heads=8, head_dim=64, intermediate_size=2880,
+                                       num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                                       sliding_window=128, max_position_embeddings=131072)),
 }
+# stock's attention where stock sdpa would not give the model's own results (sdpa drops Gemma-2's softcap;
+# GPT-OSS has no sdpa: its sinks need eager)
+STOCK_ATTENTION = {"gemma2-9b": "eager", "gpt-oss-20b": "eager"}
 
 
 def build(shape: str, dtype) -> torch.nn.Module:
-    config = LlamaConfig(vocab_size=128256, max_position_embeddings=65536, pad_token_id=0, bos_token_id=None,
-                         eos_token_id=None, **SHAPES[shape])
+    config_class, fields = SHAPES[shape]
+    config = config_class(**{**dict(max_position_embeddings=65536, pad_token_id=0, bos_token_id=None,
+                                    eos_token_id=None), **fields})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=STOCK_ATTENTION.get(shape, "sdpa"),
+                                                 dtype=dtype)
+    model.stock_attention = STOCK_ATTENTION.get(shape, "sdpa")
     return model.eval()
+
+
+def parse_prompt(prompt: str) -> tuple[int, int, int]:
+    """"16384" (one prompt) or "4096+512x8" (8 prompts: a 4096-token system prompt they share, then 512 tokens
+    of their own) -> (shared tokens, own tokens, prompts)."""
+    if "+" not in prompt:
+        return 0, int(prompt), 1
+    shared, rest = prompt.split("+")
+    own, prompts = rest.split("x")
+    return int(shared), int(own), int(prompts)
 
 
 class ForwardTimer:
@@ -73,19 +108,24 @@ class ForwardTimer:
             h.remove()
 
 
-def _model_and_prompt(models: dict, shape: str, prompt: int, dtype):
-    """The model of ``shape`` (one kept at a time) and one random prompt of ``prompt`` tokens on the GPU."""
+def _model_and_prompt(models: dict, shape: str, prompt, dtype):
+    """The model of ``shape`` (one kept at a time) and random prompts on the GPU: ``prompt`` tokens, or a
+    "4096+512x8" batch (see parse_prompt)."""
     if shape not in models:
         models.clear()
         torch.cuda.empty_cache()
         models[shape] = build(shape, dtype)
-    ids = torch.randint(1, 128000, (1, prompt), generator=torch.Generator().manual_seed(prompt)).cuda()
-    return models[shape], ids
+    shared, own, prompts = parse_prompt(str(prompt))
+    vocab = min(models[shape].config.vocab_size, 128000)
+    gen = torch.Generator().manual_seed(shared + own)
+    ids = torch.randint(1, vocab, (prompts, shared + own), generator=gen)
+    ids[:, :shared] = ids[0, :shared]
+    return models[shape], ids.cuda()
 
 
 def run_one(model, ids, beams, new_tokens, variant):
     """variant: "stock" or a backend name. Returns a dict of figures (or {"error": ...})."""
-    model.set_attn_implementation("sdpa" if variant == "stock" else "cascade")
+    model.set_attn_implementation(model.stock_attention if variant == "stock" else "cascade")
     kw = dict(num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
               return_dict_in_generate=True, early_stopping=False)
     if variant != "stock":
@@ -144,7 +184,7 @@ def _mode_kwargs(mode: str) -> dict:
 
 
 def _timed_generate(model, ids, new_tokens, mode, variant, info):
-    model.set_attn_implementation("sdpa" if variant == "stock" else "cascade")
+    model.set_attn_implementation(model.stock_attention if variant == "stock" else "cascade")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
     if WHOLE_VARIANTS[variant] is not None:
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
@@ -157,6 +197,15 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
         return runner
 
     hf_cascade.graphs.decode_runner = spy
+    real_prepare = hf_cascade.CascadeCache.prepare_step
+
+    def prepare(cache, *a, **k):        # the first decode step's attention reads (per layer and KV head)
+        ctx = real_prepare(cache, *a, **k)
+        if "kv_reads" not in info and ctx.plan.q_len == 1 and not ctx.plan.fresh:
+            info["kv_reads"] = ctx.plan.kv_reads()
+        return ctx
+
+    hf_cascade.CascadeCache.prepare_step = prepare
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -169,6 +218,7 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
     finally:
         hf_cascade.graphs.decode_runner = real
+        hf_cascade.CascadeCache.prepare_step = real_prepare
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 + hf_cascade.memory.vmm_mapped_bytes(ids.device) / 2**30
     runner = runners[0] if runners else None
     if runner is not None:
@@ -181,7 +231,6 @@ def whole_step(args, dtype, console):
     results, models = [], {}
     for entry in tqdm(args.configs, desc="configs"):
         shape, prompt, mode = entry.split(":")
-        prompt = int(prompt)
         model, ids = _model_and_prompt(models, shape, prompt, dtype)
         n = args.new_tokens
         times = {v: {"t1": [], "tn": [], "peak": []} for v in args.variants}
@@ -217,8 +266,17 @@ def whole_step(args, dtype, console):
                 continue
             steps = [(tn - t1) / (n - 1) * 1e3 for t1, tn in zip(times[v]["t1"], times[v]["tn"])]
             row = {"shape": shape, "prompt": prompt, "mode": mode, "variant": v,
+                   "attention": model.stock_attention if v == "stock" else "cascade",
                    "step_ms": statistics.median(steps), "step_ms_all": [round(x, 2) for x in steps],
                    "t1_s": statistics.median(times[v]["t1"]), "peak_gib": max(times[v]["peak"]), **info[v]}
+            if "kv_reads" in row:       # bytes of K/V the step's attention reads, all layers
+                config = model.config
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                per_token = (2 * head_dim * config.num_key_value_heads * config.num_hidden_layers
+                             * torch.finfo(dtype).bits // 8)
+                cascade_tokens, per_row_tokens = row.pop("kv_reads")
+                row.update(kv_read_gib=cascade_tokens * per_token / 2**30,
+                           kv_read_gib_per_row=per_row_tokens * per_token / 2**30)
             if v == "stock":
                 row_stock = row
             elif row_stock is not None:
@@ -226,8 +284,8 @@ def whole_step(args, dtype, console):
                 row["t1_vs_stock"] = row["t1_s"] / row_stock["t1_s"]
             results.append(row)
     _print_table(console, f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
-                 ["shape", "prompt", "mode", "variant", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock", "peak_gib",
-                  "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"],
+                 ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock",
+                  "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"],
                  results)
     return results
 

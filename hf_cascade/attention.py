@@ -165,8 +165,11 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     pool = write.layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
     window = kwargs.get("sliding_window")
-    if window is not None and ctx.cache.logical_length <= window:
-        window = None          # the whole sequence is inside the window: plain causal attention
+    if window is not None and ctx.cache.logical_length <= window and not plan.static:
+        # the whole sequence is inside the window: plain causal attention, which more backends take. A static
+        # step keeps the window (the kernels apply it from the device lengths): a captured graph replays the
+        # same kernels while the sequence grows past it
+        window = None
     quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
     return backend.attend(q, pool, ctx.layer_plan(quirks), scale).contiguous(), None

@@ -57,8 +57,6 @@ def unsupported_reason(model, cache, mode) -> str | None:
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return "accelerate hooks (offloading or a device map) run inside the forward"
     text = model.config.get_text_config(decoder=True)
-    if getattr(text, "sliding_window", None) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
-        return "sliding-window layers (whether the window cuts a sequence is decided on the host each step)"
     rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         return f"{rope.get('rope_type', rope.get('type'))} RoPE changes its frequencies on the host with the length"

@@ -69,6 +69,22 @@ class StepPlan:
         """A decode step of a static layout: fixed shapes, persistent device buffers (graph-safe)."""
         return self.layout is not None
 
+    def kv_reads(self) -> tuple[int, int]:
+        """K/V tokens this step's attention reads per layer and KV head: ``(cascade, per_row)``. ``cascade``: each
+        shared level once (group prefix, middle level) plus each row's own suffix; ``per_row``: every row reading
+        its whole sequence, as a per-row cache does (stock). Multiply by ``2 * head_dim * dtype bytes * KV heads *
+        layers`` for bytes."""
+        rows = self.q_limit.shape[0]
+        member = self.group_rows >= 0
+        prefix_of_row = np.zeros(rows, np.int64)
+        prefix_of_row[self.group_rows[member]] = np.broadcast_to(self.prefix_len[:, None], member.shape)[member]
+        suffix = self.q_limit[:, -1].astype(np.int64)
+        per_row = int((prefix_of_row + suffix).sum())
+        shared = int(self.prefix_len.sum())
+        if self.mid_len.size and self.inner_q_limit is not None:
+            return shared + int(self.mid_len.sum()) + int(self.inner_q_limit[:, -1].sum()), per_row
+        return shared + int(suffix.sum()), per_row
+
     @property
     def call_scratch(self) -> dict:
         """State a backend may keep for as long as the plan's shapes and prefix are fixed: the layout's

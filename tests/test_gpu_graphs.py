@@ -1,6 +1,7 @@
 """CUDA graphs of the decode step (hf_cascade.graphs) on the GPU: a replayed step equals the eager step on the
 same static plan bitwise (bf16), float32 with TF32 off gives stock's tokens, graphs are reused for the call and
-re-captured when a pool moves, and a failing step leaves nothing captured behind.
+re-captured when a pool moves, and a failing step leaves nothing captured behind. Models with sliding windows
+(rows that pass the window while the graph replays), softcap and sinks are captured too.
 
 Run on the GPU machine: ``pytest -m gpu tests/test_gpu_graphs.py``.
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteriaList
+from transformers import (AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig,
+                          StoppingCriteriaList)
 
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
@@ -154,3 +156,74 @@ def test_second_call_of_the_same_shape_replays_without_capturing(model, monkeypa
     assert counts[1][:2] == (0, 0) and counts[2][:2] == (0, 0) and counts[2][2] >= 20
     assert torch.equal(outs[0], outs[2])             # the same prompts: the same tokens from a reused graph
     hf_cascade.release(model)
+
+
+# ---- sliding windows, softcap, sinks: rows enter inside the window and pass it while the graph replays ----------
+WINDOW = 480
+
+
+def _windowed_config(name):
+    common = dict(SHAPE, sliding_window=WINDOW)
+    if name == "mistral":                     # every layer windowed
+        return MistralConfig(**common)
+    if name == "gemma2":                      # softcap 50, every other layer windowed, final logit softcap
+        return Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                            query_pre_attn_scalar=64)
+    # GPT-OSS: sinks, every other layer windowed, 4 small experts (2 per token; batched_mm copies weights per token)
+    return GptOssConfig(**dict(common, intermediate_size=128), num_local_experts=4, num_experts_per_tok=2)
+
+
+STOCK_ATTENTION = {"mistral": "sdpa", "gemma2": "eager", "gpt-oss": "eager"}
+
+
+def _windowed_pair(name, dtype, **kw):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        stock = AutoModelForCausalLM.from_config(_windowed_config(name), attn_implementation=STOCK_ATTENTION[name],
+                                                 dtype=dtype, **kw).eval()
+        cascade = AutoModelForCausalLM.from_config(_windowed_config(name), attn_implementation="cascade",
+                                                   dtype=dtype, **kw).eval()
+    if name == "gpt-oss":        # random sinks spread out, so that they matter
+        for layer in stock.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt-oss"])
+@pytest.mark.parametrize("case", ["beam", "sample"])
+def test_windowed_models_replay_equals_eager_bitwise(monkeypatch, name, case):
+    _, model = _windowed_pair(name, torch.bfloat16)
+    ids, mask = _batch((700, 460, 590), seed=7)          # the 460-token row passes the window at step 20
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case])
+    spy = RunnerSpy(monkeypatch)
+    outs = []
+    for mode in ("eager", True):
+        torch.manual_seed(11)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(
+            cuda_graphs=mode, backend="cuda"), **kw))
+    _, graph_run = spy.runners
+    assert graph_run.disabled is None, graph_run.disabled
+    assert graph_run.captures == 1 and graph_run.replays >= 30
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        assert torch.equal(sa, sb)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gpt-oss"])
+def test_windowed_models_float32_graphs_give_stock_tokens(monkeypatch, name):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # grouped_mm takes no float32: GPT-OSS's experts as batched matrix products (no host sync: capturable)
+    extra = dict(experts_implementation="batched_mm") if name == "gpt-oss" else {}
+    stock, cascade = _windowed_pair(name, torch.float32, **extra)
+    ids, mask = _batch((600, 465), seed=8)            # the 465-token row passes the window during the call
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, num_beams=4, num_return_sequences=2)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.replays > 10, runner.disabled

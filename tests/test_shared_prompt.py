@@ -118,4 +118,9 @@ def test_plan_has_three_levels_and_they_agree_with_two(pair):
     two = reference.cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
                                       dp.suffix_table, dp.q_limit, 0.3)
     torch.testing.assert_close(three, two, rtol=0, atol=1e-12)
+    # reads per layer and KV head: the system prompt once, each prompt's rest once, each beam's own tokens
+    lengths = cache.blocks.lengths.tolist()
+    mid_of_row = {r: int(n) for g, n in zip(plan.mid_group_rows.tolist(), plan.mid_len.tolist()) for r in g}
+    own = sum(n - int(plan.prefix_len[0]) - mid_of_row.get(r, 0) for r, n in enumerate(lengths))
+    assert plan.kv_reads() == (int(plan.prefix_len[0]) + int(plan.mid_len.sum()) + own, sum(lengths))
     cache.reset()

@@ -126,9 +126,9 @@ def test_cache_replans_when_the_layout_is_outgrown(llama_pair, caplog):
 
 
 # ---- tokens -----------------------------------------------------------------------------------------------
-# families whose layers the cuda kernels serve (no window shorter than the sequence, no softcap, no sinks)
-GPU_SERVED = [name for name, f in FAMILIES.items() if f.status == "exact"
-              and name not in ("Mistral", "Gemma2", "Cohere2", "Starcoder2", "GPT-OSS")]
+# every family that gives stock's tokens: the static path serves sliding windows (also once the sequence passes
+# them during the call), softcap and sinks as well
+GPU_SERVED = [name for name, f in FAMILIES.items() if f.status == "exact"]
 
 
 @pytest.mark.parametrize("name", GPU_SERVED)
@@ -147,12 +147,41 @@ def test_family_tokens_per_step_plans_and_runner(name, mode, monkeypatch):
     spy = RunnerSpy(monkeypatch)
     assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(cuda_graphs="eager")), expected)
     runner, = spy.runners
-    refused = graphs.unsupported_reason(cascade, hf_cascade.CascadeCache(cascade.config), "eager")
-    if refused:                                          # e.g. Gemma3's sliding layers: no runner, same tokens
-        assert runner is None, refused
-    else:
-        assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
+    assert graphs.unsupported_reason(cascade, hf_cascade.CascadeCache(cascade.config), "eager") is None
+    assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
     assert "forward" not in cascade.__dict__            # the model's own forward is back
+
+
+@pytest.mark.parametrize("mode", ["beam", "sample", "greedy"])
+def test_sliding_window_crossed_during_the_call_through_the_runner(mode, monkeypatch):
+    """Rows enter the call inside the window and pass it while the runner replays: the static step keeps the
+    window from its first step on (a captured graph cannot change its mind on the host); stock's tokens."""
+    stock, cascade = model_pair("mistral", sliding_window=24)
+    ids, mask = padded_batch(seed=8, lengths=(21, 15))          # 21 + 9 new tokens pass the window of 24
+    kw = dict(generate_kwargs(mode), max_new_tokens=9)
+
+    def run(model, **extra):
+        torch.manual_seed(11)
+        return model.generate(input_ids=ids, attention_mask=mask, **kw, **extra)
+
+    expected = run(stock)
+    windows = []                      # the window each decode attention call was given
+    real_attend = reference.attend
+
+    def attend(q, pool, plan, scale):
+        windows.append((plan.static, plan.window))
+        return real_attend(q, pool, plan, scale)
+
+    monkeypatch.setattr(reference, "attend", attend)
+    spy = RunnerSpy(monkeypatch)
+    # greedy shares nothing and would run on stock's own path: a cache of our own keeps it on the cascade
+    extra = cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager"))) \
+        if mode == "greedy" else dict(hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
+    assert torch.equal(run(cascade, **extra), expected)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.replays >= 6
+    # every static step had the window, also those whose rows were all still inside it (what a graph bakes in)
+    assert {w for static, w in windows if static} == {24} and sum(static for static, _ in windows) >= 7 * 2
 
 
 CASES = {
@@ -285,7 +314,7 @@ def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     cache = hf_cascade.CascadeCache(cascade.config)
     assert "not CUDA" in graphs.unsupported_reason(cascade, cache, None)
     _, windowed = model_pair("mistral", sliding_window=8)
-    assert "sliding-window" in graphs.unsupported_reason(windowed, cache, "eager")
+    assert graphs.unsupported_reason(windowed, cache, "eager") is None     # the kernels apply windows on the device
     _, dynamic = model_pair("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert "dynamic RoPE" in graphs.unsupported_reason(dynamic, cache, "eager")
     import accelerate

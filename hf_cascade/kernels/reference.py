@@ -228,8 +228,8 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
 
 MIN_SAVED_TOKENS = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
 QUIRKS = ("softcap", "window", "sinks")     # per-layer variants this backend implements (hf_cascade.kernels)
-# no host sync, shapes from the plan's tables: a static decode step can be captured (hf_cascade.graphs; the
-# runner still refuses sliding windows, whose on/off decision is taken on the host each step)
+# no host sync, shapes from the plan's tables, windows applied from the device lengths: a static decode step
+# can be captured (hf_cascade.graphs)
 GRAPH_SAFE = True
 
 
