@@ -268,7 +268,7 @@ class DecodeGraphRunner:
             self.graph = _EagerGraph(self, static)
             self.eager_calls += 1
             return out
-        side = torch.cuda.Stream()
+        side = _side_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):          # warm-up on a side stream, as capture will run on one
             out = self._run(static)
@@ -339,6 +339,17 @@ class _EagerGraph:
         runner = self.runner
         runner.cache.rewind_step()
         runner.static_out = runner.forward_fn(**self.static)
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device: int) -> "torch.cuda.Stream":
+    """The stream a capture's warm-up runs on: one per device for the process, so that what libraries keep per
+    stream (cuBLAS's workspace) is allocated once, not at every capture."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def _compiled(forward):

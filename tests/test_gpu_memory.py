@@ -1,6 +1,8 @@
 """The VMM KV pool on a real GPU (run on the GPU machine: pytest -m gpu tests/test_gpu_memory.py)."""
 from __future__ import annotations
 
+import gc
+
 import importlib.util
 
 import pytest
@@ -196,12 +198,17 @@ def test_generate_of_unknown_length_same_tokens_for_every_policy(llama):
 def test_generate_cap_too_small_releases_every_mapping(llama):
     ids, mask = _prompts(seed=2)
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=4, max_new_tokens=32, pad_token_id=0)
-    torch.cuda.empty_cache()
-    free_before = _free()
     small = CascadeConfig(memory="vmm", max_kv_bytes=40 * 4 * 2 * 16 * 8 * 128 * 4, backend="reference")  # 40 blocks
-    with pytest.raises(MemoryError, match="block"):
-        _generate(llama, "cascade", small, **kw)
-    assert memory.vmm_mapped_bytes("cuda") == 0
+    # a first failing call makes what a process allocates once (e.g. cuBLAS's workspace on the stream that warms a
+    # graph capture up); then a failing call must leave nothing behind
+    for call in range(2):
+        gc.collect()
+        torch.cuda.empty_cache()
+        free_before = _free()
+        with pytest.raises(MemoryError, match="block"):
+            _generate(llama, "cascade", small, **kw)
+        assert memory.vmm_mapped_bytes("cuda") == 0
+    gc.collect()
     torch.cuda.empty_cache()
     assert _free() >= free_before - (8 << 20), "the failed generate left device memory behind"
     got = _generate(llama, "cascade", CascadeConfig(memory="vmm", backend="reference"), **kw)

@@ -56,8 +56,9 @@ def _model(name, window):
 
 
 def _greedy(model, ids, mask, backend, new):
-    # an explicit cache: greedy decoding of unrelated prompts would otherwise run on stock's own path
-    cache = hf_cascade.CascadeCache(model.config, hf_cascade.CascadeConfig(backend=backend))
+    # an explicit cache: greedy decoding of unrelated prompts would otherwise run on stock's own path; no graphs,
+    # so that every step's attention call is seen (a replayed graph launches the kernels without Python)
+    cache = hf_cascade.CascadeCache(model.config, hf_cascade.CascadeConfig(backend=backend, cuda_graphs=False))
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,
                          eos_token_id=None, return_dict_in_generate=True, output_logits=True, **cache_kw(model, cache))
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float().log_softmax(-1)
