@@ -165,10 +165,10 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     pool = write.layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
     window = kwargs.get("sliding_window")
-    if window is not None and ctx.cache.logical_length <= window and not plan.static:
-        # the whole sequence is inside the window: plain causal attention, which more backends take. A static
-        # step keeps the window (the kernels apply it from the device lengths): a captured graph replays the
-        # same kernels while the sequence grows past it
+    if window is not None and ctx.cache.attention_horizon(plan.static) <= window:
+        # no sequence passes the window (in a static step: during the whole call, as a captured graph replays the
+        # step while rows grow; the kernels apply a window from the device lengths): plain causal attention,
+        # which more backends take
         window = None
     quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)

@@ -345,6 +345,14 @@ class CascadeCache(Cache):
             self._layout.release()
         self._layout, self._decode_max_length = None, None
 
+    def attention_horizon(self, static: bool) -> int:
+        """The longest (padded) sequence a step's attention must be right for: for a static decode step the call's
+        decode capacity (a captured graph replays the step while rows grow up to it), else the current length.
+        A sliding window at least this long cuts nothing and may be left out."""
+        if static and self._decode_max_length is not None:
+            return max(self._decode_max_length, self.logical_length)
+        return self.logical_length
+
     @property
     def layout(self) -> DecodeLayout | None:
         """The static decode layout in force (None outside generate's decode steps)."""
