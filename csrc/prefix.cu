@@ -38,16 +38,20 @@ namespace {
 
 // Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda.PREFIX_VARIANTS names them):
 // 0 is the configuration below, the default everywhere. The others trade CTAs per SM against tile size, ring
-// depth and warps per CTA (bytes in flight and independent work per SM); they are compiled for bf16, head_dim
-// 128 and the plain path only (csrc/prefix.cu's prefix_setup and prefix_launch list them), to keep compile time
-// down. A field of 0 keeps PrefixCfg's default.
+// depth and warps per CTA (bytes in flight and independent work per SM). They are compiled for bf16, head_dim
+// 128 and the plain path only, for the row tiles with_tune lists (compile time); tests/test_prefix_tune.py checks
+// that these tables and cuda.py's agree. A field of 0 keeps PrefixCfg's default. At D 128 (smem per CTA, CTAs/SM):
+//   n64    64-token tiles (32 KB), 3 stages: fewer barriers, twice the tokens per warp sub-tile; 104 KB at 32 rows, 2
+//   n64w8  n64 with 8 warps (128 registers): 64 rows get 2 warp columns; 112 KB at 64 rows, 2
+//   w8     8 warps (128 registers), 5 stages of 32 tokens; 96 KB at 64 rows, 88 KB at 32 rows, 2
+//   s3c4   3 stages, 4 CTAs (128 registers): 56 KB at 32 rows, 4
+//   s6     6 stages: 5 tiles in flight per CTA; 104 KB at 32 rows, 2
 template <int V> struct PrefixTune { static constexpr int N = 0, STAGES = 0, WARPS = 0, MIN_CTAS = 0; };
 template <> struct PrefixTune<1> { static constexpr int N = 64, STAGES = 3, WARPS = 0, MIN_CTAS = 2; };  // n64
 template <> struct PrefixTune<2> { static constexpr int N = 64, STAGES = 3, WARPS = 8, MIN_CTAS = 2; };  // n64w8
 template <> struct PrefixTune<3> { static constexpr int N = 32, STAGES = 5, WARPS = 8, MIN_CTAS = 2; };  // w8
 template <> struct PrefixTune<4> { static constexpr int N = 32, STAGES = 3, WARPS = 0, MIN_CTAS = 4; };  // s3c4
 template <> struct PrefixTune<5> { static constexpr int N = 32, STAGES = 6, WARPS = 0, MIN_CTAS = 2; };  // s6
-constexpr int kPrefixTunes = 6;
 
 template <int D, int M, int V = 0>
 struct PrefixCfg {
@@ -539,7 +543,6 @@ cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
     default: return cudaErrorInvalidValue;
   }
 }
-static_assert(kPrefixTunes == 6, "with_tune lists every tuning variant");
 
 }  // namespace
 

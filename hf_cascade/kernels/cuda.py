@@ -30,6 +30,10 @@ The chunking (chunk length in tokens, chunks per group, suffix splits) and the p
 derived from the plan's host arrays and kept in ``plan.call_scratch``: once per step, or once per generate
 call on a static decode layout (then the suffix split follows the tables' capacity); every layer reuses them.
 
+For a tuning sweep (``benchmarks/prefix_sweep_gpu.py``), the prefix launch's row tile, chunk rule and kernel
+variant (extra instantiations of ``csrc/prefix.cu`` for bf16, head_dim 128) can be chosen at run time:
+``$HFC_PREFIX_TUNE`` or :func:`set_prefix_tune` (:class:`PrefixTune`); unset, every launch is the production one.
+
 Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
 libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
 nvcc for the present GPU on first use and cached under ``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``),
