@@ -15,8 +15,8 @@ HFC_API const char* hfc_error_string(int err) { return cudaGetErrorString(static
 
 HFC_API int hfc_sync(void) { return (int)cudaDeviceSynchronize(); }
 
-HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, hfc_prefix_info* info) {
-  return (int)hfc::prefix_setup(dtype, head_dim, m_tile, info);
+HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, int32_t tune, hfc_prefix_info* info) {
+  return (int)hfc::prefix_setup(dtype, head_dim, m_tile, tune, info);
 }
 
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream) {

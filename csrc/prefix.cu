@@ -31,20 +31,44 @@
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
 
+#include <type_traits>
+
 namespace hfc {
 namespace {
 
-template <int D, int M>
+// Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda.PREFIX_VARIANTS names them):
+// 0 is the configuration below, the default everywhere. The others trade CTAs per SM against tile size, ring
+// depth and warps per CTA (bytes in flight and independent work per SM). They are compiled for bf16, head_dim
+// 128 and the plain path only, for the row tiles with_tune lists (compile time); tests/test_prefix_tune.py checks
+// that these tables and cuda.py's agree. A field of 0 keeps PrefixCfg's default. At D 128 (smem per CTA, CTAs/SM):
+//   n64    64-token tiles (32 KB), 3 stages: fewer barriers, twice the tokens per warp sub-tile; 104 KB at 32 rows, 2
+//   n64w8  n64 with 8 warps (128 registers): 64 rows get 2 warp columns; 112 KB at 64 rows, 2
+//   w8     8 warps (128 registers), 5 stages of 32 tokens; 96 KB at 64 rows, 88 KB at 32 rows, 2
+//   s3c4   3 stages, 4 CTAs (128 registers): 56 KB at 32 rows, 4
+//   s6     6 stages: 5 tiles in flight per CTA; 104 KB at 32 rows, 2
+template <int V> struct PrefixTune { static constexpr int N = 0, STAGES = 0, WARPS = 0, MIN_CTAS = 0; };
+template <> struct PrefixTune<1> { static constexpr int N = 64, STAGES = 3, WARPS = 0, MIN_CTAS = 2; };  // n64
+template <> struct PrefixTune<2> { static constexpr int N = 64, STAGES = 3, WARPS = 8, MIN_CTAS = 2; };  // n64w8
+template <> struct PrefixTune<3> { static constexpr int N = 32, STAGES = 5, WARPS = 8, MIN_CTAS = 2; };  // w8
+template <> struct PrefixTune<4> { static constexpr int N = 32, STAGES = 3, WARPS = 0, MIN_CTAS = 4; };  // s3c4
+template <> struct PrefixTune<5> { static constexpr int N = 32, STAGES = 6, WARPS = 0, MIN_CTAS = 2; };  // s6
+
+template <int D, int M, int V = 0>
 struct PrefixCfg {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim");
   static_assert(M == 16 || M == 32 || M == 64, "row tile");
+  using TV = PrefixTune<V>;
+  static constexpr int WARPS = TV::WARPS ? TV::WARPS : kWarps;
+  static constexpr int THREADS = WARPS * 32;
   static constexpr int WM = M / 16;                                  // warps along rows
-  static constexpr int WN = kWarps / WM;                             // warps along tokens
-  static constexpr int N = (D == 64) ? 64 : (D == 128) ? 32 : 16;    // tokens per K/V tile (16 KB K+V)
+  static constexpr int WN = WARPS / WM;                              // warps along tokens
+  // tokens per K/V tile (16 KB K+V by default)
+  static constexpr int N = TV::N ? TV::N : (D == 64) ? 64 : (D == 128) ? 32 : 16;
   static constexpr int KW = (N / WN >= 16) ? N / WN : 16;            // tokens per warp sub-tile
   static constexpr int SUB = N / KW;                                 // sub-tiles per K/V tile
-  static constexpr int STAGES = (D == 64) ? 4 : (D == 128) ? (M == 64 ? 5 : 4) : 5;
-  static constexpr int MIN_CTAS = (D == 256 || (D == 128 && M == 64)) ? 2 : 3;  // register cap
+  static constexpr int STAGES = TV::STAGES ? TV::STAGES : (D == 64) ? 4 : (D == 128) ? (M == 64 ? 5 : 4) : 5;
+  // register cap
+  static constexpr int MIN_CTAS = TV::MIN_CTAS ? TV::MIN_CTAS : (D == 256 || (D == 128 && M == 64)) ? 2 : 3;
   static constexpr int CH = D / 8;                                   // 16-byte chunks per row
   static constexpr int NT = KW / 8;                                  // n tiles of S per sub-tile
   static constexpr int DN = D / 8;                                   // n tiles of O
@@ -55,10 +79,11 @@ struct PrefixCfg {
   static constexpr int LDO = D + 8;                                  // O staging row stride (floats)
   static constexpr int O_BYTES = WN * M * LDO * 4;
   static constexpr int SMEM = KV_OFF + (KV_BYTES > O_BYTES ? KV_BYTES : O_BYTES);
-  static constexpr int LD_TOK = kThreads / CH;                       // tokens per loader pass
+  static constexpr int LD_TOK = THREADS / CH;                        // tokens per loader pass
   static constexpr int LD_PASSES = N / LD_TOK;
   static_assert(KW % 16 == 0 && N % KW == 0 && SUB * KW == N, "sub-tiling");
-  static_assert(LD_TOK * CH == kThreads && LD_PASSES * LD_TOK == N, "loader tiling");
+  static_assert(LD_TOK * CH == THREADS && LD_PASSES * LD_TOK == N, "loader tiling");
+  static_assert(WM <= WARPS && WN * WM == WARPS, "warp grid");
   static_assert((2 * WN + 1) * M * 4 <= Q_BYTES, "softmax statistics must fit in the Q buffer");
   static_assert(CH % 8 == 0, "swizzle needs >= 8 chunks per row");
 };
@@ -126,14 +151,14 @@ template <> struct Mma<__half> {
 // VAR: the per-layer variants (csrc/include/hfc/params.h) are compiled in; the plain instantiation (VAR false)
 // is the same code as before they existed. cap_out > 0: softcap, logit = cap_out x tanh(cap_in x q.k) (log2
 // domain); window > 0: query row sees the prefix tokens >= prefix_len + q_limit[row, lq] - window.
-template <typename T, int D, int M, bool VAR>
-__global__ void __launch_bounds__(kThreads, PrefixCfg<D, M>::MIN_CTAS)
+template <typename T, int D, int M, bool VAR, int V = 0>
+__global__ void __launch_bounds__(PrefixCfg<D, M, V>::THREADS, PrefixCfg<D, M, V>::MIN_CTAS)
 prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ group_rows,
                  const int* __restrict__ prefix_table, const int* __restrict__ prefix_len,
                  float* __restrict__ part_o, float* __restrict__ part_lse, int R, int Lq, int Hq, int Hkv,
                  int bs, int Rg, int Mp, int chunk_tokens, int row_tiles, float scale_log2,
                  const int* __restrict__ q_limit, float cap_in, float cap_out, int window) {
-  using C = PrefixCfg<D, M>;
+  using C = PrefixCfg<D, M, V>;
   constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH, STAGES = C::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
   T* Q_s = reinterpret_cast<T*>(smem);
@@ -183,14 +208,14 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
       win_lo[1] = row_start(wrow + 8);
       // CTA-wide minimum through the K/V ring (nothing is in flight yet), so every thread skips the same tiles
       int lo = 0x7fffffff;
-      for (int m = tid; m < rows_here; m += kThreads) lo = min(lo, row_start(m));
+      for (int m = tid; m < rows_here; m += C::THREADS) lo = min(lo, row_start(m));
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) lo = min(lo, __shfl_xor_sync(kFull, lo, off));
       int* red = reinterpret_cast<int*>(smem + C::KV_OFF);
       if (lane == 0) red[warp] = lo;
       __syncthreads();
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) lo = min(lo, red[w]);
+      for (int w = 0; w < C::WARPS; ++w) lo = min(lo, red[w]);
       __syncthreads();  // everyone has read red[] before the ring is filled
       if (lo > t_begin)
         t_first = lo - t_begin >= chunk_tokens ? t_begin + chunk_tokens : t_begin + (lo - t_begin) / N * N;
@@ -198,7 +223,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
   }
   // a chunk with no tokens (or none inside any row's window): O = 0, LSE = -inf (uniform over the CTA)
   if (t_begin >= plen || (VAR && t_first >= min(t_begin + chunk_tokens, plen))) {
-    for (int i = tid; i < M * (D / 4); i += kThreads) {
+    for (int i = tid; i < M * (D / 4); i += C::THREADS) {
       const int m = i / (D / 4), v = i % (D / 4);
       const int64_t item = item_of(m);
       if (item < 0) continue;
@@ -214,7 +239,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
   const T* pool_h = pool + (int64_t)h * D;
 
   // ---- queries of this row tile -> Q_s (swizzled; zero rows for padding), in the first cp.async group
-  for (int i = tid; i < M * CH; i += kThreads) {
+  for (int i = tid; i < M * CH; i += C::THREADS) {
     const int m = i / CH, c = i % CH;
     const int mg = tile * M + m;
     const T* src = q;
@@ -424,7 +449,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     *reinterpret_cast<float2*>(Ow + (row0 + 8) * C::LDO + col) = make_float2(o[dn][2] * f[1], o[dn][3] * f[1]);
   }
   __syncthreads();
-  for (int i = tid; i < M * (D / 4); i += kThreads) {
+  for (int i = tid; i < M * (D / 4); i += C::THREADS) {
     const int m = i / (D / 4), v = i % (D / 4);
     const int64_t item = item_of(m);
     if (item < 0) continue;
@@ -444,12 +469,14 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
 
 // The dynamic shared memory limit and carve-out are per-function attributes (one non-stream call each): set
 // once per variant and device by hfc_prefix_setup, never on the launch path (CUDA-graph capture).
-template <typename T, int D, int M>
+template <typename T, int D, int M, int V = 0>
 cudaError_t setup_t(hfc_prefix_info* info) {
-  using C = PrefixCfg<D, M>;
-  auto kern = prefix_kernel<T, D, M, false>;
+  using C = PrefixCfg<D, M, V>;
+  auto kern = prefix_kernel<T, D, M, false, V>;
+  decltype(kern) kerns[2] = {kern, kern};  // plain and variants (a tuning variant has only the plain path)
+  if constexpr (V == 0) kerns[1] = prefix_kernel<T, D, M, true, V>;
   cudaError_t err = cudaSuccess;
-  for (auto k : {prefix_kernel<T, D, M, false>, prefix_kernel<T, D, M, true>}) {  // plain and variants
+  for (auto k : kerns) {
     err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
     if (err != cudaSuccess) return err;
     // several CTAs of up to ~100 KB each per SM: ask for the largest shared-memory carve-out
@@ -460,31 +487,70 @@ cudaError_t setup_t(hfc_prefix_info* info) {
   info->smem_bytes = C::SMEM;
   info->tile_tokens = C::N;
   int ctas = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, kThreads, C::SMEM);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, C::THREADS, C::SMEM);
   info->ctas_per_sm = ctas;
   return err;
 }
 
-template <typename T, int D, int M>
+template <typename T, int D, int M, int V = 0>
 cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
-  using C = PrefixCfg<D, M>;
+  using C = PrefixCfg<D, M, V>;
   const long long gx = (long long)p.row_tiles * p.max_chunks;
   if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
   const bool var = p.softcap > 0.0f || p.window > 0;
+  auto kern = prefix_kernel<T, D, M, false, V>;
+  if constexpr (V == 0) {
+    if (var) kern = prefix_kernel<T, D, M, true, V>;
+  } else if (var) {
+    return cudaErrorInvalidValue;  // not compiled: a tuning variant serves the plain path only
+  }
   // softcap: cap x tanh(scale q.k / cap) in the log2 domain
   const float cap_in = p.softcap > 0.0f ? (float)(p.scale_log2 * 0.6931471805599453 / p.softcap) : 0.0f;
   const float cap_out = p.softcap > 0.0f ? (float)(p.softcap * 1.4426950408889634) : 0.0f;
-  (var ? prefix_kernel<T, D, M, true> : prefix_kernel<T, D, M, false>)<<<grid, kThreads, C::SMEM, stream>>>(
+  kern<<<grid, C::THREADS, C::SMEM, stream>>>(
       static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.group_rows, p.prefix_table, p.prefix_len,
       p.part_o, p.part_lse, (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Rg, (int)p.Mp,
       (int)p.chunk_tokens, (int)p.row_tiles, p.scale_log2, p.q_limit, cap_in, cap_out, (int)p.window);
   return cudaGetLastError();
 }
 
+// tune > 0: f(V, M) (std::integral_constant) for the compiled (variant, row tile) pairs, bf16 and head_dim 128 only;
+// hf_cascade.kernels.cuda.PREFIX_VARIANTS lists the same pairs
+template <typename F>
+cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  using I4 = std::integral_constant<int, 4>;
+  using I5 = std::integral_constant<int, 5>;
+  using M16 = std::integral_constant<int, 16>;
+  using M32 = std::integral_constant<int, 32>;
+  using M64 = std::integral_constant<int, 64>;
+  if (dtype != HFC_BF16 || head_dim != 128) return cudaErrorInvalidValue;
+  switch (tune * 100 + m_tile) {
+    case 116: return f(I1{}, M16{});
+    case 132: return f(I1{}, M32{});
+    case 164: return f(I1{}, M64{});
+    case 232: return f(I2{}, M32{});
+    case 264: return f(I2{}, M64{});
+    case 332: return f(I3{}, M32{});
+    case 364: return f(I3{}, M64{});
+    case 416: return f(I4{}, M16{});
+    case 432: return f(I4{}, M32{});
+    case 532: return f(I5{}, M32{});
+    case 564: return f(I5{}, M64{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
-cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info) {
+cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_prefix_info* info) {
+  if (tune != 0)
+    return with_tune(tune, dtype, head_dim, m_tile, [&](auto v, auto m) {
+      return setup_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(info);
+    });
   HFC_DISPATCH_DTYPE(dtype, T, HFC_DISPATCH_HEAD_DIM(head_dim, D, HFC_DISPATCH_M_TILE(D, m_tile, M,
       return setup_t<T, D, M>(info);)))
 }
@@ -499,6 +565,10 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.window < 0 || (p.window > 0 && p.q_limit == nullptr) || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
   if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
+  if (p.tune != 0)
+    return with_tune(p.tune, p.dtype, p.head_dim, p.m_tile, [&](auto v, auto m) {
+      return launch_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(p, stream);
+    });
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, HFC_DISPATCH_M_TILE(D, p.m_tile, M,
       return launch_t<T, D, M>(p, stream);)))
 }

@@ -29,13 +29,19 @@ LOG2E = 1.0 / math.log(2.0)
 NEG = -np.inf
 
 
-def prefix_cfg(D, M):
-    """PrefixCfg<D, M> of csrc/prefix.cu."""
+# PrefixTune<V> of csrc/prefix.cu: (tokens per K/V tile, warps per CTA) of each tuning variant, 0: the default's
+PREFIX_TUNES = {0: (0, 0), 1: (64, 0), 2: (64, 8), 3: (32, 8), 4: (32, 0), 5: (32, 0)}
+
+
+def prefix_cfg(D, M, tune=0):
+    """PrefixCfg<D, M, tune> of csrc/prefix.cu: (WM, WN, N, KW, SUB, warps)."""
+    tn, tw = PREFIX_TUNES[tune]
+    warps = tw or 4
     WM = M // 16
-    WN = 4 // WM
-    N = 64 if D == 64 else 32 if D == 128 else 16
+    WN = warps // WM
+    N = tn or (64 if D == 64 else 32 if D == 128 else 16)
     KW = N // WN if N // WN >= 16 else 16
-    return WM, WN, N, KW, N // KW
+    return WM, WN, N, KW, N // KW, warps
 
 
 def f32(x) -> float:
@@ -58,9 +64,10 @@ class Emulated:
     def __init__(self):
         self.taken = []          # (level, row, lq, head, key position) of every key a kernel used
         self.prefix_tiles = 0    # K/V tiles the prefix kernel loaded
+        self.tunes = []          # the tuning variant of every prefix launch
 
     def prefix(self, lib, stream, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-               chunk_tokens, max_chunks, scale_log2, q_limit, slot0=0, softcap=0.0, window=0):
+               chunk_tokens, max_chunks, scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0):
         ops.check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
                          chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
         R, Lq, Hq, D = q.shape
@@ -71,7 +78,8 @@ class Emulated:
         plse = part_lse.view(-1, R, Lq, Hq).numpy()[slot0:]
         G, Rg = gr.shape
         M = m_tile
-        WM, WN, N, KW, SUB = prefix_cfg(D, M)
+        WM, WN, N, KW, SUB, warps = prefix_cfg(D, M, tune)
+        self.tunes.append(tune)
         var = softcap > 0 or window > 0
         cap_in = f32(scale_log2 * math.log(2.0) / softcap) if softcap > 0 else 0.0
         cap_out = f32(softcap * LOG2E) if softcap > 0 else 0.0
@@ -133,7 +141,7 @@ class Emulated:
                             blk = int(pt[g, t // bs]) if t < t_end else -1
                             if blk >= 0:
                                 K[n], V[n] = pn[blk, 0, t % bs, h], pn[blk, 1, t % bs, h]
-                        for warp in range(4):
+                        for warp in range(warps):
                             wm, wn = warp // WN, warp % WN
                             if not wm * 16 < rows_here:
                                 continue
@@ -252,8 +260,8 @@ class Emulated:
 class _FakeLib:
     """prefix_info as the library reports it (2 CTAs per SM, the kernel's K/V tile)."""
 
-    def prefix_info(self, dtype_code, D, m_tile):
-        return 2, 0, prefix_cfg(D, m_tile)[2]
+    def prefix_info(self, dtype_code, D, m_tile, tune=0):
+        return 2, 0, prefix_cfg(D, m_tile, tune)[2]
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,9 @@ STUB = r"""
 int hfc_abi_version(void) { return ABI; }
 const char* hfc_error_string(int e) { (void)e; return "stub"; }
 int hfc_sync(void) { return 0; }
-int hfc_prefix_setup(int32_t a, int32_t b, int32_t c, void* d) { (void)a; (void)b; (void)c; (void)d; return 0; }
+int hfc_prefix_setup(int32_t a, int32_t b, int32_t c, int32_t t, void* d) {
+  (void)a; (void)b; (void)c; (void)t; (void)d; return 0;
+}
 int hfc_prefix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
 int hfc_suffix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
 int hfc_merge(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }

@@ -281,7 +281,7 @@ static bool is_poison(float x) {
 
 static hfc_prefix_info setup(int dtype, int D, int m_tile) {  // once per variant, before its first launch
   hfc_prefix_info info{};
-  CKI(hfc_prefix_setup(dtype, D, m_tile, &info));
+  CKI(hfc_prefix_setup(dtype, D, m_tile, 0, &info));
   return info;
 }
 

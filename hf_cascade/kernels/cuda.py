@@ -30,6 +30,10 @@ The chunking (chunk length in tokens, chunks per group, suffix splits) and the p
 derived from the plan's host arrays and kept in ``plan.call_scratch``: once per step, or once per generate
 call on a static decode layout (then the suffix split follows the tables' capacity); every layer reuses them.
 
+For a tuning sweep (``benchmarks/prefix_sweep_gpu.py``), the prefix launch's row tile, chunk rule and kernel
+variant (extra instantiations of ``csrc/prefix.cu`` for bf16, head_dim 128) can be chosen at run time:
+``$HFC_PREFIX_TUNE`` or :func:`set_prefix_tune` (:class:`PrefixTune`); unset, every launch is the production one.
+
 Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
 libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
 nvcc for the present GPU on first use and cached under ``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``),
@@ -56,11 +60,12 @@ from . import _build, ops
 from .ops import DTYPE_CODES, HEAD_DIMS
 
 __all__ = ["unsupported_reason", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
-           "choose_suffix_split", "MIN_SAVED_TOKENS"]
+           "choose_suffix_split", "MIN_SAVED_TOKENS", "PrefixTune", "parse_prefix_tune", "prefix_tune",
+           "set_prefix_tune", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS"]
 
 logger = logging.getLogger("hf_cascade")
 
-ABI_VERSION = 4                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+ABI_VERSION = 5                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
 LOG2E = 1.0 / math.log(2.0)
@@ -85,6 +90,89 @@ SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 re
 # per-layer variants the kernels implement (hf_cascade.kernels.select): softcap and a sliding window in the prefix
 # and suffix kernels, attention sinks in the merge
 QUIRKS = ("softcap", "window", "sinks")
+
+# Tuning the prefix kernel's launch for a sweep (benchmarks/prefix_sweep_gpu.py), e.g. "variant=n64,m=32,chunk=1024":
+#   variant  a compiled tuning variant (csrc/prefix.cu PrefixTune): its tune code and the row tiles it is compiled
+#            for; it serves bf16, head_dim 128 layers without softcap / window (others run the default kernel)
+#   m        the row tile (16, 32, 64; 64 only for head_dim <= 128): more row tiles per group when smaller
+#   chunk    fixed prefix chunk length in tokens (rounded up to whole blocks), instead of choose_chunk_blocks
+#   prefer   choose_chunk_blocks' preferred chunk tokens (0: the wave rule alone); min: its shortest chunk
+# Unset (the default), every launch is the production one.
+PREFIX_TUNE_ENV = "HFC_PREFIX_TUNE"
+PREFIX_VARIANTS = {"default": (0, (16, 32, 64)), "n64": (1, (16, 32, 64)), "n64w8": (2, (32, 64)),
+                   "w8": (3, (32, 64)), "s3c4": (4, (16, 32)), "s6": (5, (32, 64))}
+
+
+@dataclass(frozen=True)
+class PrefixTune:
+    """One point of the prefix kernel's tuning space (0 / None: the production choice)."""
+    variant: str = "default"
+    m_tile: int = 0
+    chunk_tokens: int = 0
+    prefer_tokens: int | None = None
+    min_tokens: int = 0
+
+    def code(self, dtype, head_dim: int, m_tile: int, plain: bool) -> int:
+        """The kernel's tune code for this launch: the variant's where it is compiled, else 0 (the default)."""
+        code, m_tiles = PREFIX_VARIANTS[self.variant]
+        fits = plain and dtype == torch.bfloat16 and head_dim == 128 and m_tile in m_tiles
+        return code if fits else 0
+
+    def __str__(self) -> str:
+        parts = [f"variant={self.variant}"] if self.variant != "default" else []
+        for key, value in (("m", self.m_tile), ("chunk", self.chunk_tokens), ("min", self.min_tokens)):
+            if value:
+                parts.append(f"{key}={value}")
+        if self.prefer_tokens is not None:
+            parts.append(f"prefer={self.prefer_tokens}")
+        return ",".join(parts) or "default"
+
+
+def parse_prefix_tune(text: str | None) -> PrefixTune:
+    """``"variant=n64,m=32,chunk=1024,prefer=0,min=512"`` (any subset, any order) -> PrefixTune; "" -> default."""
+    fields: dict = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item or item == "default":
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"prefix tune {text!r}: {item!r} is not key=value")
+        if key == "variant":
+            if value not in PREFIX_VARIANTS:
+                raise ValueError(f"prefix tune {text!r}: variant {value!r} (one of {', '.join(PREFIX_VARIANTS)})")
+            fields["variant"] = value
+            continue
+        names = {"m": "m_tile", "chunk": "chunk_tokens", "prefer": "prefer_tokens", "min": "min_tokens"}
+        if key not in names:
+            raise ValueError(f"prefix tune {text!r}: unknown key {key!r} (variant, {', '.join(names)})")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"prefix tune {text!r}: {key}={value!r} is not an integer") from None
+        if number < 0 or (key == "m" and number not in (0, 16, 32, 64)):
+            raise ValueError(f"prefix tune {text!r}: {key}={number} (m: 16, 32 or 64; the others >= 0)")
+        fields[names[key]] = number
+    return PrefixTune(**fields)
+
+
+_prefix_tune: PrefixTune | None = None
+
+
+def prefix_tune() -> PrefixTune:
+    """The tuning in effect: set_prefix_tune's, else $HFC_PREFIX_TUNE's (read once), else the default."""
+    global _prefix_tune
+    if _prefix_tune is None:
+        _prefix_tune = parse_prefix_tune(os.environ.get(PREFIX_TUNE_ENV, ""))
+    return _prefix_tune
+
+
+def set_prefix_tune(tune: "PrefixTune | str | None") -> PrefixTune:
+    """Set the tuning for the next step states (None or "": the default); returns it. A plan's cached launch state
+    is keyed by the tuning, so a plan built before still takes the new one."""
+    global _prefix_tune
+    _prefix_tune = tune if isinstance(tune, PrefixTune) else parse_prefix_tune(tune)
+    return _prefix_tune
+
 
 # Set True (tests do) to synchronise and check for errors after every launch; never in production.
 debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
@@ -153,7 +241,7 @@ class _PrefixParams(ctypes.Structure):     # hfc_prefix_params
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Rg", "Mp", "chunk_tokens",
                                     "max_chunks", "row_tiles")] + \
                [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32),
-                ("q_limit", _vp), ("softcap", _f32), ("window", _i32)]
+                ("q_limit", _vp), ("softcap", _f32), ("window", _i32), ("tune", _i32)]
 
 
 class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
@@ -190,7 +278,7 @@ class _Lib:
         lib.hfc_sync.restype = ctypes.c_int
         lib.hfc_sync.argtypes = []
         lib.hfc_prefix_setup.restype = ctypes.c_int
-        lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
+        lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -214,20 +302,21 @@ class _Lib:
                 msg = self.lib.hfc_error_string(rc).decode(errors="replace")
                 raise RuntimeError(f"hf_cascade CUDA kernel {what} failed while running: {msg} (cudaError {rc})")
 
-    def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None = None
-                    ) -> tuple[int, int, int]:
-        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one prefix kernel variant.
+    def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None = None,
+                    tune: int = 0) -> tuple[int, int, int]:
+        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one prefix kernel variant (``tune``:
+        a tuning variant's code, PREFIX_VARIANTS).
 
         The first call per variant and device runs ``hfc_prefix_setup`` (the kernel's shared-memory attributes:
         not capture safe), which every prefix launch of that variant needs first; later calls are a dict lookup.
         """
         dev = torch.cuda.current_device() if device_index is None else device_index
-        key = (dtype_code, head_dim, m_tile, dev)
+        key = (dtype_code, head_dim, m_tile, dev, tune)
         found = self._info.get(key)
         if found is None:
             info = _PrefixInfo()
             with torch.cuda.device(dev):
-                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, ctypes.byref(info)),
+                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
                            "prefix setup")
             if info.ctas_per_sm < 1:
                 raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
@@ -239,19 +328,19 @@ class _Lib:
     # them for the torch operators; attend checks q and the pool, _validate the plan once per step).
     def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
                chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int, q_limit=None, slot0: int = 0,
-               softcap: float = 0.0, window: int = 0) -> None:
+               softcap: float = 0.0, window: int = 0, tune: int = 0) -> None:
         R, Lq, Hq, D = q.shape
         items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
         o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
         G, Rg = group_rows.shape
         dtype_code = DTYPE_CODES[q.dtype]
-        if (dtype_code, D, m_tile, q.device.index) not in self._info:   # setup runs once, before the first launch
-            self.prefix_info(dtype_code, D, m_tile, q.device.index)
+        if (dtype_code, D, m_tile, q.device.index, tune) not in self._info:   # setup once, before the first launch
+            self.prefix_info(dtype_code, D, m_tile, q.device.index, tune)
         params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
                                prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
                                pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
                                row_tiles, scale_log2, dtype_code, D, m_tile,
-                               None if q_limit is None else q_limit.data_ptr(), softcap, window)
+                               None if q_limit is None else q_limit.data_ptr(), softcap, window, tune)
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
@@ -410,6 +499,7 @@ class _PrefixLevel:
     chunk_tokens: int
     max_chunks: int
     row_nchunks: np.ndarray       # int32 [R]: this level's partials of each row (0: in no (sub)group)
+    tune: int = 0                 # the kernel's tuning variant (PrefixTune.code; 0: the default)
 
 
 @dataclass
@@ -430,6 +520,7 @@ class _StepState:
     three: bool = False
     mid: _PrefixLevel | None = None
     row_nmid: torch.Tensor | None = None   # int32 [R]: middle-level partials of each row
+    tune: int = 0                 # the group prefix's kernel tuning variant (PrefixTune.code; 0: the default)
 
     @property
     def suffix_slot0(self) -> int:
@@ -480,8 +571,10 @@ def _has_middle(plan) -> bool:
             and plan.inner_suffix_table is not None and plan.inner_q_limit is not None)
 
 
-def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms) -> _PrefixLevel:
-    """Row tile and chunking of one shared level's prefix kernel launch (host arrays only, no sync)."""
+def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms, tune: PrefixTune = PrefixTune(),
+                  plain: bool = True) -> _PrefixLevel:
+    """Row tile and chunking of one shared level's prefix kernel launch (host arrays only, no sync); ``tune``
+    (the default: the production choice) for a sweep, ``plain``: the layer has no softcap / window."""
     pl = np.asarray(pl).astype(np.int64)
     gr = np.asarray(gr)
     G, Rg = gr.shape
@@ -491,28 +584,39 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms)
     rows_q = Rg * Lq * grp
     m_max = 64 if D <= 128 else 32
     m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
+    if tune.m_tile and tune.m_tile <= m_max:
+        m_tile = tune.m_tile
     row_tiles = -(-rows_q // m_tile)
-    occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[dtype], D, m_tile)
-    chunk_blocks = choose_chunk_blocks(-(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens,
-                                       prefer_tokens=PREFER_CHUNK_TOKENS)
+    code = tune.code(dtype, D, m_tile, plain)
+    occ, _, tile_tokens = (lib.prefix_info(DTYPE_CODES[dtype], D, m_tile, tune=code) if code else
+                           lib.prefix_info(DTYPE_CODES[dtype], D, m_tile))
+    if tune.chunk_tokens:
+        chunk_blocks = -(-tune.chunk_tokens // bs)
+    else:
+        chunk_blocks = choose_chunk_blocks(
+            -(-pl // bs), Hkv * row_tiles, sms * occ, bs, tile_tokens, min_tokens=tune.min_tokens or MIN_CHUNK_TOKENS,
+            prefer_tokens=PREFER_CHUNK_TOKENS if tune.prefer_tokens is None else tune.prefer_tokens)
     chunk_tokens = chunk_blocks * bs
     nchunks = -(-pl // chunk_tokens)
     for g in range(G):              # one iteration per group (a prompt), not per block
         rows = gr[g][gr[g] >= 0]
         row_nchunks[rows] = nchunks[g]
-    return _PrefixLevel(True, m_tile, row_tiles, chunk_tokens, int(nchunks.max()), row_nchunks)
+    return _PrefixLevel(True, m_tile, row_tiles, chunk_tokens, int(nchunks.max()), row_nchunks, code)
 
 
 def _sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: bool = False) -> _StepState:
+def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: bool = False, plain: bool = True
+                ) -> _StepState:
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
-    # three: the plan's middle level runs as one (layers with a window read two levels: see attend)
-    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three)
+    tune = prefix_tune()
+    # three: the plan's middle level runs as one (layers with a window read two levels: see attend); plain: no
+    # softcap / window (a tuning variant serves only those); the tuning (default: PrefixTune())
+    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three, plain, tune)
     scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
     state = scratch.get(key)
     if state is not None:
@@ -521,9 +625,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     grp = Hq // Hkv
     sms = _sm_count(dev)
     pre = _prefix_level(lib, plan.group_rows, plan.prefix_len, plan.prefix_table.shape[1], R, Lq, grp, Hkv, D,
-                        q.dtype, bs, sms)
+                        q.dtype, bs, sms, tune, plain)
     mid = (_prefix_level(lib, plan.mid_group_rows, plan.mid_len, plan.mid_table.shape[1], R, Lq, grp, Hkv, D,
-                         q.dtype, bs, sms) if three else None)
+                         q.dtype, bs, sms, tune, plain) if three else None)
     suffix_table, q_limit = (plan.inner_suffix_table, plan.inner_q_limit) if three else (plan.suffix_table, plan.q_limit)
     nqb = -(-(Lq * grp) // SUFFIX_QB)
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
@@ -538,7 +642,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
         part_o=torch.empty(slots * R * Lq * Hq * D, dtype=torch.float32, device=dev),
         part_lse=torch.empty(slots * R * Lq * Hq, dtype=torch.float32, device=dev),
         dp=plan.on(dev), three=three, mid=mid,
-        row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None)
+        row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None, tune=pre.tune)
     scratch[key] = state
     return state
 
@@ -605,17 +709,17 @@ def _launch(lib, stream: int, q, pool, plan, scale, out, kernels=ops) -> None:
     # like the reference, a layer with a window reads two levels (its window start is defined over the group
     # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
     three = window == 0 and _has_middle(plan)
-    st = _step_state(lib, q, pool, plan, three)
+    st = _step_state(lib, q, pool, plan, three, plain=softcap == 0.0 and window == 0)
     dp = st.dp
     if st.has_prefix:
         kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
                        st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap,
-                       window)
+                       window, st.tune)
     if three and st.mid.has:
         mid = st.mid
         kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
                        mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
-                       st.max_chunks, softcap, 0)
+                       st.max_chunks, softcap, 0, mid.tune)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window)

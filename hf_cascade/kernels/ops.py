@@ -173,20 +173,21 @@ def _stream(device) -> int:
 def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, prefix_table: torch.Tensor,
               prefix_len: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, m_tile: int, row_tiles: int,
               chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit: torch.Tensor, slot0: int,
-              softcap: float, window: int) -> None:
+              softcap: float, window: int, tune: int = 0) -> None:
     """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
-    (csrc/prefix.cu)."""
+    (csrc/prefix.cu; ``tune``: a tuning variant's code, hf_cascade.kernels.cuda.PREFIX_VARIANTS, 0 by default)."""
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
                  max_chunks, q_limit, slot0, softcap, window)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                              chunk_tokens, max_chunks, scale_log2, _stream(q.device), q_limit, slot0, softcap, window)
+                              chunk_tokens, max_chunks, scale_log2, _stream(q.device), q_limit, slot0, softcap, window,
+                              tune)
 
 
 @prefix_op.register_fake
 def _prefix_fake(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, scale_log2, q_limit, slot0, softcap, window) -> None:
+                 max_chunks, scale_log2, q_limit, slot0, softcap, window, tune=0) -> None:
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
                  max_chunks, q_limit, slot0, softcap, window)
 
@@ -230,17 +231,18 @@ def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid
 
 def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
            row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit, slot0: int = 0,
-           softcap: float = 0.0, window: int = 0) -> None:
+           softcap: float = 0.0, window: int = 0, tune: int = 0) -> None:
     """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
         torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
-                                    row_tiles, chunk_tokens, max_chunks, scale_log2, q_limit, slot0, softcap, window)
+                                    row_tiles, chunk_tokens, max_chunks, scale_log2, q_limit, slot0, softcap, window,
+                                    tune)
     else:
         if lib.debug:
             check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
                          chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
         lib.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window)
+                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window, tune)
 
 
 def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,

@@ -1,7 +1,7 @@
 /* The C ABI of the hf_cascade kernel library (csrc/api.cu), loaded by hf_cascade/kernels/cuda.py with ctypes.
  * Every function returns a cudaError_t code (0: success; hfc_error_string names it).
  *
- *   hfc_prefix_setup  once per (dtype, head_dim, m_tile) and device, before the first hfc_prefix launch of that
+ *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
  *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge are: they only launch on
  *                     `stream` (a cudaStream_t as an integer), with grids computed from the params alone.
@@ -12,7 +12,7 @@
 
 #include "hfc/params.h"
 
-#define HFC_ABI_VERSION 4
+#define HFC_ABI_VERSION 5
 
 #if defined(_WIN32)
 #define HFC_API __declspec(dllexport)
@@ -27,7 +27,7 @@ extern "C" {
 HFC_API int hfc_abi_version(void);
 HFC_API const char* hfc_error_string(int err);
 HFC_API int hfc_sync(void);  /* debugging aid ($HF_CASCADE_CUDA_DEBUG): wait for the device, report errors */
-HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, hfc_prefix_info* info);
+HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, int32_t tune, hfc_prefix_info* info);
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream);
 HFC_API int hfc_suffix(const hfc_suffix_params* params, uintptr_t stream);
 HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream);

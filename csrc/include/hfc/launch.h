@@ -9,7 +9,7 @@
 
 namespace hfc {
 
-cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe
+cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_prefix_info* info);  // not capture safe
 cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);

@@ -38,9 +38,12 @@ typedef struct {
   const int32_t* q_limit;
   float softcap;
   int32_t window;
+  /* tuning variant of the kernel (csrc/prefix.cu PrefixTune; 0: the default, the only one for production).
+   * The others exist for bf16, head_dim 128, no softcap / window, and need hfc_prefix_setup with the same tune. */
+  int32_t tune;
 } hfc_prefix_params;
 
-/* what hfc_prefix_setup reports for one (dtype, head_dim, m_tile) */
+/* what hfc_prefix_setup reports for one (dtype, head_dim, m_tile, tune) */
 typedef struct {
   int32_t ctas_per_sm;  /* resident CTAs per SM (0: cannot run on this GPU) */
   int32_t smem_bytes;   /* dynamic shared memory per CTA */

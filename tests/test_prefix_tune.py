@@ -1,0 +1,123 @@
+"""The prefix kernel's tuning knobs for a sweep (hf_cascade.kernels.cuda.PrefixTune, $HFC_PREFIX_TUNE), on the CPU:
+the parser, the launch parameters they give (the default's must not change), and that a tuned launch still computes
+the reference's result (the emulated kernels of tests/test_cuda_emulation.py walk the variant's tiles and warps).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hf_cascade.kernels import cuda as cuda_backend
+from kernel_helpers import random_layout, step_plan
+from test_cuda_emulation import PREFIX_TUNES, check, prefix_cfg, run
+
+ROOT = Path(__file__).resolve().parent.parent
+parse = cuda_backend.parse_prefix_tune
+
+
+@pytest.fixture(autouse=True)
+def _default_tune():
+    cuda_backend.set_prefix_tune(None)
+    yield
+    cuda_backend.set_prefix_tune(None)
+
+
+def test_parse():
+    assert parse("") == parse(None) == parse("default") == cuda_backend.PrefixTune()
+    t = parse("variant=n64w8, m=64,chunk=1376,prefer=0,min=512")
+    assert (t.variant, t.m_tile, t.chunk_tokens, t.prefer_tokens, t.min_tokens) == ("n64w8", 64, 1376, 0, 512)
+    assert parse(str(t)) == t and str(cuda_backend.PrefixTune()) == "default"
+    for bad, what in (("variant=n128", "variant"), ("m=48", "m=48"), ("chunk=x", "not an integer"),
+                      ("stages=5", "unknown key"), ("n64", "key=value"), ("chunk=-1", "chunk=-1")):
+        with pytest.raises(ValueError, match=what):
+            parse(bad)
+
+
+def test_environment_is_read_once(monkeypatch):
+    monkeypatch.setattr(cuda_backend, "_prefix_tune", None)
+    monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "variant=s6,chunk=2048")
+    assert cuda_backend.prefix_tune() == parse("variant=s6,chunk=2048")
+    monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "m=16")
+    assert cuda_backend.prefix_tune().variant == "s6"
+    monkeypatch.setattr(cuda_backend, "_prefix_tune", None)
+    monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "bogus")
+    with pytest.raises(ValueError):
+        cuda_backend.prefix_tune()
+
+
+class _H200:
+    """prefix_info of the default kernels on an H200 (3 CTAs per SM at 16/32 rows, 2 at 64; 32-token tiles at D 128)
+    and of the tuning variants (their tile; 2 CTAs per SM), recording the tune codes set up."""
+
+    def __init__(self):
+        self.codes = []
+
+    def prefix_info(self, dtype_code, D, m_tile, device_index=None, tune=0):
+        self.codes.append(tune)
+        if tune:
+            return 2, 0, prefix_cfg(D, m_tile, tune)[2]
+        return (2 if m_tile == 64 else 3), 0, prefix_cfg(D, m_tile)[2]
+
+
+def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True):
+    lib = _H200()
+    gr = np.arange(groups * beams, dtype=np.int32).reshape(groups, beams)
+    lv = cuda_backend._prefix_level(lib, gr, np.full(groups, prefix), prefix // 16, groups * beams, 1, 4, 8, D, dtype,
+                                    16, 132, tune, plain)
+    return (lv.m_tile, lv.row_tiles, lv.chunk_tokens, lv.max_chunks, lv.tune), lib.codes
+
+
+@pytest.mark.parametrize("shape,want", [
+    ((8, 8, 16384), (32, 1, 1024, 16, 0)), ((8, 16, 16384), (64, 1, 1024, 16, 0)),
+    ((8, 4, 16384), (16, 1, 1024, 16, 0)), ((8, 8, 4096), (32, 1, 352, 12, 0))])
+def test_default_launch_is_unchanged(shape, want):
+    # the production launch of the sweep's shapes (benchmarks/prefix_sweep_gpu.py), as before the tuning knobs
+    got, codes = level(*shape)
+    assert got == want and codes == [0]
+
+
+def test_knobs_give_their_launch():
+    assert level(8, 8, 16384, parse("prefer=0"))[0] == (32, 1, 448, 37, 0)        # the wave rule alone
+    assert level(8, 8, 16384, parse("chunk=1376"))[0] == (32, 1, 1376, 12, 0)
+    assert level(8, 8, 16384, parse("chunk=1000"))[0][2] == 1008                    # whole blocks
+    assert level(8, 16, 16384, parse("m=32"))[0][:2] == (32, 2)
+    assert level(8, 8, 16384, parse("m=64"), D=256)[0][0] == 32                    # 64 rows: D <= 128 only
+    got, codes = level(8, 8, 16384, parse("variant=n64"))
+    assert got[4] == 1 and codes == [1]
+    # a variant serves bf16, D 128, plain layers and its compiled row tiles only; elsewhere the default runs
+    assert level(8, 8, 16384, parse("variant=n64"), dtype=torch.float16)[0][4] == 0
+    assert level(8, 8, 16384, parse("variant=n64"), plain=False)[0][4] == 0
+    assert level(8, 4, 16384, parse("variant=w8"))[0][4] == 0                       # 16 rows: not compiled
+    assert level(8, 4, 16384, parse("variant=w8,m=32"))[0][4] == 3
+
+
+def test_variant_tables_match_the_kernel_source():
+    # csrc/prefix.cu: PrefixTune<V> and with_tune's (V, M) cases; cuda.PREFIX_VARIANTS and the emulation's table
+    src = (ROOT / "csrc" / "prefix.cu").read_text()
+    tunes = {int(v): (int(n), int(w)) for v, n, w in re.findall(
+        r"struct PrefixTune<(\d)> \{ static constexpr int N = (\d+), STAGES = \d+, WARPS = (\d+)", src)}
+    assert tunes == {k: v for k, v in PREFIX_TUNES.items() if k}
+    cases = {(int(c) // 100, int(c) % 100) for c in re.findall(r"case (\d{3}): return f\(I", src)}
+    assert cases == {(code, m) for code, ms in cuda_backend.PREFIX_VARIANTS.values() if code for m in ms}
+
+
+@pytest.mark.parametrize("tune", ["variant=n64", "variant=n64w8", "variant=w8", "variant=s3c4", "variant=s6",
+                                  "variant=n64w8,m=64,chunk=96", "m=16,chunk=64", "prefer=0,min=32"])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
+    # D 128, bf16, 8 query heads per KV head: the variants' shapes (with a softcap the default kernel runs); a small
+    # GPU, so that the chunk rule cuts the prefixes into several chunks
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 4)
+    cuda_backend.set_prefix_tune(tune)
+    lay = random_layout(11, groups=((3, 700), (2, 90), (2, 0)), lone_rows=1, suffix=(1, 300), Lq=1, Hkv=2, ratio=8,
+                        D=128, bs=16, dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    out, ref, emu = run(lay, plan, softcap=softcap)
+    check(out, ref, emu)
+    code, m_tiles = cuda_backend.PREFIX_VARIANTS[cuda_backend.prefix_tune().variant]
+    st = next(iter(plan.scratch.values()))
+    assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}
