@@ -57,6 +57,11 @@ def unsupported_reason(model, cache, mode) -> str | None:
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return "accelerate hooks (offloading or a device map) run inside the forward"
     text = model.config.get_text_config(decoder=True)
+    can_set_experts = getattr(type(model), "_can_set_experts_implementation", None)
+    if (mode != "eager" and getattr(model.config, "_experts_implementation", None) == "eager"
+            and can_set_experts is not None and can_set_experts()):     # (the runner's eager form captures nothing)
+        return ("experts_implementation='eager' (its loop over the experts synchronises with the host); load the "
+                "model with experts_implementation='grouped_mm' (the default on CUDA) for graphs")
     rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         return f"{rope.get('rope_type', rope.get('type'))} RoPE changes its frequencies on the host with the length"
@@ -284,6 +289,7 @@ class DecodeGraphRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 static_out = self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
+            _end_failed_capture()
             return self._disable(f"capture failed ({type(err).__name__}: {str(err)[:200]})", ctx, out)
         finally:
             self._step_done(ctx)
@@ -339,6 +345,20 @@ class _EagerGraph:
         runner = self.runner
         runner.cache.rewind_step()
         runner.static_out = runner.forward_fn(**self.static)
+
+
+def _end_failed_capture() -> None:
+    """PyTorch ends the CUDA generator's capture (its epilogue) only when a capture succeeds: after a failed one
+    the device's default generator stays marked as capturing, and every later random op on it raises ("Offset
+    increment outside graph capture"), sampling included. One small capture that succeeds ends it."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.zeros(1, device=torch.cuda.current_device())
+        del graph
+    except Exception as err:  # noqa: BLE001 — nothing more can be done here; say so
+        logger.warning("hf_cascade: after a failed decode-graph capture, CUDA's random generator could not be reset "
+                       "(%s: %s); random ops on this device may fail", type(err).__name__, str(err)[:200])
 
 
 _side_streams: dict = {}

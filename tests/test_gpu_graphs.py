@@ -227,3 +227,30 @@ def test_windowed_models_float32_graphs_give_stock_tokens(monkeypatch, name):
     assert torch.equal(expected, got)
     runner, = spy.runners
     assert runner.disabled is None and runner.replays > 10, runner.disabled
+
+
+def test_a_failed_capture_leaves_sampling_and_random_ops_working(model, monkeypatch):
+    """A forward that synchronises with the host while it is captured: the capture fails, decode runs on
+    eagerly with the same tokens, and CUDA's random generator (which PyTorch leaves marked as capturing after a
+    failed capture) still serves sampling and random ops afterwards."""
+    mlp = model.model.layers[0].mlp
+    real = mlp.forward
+
+    def syncing(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().synchronize()        # not allowed while capturing: the capture fails
+        return real(*args, **kwargs)
+
+    ids, mask = _batch((300, 210), seed=9)
+    kw = dict(do_sample=True, num_return_sequences=2, top_k=0, max_new_tokens=12, pad_token_id=0)
+    torch.manual_seed(5)
+    expected = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=False),
+                              **kw)
+    monkeypatch.setattr(mlp, "forward", syncing)
+    spy = RunnerSpy(monkeypatch)
+    torch.manual_seed(5)
+    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True), **kw)
+    runner, = spy.runners
+    assert runner.disabled is not None and "capture failed" in runner.disabled
+    assert torch.equal(got, expected)
+    assert torch.isfinite(torch.randn(4, device="cuda")).all()

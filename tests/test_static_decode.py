@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
@@ -318,6 +319,11 @@ def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     assert "not CUDA" in graphs.unsupported_reason(cascade, cache, None)
     _, windowed = model_pair("mistral", sliding_window=8)
     assert graphs.unsupported_reason(windowed, cache, "eager") is None     # the kernels apply windows on the device
+    moe = AutoModelForCausalLM.from_config(FAMILIES["GPT-OSS"].make(), experts_implementation="eager")
+    assert "experts_implementation='eager'" in graphs.unsupported_reason(moe, cache, True)
+    assert graphs.unsupported_reason(moe, cache, "eager") is None      # the eager form captures nothing
+    moe = AutoModelForCausalLM.from_config(FAMILIES["GPT-OSS"].make(), experts_implementation="grouped_mm")
+    assert "not CUDA" in graphs.unsupported_reason(moe, cache, True)
     _, dynamic = model_pair("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert "dynamic RoPE" in graphs.unsupported_reason(dynamic, cache, "eager")
     import accelerate
