@@ -615,8 +615,10 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     dev = q.device
     tune = prefix_tune()
     # three: the plan's middle level runs as one (layers with a window read two levels: see attend); plain: no
-    # softcap / window (a tuning variant serves only those); the tuning (default: PrefixTune())
-    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three, plain, tune)
+    # softcap / window, which matters only under a tuning variant (it serves only those): by default the layers
+    # of a step share one state whatever their quirks; the tuning (default: PrefixTune())
+    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three,
+           plain and tune.variant != "default", tune)
     scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
     state = scratch.get(key)
     if state is not None:
