@@ -38,7 +38,7 @@ SHAPES = [dict(groups=8, beams=b, prefix=p, suffix=64) for b, p in ((8, 16384), 
 # the K/V tile read again through L2). Then the compiled variants (csrc/prefix.cu PrefixTune): n64 and s6 use no
 # more registers than the default; n64w8 / w8 / s3c4 are capped at 128 registers and spill a few bytes (M 32).
 CANDIDATES = [
-    "default",
+    "auto", "default",
     "prefer=0", "chunk=1376", "chunk=928", "chunk=2048",
     "m=32", "m=16",
     "variant=n64", "variant=s6", "variant=n64w8,m=64",
@@ -56,7 +56,7 @@ def split_tune(text: str) -> tuple[dict, dict]:
     """(kernel knobs, chunk knobs) of a candidate string."""
     kernel, chunk = {}, {}
     for item in filter(None, text.split(",")):
-        if item == "default":
+        if item in ("default", "auto"):
             continue
         key, _, value = item.partition("=")
         (chunk if key in CHUNK_KEYS else kernel)[key] = value

@@ -242,8 +242,9 @@ def test_variant_grid(dtype, D, ratio):
     plain = results[None, None, False][1]
     for key in ((37, None, False), (1000, None, False), (None, SOFTCAP, False), (None, None, True)):
         assert not torch.allclose(results[key][1], plain, atol=1e-3), key
-    # one state for all variants of the step: the launch shapes do not depend on them
-    assert len(plan.scratch) == 1
+    # one state for all variants of the step: the launch shapes do not depend on them (bf16 head_dim 128: plain layers
+    # may run the production tuning variant, layers with softcap / window the default kernel: two states)
+    assert len(plan.scratch) == (2 if dtype == BF and D == 128 else 1)
 
 
 @pytest.mark.gpu

@@ -27,10 +27,11 @@ def _default_tune():
 
 
 def test_parse():
-    assert parse("") == parse(None) == parse("default") == cuda_backend.PrefixTune()
+    assert parse("") == parse(None) == parse("auto") == cuda_backend.PrefixTune()
+    assert parse("default") == parse("variant=default") == cuda_backend.PrefixTune(variant="default")
     t = parse("variant=n64w8, m=64,chunk=1376,prefer=0,min=512")
     assert (t.variant, t.m_tile, t.chunk_tokens, t.prefer_tokens, t.min_tokens) == ("n64w8", 64, 1376, 0, 512)
-    assert parse(str(t)) == t and str(cuda_backend.PrefixTune()) == "default"
+    assert parse(str(t)) == t and str(cuda_backend.PrefixTune()) == "auto"
     for bad, what in (("variant=n128", "variant"), ("m=48", "m=48"), ("chunk=x", "not an integer"),
                       ("stages=5", "unknown key"), ("n64", "key=value"), ("chunk=-1", "chunk=-1")):
         with pytest.raises(ValueError, match=what):
@@ -75,9 +76,29 @@ def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfl
     ((8, 8, 16384), (32, 1, 1024, 16, 0)), ((8, 16, 16384), (64, 1, 1024, 16, 0)),
     ((8, 4, 16384), (16, 1, 1024, 16, 0)), ((8, 8, 4096), (32, 1, 352, 12, 0))])
 def test_default_launch_is_unchanged(shape, want):
-    # the production launch of the sweep's shapes (benchmarks/prefix_sweep_gpu.py), as before the tuning knobs
-    got, codes = level(*shape)
+    # the default kernel's launch of the sweep's shapes (benchmarks/prefix_sweep_gpu.py), as before the tuning knobs
+    got, codes = level(*shape, parse("default"))
     assert got == want and codes == [0]
+
+
+@pytest.mark.parametrize("shape,want", [
+    ((8, 8, 16384), (64, 1, 2048, 8, 2)), ((8, 16, 16384), (64, 1, 2048, 8, 2)),
+    ((8, 4, 16384), (64, 1, 2048, 8, 2)), ((8, 8, 4096), (64, 1, 1024, 4, 2))])
+def test_production_launch_is_the_sweeps_winner(shape, want):
+    # "auto": the launches the H200 sweep timed as "variant=n64w8,m=64,prefer=0" (benchmarks/RESULTS.md)
+    got, codes = level(*shape)
+    assert got == want and codes == [2]
+
+
+def test_production_tuning_only_where_it_was_measured():
+    auto = cuda_backend.PrefixTune()
+    assert level(8, 8, 16384, auto, dtype=torch.float16)[0] == level(8, 8, 16384, parse("default"),
+                                                                      dtype=torch.float16)[0]
+    assert level(8, 8, 16384, auto, D=64)[0][4] == 0 and level(8, 8, 16384, auto, plain=False)[0][4] == 0
+    assert level(8, 2, 16384, auto)[0] == level(8, 2, 16384, parse("default"))[0]       # 8 query rows
+    assert level(8, 8, 16384, parse("m=32"))[0][4] == 0                                 # knobs: the default kernel
+    assert auto.splits_by_plainness(torch.bfloat16, 128) and not auto.splits_by_plainness(torch.float16, 128)
+    assert not parse("default").splits_by_plainness(torch.bfloat16, 128)
 
 
 def test_knobs_give_their_launch():
@@ -105,7 +126,7 @@ def test_variant_tables_match_the_kernel_source():
     assert cases == {(code, m) for code, ms in cuda_backend.PREFIX_VARIANTS.values() if code for m in ms}
 
 
-@pytest.mark.parametrize("tune", ["variant=n64", "variant=n64w8", "variant=w8", "variant=s3c4", "variant=s6",
+@pytest.mark.parametrize("tune", ["auto", "variant=n64", "variant=n64w8", "variant=w8", "variant=s3c4", "variant=s6",
                                   "variant=n64w8,m=64,chunk=96", "m=16,chunk=64", "prefer=0,min=32"])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
@@ -118,6 +139,9 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     plan = step_plan(lay)
     out, ref, emu = run(lay, plan, softcap=softcap)
     check(out, ref, emu)
-    code, m_tiles = cuda_backend.PREFIX_VARIANTS[cuda_backend.prefix_tune().variant]
+    variant = cuda_backend.prefix_tune().variant
+    if variant == "auto":        # the production tuning on these plain 24-query-row groups; with knobs, the default
+        variant = "n64w8" if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() else "default"
+    code, m_tiles = cuda_backend.PREFIX_VARIANTS[variant]
     st = next(iter(plan.scratch.values()))
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}

@@ -50,7 +50,7 @@ import math
 import os
 import subprocess
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -93,11 +93,12 @@ QUIRKS = ("softcap", "window", "sinks")
 
 # Tuning the prefix kernel's launch for a sweep (benchmarks/prefix_sweep_gpu.py), e.g. "variant=n64,m=32,chunk=1024":
 #   variant  a compiled tuning variant (csrc/prefix.cu PrefixTune): its tune code and the row tiles it is compiled
-#            for; it serves bf16, head_dim 128 layers without softcap / window (others run the default kernel)
+#            for; it serves bf16, head_dim 128 layers without softcap / window (others run the default kernel).
+#            "auto" (the production choice): AUTO_TUNE where the sweep measured it faster, else "default"
 #   m        the row tile (16, 32, 64; 64 only for head_dim <= 128): more row tiles per group when smaller
 #   chunk    fixed prefix chunk length in tokens (rounded up to whole blocks), instead of choose_chunk_blocks
 #   prefer   choose_chunk_blocks' preferred chunk tokens (0: the wave rule alone); min: its shortest chunk
-# Unset (the default), every launch is the production one.
+# Unset ("auto"), every launch is the production one.
 PREFIX_TUNE_ENV = "HFC_PREFIX_TUNE"
 PREFIX_VARIANTS = {"default": (0, (16, 32, 64)), "n64": (1, (16, 32, 64)), "n64w8": (2, (32, 64)),
                    "w8": (3, (32, 64)), "s3c4": (4, (16, 32)), "s6": (5, (32, 64))}
@@ -105,12 +106,30 @@ PREFIX_VARIANTS = {"default": (0, (16, 32, 64)), "n64": (1, (16, 32, 64)), "n64w
 
 @dataclass(frozen=True)
 class PrefixTune:
-    """One point of the prefix kernel's tuning space (0 / None: the production choice)."""
-    variant: str = "default"
+    """One point of the prefix kernel's tuning space (0 / None / "auto": the production choice)."""
+    variant: str = "auto"
     m_tile: int = 0
     chunk_tokens: int = 0
     prefer_tokens: int | None = None
     min_tokens: int = 0
+
+    def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool) -> "PrefixTune":
+        """The tuning one level's launch uses: "auto" alone is AUTO_TUNE where the H200 sweep measured it faster
+        (bf16, head_dim 128, layers without softcap / window, groups of >= AUTO_MIN_QUERY_ROWS query rows), else
+        the default kernel (as are "auto" with other knobs set); any other setting as given."""
+        if self.variant != "auto":
+            return self
+        if (self == PrefixTune() and plain and dtype == torch.bfloat16 and head_dim == 128
+                and query_rows >= AUTO_MIN_QUERY_ROWS):
+            return AUTO_TUNE
+        return replace(self, variant="default")
+
+    def splits_by_plainness(self, dtype, head_dim: int) -> bool:
+        """Whether plain layers may launch a variant that layers with softcap / window cannot (their launch states
+        then differ); otherwise every layer of a step shares one state."""
+        if self.variant == "auto":
+            return self == PrefixTune() and dtype == torch.bfloat16 and head_dim == 128
+        return self.variant != "default"
 
     def code(self, dtype, head_dim: int, m_tile: int, plain: bool) -> int:
         """The kernel's tune code for this launch: the variant's where it is compiled, else 0 (the default)."""
@@ -119,26 +138,35 @@ class PrefixTune:
         return code if fits else 0
 
     def __str__(self) -> str:
-        parts = [f"variant={self.variant}"] if self.variant != "default" else []
+        parts = [f"variant={self.variant}"] if self.variant != "auto" else []
         for key, value in (("m", self.m_tile), ("chunk", self.chunk_tokens), ("min", self.min_tokens)):
             if value:
                 parts.append(f"{key}={value}")
         if self.prefer_tokens is not None:
             parts.append(f"prefer={self.prefer_tokens}")
-        return ",".join(parts) or "default"
+        return ",".join(parts) or "auto"
+
+
+# The production tuning where it applies (PrefixTune.resolve): 64-token K/V tiles and 8 warps, 64-row tiles, the wave
+# rule's chunks. Prefix sweep on the H200 (benchmarks/RESULTS.md), Llama-3-8B layer, 8 prompts x B beams, 16k prefix:
+# 8x8 252 -> 221 us, 8x16 362 -> 292 us, 8x4 234 -> 212 us; 8x8 at 4k 94 -> 80 us. Smaller groups were not measured.
+AUTO_TUNE = PrefixTune(variant="n64w8", m_tile=64, prefer_tokens=0)
+AUTO_MIN_QUERY_ROWS = 16
 
 
 def parse_prefix_tune(text: str | None) -> PrefixTune:
     """``"variant=n64,m=32,chunk=1024,prefer=0,min=512"`` (any subset, any order) -> PrefixTune; "" -> default."""
     fields: dict = {}
     for item in (text or "").replace(" ", "").split(","):
-        if not item or item == "default":
+        if not item or item == "auto":
             continue
+        if item == "default":                 # the default kernel with the default launch rules
+            item = "variant=default"
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"prefix tune {text!r}: {item!r} is not key=value")
         if key == "variant":
-            if value not in PREFIX_VARIANTS:
+            if value not in PREFIX_VARIANTS and value != "auto":
                 raise ValueError(f"prefix tune {text!r}: variant {value!r} (one of {', '.join(PREFIX_VARIANTS)})")
             fields["variant"] = value
             continue
@@ -582,6 +610,7 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms,
     if not (G > 0 and Rg > 0 and table_blocks > 0 and int(pl.max(initial=0)) > 0):
         return _PrefixLevel(False, 1, 1, 1, 0, row_nchunks)
     rows_q = Rg * Lq * grp
+    tune = tune.resolve(dtype, D, rows_q, plain)
     m_max = 64 if D <= 128 else 32
     m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
     if tune.m_tile and tune.m_tile <= m_max:
@@ -615,10 +644,10 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     dev = q.device
     tune = prefix_tune()
     # three: the plan's middle level runs as one (layers with a window read two levels: see attend); plain: no
-    # softcap / window, which matters only under a tuning variant (it serves only those): by default the layers
-    # of a step share one state whatever their quirks; the tuning (default: PrefixTune())
+    # softcap / window, which matters only where a tuning variant may run (it serves only those: bf16, head_dim 128
+    # in production); the tuning (default: PrefixTune(), "auto")
     key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three,
-           plain and tune.variant != "default", tune)
+           plain and tune.splits_by_plainness(q.dtype, D), tune)
     scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
     state = scratch.get(key)
     if state is not None:
