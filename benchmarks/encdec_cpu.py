@@ -136,6 +136,8 @@ def main(argv=None) -> int:
                    stock_wall_s=round(s_wall, 2), cascade_wall_s=round(c_wall, 2),
                    stock_peak_mib=round(s_peak / 2**20, 1), cascade_peak_mib=round(c_peak / 2**20, 1),
                    time_ratio=round(c_cpu / s_cpu, 3), peak_ratio=round(c_peak / max(s_peak, 1), 3),
+                   # each round's cascade / stock, measured back to back: steadier under a varying load
+                   time_ratio_rounds=[round(c[1] / s[1], 3) for s, c in zip(runs["stock"], runs["cascade"])],
                    same_tokens=bool(same),
                    stock_cpu_s_runs=[round(r[1], 2) for r in runs["stock"]],
                    cascade_cpu_s_runs=[round(r[1], 2) for r in runs["cascade"]])
