@@ -4,13 +4,13 @@ Random-weight models shaped like whisper-base, t5-small and bart-base (float32, 
 measured in reference/encoder_decoder.md: 2 threads thrash on the shared 2-core machine), batch 2,
 8 beams, 64 new tokens (``min_new_tokens`` = ``max_new_tokens``, so every run decodes its full
 length); Whisper through its own generate on 30 s of audio (1500 encoder frames), the text models on
-512-token sources. Per model: a short warm-up of each, then stock and cascade once each. Reported:
-CPU seconds of the generating thread, wall seconds, peak RSS above the RSS at the start of generate
+512-token sources. Per model: a short warm-up of each, then ``--rounds`` interleaved rounds (stock,
+cascade, stock, cascade, ...; default 1), medians of each side. Reported: CPU seconds of the generating thread, wall seconds, peak RSS above the RSS at the start of generate
 (sampled every millisecond; the script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 so freed
 tensors go back to the OS), and whether the tokens are the same. Targets (issue 11): whisper-base
 time <= 0.3x and peak <= 0.2x stock's; t5-small and bart-base time <= 0.45x.
 
-    python benchmarks/encdec_cpu.py [--models whisper-base,t5-small,bart-base] [--new 64] [--beams 8]
+    python benchmarks/encdec_cpu.py [--models whisper-base,t5-small,bart-base] [--new 64] [--beams 8] [--rounds 1]
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
 import threading
 import time
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="whisper-base,t5-small,bart-base")
     p.add_argument("--beams", type=int, default=8)
     p.add_argument("--new", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (stock, cascade, ...); medians")
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encdec_cpu.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -120,15 +122,25 @@ def main(argv=None) -> int:
         kwargs = dict(inputs(name), num_beams=args.beams, max_new_tokens=args.new, min_new_tokens=args.new)
         for model in (stock, cascade):     # warm-up: first-call costs out of the timed runs
             model.generate(**{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-        s_out, s_cpu, s_wall, s_peak = measure(stock, kwargs)
-        c_out, c_cpu, c_wall, c_peak = measure(cascade, kwargs)
-        row = dict(model=name, batch=BATCH, beams=args.beams, new_tokens=args.new,
+        runs = {"stock": [], "cascade": []}
+        for _ in range(args.rounds):
+            runs["stock"].append(measure(stock, kwargs))
+            runs["cascade"].append(measure(cascade, kwargs))
+        s_out, c_out = runs["stock"][0][0], runs["cascade"][0][0]
+        same = all(r[0].shape == s_out.shape and torch.equal(r[0], s_out) for r in runs["stock"] + runs["cascade"])
+        s_cpu, s_wall, s_peak = (statistics.median(r[i] for r in runs["stock"]) for i in (1, 2, 3))
+        c_cpu, c_wall, c_peak = (statistics.median(r[i] for r in runs["cascade"]) for i in (1, 2, 3))
+        row = dict(model=name, batch=BATCH, beams=args.beams, new_tokens=args.new, rounds=args.rounds,
                    source=1500 if name.startswith("whisper") else SOURCE_LEN,
                    stock_cpu_s=round(s_cpu, 2), cascade_cpu_s=round(c_cpu, 2),
                    stock_wall_s=round(s_wall, 2), cascade_wall_s=round(c_wall, 2),
                    stock_peak_mib=round(s_peak / 2**20, 1), cascade_peak_mib=round(c_peak / 2**20, 1),
                    time_ratio=round(c_cpu / s_cpu, 3), peak_ratio=round(c_peak / max(s_peak, 1), 3),
-                   same_tokens=bool(s_out.shape == c_out.shape and torch.equal(s_out, c_out)))
+                   # each round's cascade / stock, measured back to back: steadier under a varying load
+                   time_ratio_rounds=[round(c[1] / s[1], 3) for s, c in zip(runs["stock"], runs["cascade"])],
+                   same_tokens=bool(same),
+                   stock_cpu_s_runs=[round(r[1], 2) for r in runs["stock"]],
+                   cascade_cpu_s_runs=[round(r[1], 2) for r in runs["cascade"]])
         target = TARGETS.get(name, {})
         row["targets"] = {k: dict(limit=v, met=row[f"{k}_ratio"] <= v) for k, v in target.items()}
         rows.append(row)

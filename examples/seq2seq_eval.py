@@ -10,7 +10,10 @@ ids, so it runs anywhere::
     torchrun --nproc-per-node 2 examples/seq2seq_eval.py --only cascade --out preds.json   # data parallel (gloo)
 
 Under ``torchrun`` the Trainer splits the evaluation set over the processes and gathers the predictions;
-``--out`` writes them (from rank 0) so they can be compared with a one-process run.
+``--out`` writes them (from rank 0) so they can be compared with a one-process run (gloo on the CPU, NCCL on
+GPUs; ``--device cpu`` forces the CPU). ``--shape bart-large-cnn`` makes the offline fallback a random model
+of bart-large-cnn's shape (12+12 layers, width 1024) and ``--source-len`` sets the longest random source;
+``benchmarks/encdec_dp_gpu.py`` runs both for a two-GPU check.
 """
 from __future__ import annotations
 
@@ -48,8 +51,20 @@ def tiny_bart_config(vocab_size=512):
                       max_position_embeddings=256, forced_bos_token_id=None, forced_eos_token_id=None)
 
 
-def load_pair(model_id: str | None, dtype=torch.float32):
-    """(stock, cascade, tokenizer or None, source name): the Hub model, or the built-in random BART."""
+def bart_large_cnn_config():
+    """The shape of facebook/bart-large-cnn (12+12 layers, width 1024, 16 heads, 1024 positions), random weights."""
+    return BartConfig(vocab_size=50264, d_model=1024, encoder_layers=12, decoder_layers=12,
+                      encoder_attention_heads=16, decoder_attention_heads=16, encoder_ffn_dim=4096,
+                      decoder_ffn_dim=4096, max_position_embeddings=1024, forced_bos_token_id=None,
+                      forced_eos_token_id=None)
+
+
+SHAPES = {"tiny": tiny_bart_config, "bart-large-cnn": bart_large_cnn_config}
+
+
+def load_pair(model_id: str | None, dtype=torch.float32, shape: str = "tiny", device: str | None = None):
+    """(stock, cascade, tokenizer or None, source name): the Hub model, or the built-in random BART
+    (``shape``: "tiny" or "bart-large-cnn"; built on ``device`` when given, e.g. straight on the GPU)."""
     if model_id:
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_id)
@@ -61,14 +76,16 @@ def load_pair(model_id: str | None, dtype=torch.float32):
             print("-> falling back to a built-in random BART (2+2 layers, width 64, random weights, no tokenizer): "
                   "token ids instead of text.")
     torch.manual_seed(0)
-    # each model gets its own config object: from_config writes the attention choice into it
-    stock = AutoModelForSeq2SeqLM.from_config(tiny_bart_config(), attn_implementation="sdpa", dtype=dtype).eval()
-    cascade = AutoModelForSeq2SeqLM.from_config(tiny_bart_config(), attn_implementation="cascade", dtype=dtype).eval()
+    make = SHAPES[shape]
+    with torch.device(device or "cpu"):
+        # each model gets its own config object: from_config writes the attention choice into it
+        stock = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="sdpa", dtype=dtype).eval()
+        cascade = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="cascade", dtype=dtype).eval()
     cascade.load_state_dict(stock.state_dict())
-    return stock, cascade, None, "built-in random BART"
+    return stock, cascade, None, "built-in random BART" + ("" if shape == "tiny" else f" ({shape} shape)")
 
 
-def make_dataset(tokenizer, vocab_size: int, n: int = 8, seed: int = 0) -> list[dict]:
+def make_dataset(tokenizer, vocab_size: int, n: int = 8, seed: int = 0, max_len: int = 120) -> list[dict]:
     """``{"input_ids", "labels"}`` examples: the built-in texts (summaries: their first clause), or random ids
     of varied lengths (so batches need padding)."""
     if tokenizer is not None:
@@ -81,7 +98,7 @@ def make_dataset(tokenizer, vocab_size: int, n: int = 8, seed: int = 0) -> list[
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        length = int(torch.randint(20, 120, (1,), generator=g))
+        length = int(torch.randint(min(20, max_len), max_len, (1,), generator=g)) if max_len > 1 else 1
         out.append({"input_ids": torch.randint(4, vocab_size, (length,), generator=g).tolist(),
                     "labels": torch.randint(4, vocab_size, (12,), generator=g).tolist()})
     return out
@@ -169,21 +186,25 @@ class KVMeter:
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------
-def evaluate(model, dataset, tokenizer=None, batch_size=4, num_beams=4, max_new_tokens=16, output_dir=None):
-    """``Seq2SeqTrainer.predict`` with beam search: (predictions as token lists, metrics dict)."""
+def evaluate(model, dataset, tokenizer=None, batch_size=4, num_beams=4, max_new_tokens=16, output_dir=None,
+             device: str = "auto"):
+    """``Seq2SeqTrainer.predict`` with beam search: (predictions as token lists, metrics dict). ``device``:
+    "auto" (the GPU where there is one), "cpu" or "cuda"."""
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     pad = model.config.pad_token_id
     special = {pad, model.config.eos_token_id, model.config.bos_token_id, model.config.decoder_start_token_id}
     with tempfile.TemporaryDirectory() as tmp:
         args = Seq2SeqTrainingArguments(
             output_dir=output_dir or tmp, per_device_eval_batch_size=batch_size, predict_with_generate=True,
-            generation_num_beams=num_beams, report_to="none", use_cpu=not torch.cuda.is_available(),
+            generation_num_beams=num_beams, report_to="none", use_cpu=cpu,
             dataloader_num_workers=0, disable_tqdm=True,
-            ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
-            else None)
+            ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cpu else None)
         trainer = Seq2SeqTrainer(model=model, args=args, data_collator=Collator(pad))
         meter = KVMeter(model)
         start = time.perf_counter()
         out = trainer.predict(dataset, max_new_tokens=max_new_tokens)
+        if not cpu:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         meter.remove()
     preds = clean(out.predictions, special)
@@ -206,16 +227,22 @@ def main(argv=None) -> int:
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    p.add_argument("--shape", default="tiny", choices=list(SHAPES), help="shape of the offline random BART")
+    p.add_argument("--source-len", type=int, default=120, help="longest random source (offline model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--only", choices=["stock", "cascade"], help="evaluate one of the two (e.g. under torchrun)")
     p.add_argument("--out", help="write the predictions and metrics as JSON (rank 0)")
     args = p.parse_args(argv)
-    stock, cascade, tokenizer, source = load_pair(args.model or None, getattr(torch, args.dtype))
-    data = make_dataset(tokenizer, stock.config.vocab_size, args.examples)
+    cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    build_on = None if cpu else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    stock, cascade, tokenizer, source = load_pair(args.model or None, getattr(torch, args.dtype), args.shape,
+                                                  build_on)
+    data = make_dataset(tokenizer, stock.config.vocab_size, args.examples, max_len=args.source_len)
     results = {}
     for name, model in (("stock", stock), ("cascade", cascade)):
         if args.only in (None, name):
-            results[name] = evaluate(model, data, tokenizer, args.batch, args.beams, args.new)
+            results[name] = evaluate(model, data, tokenizer, args.batch, args.beams, args.new, device=args.device)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(f"model: {source}; {len(data)} examples, {args.beams} beams, {args.new} new tokens")
@@ -228,7 +255,9 @@ def main(argv=None) -> int:
             print(f"attention KV held, cascade / stock: {kc / ks:.3f}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({k: {"predictions": v[0], "metrics": v[1]} for k, v in results.items()}, f)
+                json.dump({**{k: {"predictions": v[0], "metrics": v[1]} for k, v in results.items()},
+                           "world_size": int(os.environ.get("WORLD_SIZE", "1")), "device": "cpu" if cpu else "cuda",
+                           "source": source}, f)
     return 0
 
 

@@ -15,8 +15,9 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   input's K/V in place instead (the PyTorch backend would gather a copy of it every layer and step);
 - decoder self-attention runs on a :class:`~hf_cascade.cache.CascadeCache` as for decoder-only
   models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
-  once) — see :func:`paged_self_attention` for where it stays on stock's DynamicCache (T5's relative
-  position bias; one-token decoder prompts on the CPU).
+  once) — see :func:`paged_self_attention` for where it stays dense (T5's relative position bias;
+  one-token decoder prompts on the CPU): there on a :class:`ReorderedCache` on the CPU (one copy of the
+  self K/V per beam step instead of stock's two), stock's DynamicCache on GPUs.
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders that carry a
@@ -24,12 +25,13 @@ reference to their layer, which :func:`cross_layer_of` finds.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from . import kernels
 from .cache import CascadeCache
@@ -83,7 +85,7 @@ def uses_relative_bias(model) -> bool:
 
 
 def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device, config: CascadeConfig) -> bool:
-    """Whether the decoder self-attention runs on a paged CascadeCache (else stock's DynamicCache).
+    """Whether the decoder self-attention runs on a paged CascadeCache (else dense: :func:`self_attention_cache`).
 
     Not for relative-bias families (T5: the bias is computed from the width of the K/V the cache returns).
     On a GPU, or with a backend chosen explicitly, always: no per-step reorder copy of the self K/V. On the
@@ -96,6 +98,110 @@ def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device,
     if device.type != "cpu" or config.backend != "auto":
         return True
     return decoder_ids.shape[1] - 1 >= config.block_size
+
+
+# ---- decoder self-attention where it stays dense -----------------------------------------------------
+class ReorderedLayer(DynamicLayer):
+    """A DynamicLayer for beam search without its two copies per step: stock's ``reorder_cache`` copies
+    the whole K/V (``index_select``) and the next ``update`` copies it again (``torch.cat``) into a new
+    tensor. Here K and V each live time-major in a preallocated buffer ``[capacity, rows, H, D]``; a
+    reorder is only noted (composed with a pending one) and the next ``update`` applies it as one
+    ``index_select`` of a contiguous run of ``t`` positions into a spare buffer shared by all layers of
+    the cache (which then takes this layer's old buffer as the next spare), and writes the new positions
+    in place. The model gets ``[rows, H, t, D]`` views of the buffers: stock's values, and sdpa gives the
+    same result on the strided view as on a contiguous copy (tests compare tokens with stock). Any other
+    operation (crop, batch_select_indices, ...) first turns the layer back into a plain DynamicLayer."""
+
+    def __init__(self, capacity: int = 64, spares: dict | None = None):
+        super().__init__()
+        self.capacity = max(int(capacity), 1)
+        self._spares = {} if spares is None else spares     # (shape, dtype, device) -> a free buffer
+        self._buffers = None          # [K buffer, V buffer]
+        self._pending = None          # a reorder not applied yet
+
+    def _settle(self) -> None:
+        """Back to a plain DynamicLayer: the pending reorder applied, K/V contiguous tensors of their own."""
+        if self._buffers is not None or self._pending is not None:
+            if self.is_initialized and self.keys is not None and self.keys.numel():
+                keys, values = self.keys, self.values
+                if self._pending is not None:
+                    keys, values = keys.index_select(0, self._pending), values.index_select(0, self._pending)
+                self.keys, self.values = keys.contiguous(), values.contiguous()
+            self._buffers = self._pending = None
+
+    def _spare(self, like: torch.Tensor) -> torch.Tensor:
+        key = (tuple(like.shape), like.dtype, like.device)
+        spare = self._spares.pop(key, None)
+        return like.new_empty(like.shape) if spare is None else spare
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past, new = self.get_seq_length(), key_states.shape[-2]
+        rows = key_states.shape[0]
+        buffers = self._buffers
+        if buffers is None or buffers[0].shape[0] < past + new or buffers[0].shape[1] != rows:
+            self._settle()
+            if buffers is not None:       # outgrown: the spare of the old shape is no use any more
+                self._spares.pop((tuple(buffers[0].shape), buffers[0].dtype, buffers[0].device), None)
+            capacity = max(self.capacity, past + new) if buffers is None else max(self.capacity, 2 * (past + new))
+            shape = (capacity, rows, key_states.shape[1], key_states.shape[3])
+            buffers = self._buffers = [key_states.new_empty(shape), value_states.new_empty(shape)]
+            if past:
+                buffers[0][:past].copy_(self.keys.permute(2, 0, 1, 3))
+                buffers[1][:past].copy_(self.values.permute(2, 0, 1, 3))
+        elif self._pending is not None:
+            for i, current in enumerate(buffers):    # one copy per step: the rows' histories into a spare buffer
+                spare = self._spare(current)
+                torch.index_select(current[:past], 1, self._pending, out=spare[:past])
+                buffers[i] = spare
+                self._spares[(tuple(current.shape), current.dtype, current.device)] = current
+        self._pending = None
+        keys, values = buffers
+        keys[past:past + new].copy_(key_states.permute(2, 0, 1, 3))
+        values[past:past + new].copy_(value_states.permute(2, 0, 1, 3))
+        self.keys, self.values = keys[:past + new].permute(1, 2, 0, 3), values[:past + new].permute(1, 2, 0, 3)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx) -> None:
+        if self.get_seq_length() > 0:
+            beam_idx = beam_idx.to(self.keys.device)
+            self._pending = beam_idx.clone() if self._pending is None else self._pending.index_select(0, beam_idx)
+
+    def crop(self, *args, **kwargs):
+        self._settle()
+        return super().crop(*args, **kwargs)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._settle()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        self._settle()
+        super().batch_select_indices(indices)
+
+    def reset(self) -> None:
+        self._buffers = self._pending = None
+        self._spares.clear()
+        super().reset()
+
+
+class ReorderedCache(DynamicCache):
+    """The decoder self-attention cache where it is not paged (see :func:`paged_self_attention`): a
+    DynamicCache of :class:`ReorderedLayer` sized for the call's ``max_length``, one copy of the K/V per
+    beam step instead of two, and one spare buffer for all layers (about stock's memory at the last step)."""
+
+    def __init__(self, capacity: int = 64):
+        Cache.__init__(self, layer_class_to_replicate=functools.partial(ReorderedLayer, capacity, {}))
+
+
+def self_attention_cache(device: torch.device, generation_config) -> DynamicCache:
+    """The dense self-attention cache: :class:`ReorderedCache` on the CPU (sized for the generate call's
+    ``max_length``), stock's DynamicCache elsewhere (the strided K/V views are not yet checked against stock
+    on the GPU kernels)."""
+    if device.type != "cpu":
+        return DynamicCache()
+    return ReorderedCache(min(int(getattr(generation_config, "max_length", None) or 64), 4096))
 
 
 # ---- the encoder output: never expanded k times ----------------------------------------------------
@@ -430,7 +536,8 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
     cross.fill(modules, states[::repeats], None if source_mask is None else source_mask[::repeats])
     paged = paged_self_attention(model, input_ids, states.device, cascade_config or CascadeConfig())
-    self_cache = CascadeCache(model.config, cascade_config) if paged else DynamicCache()
+    self_cache = CascadeCache(model.config, cascade_config) if paged else self_attention_cache(
+        states.device, generation_config)
     cache = CascadeEncoderDecoderCache(self_cache, cross)
     model_kwargs[key] = cache
     # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape

@@ -144,6 +144,41 @@ def test_cross_reorder_copies_nothing_and_stays_within_inputs():
     assert tokens == 16 + 16                                 # blocks of 16: one per input, pads not stored
 
 
+def test_reordered_self_cache_equals_dynamic_cache():
+    """The CPU's dense self-attention cache: stock's K/V after any sequence of updates, reorders (also two
+    in a row), growth past its capacity, and the operations that turn it back into a plain DynamicLayer."""
+    g = torch.Generator().manual_seed(0)
+    ref, ours = T.DynamicCache(), encoder_decoder.ReorderedCache(capacity=3)
+
+    def step(q, rows=4):
+        for layer in range(2):
+            k, v = (torch.randn(rows, 2, q, 8, generator=g) for _ in range(2))
+            want, got = ref.update(k, v, layer), ours.update(k, v, layer)
+            assert all(torch.equal(w, o) for w, o in zip(want, got))
+        assert ours.get_seq_length() == ref.get_seq_length()
+
+    step(2)
+    for i in range(6):
+        for _ in range(2 if i == 3 else 1):
+            beam_idx = torch.randint(0, 4, (4,), generator=g)
+            ref.reorder_cache(beam_idx)
+            ours.reorder_cache(beam_idx)
+        step(1)
+    spares = ours.layers[0]._spares
+    assert spares is ours.layers[1]._spares and len(spares) <= 1     # one spare buffer for all layers
+    ref.reorder_cache(torch.tensor([3, 3, 0, 1]))
+    ours.reorder_cache(torch.tensor([3, 3, 0, 1]))
+    for cache in (ref, ours):
+        cache.batch_select_indices(torch.tensor([0, 2]))
+        cache.batch_repeat_interleave(2)
+    step(1)
+    for cache in (ref, ours):
+        cache.crop(-2)
+    step(1)
+    ours.reset()
+    assert ours.layers[0]._buffers is None and not ours.layers[0]._spares
+
+
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_loss_forward_bit_identical(family):
     stock, cascade = cached_pair(family)
