@@ -88,12 +88,14 @@ def owned_cache(model, cascade_config) -> CascadeCache:
     return CascadeCache(model.config, cascade_config)
 
 
-def release(model) -> None:
+def release(model=None) -> None:
     """Drop what generate keeps for ``model``'s next call (its cache's reserved pools, decode buffers and
-    captured graph); the next call captures again."""
-    kept = _kept.pop(model, None)
-    if kept is not None:
-        kept.reset()
+    captured graph); the next call captures again. ``None``: for every model."""
+    models = list(_kept) if model is None else [model]
+    for each in models:
+        kept = _kept.pop(each, None)
+        if kept is not None:
+            kept.reset()
 
 
 def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:

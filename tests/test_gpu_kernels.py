@@ -298,7 +298,8 @@ def test_three_level_plans(ratio, Lq, D, dtype):
     assert st.three and st.mid.has and st.mid.max_chunks >= 1
     # a layer with a window reads the same plan as two levels (the reference's semantics), next to the others
     check_variants(q, pool, plan, lay.scale, window=20, sinks=sinks)
-    assert len(plan.scratch) == 2
+    # bf16 head_dim 128: plain layers may run the production tuning variant, so they keep a state of their own
+    assert len(plan.scratch) == (3 if dtype == BF and D == 128 else 2)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import hf_cascade  # noqa: F401  registers attn_implementation="cascade"
+import hf_cascade  # registers attn_implementation="cascade"
 from hf_cascade import CascadeConfig
 from hf_cascade import memory
 from conftest import returned_cache
@@ -28,6 +28,9 @@ def vmm_here():
     reason = memory.vmm_unavailable_reason("cuda")
     if reason:
         pytest.skip(reason)
+    # what generate keeps for a model's next call (mapped pools) must not count here: other files' models
+    hf_cascade.release()
+    gc.collect()
     yield
     torch.cuda.synchronize()
 

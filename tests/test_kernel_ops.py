@@ -45,7 +45,7 @@ def call(name, a):
         return torch.ops.hf_cascade.prefix(a["q"], a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"],
                                            a["part_o"], a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"],
                                            a["max_chunks"], a["scale_log2"], a["q_limit"], a["pslot0"], a["softcap"],
-                                           a["window"])
+                                           a["window"], a.get("tune", 0))
     if name == "suffix":
         return torch.ops.hf_cascade.suffix(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
                                            a["part_lse"], a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"],
@@ -225,7 +225,8 @@ def _real_case(dtype=torch.bfloat16, D=128):
              part_o=torch.zeros_like(st.part_o), part_lse=torch.zeros_like(st.part_lse), out=torch.empty_like(q),
              m_tile=st.m_tile, row_tiles=st.row_tiles, chunk_tokens=st.chunk_tokens, max_chunks=st.max_chunks,
              split_tokens=st.split_tokens, nsplit=st.nsplit, slot0=st.max_chunks, scale_log2=scale * cuda_backend.LOG2E,
-             pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=st.max_chunks, sinks=None)
+             pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=st.max_chunks, sinks=None,
+             tune=st.tune)     # the prefix kernel's variant the backend launched (bf16 head_dim 128: the production one)
     assert st.has_prefix and st.max_chunks >= 1
     return a, eager
 

@@ -271,6 +271,10 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
     assert graphs._kept[cascade].cascade_config == CascadeConfig(cuda_graphs="eager")
     hf_cascade.release(cascade)
     assert cascade not in graphs._kept
+    cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
+    assert cascade in graphs._kept
+    hf_cascade.release()                                 # every model's
+    assert not graphs._kept
 
 
 def test_a_kept_graph_does_not_keep_its_model_alive():
