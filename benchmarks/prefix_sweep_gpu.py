@@ -1,5 +1,5 @@
 """Tuning sweep of the cascade prefix kernel (csrc/prefix.cu) in one GPU run: every candidate PrefixTune
-(hf_cascade.kernels.cuda; the same strings as $HFC_PREFIX_TUNE) on the Llama-3-8B layer of kernels_gpu.py.
+(hf_cascade.kernels.cuda; the same strings as $HF_CASCADE_PREFIX_TUNE) on the Llama-3-8B layer of kernels_gpu.py.
 
 For each candidate and shape: the cuda backend's ``attend`` (prefix + suffix + merge, as the library calls it) is
 checked against the float32 reference backend (relative error < 1e-2, finite) and only then timed (CUDA events,

@@ -15,6 +15,8 @@ ENV_VARS = {
     "HF_CASCADE_CACHE": "where the CUDA kernels built on first use are cached (default ~/.cache/hf_cascade)",
     "HF_CASCADE_PREFIX_KERNEL": "retired (one prefix kernel now): unset, or v2; v1 is an error",
     "HF_CASCADE_BUILD_KERNELS": "building a wheel: auto (default: compile the CUDA kernels where nvcc exists), 1, 0",
+    "HF_CASCADE_PREFIX_TUNE": "the prefix kernel's launch for a tuning sweep: auto (default), default, or knobs "
+                              "(variant=n64w8,m=64,chunk=2048)",
     "HF_CASCADE_CUDA_DEBUG": "non-empty: synchronise and check for errors after every CUDA kernel (slow)",
     "NVCC": "the nvcc that builds the CUDA kernels (default: nvcc on PATH, $CUDA_HOME/bin/nvcc)",
     "CUDA_HOME": "CUDA toolkit folder, for nvcc",

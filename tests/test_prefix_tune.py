@@ -1,4 +1,4 @@
-"""The prefix kernel's tuning knobs for a sweep (hf_cascade.kernels.cuda.PrefixTune, $HFC_PREFIX_TUNE), on the CPU:
+"""The prefix kernel's tuning knobs for a sweep (hf_cascade.kernels.cuda.PrefixTune, $HF_CASCADE_PREFIX_TUNE), on the CPU:
 the parser, the launch parameters they give (the default's must not change), and that a tuned launch still computes
 the reference's result (the emulated kernels of tests/test_cuda_emulation.py walk the variant's tiles and warps).
 """

@@ -32,7 +32,7 @@ call on a static decode layout (then the suffix split follows the tables' capaci
 
 For a tuning sweep (``benchmarks/prefix_sweep_gpu.py``), the prefix launch's row tile, chunk rule and kernel
 variant (extra instantiations of ``csrc/prefix.cu`` for bf16, head_dim 128) can be chosen at run time:
-``$HFC_PREFIX_TUNE`` or :func:`set_prefix_tune` (:class:`PrefixTune`); unset, every launch is the production one.
+``$HF_CASCADE_PREFIX_TUNE`` or :func:`set_prefix_tune` (:class:`PrefixTune`); unset, every launch is the production one.
 
 Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
 libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
@@ -99,7 +99,7 @@ QUIRKS = ("softcap", "window", "sinks")
 #   chunk    fixed prefix chunk length in tokens (rounded up to whole blocks), instead of choose_chunk_blocks
 #   prefer   choose_chunk_blocks' preferred chunk tokens (0: the wave rule alone); min: its shortest chunk
 # Unset ("auto"), every launch is the production one.
-PREFIX_TUNE_ENV = "HFC_PREFIX_TUNE"
+PREFIX_TUNE_ENV = "HF_CASCADE_PREFIX_TUNE"
 PREFIX_VARIANTS = {"default": (0, (16, 32, 64)), "n64": (1, (16, 32, 64)), "n64w8": (2, (32, 64)),
                    "w8": (3, (32, 64)), "s3c4": (4, (16, 32)), "s6": (5, (32, 64))}
 
@@ -187,7 +187,7 @@ _prefix_tune: PrefixTune | None = None
 
 
 def prefix_tune() -> PrefixTune:
-    """The tuning in effect: set_prefix_tune's, else $HFC_PREFIX_TUNE's (read once), else the default."""
+    """The tuning in effect: set_prefix_tune's, else $HF_CASCADE_PREFIX_TUNE's (read once), else the default."""
     global _prefix_tune
     if _prefix_tune is None:
         _prefix_tune = parse_prefix_tune(os.environ.get(PREFIX_TUNE_ENV, ""))
