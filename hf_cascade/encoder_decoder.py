@@ -25,6 +25,7 @@ reference to their layer, which :func:`cross_layer_of` finds.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -33,9 +34,10 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from . import kernels
+from . import graphs, kernels
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .context import current as current_step
 from .plan import StepPlan
 
 logger = logging.getLogger("hf_cascade")
@@ -476,6 +478,9 @@ def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
     q = query.transpose(1, 2)                                          # [R, q, H, D]
     plan = cache.plan(q.shape[0], q.shape[1])
     backend = kernels.select(cache.cascade_config.backend, q, layer.pool, plan)
+    step = current_step()
+    if step is not None:       # the decoder's step: a graph runner checks that this backend can be captured too
+        step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
     return backend.attend(q, layer.pool, plan, scale).contiguous(), None
 
 
@@ -559,8 +564,17 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             self_cache.batch_repeat_interleave(n)
             if decoder_mask is None:   # with a mask, generate's first step feeds only the tokens past the cache
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
-        result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                        synced_gpus=synced_gpus, **model_kwargs)
+        runner = None
+        if paged:           # the decode steps on a static layout, as a captured graph where one can run
+            if self_cache.cascade_config.static_decode:
+                self_cache.begin_decode(generation_config.max_length or input_ids.shape[1] + 1)
+            runner = graphs.decode_runner(model, self_cache, generation_config)
+        with runner if runner is not None else contextlib.nullcontext():
+            result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                            synced_gpus=synced_gpus, **model_kwargs)
         return _without_cache(result)
     finally:
+        if paged and self_cache.graph_runner is not None:    # not kept: the encoder outputs differ per call
+            self_cache.graph_runner.release()
+            self_cache.graph_runner = None
         cache.reset()        # nobody else can reach this cache: give every block back now

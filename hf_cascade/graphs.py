@@ -33,8 +33,12 @@ logger = logging.getLogger("hf_cascade")
 _logged: set = set()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
-_IGNORED = ("attention_mask",)
+_IGNORED = ("attention_mask", "decoder_attention_mask")
 _CACHE_KWARGS = ("past_key_values", "cache")
+# an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for
+# the call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
+_DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
+            "inputs_embeds": "decoder_inputs_embeds"}
 
 
 def _log_once(key, level, message, *args):
@@ -150,6 +154,7 @@ class DecodeGraphRunner:
         # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive
         self._model = weakref.ref(model)
         self.cache, self.capture_enabled, self.compiled = cache, capture, compile
+        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.original = self.forward_fn = None
         self.attach(model)
         self.graph = None
@@ -207,7 +212,7 @@ class DecodeGraphRunner:
         if args or not self._decode_shaped(kwargs):
             self.eager_calls += 1
             return self.original(*args, **kwargs)
-        ctx = self.cache.prepare_step(kwargs["input_ids"].shape[0], 1)
+        ctx = self.cache.prepare_step(self._arg(kwargs, "input_ids").shape[0], 1)
         if not ctx.plan.static:        # the cache planned this step anew: nothing fixed to replay
             self.eager_calls += 1
             return self.original(*args, **kwargs)
@@ -221,13 +226,26 @@ class DecodeGraphRunner:
         self.replays += 1
         return self.static_out.__class__(**dict(self.static_out.items()))
 
+    def _arg(self, kwargs, name):
+        """A decoder input by its decoder-only name (an encoder-decoder model's call names it ``decoder_*``)."""
+        return kwargs.get(_DECODER[name]) if self.encoder_decoder else kwargs.get(name)
+
     def _decode_shaped(self, kwargs) -> bool:
-        ids = kwargs.get("input_ids")
+        ids = self._arg(kwargs, "input_ids")
         cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-        return (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
-                and ids.shape[1] == 1 and ids.shape[0] == self.cache.blocks.num_rows and self.cache.logical_length > 0
-                and kwargs.get("inputs_embeds") is None and isinstance(kwargs.get("position_ids"), torch.Tensor)
-                and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states"))
+        if self.encoder_decoder:       # the decoder's self-attention cache inside the EncoderDecoderCache
+            cache = getattr(cache, "self_attention_cache", None)
+        shaped = (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
+                  and ids.shape[1] == 1 and ids.shape[0] == self.cache.blocks.num_rows
+                  and self.cache.logical_length > 0 and self._arg(kwargs, "inputs_embeds") is None
+                  and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states"))
+        if shaped and not isinstance(self._arg(kwargs, "position_ids"), torch.Tensor):
+            # the model would compute its positions from the cache length on the host, which a graph freezes
+            self.disabled = "the decoder's positions are not an input of the step (computed on the host)"
+            _log_once(("disabled", self.disabled), logging.INFO, "hf_cascade: decode steps run without CUDA graphs: "
+                      "%s", self.disabled)
+            return False
+        return shaped
 
     def _key(self, kwargs):
         """What the captured graph baked in: input shapes and options, the layout, the pools' addresses."""

@@ -16,7 +16,7 @@ from transformers import AutoModelForSeq2SeqLM
 import hf_cascade  # noqa: F401  registers "cascade"
 from hf_cascade import encoder_decoder
 
-from conftest import cache_kw
+from conftest import RunnerSpy, cache_kw
 
 VOCAB = 96
 NEW = 7
@@ -415,3 +415,42 @@ def test_gpu_pool_layout_through_the_plan(family, monkeypatch):
     want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)
     assert pools and all(p.is_contiguous() and p.shape[1:3] == (2, 4) for p in pools)
+
+
+# ---- decode steps through the graph runner (its eager form here: the static path a CUDA graph replays) ----------
+_STATIC = hf_cascade.CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4)
+
+
+@pytest.mark.parametrize("case", ["beams", "beams_returned", "timestamps", "prompt_shared_by_beams", "long_form",
+                                  "temperature_fallback"])
+def test_whisper_decode_steps_through_the_graph_runner(case, monkeypatch):
+    """Whisper's decoder takes its positions as an input (decoder_position_ids, from the decoder mask), so its
+    decode steps run on fixed inputs and a static layout, replayed step after step; stock's tokens."""
+    stock, cascade = whisper_pair()
+    features, kwargs = WHISPER_CASES[case]
+    kwargs = {"language": "en", **kwargs}
+    spy = RunnerSpy(monkeypatch)
+    torch.manual_seed(5)
+    want = stock.generate(features, max_new_tokens=10, **kwargs)
+    torch.manual_seed(5)
+    got = cascade.generate(features, max_new_tokens=10, **kwargs, hf_cascade_config=_STATIC)
+    assert want.shape == got.shape and torch.equal(want, got)
+    runners = [r for r in spy.runners if r is not None]
+    assert runners and all(r.disabled is None for r in runners), [r.disabled for r in runners]
+    assert sum(r.replays for r in runners) >= 5
+    assert "forward" not in cascade.__dict__
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_decoders_with_positions_from_the_cache_length_stay_eager(family, monkeypatch):
+    """A decoder that computes its positions from the cache length on the host (BART in transformers 5.17) would be
+    frozen by a graph: the runner says so and steps run eagerly; stock's tokens either way."""
+    stock, cascade = cached_pair(family)
+    ids, mask = sources()
+    kw = dict(max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+    spy = RunnerSpy(monkeypatch)
+    want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=_STATIC)
+    assert torch.equal(want, got)
+    runner, = spy.runners
+    assert (runner.disabled is None and runner.replays >= 5) or "positions" in runner.disabled, runner.disabled

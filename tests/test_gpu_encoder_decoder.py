@@ -95,31 +95,62 @@ def test_bart_float32_beam_search_matches_stock():
                        cascade.generate(input_ids=ids, attention_mask=mask, **kw))
 
 
-def test_whisper_float32_beam_search_matches_stock():
-    """Whisper on the GPU: cross K/V in the paged pool layout, decoder self-attention paged (float32: the
-    reference backend under "auto"), through Whisper's own generate with timestamps."""
+def _whisper(attn, dtype=torch.float32):
     import transformers as T
+    config = T.WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=256, encoder_layers=2, decoder_layers=2,
+                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=512,
+                             decoder_ffn_dim=512, max_source_positions=1500, max_target_positions=448,
+                             pad_token_id=50257, bos_token_id=50257, eos_token_id=50257,
+                             decoder_start_token_id=50258, suppress_tokens=[], begin_suppress_tokens=[])
+    model = T.WhisperForConditionalGeneration._from_config(config, attn_implementation=attn,
+                                                           dtype=dtype).cuda().eval()
+    g = model.generation_config
+    g.decoder_start_token_id, g.eos_token_id, g.pad_token_id = 50258, 50257, 50257
+    g.lang_to_id, g.task_to_id = {"<|en|>": 50259}, {"transcribe": 50359, "translate": 50358}
+    g.no_timestamps_token_id, g.prev_sot_token_id, g.is_multilingual = 50363, 50361, True
+    g.max_initial_timestamp_index, g.suppress_tokens, g.begin_suppress_tokens = 50, [], []
+    return model
+
+
+def test_whisper_float32_beam_search_matches_stock(monkeypatch):
+    """Whisper on the GPU: cross K/V in the paged pool layout, decoder self-attention paged (float32: the
+    reference backend under "auto"), its decode steps replayed from a CUDA graph, through Whisper's own generate
+    with timestamps."""
+    from conftest import RunnerSpy
     torch.backends.cuda.matmul.allow_tf32 = False
-
-    def make(attn):
-        config = T.WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=256, encoder_layers=2, decoder_layers=2,
-                                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=512,
-                                 decoder_ffn_dim=512, max_source_positions=1500, max_target_positions=448,
-                                 pad_token_id=50257, bos_token_id=50257, eos_token_id=50257,
-                                 decoder_start_token_id=50258, suppress_tokens=[], begin_suppress_tokens=[])
-        model = T.WhisperForConditionalGeneration._from_config(config, attn_implementation=attn).cuda().eval()
-        g = model.generation_config
-        g.decoder_start_token_id, g.eos_token_id, g.pad_token_id = 50258, 50257, 50257
-        g.lang_to_id, g.task_to_id = {"<|en|>": 50259}, {"transcribe": 50359, "translate": 50358}
-        g.no_timestamps_token_id, g.prev_sot_token_id, g.is_multilingual = 50363, 50361, True
-        g.max_initial_timestamp_index, g.suppress_tokens, g.begin_suppress_tokens = 50, [], []
-        return model
-
     torch.manual_seed(0)
-    stock = make("sdpa")
-    cascade = make("cascade")
+    stock = _whisper("sdpa")
+    cascade = _whisper("cascade")
     cascade.load_state_dict(stock.state_dict())
     features = torch.randn(3, 80, 3000, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    spy = RunnerSpy(monkeypatch)
     for kw in (dict(num_beams=5, no_repeat_ngram_size=2), dict(num_beams=4, return_timestamps=True)):
         kw = dict(kw, language="en", max_new_tokens=24)
         assert torch.equal(stock.generate(features, **kw), cascade.generate(features, **kw))
+    runners = [r for r in spy.runners if r is not None]
+    assert runners and all(r.disabled is None and r.captures >= 1 and r.replays >= 15 for r in runners), \
+        [(r.disabled, r.captures, r.replays) for r in runners]
+
+
+@pytest.mark.parametrize("kw", [dict(num_beams=5, no_repeat_ngram_size=2),
+                                dict(do_sample=True, num_return_sequences=3, top_k=0)], ids=["beam", "sample"])
+def test_whisper_graph_replay_equals_eager_bitwise(kw, monkeypatch):
+    """bf16 on the cuda kernels: the replayed decode step gives bitwise the eager static step's tokens and scores."""
+    from conftest import RunnerSpy
+    torch.manual_seed(0)
+    model = _whisper("cascade", torch.bfloat16)
+    features = torch.randn(3, 80, 3000, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(
+        torch.bfloat16)
+    spy = RunnerSpy(monkeypatch)
+    outs = []
+    for mode in ("eager", True):
+        torch.manual_seed(3)
+        outs.append(model.generate(features, language="en", max_new_tokens=24, return_dict_in_generate=True,
+                                   output_scores=True, hf_cascade_config=CascadeConfig(backend="cuda", cuda_graphs=mode),
+                                   **kw))
+    eager_run, graph_run = spy.runners
+    assert graph_run.disabled is None and graph_run.captures == 1 and graph_run.replays >= 15, graph_run.disabled
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        assert torch.equal(sa, sb)
