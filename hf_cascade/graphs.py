@@ -26,6 +26,7 @@ import weakref
 
 import torch
 
+from . import memory
 from .cache import CascadeCache
 from .config import CascadeConfig
 
@@ -306,7 +307,8 @@ class DecodeGraphRunner:
         self.cache.rewind_step()
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with memory.background_mapping_held(), \
+                    torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 static_out = self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
             _end_failed_capture()

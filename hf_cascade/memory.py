@@ -17,6 +17,7 @@ is unchanged and usable afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import sys
@@ -336,6 +337,24 @@ def _background():
     return _executor
 
 
+_held = 0     # > 0: no new background mapping (see background_mapping_held)
+
+
+@contextlib.contextmanager
+def background_mapping_held():
+    """While a CUDA graph is captured: the mappings in flight are waited for and no new one starts (a driver
+    mapping call from the worker thread during a capture can invalidate it); steps map synchronously if they
+    must."""
+    global _held
+    _held += 1
+    try:
+        if _executor is not None:
+            _executor.submit(lambda: None).result()      # one worker, in order: every earlier mapping is done
+        yield
+    finally:
+        _held -= 1
+
+
 class _Window:
     """What ``torch.as_tensor`` sees: ``nbytes`` bytes at the range's base; keeps the range alive."""
 
@@ -425,7 +444,7 @@ class VMMStorage(BlockStorage):
                 self._refresh()
         need = num_blocks * self.block_nbytes
         headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
-        if self._pending is None and headroom < ahead and self.vrange.mapped < self.vrange.reserved:
+        if self._pending is None and not _held and headroom < ahead and self.vrange.mapped < self.vrange.reserved:
             target = self.vrange.mapped + ahead
             self._pending = _background().submit(self.vrange.grow, target, target)
             self.maps_ahead += 1

@@ -336,3 +336,17 @@ def test_auto_picks_vmm_where_the_driver_supports_it(fake, monkeypatch):
     assert isinstance(make_storage(VMM_SHAPE, torch.bfloat16, "cuda:0"), GrowStorage)
     with pytest.raises(RuntimeError, match="does not support virtual memory"):
         make_storage(VMM_SHAPE, torch.bfloat16, "cuda:0", "vmm")
+
+
+def test_background_mapping_held_waits_for_mappings_in_flight():
+    """What a graph capture holds: the worker's earlier mappings are done on entry, no new one starts inside."""
+    import threading
+    import time
+    from hf_cascade import memory
+    done = threading.Event()
+    memory._background().submit(lambda: (time.sleep(0.2), done.set()))
+    with memory.background_mapping_held():
+        assert done.is_set() and memory._held == 1
+        with memory.background_mapping_held():
+            assert memory._held == 2
+    assert memory._held == 0
