@@ -294,6 +294,12 @@ class DecodeGraphRunner:
             self.graph = _EagerGraph(self, static)
             self.eager_calls += 1
             return out
+        # no background KV mapping from the warm-up to the end of the capture: a driver call from the worker thread
+        # can invalidate a capture, and a pool that grew in between would hand the capture other views
+        with memory.background_mapping_held():
+            return self._warm_up_and_capture(static, ctx, key)
+
+    def _warm_up_and_capture(self, static, ctx, key):
         side = _side_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):          # warm-up on a side stream, as capture will run on one
@@ -307,8 +313,7 @@ class DecodeGraphRunner:
         self.cache.rewind_step()
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         try:
-            with memory.background_mapping_held(), \
-                    torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 static_out = self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
             _end_failed_capture()

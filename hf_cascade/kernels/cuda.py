@@ -646,7 +646,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # three: the plan's middle level runs as one (layers with a window read two levels: see attend); plain: no
     # softcap / window, which matters only where a tuning variant may run (it serves only those: bf16, head_dim 128
     # in production); the tuning (default: PrefixTune(), "auto")
-    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, num_blocks, q.dtype, three,
+    # not the pool's size: a pool that grows between a graph's warm-up and its capture (VMM maps ahead in the
+    # background) must not make a new state, whose uploads would break the capture; indices only stay valid as it grows
+    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, q.dtype, three,
            plain and tune.splits_by_plainness(q.dtype, D), tune)
     scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
     state = scratch.get(key)
