@@ -551,6 +551,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
         encoder_outputs.hf_cascade_expand_size = n
         encoder_outputs["last_hidden_state"] = _placeholder(states, rows)
+    runner = None
     try:
         decoder_mask = model_kwargs.get("decoder_attention_mask")
         if decoder_mask is not None and not bool(decoder_mask.all()):
@@ -564,17 +565,13 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             self_cache.batch_repeat_interleave(n)
             if decoder_mask is None:   # with a mask, generate's first step feeds only the tokens past the cache
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
-        runner = None
         if paged:           # the decode steps on a static layout, as a captured graph where one can run
-            if self_cache.cascade_config.static_decode:
-                self_cache.begin_decode(generation_config.max_length or input_ids.shape[1] + 1)
-            runner = graphs.decode_runner(model, self_cache, generation_config)
-        with runner if runner is not None else contextlib.nullcontext():
+            runner = graphs.begin_decoding(model, self_cache, generation_config, input_ids.shape[1])
+        with runner or contextlib.nullcontext():
             result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, **model_kwargs)
         return _without_cache(result)
     finally:
-        if paged and self_cache.graph_runner is not None:    # not kept: the encoder outputs differ per call
-            self_cache.graph_runner.release()
-            self_cache.graph_runner = None
+        if paged:           # the runner is not kept for a next call: the encoder outputs differ per call
+            graphs.finish_call(model, self_cache, runner, owned=False, ok=True)
         cache.reset()        # nobody else can reach this cache: give every block back now

@@ -351,10 +351,8 @@ def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, 
     ok, runner = False, None
     try:
         _prefill_call(model, cache, input_ids, generation_config, model_kwargs, key)
-        if cache.cascade_config.static_decode:
-            cache.begin_decode(generation_config.max_length or input_ids.shape[1] + 1)
-        runner = graphs.decode_runner(model, cache, generation_config)
-        with runner if runner is not None else contextlib.nullcontext():
+        runner = graphs.begin_decoding(model, cache, generation_config, input_ids.shape[1])
+        with runner or contextlib.nullcontext():
             result = decode()
         if generation_config.num_beams > 1:
             _beam_rows.add(cache)

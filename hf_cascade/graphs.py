@@ -120,6 +120,14 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
         cache.graph_runner = None
 
 
+def begin_decoding(model, cache, generation_config, prompt_width: int):
+    """Before generate's decode loop: the cache's decode layout fixed for the call (``static_decode``), and the
+    call's :class:`DecodeGraphRunner` (None where graphs cannot run). :func:`finish_call` ends both."""
+    if cache.cascade_config.static_decode:
+        cache.begin_decode(generation_config.max_length or prompt_width + 1)
+    return decode_runner(model, cache, generation_config)
+
+
 def decode_runner(model, cache, generation_config):
     """A DecodeGraphRunner for this generate call (the cache's own from its last call where it fits), or
     None (the reason logged once)."""

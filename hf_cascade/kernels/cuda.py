@@ -617,8 +617,7 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms,
         m_tile = tune.m_tile
     row_tiles = -(-rows_q // m_tile)
     code = tune.code(dtype, D, m_tile, plain)
-    occ, _, tile_tokens = (lib.prefix_info(DTYPE_CODES[dtype], D, m_tile, tune=code) if code else
-                           lib.prefix_info(DTYPE_CODES[dtype], D, m_tile))
+    occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[dtype], D, m_tile, tune=code)
     if tune.chunk_tokens:
         chunk_blocks = -(-tune.chunk_tokens // bs)
     else:
