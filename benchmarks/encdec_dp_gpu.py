@@ -71,7 +71,9 @@ def main(argv=None) -> int:
         run_env = dict(env)
         if name == "one" and args.device == "cuda":
             run_env["CUDA_VISIBLE_DEVICES"] = run_env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        say(f"$ {' '.join(cmd)}")
+        # logged as run from the repository (no path of the machine it ran on)
+        shown = ["python", *launcher[1:], os.path.relpath(example, ROOT), *common, "--out", f"$OUT/encdec_dp_{name}.json"]
+        say(f"$ {' '.join(shown)}")
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=args.timeout)
