@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile-only check of the bundled CUDA kernels (no GPU needed): every csrc/*.cu as sm_80 and sm_90 object code
+# Compile-only check of the bundled CUDA kernels (no GPU needed): every csrc/*.cu as sm_80, sm_90 and sm_90a object code
 # with warnings as errors, then the standalone prefix-kernel harness (csrc/tests/prefix_v2_check.cu).
 # Usage: csrc/check_compile.sh [extra nvcc flags, e.g. -Xptxas -v]
 set -euo pipefail
@@ -15,11 +15,11 @@ echo "check_compile: $("$nvcc_bin" --version | tail -n 2 | head -n 1)"
 for src in "$here"/*.cu; do
   name="$(basename "$src" .cu)"
   cmd=("$nvcc_bin" -std=c++17 -O3 --use_fast_math -Xcompiler -fPIC -I"$here/include"
-       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90a,code=sm_90a
        -Werror all-warnings -c "$src" -o "$out/$name.o" "$@")
   echo "check_compile: ${cmd[*]}"
   "${cmd[@]}"
-  echo "check_compile: OK ($(stat -c %s "$out/$name.o") bytes of object code for sm_80 + sm_90)"
+  echo "check_compile: OK ($(stat -c %s "$out/$name.o") bytes of object code for sm_80 + sm_90 + sm_90a)"
 done
 # the standalone prefix-kernel harness must keep compiling (and linking against the library's sources) too
 test_cmd=("$nvcc_bin" -std=c++17 -O3 --use_fast_math -arch=sm_90 -Werror all-warnings -I"$here/include"

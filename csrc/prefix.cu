@@ -547,6 +547,7 @@ cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
 }  // namespace
 
 cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_prefix_info* info) {
+  if (tune == kPrefixTuneSm90) return prefix_sm90_setup(dtype, head_dim, m_tile, info);
   if (tune != 0)
     return with_tune(tune, dtype, head_dim, m_tile, [&](auto v, auto m) {
       return setup_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(info);
@@ -565,6 +566,7 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.window < 0 || (p.window > 0 && p.q_limit == nullptr) || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
   if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
+  if (p.tune == kPrefixTuneSm90) return prefix_sm90_launch(p, stream);
   if (p.tune != 0)
     return with_tune(p.tune, p.dtype, p.head_dim, p.m_tile, [&](auto v, auto m) {
       return launch_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(p, stream);

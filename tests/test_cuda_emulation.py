@@ -30,7 +30,9 @@ NEG = -np.inf
 
 
 # PrefixTune<V> of csrc/prefix.cu: (tokens per K/V tile, warps per CTA) of each tuning variant, 0: the default's
-PREFIX_TUNES = {0: (0, 0), 1: (64, 0), 2: (64, 8), 3: (32, 8), 4: (32, 0), 5: (32, 0)}
+# code -> (tokens per K/V tile, warps) of csrc/prefix.cu's PrefixTune<code>; 6 is csrc/prefix_sm90.cu's kernel (64-token
+# tiles, one warpgroup over all 64 rows: 4 warps along the rows, one along the tokens)
+PREFIX_TUNES = {0: (0, 0), 1: (64, 0), 2: (64, 8), 3: (32, 8), 4: (32, 0), 5: (32, 0), 6: (64, 4)}
 
 
 def prefix_cfg(D, M, tune=0):
@@ -258,10 +260,14 @@ class Emulated:
 
 
 class _FakeLib:
-    """prefix_info as the library reports it (2 CTAs per SM, the kernel's K/V tile)."""
+    """prefix_info as the library reports it (2 CTAs per SM, the kernel's K/V tile); ``sm90``: the Hopper kernel runs."""
+    sm90 = False
 
     def prefix_info(self, dtype_code, D, m_tile, tune=0):
         return 2, 0, prefix_cfg(D, m_tile, tune)[2]
+
+    def prefix_runs(self, dtype_code, D, m_tile, tune):
+        return self.sm90 or tune != cuda_backend.PREFIX_VARIANTS[cuda_backend.SM90_VARIANT][0]
 
 
 @pytest.fixture(autouse=True)

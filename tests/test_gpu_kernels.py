@@ -209,6 +209,35 @@ def test_rejects_bad_plans_loudly():
     assert "dtype" in cuda_backend.unsupported_reason(q.float(), pool.float(), plan)
 
 
+# ------------------------------------------------------------------------- the Hopper prefix kernel (GPU)
+
+def _hopper_kernel_runs() -> bool:
+    lib = cuda_backend.library(torch.device("cuda"))
+    return lib.prefix_runs(cuda_backend.DTYPE_CODES[BF], 128, 64, cuda_backend.PREFIX_VARIANTS["wg"][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("groups,Lq", [(((3, 700), (2, 90), (2, 0)), 1), (((1, 5000), (4, 1500)), 1),
+                                       (((2, 4100),), 3), (((16, 2100),), 1)])
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+def test_hopper_prefix_kernel(dtype, groups, Lq, bs):
+    """csrc/prefix_sm90.cu ("variant=wg": wgmma fed by a producer warp) against the float32 reference: groups of
+    4 to 64 query rows in 64-row tiles (8 query heads per KV head), chunked prefixes ending inside a block, rows in no
+    group, NaN garbage in unused slots, several query tokens per row. Runs where the library holds sm_90a code."""
+    if torch.cuda.get_device_capability() != (9, 0) or not _hopper_kernel_runs():
+        pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
+    cuda_backend.set_prefix_tune("variant=wg")
+    try:
+        q, pool, plan, scale = make_case(5, dtype=dtype, D=128, Hkv=2, ratio=8, bs=bs, groups=groups, Lq=Lq,
+                                         suffix=(Lq, 60))
+        check_case(q, pool, plan, scale)
+        st = next(iter(plan.scratch.values()))
+        assert st.tune == cuda_backend.PREFIX_VARIANTS["wg"][0] and st.m_tile == 64   # the kernel ran
+    finally:
+        cuda_backend.set_prefix_tune(None)
+
+
 # ------------------------------------------------------------------------------------ variants (GPU)
 
 WINDOWS = (None, 1, 37, 1000)      # off, only the query itself, inside the suffix mostly, across prefix chunks

@@ -13,7 +13,7 @@ import torch
 
 from hf_cascade.kernels import cuda as cuda_backend
 from kernel_helpers import random_layout, step_plan
-from test_cuda_emulation import PREFIX_TUNES, check, prefix_cfg, run
+from test_cuda_emulation import PREFIX_TUNES, _FakeLib, check, prefix_cfg, run
 
 ROOT = Path(__file__).resolve().parent.parent
 parse = cuda_backend.parse_prefix_tune
@@ -54,8 +54,9 @@ class _H200:
     """prefix_info of the default kernels on an H200 (3 CTAs per SM at 16/32 rows, 2 at 64; 32-token tiles at D 128)
     and of the tuning variants (their tile; 2 CTAs per SM), recording the tune codes set up."""
 
-    def __init__(self):
+    def __init__(self, sm90=False):
         self.codes = []
+        self.sm90 = sm90         # the library holds the Hopper kernel's sm_90a code
 
     def prefix_info(self, dtype_code, D, m_tile, device_index=None, tune=0):
         self.codes.append(tune)
@@ -63,9 +64,15 @@ class _H200:
             return 2, 0, prefix_cfg(D, m_tile, tune)[2]
         return (2 if m_tile == 64 else 3), 0, prefix_cfg(D, m_tile)[2]
 
+    def prefix_runs(self, dtype_code, D, m_tile, tune):
+        return self.sm90 or tune != SM90_CODE
 
-def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True):
-    lib = _H200()
+
+SM90_CODE = cuda_backend.PREFIX_VARIANTS[cuda_backend.SM90_VARIANT][0]
+
+
+def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True, sm90=False):
+    lib = _H200(sm90)
     gr = np.arange(groups * beams, dtype=np.int32).reshape(groups, beams)
     lv = cuda_backend._prefix_level(lib, gr, np.full(groups, prefix), prefix // 16, groups * beams, 1, 4, 8, D, dtype,
                                     16, 132, tune, plain)
@@ -88,6 +95,22 @@ def test_production_launch_is_the_sweeps_winner(shape, want):
     # "auto": the launches the H200 sweep timed as "variant=n64w8,m=64,prefer=0" (benchmarks/RESULTS.md)
     got, codes = level(*shape)
     assert got == want and codes == [2]
+    # ... and where the library has the Hopper kernel, "variant=wg,m=64,prefer=0": the same tiles and chunks
+    got, codes = level(*shape, sm90=True)
+    assert got == (*want[:4], SM90_CODE) and codes == [SM90_CODE]
+
+
+def test_hopper_kernel_only_where_it_runs():
+    # "wg" asked for where the library has no sm_90a code: the default kernel; bf16 and fp16 at head_dim 128 only
+    assert level(8, 8, 16384, parse("variant=wg"))[0][4] == 0
+    assert level(8, 8, 16384, parse("variant=wg"), sm90=True)[0][:2] == (64, 1)
+    assert level(8, 8, 16384, parse("variant=wg"), sm90=True)[0][4] == SM90_CODE
+    assert level(8, 8, 16384, parse("variant=wg"), dtype=torch.float16, sm90=True)[0][4] == SM90_CODE
+    assert level(8, 8, 16384, parse("variant=wg"), D=64, sm90=True)[0][4] == 0
+    assert level(8, 8, 16384, parse("variant=wg"), plain=False, sm90=True)[0][4] == 0
+    assert level(8, 8, 16384, parse("variant=wg,m=32"), sm90=True)[0][4] == 0          # 64-row tiles only
+    # "auto" keeps fp16 on the default kernel (the Hopper kernel was timed in bf16)
+    assert level(8, 8, 16384, dtype=torch.float16, sm90=True)[0][4] == 0
 
 
 def test_production_tuning_only_where_it_was_measured():
@@ -121,18 +144,30 @@ def test_variant_tables_match_the_kernel_source():
     src = (ROOT / "csrc" / "prefix.cu").read_text()
     tunes = {int(v): (int(n), int(w)) for v, n, w in re.findall(
         r"struct PrefixTune<(\d)> \{ static constexpr int N = (\d+), STAGES = \d+, WARPS = (\d+)", src)}
+    # the Hopper kernel (csrc/prefix_sm90.cu): its tile and its consumer warpgroup, and its code in launch.h
+    sm90 = (ROOT / "csrc" / "prefix_sm90.cu").read_text()
+    d, m, n = map(int, re.search(r"static constexpr int D = (\d+), M = (\d+), N = (\d+);", sm90).groups())
+    consumers = int(re.search(r"static constexpr int CONSUMERS = (\d+)", sm90).group(1))
+    code = int(re.search(r"constexpr int kPrefixTuneSm90 = (\d+);", (ROOT / "csrc" / "include" / "hfc" /
+                                                                     "launch.h").read_text()).group(1))
+    assert (d, code) == (128, SM90_CODE)
+    tunes[code] = (n, consumers // 32)
     assert tunes == {k: v for k, v in PREFIX_TUNES.items() if k}
-    cases = {(int(c) // 100, int(c) % 100) for c in re.findall(r"case (\d{3}): return f\(I", src)}
+    cases = {(int(c) // 100, int(c) % 100) for c in re.findall(r"case (\d{3}): return f\(I", src)} | {(code, m)}
     assert cases == {(code, m) for code, ms in cuda_backend.PREFIX_VARIANTS.values() if code for m in ms}
 
 
 @pytest.mark.parametrize("tune", ["auto", "variant=n64", "variant=n64w8", "variant=w8", "variant=s3c4", "variant=s6",
-                                  "variant=n64w8,m=64,chunk=96", "m=16,chunk=64", "prefer=0,min=32"])
+                                  "variant=n64w8,m=64,chunk=96", "m=16,chunk=64", "prefer=0,min=32", "variant=wg",
+                                  "auto-sm90"])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     # D 128, bf16, 8 query heads per KV head: the variants' shapes (with a softcap the default kernel runs); a small
-    # GPU, so that the chunk rule cuts the prefixes into several chunks
+    # GPU, so that the chunk rule cuts the prefixes into several chunks. "wg" / "auto-sm90": a Hopper library.
     monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 4)
+    if tune in ("variant=wg", "auto-sm90"):
+        monkeypatch.setattr(_FakeLib, "sm90", True)
+        tune = tune.replace("auto-sm90", "auto")
     cuda_backend.set_prefix_tune(tune)
     lay = random_layout(11, groups=((3, 700), (2, 90), (2, 0)), lone_rows=1, suffix=(1, 300), Lq=1, Hkv=2, ratio=8,
                         D=128, bs=16, dtype=torch.float32, q_scale=1.5)
@@ -141,7 +176,8 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     check(out, ref, emu)
     variant = cuda_backend.prefix_tune().variant
     if variant == "auto":        # the production tuning on these plain 24-query-row groups; with knobs, the default
-        variant = "n64w8" if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() else "default"
+        variant = ("wg" if _FakeLib.sm90 else "n64w8") if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() \
+            else "default"
     code, m_tiles = cuda_backend.PREFIX_VARIANTS[variant]
     st = next(iter(plan.scratch.values()))
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}

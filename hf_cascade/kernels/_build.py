@@ -11,16 +11,25 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["LIBRARY_NAME", "WHEEL_GENCODE", "find_csrc", "find_nvcc", "source_files", "nvcc_command", "compile_library"]
+__all__ = ["LIBRARY_NAME", "WHEEL_GENCODE", "gencode_for", "find_csrc", "find_nvcc", "source_files", "nvcc_command", "compile_library"]
 
 LIBRARY_NAME = "libhfc_kernels.so"   # the prebuilt library's file name, next to this module in a wheel
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-lineinfo")
 # a wheel's fatbin: machine code for Ampere (A100, A10/3090, L4/4090) and Hopper, plus compute_90 PTX that the
-# driver compiles for newer GPUs on first load
+# driver compiles for newer GPUs on first load. Hopper's machine code is sm_90a: the wgmma prefix kernel
+# (csrc/prefix_sm90.cu) needs it, and every compute-capability-9.0 GPU runs it.
 WHEEL_GENCODE = ("-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_86,code=sm_86",
-                 "-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_90,code=[sm_90,compute_90]")
+                 "-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_90a,code=sm_90a",
+                 "-gencode=arch=compute_90,code=compute_90")
 
 _HERE = Path(__file__).resolve().parent
+
+
+def gencode_for(arch: str) -> list[str]:
+    """nvcc's targets for one GPU architecture ("sm_90" -> sm_90a machine code, see WHEEL_GENCODE)."""
+    if arch == "sm_90":
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
+    return [f"-arch={arch}"]
 
 
 def find_csrc() -> Path | None:

@@ -101,7 +101,10 @@ QUIRKS = ("softcap", "window", "sinks")
 # Unset ("auto"), every launch is the production one.
 PREFIX_TUNE_ENV = "HF_CASCADE_PREFIX_TUNE"
 PREFIX_VARIANTS = {"default": (0, (16, 32, 64)), "n64": (1, (16, 32, 64)), "n64w8": (2, (32, 64)),
-                   "w8": (3, (32, 64)), "s3c4": (4, (16, 32)), "s6": (5, (32, 64))}
+                   "w8": (3, (32, 64)), "s3c4": (4, (16, 32)), "s6": (5, (32, 64)), "wg": (6, (64,))}
+# "wg" is the Hopper kernel (csrc/prefix_sm90.cu: wgmma fed by a producer warp), for bf16 and fp16 at head_dim 128; it
+# runs where the library holds sm_90a code for the GPU (Lib.prefix_runs), and "auto" falls back to AUTO_TUNE elsewhere
+SM90_VARIANT = "wg"
 
 
 @dataclass(frozen=True)
@@ -113,15 +116,16 @@ class PrefixTune:
     prefer_tokens: int | None = None
     min_tokens: int = 0
 
-    def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool) -> "PrefixTune":
-        """The tuning one level's launch uses: "auto" alone is AUTO_TUNE where the H200 sweep measured it faster
-        (bf16, head_dim 128, layers without softcap / window, groups of >= AUTO_MIN_QUERY_ROWS query rows), else
-        the default kernel (as are "auto" with other knobs set); any other setting as given."""
+    def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool, sm90: bool = False) -> "PrefixTune":
+        """The tuning one level's launch uses: "auto" alone is AUTO_TUNE_SM90 (``sm90``: the Hopper kernel runs
+        here), else AUTO_TUNE, where the H200 measured it faster (bf16, head_dim 128, layers without softcap /
+        window, groups of >= AUTO_MIN_QUERY_ROWS query rows), else the default kernel (as are "auto" with other
+        knobs set); any other setting as given."""
         if self.variant != "auto":
             return self
         if (self == PrefixTune() and plain and dtype == torch.bfloat16 and head_dim == 128
                 and query_rows >= AUTO_MIN_QUERY_ROWS):
-            return AUTO_TUNE
+            return AUTO_TUNE_SM90 if sm90 else AUTO_TUNE
         return replace(self, variant="default")
 
     def splits_by_plainness(self, dtype, head_dim: int) -> bool:
@@ -134,7 +138,8 @@ class PrefixTune:
     def code(self, dtype, head_dim: int, m_tile: int, plain: bool) -> int:
         """The kernel's tune code for this launch: the variant's where it is compiled, else 0 (the default)."""
         code, m_tiles = PREFIX_VARIANTS[self.variant]
-        fits = plain and dtype == torch.bfloat16 and head_dim == 128 and m_tile in m_tiles
+        dtypes = (torch.bfloat16, torch.float16) if self.variant == SM90_VARIANT else (torch.bfloat16,)
+        fits = plain and dtype in dtypes and head_dim == 128 and m_tile in m_tiles
         return code if fits else 0
 
     def __str__(self) -> str:
@@ -151,6 +156,8 @@ class PrefixTune:
 # rule's chunks. Prefix sweep on the H200 (benchmarks/RESULTS.md), Llama-3-8B layer, 8 prompts x B beams, 16k prefix:
 # 8x8 252 -> 221 us, 8x16 362 -> 292 us, 8x4 234 -> 212 us; 8x8 at 4k 94 -> 80 us. Smaller groups were not measured.
 AUTO_TUNE = PrefixTune(variant="n64w8", m_tile=64, prefer_tokens=0)
+# ... and on Hopper GPUs (sm_90a code in the library): the wgmma kernel, 64-row tiles, the wave rule's chunks
+AUTO_TUNE_SM90 = PrefixTune(variant=SM90_VARIANT, m_tile=64, prefer_tokens=0)
 AUTO_MIN_QUERY_ROWS = 16
 
 
@@ -236,7 +243,8 @@ def build_library(arch: str) -> Path:
         digest.update(b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
-    for part in (arch, version, " ".join(_build.NVCC_FLAGS), str(ABI_VERSION)):
+    gencode = _build.gencode_for(arch)
+    for part in (arch, " ".join(gencode), version, " ".join(_build.NVCC_FLAGS), str(ABI_VERSION)):
         digest.update(part.encode())
         digest.update(b"\0")
     cache = _cache_dir()
@@ -245,7 +253,7 @@ def build_library(arch: str) -> Path:
         return target
     tmp = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp"
     logger.info("hf_cascade: building the CUDA kernels for %s with %s (first use, takes a minute)", arch, nvcc)
-    _build.compile_library(tmp, [f"-arch={arch}"], nvcc=nvcc, csrc=csrc)
+    _build.compile_library(tmp, gencode, nvcc=nvcc, csrc=csrc)
     os.replace(tmp, target)   # atomic: concurrent builders race harmlessly
     return target
 
@@ -314,6 +322,7 @@ class _Lib:
             fn.argtypes = [ctypes.POINTER(params), ctypes.c_size_t]
         self.lib = lib
         self._info: dict = {}
+        self._runs: dict = {}        # (dtype, head_dim, m_tile, device, tune) -> the variant runs there
 
     @property
     def debug(self) -> bool:
@@ -351,6 +360,21 @@ class _Lib:
                                    f"({info.smem_bytes} bytes of shared memory)")
             found = self._info[key] = (info.ctas_per_sm, info.smem_bytes, info.tile_tokens)
         return found
+
+    def prefix_runs(self, dtype_code: int, head_dim: int, m_tile: int, tune: int) -> bool:
+        """Whether the prefix kernel variant ``tune`` can run on the current device (the Hopper kernel needs the
+        library's sm_90a code; the others always can). Its first call per variant and device runs the setup."""
+        if tune != PREFIX_VARIANTS[SM90_VARIANT][0]:
+            return True
+        dev = torch.cuda.current_device()
+        key = (dtype_code, head_dim, m_tile, dev, tune)
+        if key not in self._runs:
+            info = _PrefixInfo()
+            with torch.cuda.device(dev):
+                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
+                           "prefix setup")
+            self._runs[key] = info.ctas_per_sm >= 1
+        return self._runs[key]
 
     # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
     # them for the torch operators; attend checks q and the pool, _validate the plan once per step).
@@ -610,13 +634,19 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms,
     if not (G > 0 and Rg > 0 and table_blocks > 0 and int(pl.max(initial=0)) > 0):
         return _PrefixLevel(False, 1, 1, 1, 0, row_nchunks)
     rows_q = Rg * Lq * grp
-    tune = tune.resolve(dtype, D, rows_q, plain)
+    sm90 = (tune.variant == "auto" and plain and dtype == torch.bfloat16 and D == 128
+            and lib.prefix_runs(DTYPE_CODES[dtype], D, 64, PREFIX_VARIANTS[SM90_VARIANT][0]))
+    tune = tune.resolve(dtype, D, rows_q, plain, sm90=sm90)
     m_max = 64 if D <= 128 else 32
     m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
     if tune.m_tile and tune.m_tile <= m_max:
         m_tile = tune.m_tile
+    elif tune.variant == SM90_VARIANT and m_max == 64:
+        m_tile = 64                 # the Hopper kernel's one row tile
     row_tiles = -(-rows_q // m_tile)
     code = tune.code(dtype, D, m_tile, plain)
+    if code and not lib.prefix_runs(DTYPE_CODES[dtype], D, m_tile, code):
+        code = 0                    # "wg" asked for where it cannot run: the default kernel
     occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[dtype], D, m_tile, tune=code)
     if tune.chunk_tokens:
         chunk_blocks = -(-tune.chunk_tokens // bs)

@@ -1,4 +1,5 @@
-// Host launchers of the three components, one per .cu file (csrc/prefix.cu, csrc/suffix.cu, csrc/merge.cu),
+// Host launchers of the three components, one per .cu file (csrc/prefix.cu, csrc/suffix.cu, csrc/merge.cu; the
+// prefix also has a Hopper kernel, csrc/prefix_sm90.cu),
 // called by the C ABI in csrc/api.cu. Each checks its params, dispatches on dtype / head_dim (/ m_tile) and
 // launches on `stream`; cudaSuccess without a launch when there is nothing to do.
 #pragma once
@@ -13,5 +14,11 @@ cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_pref
 cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
+
+// csrc/prefix_sm90.cu: the Hopper prefix kernel, tune code kPrefixTuneSm90, reached through prefix_setup and
+// prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
+constexpr int kPrefixTuneSm90 = 6;
+cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe
+cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream);
 
 }  // namespace hfc

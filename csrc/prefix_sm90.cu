@@ -1,0 +1,347 @@
+// Level 0, the shared prefix, on Hopper (sm_90a): warpgroup MMA (wgmma) fed by a producer warp. Same semantics,
+// grid and partials as csrc/prefix.cu's kernel (hf_cascade/kernels/reference.py, prefix_attention), for plain layers
+// (no softcap, no window), head_dim 128, 64-row tiles, bf16 and fp16; csrc/prefix.cu's prefix_launch dispatches here
+// for tune code kTuneSm90 (hf_cascade.kernels.cuda.PREFIX_VARIANTS "wg").
+//
+// Why (benchmarks/RESULTS.md, ncu on the H200): the mma.sync kernel re-reads every K/V tile from shared memory
+// once per 16 query rows (ldmatrix), and the same warps that compute also issue the loads and meet at a barrier
+// per tile: at 8 prompts x 8 beams x 16k it moved 57% of the DRAM peak with the issue slots half busy. Here one
+// warpgroup multiplies all 64 rows against a tile straight from shared memory, and one warp only loads.
+//
+// CTA (160 threads, 2 per SM): warps 0-3, the consumer warpgroup; warp 4, the producer.
+//   producer  per 64-token K/V tile: waits for a free ring slot (mbarrier `empty`), gathers the tile's paged rows
+//             with cp.async (zero fill past the chunk: garbage never enters the product), and has the copies arrive
+//             on `full` as they land (cp.async.mbarrier.arrive.noinc), so it runs ahead as far as the ring allows.
+//   consumer  Q in registers (the A operand); per tile, once `full`: the proxy fence, S = Q K^T (8 x wgmma m64n64k16, B = K in shared memory,
+//             K-major), the online softmax in registers (log2 domain), P re-packed in registers as the A operand
+//             of O += P V (4 x wgmma m64n128k16, B = V, MN-major), then frees the slot. Each query row lives in
+//             one thread quad, so the epilogue writes the partials with no exchange.
+// Shared memory: STAGES slots of [K | V], each [2 halves of 64 dims][64 tokens][128 bytes] with the 128-byte
+// swizzle (16-byte chunk c of token n at c ^ (n & 7)), which is the canonical wgmma layout for K (K-major: rows
+// are tokens, SBO 1024) and for V (MN-major: k rows are tokens, LBO 8192 to the second half, SBO 1024).
+// csrc/tests/wgmma_layout_check.cu checks these descriptors and fragments on the GPU against a host product.
+
+#include "hfc/dispatch.h"
+#include "hfc/launch.h"
+#include "hfc/sm90.cuh"
+
+namespace hfc {
+namespace {
+
+struct Sm90Cfg {
+  static constexpr int D = 128, M = 64, N = 64;  // head_dim, query rows, tokens per K/V tile
+  static constexpr int STAGES = 3;
+  static constexpr int CONSUMERS = 128, THREADS = CONSUMERS + 32;
+  static constexpr int HALF_BYTES = N * 128;                 // one 64-dim half of K or V: 8 KB
+  static constexpr int SLOT_BYTES = 4 * HALF_BYTES;          // K and V: 32 KB
+  static constexpr int RING_BYTES = STAGES * SLOT_BYTES;
+  static constexpr int SMEM = 1024 + RING_BYTES + 2 * STAGES * 8;  // + alignment slack, + the mbarriers
+};
+static_assert(2 * (Sm90Cfg::SMEM + 1024) <= 228 * 1024, "two CTAs per SM");
+
+template <typename T>
+__global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const __grid_constant__ hfc_prefix_params p) {
+#if defined(HFC_SM90A)
+  using C = Sm90Cfg;
+  using namespace sm90;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int row_tiles = (int)p.row_tiles, Hq = (int)p.Hq, Hkv = (int)p.Hkv, Lq = (int)p.Lq, Rg = (int)p.Rg;
+  const int tile = blockIdx.x % row_tiles;
+  const int chunk = blockIdx.x / row_tiles;
+  const int h = blockIdx.y;
+  const int g = blockIdx.z;
+  const int grp = Hq / Hkv;
+  const int per_row = Lq * grp;
+  const int rows_here = min(C::M, Rg * per_row - tile * C::M);
+  if (rows_here <= 0) return;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int* group_rows = p.group_rows + (int64_t)g * Rg;
+
+  // query row m of this tile -> (row, lq, query head) flattened, or -1 (padding)
+  auto query_of = [&](int m) -> int64_t {
+    if (m >= rows_here) return -1;
+    const int mg = tile * C::M + m;
+    const int rg = mg / per_row, rem = mg - rg * per_row;
+    const int lq = rem / grp, j = rem - lq * grp;
+    const int row = group_rows[rg];
+    if (row < 0) return -1;
+    return ((int64_t)row * Lq + lq) * Hq + (int64_t)h * grp + j;
+  };
+  const int64_t slot_items = (int64_t)chunk * p.R * Lq * Hq;  // this chunk's partial slot
+
+  const int plen = p.prefix_len[g];
+  const int t_begin = chunk * (int)p.chunk_tokens;
+  if (t_begin >= plen) {  // a chunk with no tokens: O = 0, LSE = -inf
+    if (tid >= C::CONSUMERS) return;
+    for (int i = tid; i < C::M * (C::D / 4); i += C::CONSUMERS) {
+      const int m = i / (C::D / 4), v = i % (C::D / 4);
+      const int64_t qi = query_of(m);
+      if (qi < 0) continue;
+      *reinterpret_cast<float4*>(p.part_o + (slot_items + qi) * C::D + v * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (v == 0) p.part_lse[slot_items + qi] = neg_inf();
+    }
+    return;
+  }
+  const int t_end = min(t_begin + (int)p.chunk_tokens, plen);
+  const int ntiles = (t_end - t_begin + C::N - 1) / C::N;
+
+  // the ring, 1024-byte aligned (the swizzle atoms), then the barriers
+  const uint32_t raw = smem_addr(smem);
+  const uint32_t ring = (raw + 1023u) & ~1023u;
+  const uint32_t full_bar = ring + C::RING_BYTES;  // STAGES x 8 bytes: the producer filled slot s
+  const uint32_t empty_bar = full_bar + C::STAGES * 8;  // ... the consumers are done with slot s
+  if (tid == 0) {
+    for (int s = 0; s < C::STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 32);
+      mbar_init(empty_bar + 8 * s, C::CONSUMERS);
+    }
+  }
+  __syncthreads();
+
+  if (warp == C::CONSUMERS / 32) {
+    // ---------------------------------------------------------------------------------------- producer
+    const T* pool_h = static_cast<const T*>(p.pool) + (int64_t)h * C::D;
+    const int64_t slot_stride = p.Hkv * C::D;                 // between token slots of a block
+    const int64_t kv_stride = p.block_size * p.Hkv * C::D;    // V after K inside a block
+    const int bs_shift = __ffs((int)p.block_size) - 1;        // block_size is a power of two (checked at launch)
+    const int bs_mask = (int)p.block_size - 1;
+    const int* table = p.prefix_table + (int64_t)g * p.Mp;
+    const int c = lane & 15, half = c >> 3, cc = c & 7;       // this lane's 16-byte chunk of a token's 256 bytes
+    for (int i = 0; i < ntiles; ++i) {
+      const int s = i % C::STAGES;
+      const int t0 = t_begin + i * C::N;
+      // each lane looks up the rows of tokens `lane` and `lane + 32` of the tile once (-1: past the chunk, or a
+      // -1 block); the copies below fetch them with shuffles, so the loop is shuffles and copies
+      int64_t row[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int t = t0 + lane + 32 * j;
+        const int blk = t < t_end ? __ldg(table + (t >> bs_shift)) : -1;
+        row[j] = blk >= 0 ? ((int64_t)blk * 2 * p.block_size + (t & bs_mask)) * slot_stride : -1;
+      }
+      if (i >= C::STAGES) mbar_wait(empty_bar + 8 * s, ((i / C::STAGES) - 1) & 1);
+      const uint32_t kdst = ring + s * C::SLOT_BYTES + half * C::HALF_BYTES;
+      const uint32_t vdst = kdst + 2 * C::HALF_BYTES;
+#pragma unroll
+      for (int pass = 0; pass < C::N / 2; ++pass) {
+        const int n = 2 * pass + (lane >> 4);                   // lanes 0-15: token 2 pass, 16-31: 2 pass + 1
+        const int64_t r = __shfl_sync(kFull, row[pass >= C::N / 4], n & 31);
+        const T* ksrc = r >= 0 ? pool_h + r + c * 8 : pool_h;
+        const int bytes = r >= 0 ? 16 : 0;
+        const uint32_t off = n * 128 + ((cc ^ (n & 7)) << 4);
+        cp_async16(kdst + off, ksrc, bytes);
+        cp_async16(vdst + off, r >= 0 ? ksrc + kv_stride : ksrc, bytes);
+      }
+      cp_async_arrive_noinc(full_bar + 8 * s);
+    }
+    cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------ consumers
+  const int gq = lane >> 2, q4 = lane & 3;
+  const int r0 = warp * 16 + gq;  // this thread's rows: r0 and r0 + 8
+  uint32_t qa[C::D / 16][4];
+  {
+    const T* qrow[2];
+    for (int r = 0; r < 2; ++r) {
+      const int64_t qi = query_of(r0 + 8 * r);
+      qrow[r] = qi < 0 ? nullptr : static_cast<const T*>(p.q) + qi * C::D;
+    }
+#pragma unroll
+    for (int kk = 0; kk < C::D / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const T* src = qrow[e & 1];
+        qa[kk][e] = src ? __ldg(reinterpret_cast<const unsigned int*>(src + kk * 16 + (e >> 1) * 8 + 2 * q4)) : 0u;
+      }
+  }
+  float o[C::D / 2];
+#pragma unroll
+  for (int i = 0; i < C::D / 2; ++i) o[i] = 0.0f;
+  float sacc[C::N / 2];
+#pragma unroll
+  for (int i = 0; i < C::N / 2; ++i) sacc[i] = 0.0f;
+  float m_run[2] = {neg_inf(), neg_inf()};
+  float l_run[2] = {0.0f, 0.0f};  // this lane's share of the row sums (reduced over the quad at the end)
+  const float scale_log2 = p.scale_log2;
+
+  for (int it = 0; it < ntiles; ++it) {
+    const int s = it % C::STAGES;
+    mbar_wait(full_bar + 8 * s, (it / C::STAGES) & 1);
+    fence_proxy_async();  // the producer's cp.async writes (generic proxy) before wgmma's reads (async proxy)
+    const uint32_t kbase = ring + s * C::SLOT_BYTES;
+    const uint32_t vbase = kbase + 2 * C::HALF_BYTES;
+
+    // ---- S = Q K^T (64 rows x 64 tokens)
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < C::D / 16; ++kk)
+      Wgmma<T>::m64n64k16(sacc, qa[kk], sw128_desc(kbase + (kk >> 2) * C::HALF_BYTES + (kk & 3) * 32, 16, 1024),
+                          kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(sacc);
+
+    // ---- online softmax (log2 domain); tokens past the chunk -> -inf
+    const int valid = t_end - (t_begin + it * C::N);
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < C::N / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sacc[nt * 4 + e] * scale_log2;
+        if (valid < C::N && nt * 8 + 2 * q4 + (e & 1) >= valid) v = neg_inf();
+        sacc[nt * 4 + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    float alpha[2], m_use[2], rsum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      alpha[r] = (m_run[r] == neg_inf()) ? 0.0f : exp2f(m_run[r] - m_new);
+      m_use[r] = (m_new == neg_inf()) ? 0.0f : m_new;
+      m_run[r] = m_new;
+    }
+    uint32_t pf[C::N / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < C::N / 8; ++nt) {
+      const float p0 = exp2f(sacc[nt * 4 + 0] - m_use[0]);
+      const float p1 = exp2f(sacc[nt * 4 + 1] - m_use[0]);
+      const float p2 = exp2f(sacc[nt * 4 + 2] - m_use[1]);
+      const float p3 = exp2f(sacc[nt * 4 + 3] - m_use[1]);
+      rsum[0] += p0 + p1;
+      rsum[1] += p2 + p3;
+      pf[nt >> 1][(nt & 1) * 2 + 0] = Cvt<T>::pack2(p0, p1);
+      pf[nt >> 1][(nt & 1) * 2 + 1] = Cvt<T>::pack2(p2, p3);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rsum[r];
+#pragma unroll
+    for (int dn = 0; dn < C::D / 8; ++dn) {
+      o[dn * 4 + 0] *= alpha[0];
+      o[dn * 4 + 1] *= alpha[0];
+      o[dn * 4 + 2] *= alpha[1];
+      o[dn * 4 + 3] *= alpha[1];
+    }
+
+    // ---- O += P V (64 rows x 128 dims, 16 tokens per step)
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < C::N / 16; ++kt)
+      Wgmma<T>::m64n128k16_tb(o, pf[kt], sw128_desc(vbase + kt * 16 * 128, C::HALF_BYTES, 1024), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(o);
+    mbar_arrive(empty_bar + 8 * s);
+  }
+
+  // ---- epilogue: normalise and write this thread's two rows' partials
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(kFull, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(kFull, l_run[r], 2);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t qi = query_of(r0 + 8 * r);
+    if (qi < 0) continue;
+    const bool any = l_run[r] > 0.0f;
+    const float inv = any ? 1.0f / l_run[r] : 0.0f;
+    float* dst = p.part_o + (slot_items + qi) * C::D + 2 * q4;
+#pragma unroll
+    for (int dn = 0; dn < C::D / 8; ++dn)
+      *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn * 4 + 2 * r] * inv, o[dn * 4 + 2 * r + 1] * inv);
+    if (q4 == 0) p.part_lse[slot_items + qi] = any ? m_run[r] + log2f(l_run[r]) : neg_inf();
+  }
+#else
+  (void)p;  // not an sm_90a pass: never launched (prefix_sm90_setup reports the kernel unavailable)
+#endif
+}
+
+// 1 where this library holds the kernel's sm_90a code for the current device, else 0
+__global__ void sm90_probe_kernel(int* out) {
+#if defined(HFC_SM90A)
+  *out = 1;
+#else
+  *out = 0;
+#endif
+}
+
+cudaError_t sm90_available(bool* ok) {
+  constexpr int kMaxDevices = 64;
+  static int known[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < kMaxDevices && known[dev] != 0) {
+    *ok = known[dev] == 1;
+    return cudaSuccess;
+  }
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  int found = 0;
+  if (major == 9 && minor == 0) {
+    int* flag = nullptr;
+    err = cudaMalloc(&flag, sizeof(int));
+    if (err != cudaSuccess) return err;
+    sm90_probe_kernel<<<1, 1>>>(flag);
+    err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaMemcpy(&found, flag, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(flag);
+    if (err == cudaErrorNoKernelImageForDevice) err = cudaSuccess, found = 0;
+    if (err != cudaSuccess) return err;
+  }
+  if (dev < kMaxDevices) known[dev] = found ? 1 : 2;
+  *ok = found != 0;
+  return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t setup_sm90_t(hfc_prefix_info* info) {
+  auto kern = prefix_sm90_kernel<T>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm90Cfg::SMEM);
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  if (err != cudaSuccess || info == nullptr) return err;
+  info->smem_bytes = Sm90Cfg::SMEM;
+  info->tile_tokens = Sm90Cfg::N;
+  int ctas = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, Sm90Cfg::THREADS, Sm90Cfg::SMEM);
+  info->ctas_per_sm = ctas;
+  return err;
+}
+
+}  // namespace
+
+cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info) {
+  if (head_dim != Sm90Cfg::D || m_tile != Sm90Cfg::M || (dtype != HFC_BF16 && dtype != HFC_FP16))
+    return cudaErrorInvalidValue;
+  bool ok = false;
+  cudaError_t err = sm90_available(&ok);
+  if (err != cudaSuccess) return err;
+  if (!ok) {  // no sm_90a code in this library for this GPU: "cannot run" (hf_cascade falls back)
+    if (info != nullptr) *info = hfc_prefix_info{0, Sm90Cfg::SMEM, Sm90Cfg::N};
+    return cudaSuccess;
+  }
+  return dtype == HFC_BF16 ? setup_sm90_t<__nv_bfloat16>(info) : setup_sm90_t<__half>(info);
+}
+
+cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream) {
+  if (p.head_dim != Sm90Cfg::D || p.m_tile != Sm90Cfg::M || p.softcap != 0.0f || p.window != 0 ||
+      (p.block_size & (p.block_size - 1)) != 0 || (p.dtype != HFC_BF16 && p.dtype != HFC_FP16))
+    return cudaErrorInvalidValue;
+  const long long gx = (long long)p.row_tiles * p.max_chunks;
+  if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
+  if (p.dtype == HFC_BF16)
+    prefix_sm90_kernel<__nv_bfloat16><<<grid, Sm90Cfg::THREADS, Sm90Cfg::SMEM, stream>>>(p);
+  else
+    prefix_sm90_kernel<__half><<<grid, Sm90Cfg::THREADS, Sm90Cfg::SMEM, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace hfc
