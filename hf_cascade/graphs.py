@@ -20,6 +20,8 @@ pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``st
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 import weakref
@@ -321,7 +323,10 @@ class DecodeGraphRunner:
         self.cache.rewind_step()
         graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         try:
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            # no cyclic garbage collection inside the capture: it would run the finalizers of whatever dead cycles
+            # it finds (a dead CascadeCache's VMM pool unmaps and synchronises the device; torch stopped collecting
+            # before a capture), and their CUDA calls would invalidate the capture
+            with _gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 static_out = self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
             _end_failed_capture()
@@ -380,6 +385,18 @@ class _EagerGraph:
         runner = self.runner
         runner.cache.rewind_step()
         runner.static_out = runner.forward_fn(**self.static)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off for the block (as it was before, after it)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _end_failed_capture() -> None:

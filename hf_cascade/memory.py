@@ -21,11 +21,13 @@ import contextlib
 import logging
 import math
 import sys
+from collections import deque
 
 import torch
 
 from .blocks import PoolExhausted
 from .config import MEMORY_POLICIES
+from .kernels import capture_underway, refuse_in_capture
 
 logger = logging.getLogger("hf_cascade")
 
@@ -89,6 +91,7 @@ class GrowStorage(BlockStorage):
             return self.tensor
         if self.max_blocks is not None and num_blocks > self.max_blocks:
             raise self._too_many(num_blocks, self.max_blocks)
+        refuse_in_capture(f"KV pool growth (a new pool of {num_blocks} blocks and a copy; {self.num_blocks} held)")
         new_size = max(num_blocks, 2 * self.num_blocks, self.MIN_BLOCKS)
         if self.max_blocks is not None:
             new_size = min(new_size, self.max_blocks)
@@ -301,6 +304,7 @@ class _VirtualRange:
         """Unmap whole segments from the end while at least ``keep`` bytes stay mapped."""
         if not self.segments or self.segments[-1][0] < keep:
             return
+        refuse_in_capture("unmapping KV memory (torch.cuda.synchronize, cuMemUnmap)")
         torch.cuda.synchronize(self.index)       # queued kernels may still read what is unmapped
         with self.context:
             while self.segments and self.segments[-1][0] >= keep:
@@ -318,11 +322,41 @@ class _VirtualRange:
             self.base = 0
 
     def __del__(self):
-        if not sys.is_finalizing():
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001  nothing to do about it while being collected
-                pass
+        if sys.is_finalizing():
+            return
+        if _held or capture_underway():
+            # Collected inside a graph capture (the cyclic GC runs at any allocation, and a dead CascadeCache's
+            # layers form a cycle): close() synchronises the device and unmaps, which invalidates the capture, and
+            # an error here is swallowed, so the capture would only fail later as "invalidated". Kept (this
+            # resurrects the range; __del__ does not run again) and closed by release_deferred() after it.
+            _deferred.append(self)
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  nothing to do about it while being collected
+            pass
+
+
+# ranges collected while a capture ran or a capture's hold was on: unmapped and freed by release_deferred()
+_deferred: deque = deque()
+
+
+def release_deferred() -> int:
+    """Unmap and free the virtual ranges that were collected during a CUDA graph capture (see
+    ``_VirtualRange.__del__``), unless one is still under way; returns how many were freed."""
+    if not _deferred or _held or capture_underway():
+        return 0
+    freed = 0
+    while True:
+        try:
+            vrange = _deferred.popleft()
+        except IndexError:
+            return freed
+        try:
+            vrange.close()
+            freed += 1
+        except Exception as err:  # noqa: BLE001  as when collected: the memory goes back with the process
+            logger.warning("hf_cascade: freeing a KV virtual range collected during a graph capture failed: %s", err)
 
 
 _executor = None
@@ -353,6 +387,7 @@ def background_mapping_held():
         yield
     finally:
         _held -= 1
+        release_deferred()            # what was collected meanwhile, now that no capture runs
 
 
 class _Window:
@@ -384,6 +419,7 @@ class VMMStorage(BlockStorage):
     AHEAD_FRACTION = 64        # headroom kept mapped ahead: 1/64 of the pool, at least one granule
 
     def __init__(self, block_shape, dtype, device, max_blocks: int | None = None, keep_bytes: int = 0):
+        release_deferred()
         index = _device_index(device)
         super().__init__(block_shape, dtype, torch.device("cuda", index), max_blocks)
         limit = (max_blocks * self.block_nbytes if max_blocks is not None
@@ -407,6 +443,10 @@ class VMMStorage(BlockStorage):
         """Adopt a finished (or, with ``wait``, the in-flight) background mapping."""
         job = self._pending
         if job is None or not (wait or job.done()):
+            return
+        if capture_underway():      # adopted after the capture (a graph bakes the stable view, not this tensor)
+            if wait:
+                refuse_in_capture("waiting for a background KV mapping")
             return
         self._pending = None
         try:
@@ -432,10 +472,14 @@ class VMMStorage(BlockStorage):
         return self.tensor
 
     def ensure(self, num_blocks: int) -> torch.Tensor:
+        if _deferred:
+            release_deferred()
         self._settle(wait=False)
         if num_blocks > self.num_blocks:
             if num_blocks > self.max_blocks:
                 raise self._too_many(num_blocks, self.max_blocks)
+            # cuMemCreate / cuMemMap / cuMemSetAccess (and adopting the worker's mapping): never inside a capture
+            refuse_in_capture(f"KV pool growth (cuMemCreate/cuMemMap to {num_blocks} blocks; {self.num_blocks} mapped)")
             self._settle(wait=True)
             need = num_blocks * self.block_nbytes
             if need > self.vrange.mapped:                  # outran the headroom: map now
@@ -444,7 +488,8 @@ class VMMStorage(BlockStorage):
                 self._refresh()
         need = num_blocks * self.block_nbytes
         headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
-        if self._pending is None and not _held and headroom < ahead and self.vrange.mapped < self.vrange.reserved:
+        if (self._pending is None and not _held and headroom < ahead and self.vrange.mapped < self.vrange.reserved
+                and not capture_underway()):
             target = self.vrange.mapped + ahead
             self._pending = _background().submit(self.vrange.grow, target, target)
             self.maps_ahead += 1
@@ -460,6 +505,7 @@ class VMMStorage(BlockStorage):
 
     def shrink_to(self, num_blocks: int) -> torch.Tensor:
         """Unmap what lies beyond ``num_blocks`` blocks (whole segments: a little more may stay mapped)."""
+        release_deferred()
         self._settle(wait=True)
         self.vrange.shrink(num_blocks * self.block_nbytes)
         return self._refresh()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .kernels import refuse_in_capture
+
 
 @dataclass
 class StepPlan:
@@ -97,6 +99,9 @@ class StepPlan:
         addresses for the whole call."""
         device = torch.device(device)
         key = str(device)
+        if key not in self._on_device:     # uploads (and, for a static step, an event sync): before any capture
+            refuse_in_capture(f"the step plan's upload to {key} ({'static' if self.layout is not None else 'per-step'}"
+                              " plan buffers)")
         if key not in self._on_device and self.layout is not None:
             self._on_device[key] = self.layout.upload(self, device)
         if key not in self._on_device:

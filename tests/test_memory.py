@@ -350,3 +350,92 @@ def test_background_mapping_held_waits_for_mappings_in_flight():
         with memory.background_mapping_held():
             assert memory._held == 2
     assert memory._held == 0
+
+
+# ---- inside a CUDA graph capture (hf_cascade.graphs): no mapping, unmapping or synchronising ------------------
+@pytest.fixture
+def capture(fake, monkeypatch):
+    """``capture.on``: torch reports a graph capture on this thread's stream; ``capture.syncs`` records, for every
+    torch.cuda.synchronize, whether a capture was on (a synchronize inside a capture invalidates it)."""
+    state = types.SimpleNamespace(on=False, syncs=[])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state.on)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: state.syncs.append(state.on))
+    return state
+
+
+def _dead_cycle(storage) -> None:
+    """Drop ``storage`` inside a reference cycle, as a finished CascadeCache holds its pools (cache.layers[i].cache
+    is the cache): only the cyclic garbage collector frees it, at whatever allocation it happens to run."""
+    cycle = {"storage": storage}
+    cycle["self"] = cycle
+
+
+def test_vmm_range_collected_during_a_capture_is_freed_after_it(fake, capture):
+    """The H200 failure of test_replay_equals_eager_bitwise[300-vmm-cuda-beam-eos]: an earlier call's cache,
+    garbage in a cycle, collected during the capture; its range's __del__ synchronised and unmapped there (the
+    error swallowed by __del__, the capture then failing as 'invalidated'). Now it is freed after the capture."""
+    s = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0")
+    s.ensure(100)
+    s._settle(wait=True)
+    mapped = fake.used
+    assert mapped > 0
+    _dead_cycle(s)
+    del s
+    capture.on = True
+    gc.collect()                                   # the collector runs inside the capture
+    assert fake.used == mapped and fake.ranges, "unmapped inside the capture"
+    assert True not in capture.syncs, "synchronised inside the capture"
+    assert memory.release_deferred() == 0          # still capturing: kept
+    capture.on = False
+    assert memory.release_deferred() == 1
+    assert fake.used == 0 and not fake.ranges and memory.vmm_mapped_bytes() == 0
+    assert not memory._deferred
+
+
+def test_vmm_range_collected_while_a_capture_is_held_is_freed_when_the_hold_ends(fake, capture):
+    s = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0")
+    s.ensure(10)
+    _dead_cycle(s)
+    del s
+    with memory.background_mapping_held():         # the graph runner's warm-up and capture
+        gc.collect()
+        assert fake.used > 0
+    assert fake.used == 0 and not fake.ranges and not memory._deferred
+
+
+def test_vmm_growth_inside_a_capture_is_an_error_naming_it(fake, capture):
+    s = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0")
+    s.ensure(10)                                   # 128 blocks mapped
+    pool = s.ensure(128)                           # full: a background mapping starts
+    assert s._pending is not None
+    capture.on = True
+    assert s.ensure(128) is pool                   # what the captured step asks: mapped already, nothing happens
+    with pytest.raises(RuntimeError, match=r"during CUDA graph capture: KV pool growth \(cuMemCreate/cuMemMap"):
+        s.ensure(s.num_blocks + 1)
+    assert s.num_blocks == 128 and s.maps_on_step == 1     # the first ensure's only: nothing mapped inside
+    capture.on = False
+    s._settle(wait=True)                           # the worker's mapping, adopted after the capture
+    assert s.num_blocks > 128 and s.tensor.data_ptr() == pool.data_ptr()
+    s.close()
+    assert fake.used == 0
+
+
+def test_vmm_no_background_mapping_starts_inside_a_capture(fake, capture):
+    s = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0")
+    s.ensure(10)                                   # 128 blocks mapped, no mapping ahead yet
+    assert s._pending is None and s.maps_ahead == 0
+    capture.on = True
+    s.ensure(128)                                  # no headroom left: outside a capture this maps ahead
+    assert s._pending is None and s.maps_ahead == 0
+    capture.on = False
+    s.close()
+
+
+def test_grow_storage_growth_inside_a_capture_is_an_error(monkeypatch):
+    s = GrowStorage(SHAPE, torch.float32, "cpu")
+    s.ensure(16)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert s.ensure(16) is s.tensor
+    with pytest.raises(RuntimeError, match="during CUDA graph capture: KV pool growth"):
+        s.ensure(17)
+    assert s.num_blocks == 16

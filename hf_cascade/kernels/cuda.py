@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _build, ops
+from . import _build, ops, refuse_in_capture
 from .ops import DTYPE_CODES, HEAD_DIMS
 
 __all__ = ["unsupported_reason", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
@@ -351,6 +351,9 @@ class _Lib:
         key = (dtype_code, head_dim, m_tile, dev, tune)
         found = self._info.get(key)
         if found is None:
+            # cudaFuncSetAttribute: a variant first met inside a capture must have been set up by the warm-up
+            refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the prefix kernel variant dtype code "
+                              f"{dtype_code}, head_dim {head_dim}, m_tile {m_tile}, tune {tune}, device {dev}")
             info = _PrefixInfo()
             with torch.cuda.device(dev):
                 self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
@@ -683,6 +686,10 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     state = scratch.get(key)
     if state is not None:
         return state
+    # a new state uploads from pageable host memory (row_nchunks) and may set up a prefix variant: a captured step
+    # must find the state its warm-up built
+    refuse_in_capture(f"a new cuda-backend launch state (host-to-device uploads, prefix setup) for R={R} Lq={Lq} "
+                      f"Hq={Hq} Hkv={Hkv} D={D} three={three} plain={plain} tune={tune}")
     _validate(plan, R, Lq, bs, num_blocks, three)
     grp = Hq // Hkv
     sms = _sm_count(dev)
