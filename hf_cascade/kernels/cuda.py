@@ -372,6 +372,8 @@ class _Lib:
         dev = torch.cuda.current_device()
         key = (dtype_code, head_dim, m_tile, dev, tune)
         if key not in self._runs:
+            refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the Hopper prefix kernel, dtype code "
+                              f"{dtype_code}, device {dev}")
             info = _PrefixInfo()
             with torch.cuda.device(dev):
                 self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
