@@ -198,7 +198,9 @@ def vmm_unavailable_reason(device) -> str | None:
 
 
 def vmm_mapped_bytes(device=None) -> int:
-    """Bytes that VMM storages hold mapped on ``device`` (all devices if None); torch's counters miss these."""
+    """Bytes that VMM storages hold mapped on ``device`` (all devices if None); torch's counters miss these. Ranges
+    collected during a graph capture and set aside are freed first (outside a capture), so they do not count."""
+    release_deferred()
     if device is None:
         return sum(_mapped_bytes.values())
     if not isinstance(device, int) and torch.device(device).type != "cuda":
