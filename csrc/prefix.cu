@@ -23,9 +23,10 @@
 //     the whole chunk) belongs to warp column gs % WN. Each warp keeps its own online softmax over its
 //     sub-tiles; the WN partial states of a row are merged through shared memory at the end (the K/V
 //     ring is idle then). So 16- and 32-row tiles keep all 4 warps busy without splitting D.
-// Not chosen: TMA / cp.async.bulk (a paged gather of 256-byte rows needs one bulk copy per token and
-// block table: no gain over cp.async at these sizes, more risk); wgmma (64-row minimum, sm_90a only:
-// 16-32-row decode tiles would waste most of it, and the kernel is memory bound with mma.sync).
+// Not chosen here: TMA / cp.async.bulk (a paged gather of 256-byte rows needs one bulk copy per token and
+// block table: no gain over cp.async at these sizes). On Hopper, bf16/fp16 head_dim-128 layers with >= 16 query
+// rows per group run csrc/prefix_sm90.cu instead (wgmma on 64-row tiles fed by a producer warp): this kernel's
+// ldmatrix re-reads of each K/V tile per 16 rows and its per-tile barrier kept it near 57% of the DRAM peak there.
 
 #include "hfc/common.cuh"
 #include "hfc/dispatch.h"
