@@ -8,7 +8,8 @@ Candidates run safest first (the production launch, then launch-shape knobs, the
 register spills, then those with small spills): a CUDA error that poisons the context stops the sweep, and the
 JSON is rewritten after every candidate. Phase 2 times, per shape, the best kernel knob with the best chunk knob.
 
-    PYTHONPATH=. python benchmarks/prefix_sweep_gpu.py [--reps 20] [--out benchmarks/results/prefix_sweep.json]
+    PYTHONPATH=. python benchmarks/prefix_sweep_gpu.py [--reps 20] [--dtype float16] [--shapes 8x8x1k,8x16x16k]
+        [--candidates "auto;variant=wg"] [--out benchmarks/results/prefix_sweep.json]
 """
 from __future__ import annotations
 
@@ -48,8 +49,17 @@ CHUNK_KEYS = ("chunk", "prefer", "min")      # phase 2: a kernel knob combined w
 MAX_REL_ERR = 1e-2
 
 
+DTYPE = torch.bfloat16      # --dtype
+
+
 def shape_name(s) -> str:
     return f"{s['groups']}x{s['beams']}x{s['prefix'] // 1024}k"
+
+
+def parse_shape(text: str) -> dict:
+    """"8x16x16k" -> groups 8, beams 16, prefix 16384 (suffix 64)."""
+    g, b, p = text.lower().split("x")
+    return dict(groups=int(g), beams=int(b), prefix=int(p[:-1]) * 1024 if p.endswith("k") else int(p), suffix=64)
 
 
 def split_tune(text: str) -> tuple[dict, dict]:
@@ -67,7 +77,7 @@ def launch_of(plan, tune, lib) -> dict:
     """The prefix launch the cuda backend used for ``plan`` under ``tune`` (from the plan's cached step state)."""
     st = next(v for k, v in plan.call_scratch.items() if k[0] == "cuda" and k[-1] == tune)
     code = int(st.tune)
-    found = lib._info.get((cuda_backend.DTYPE_CODES[torch.bfloat16], HEAD_DIM, st.m_tile, torch.cuda.current_device(),
+    found = lib._info.get((cuda_backend.DTYPE_CODES[DTYPE], HEAD_DIM, st.m_tile, torch.cuda.current_device(),
                            code))
     ctas, smem = (found[0], found[1]) if found else (None, None)
     return dict(tune_code=code, m_tile=st.m_tile, row_tiles=st.row_tiles, chunk_tokens=st.chunk_tokens,
@@ -183,8 +193,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--candidates", default=None, help="';'-separated tune strings instead of the built-in list")
     p.add_argument("--no-combos", action="store_true", help="skip phase 2 (best kernel knob x best chunk knob)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--shapes", default=None, help="comma-separated GxBxP shapes (e.g. 8x8x1k,8x16x16k) instead of the "
+                                                  "built-in ones")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_sweep.json"))
     args = p.parse_args(argv)
+    global SHAPES, DTYPE
+    DTYPE = getattr(torch, args.dtype)
+    if args.shapes:
+        SHAPES = [parse_shape(t) for t in args.shapes.split(",")]
     if not torch.cuda.is_available():
         print("prefix_sweep_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -205,14 +222,14 @@ def main(argv=None) -> int:
                            device="cuda")
     steps, refs = [], {}
     for shape in SHAPES:
-        step = make_step(**shape)
+        step = make_step(**shape, dtype=DTYPE)
         q, pool, cascade, _ = step
         refs[shape_name(shape)] = reference.attend(q.float(), pool.float(), cascade, 1.0 / math.sqrt(HEAD_DIM))
         steps.append(step)
         torch.cuda.empty_cache()
     console.print(f"shapes and float32 references ready at {time.perf_counter() - t0:.1f} s")
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=props.name,
-                sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+                sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype,
                 copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR,
                 command=" ".join(["prefix_sweep_gpu.py", *(argv if argv is not None else sys.argv[1:])]))
     out = Path(args.out)

@@ -109,8 +109,12 @@ def test_hopper_kernel_only_where_it_runs():
     assert level(8, 8, 16384, parse("variant=wg"), D=64, sm90=True)[0][4] == 0
     assert level(8, 8, 16384, parse("variant=wg"), plain=False, sm90=True)[0][4] == 0
     assert level(8, 8, 16384, parse("variant=wg,m=32"), sm90=True)[0][4] == 0          # 64-row tiles only
-    # "auto" keeps fp16 on the default kernel (the Hopper kernel was timed in bf16)
-    assert level(8, 8, 16384, dtype=torch.float16, sm90=True)[0][4] == 0
+    # "auto" on a Hopper library: the Hopper kernel for bf16 and fp16 groups of any size (timed from 8 query rows)
+    assert level(8, 8, 16384, dtype=torch.float16, sm90=True)[0][4] == SM90_CODE
+    assert level(8, 2, 16384, sm90=True)[0][:2] + level(8, 2, 16384, sm90=True)[0][4:] == (64, 1, SM90_CODE)
+    assert level(8, 8, 16384, dtype=torch.float16)[0][4] == 0                          # elsewhere fp16: the default
+    assert level(8, 8, 16384, plain=False, sm90=True)[0][4] == 0
+    assert level(8, 8, 16384, D=64, sm90=True)[0][4] == 0
 
 
 def test_production_tuning_only_where_it_was_measured():
@@ -120,7 +124,8 @@ def test_production_tuning_only_where_it_was_measured():
     assert level(8, 8, 16384, auto, D=64)[0][4] == 0 and level(8, 8, 16384, auto, plain=False)[0][4] == 0
     assert level(8, 2, 16384, auto)[0] == level(8, 2, 16384, parse("default"))[0]       # 8 query rows
     assert level(8, 8, 16384, parse("m=32"))[0][4] == 0                                 # knobs: the default kernel
-    assert auto.splits_by_plainness(torch.bfloat16, 128) and not auto.splits_by_plainness(torch.float16, 128)
+    assert auto.splits_by_plainness(torch.bfloat16, 128) and auto.splits_by_plainness(torch.float16, 128)
+    assert not auto.splits_by_plainness(torch.float16, 64)
     assert not parse("default").splits_by_plainness(torch.bfloat16, 128)
 
 

@@ -117,22 +117,24 @@ class PrefixTune:
     min_tokens: int = 0
 
     def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool, sm90: bool = False) -> "PrefixTune":
-        """The tuning one level's launch uses: "auto" alone is AUTO_TUNE_SM90 (``sm90``: the Hopper kernel runs
-        here), else AUTO_TUNE, where the H200 measured it faster (bf16, head_dim 128, layers without softcap /
-        window, groups of >= AUTO_MIN_QUERY_ROWS query rows), else the default kernel (as are "auto" with other
-        knobs set); any other setting as given."""
+        """The tuning one level's launch uses: "auto" alone is, for head_dim-128 layers without softcap / window,
+        AUTO_TUNE_SM90 where the Hopper kernel runs (``sm90``; bf16 and fp16, any group size), else AUTO_TUNE for bf16
+        groups of >= AUTO_MIN_QUERY_ROWS query rows (where the H200 measured each faster), else the default kernel
+        (as are "auto" with other knobs set); any other setting as given."""
         if self.variant != "auto":
             return self
-        if (self == PrefixTune() and plain and dtype == torch.bfloat16 and head_dim == 128
-                and query_rows >= AUTO_MIN_QUERY_ROWS):
-            return AUTO_TUNE_SM90 if sm90 else AUTO_TUNE
+        if self == PrefixTune() and plain and head_dim == 128:
+            if sm90 and dtype in (torch.bfloat16, torch.float16):
+                return AUTO_TUNE_SM90
+            if dtype == torch.bfloat16 and query_rows >= AUTO_MIN_QUERY_ROWS:
+                return AUTO_TUNE
         return replace(self, variant="default")
 
     def splits_by_plainness(self, dtype, head_dim: int) -> bool:
         """Whether plain layers may launch a variant that layers with softcap / window cannot (their launch states
         then differ); otherwise every layer of a step shares one state."""
         if self.variant == "auto":
-            return self == PrefixTune() and dtype == torch.bfloat16 and head_dim == 128
+            return self == PrefixTune() and dtype in (torch.bfloat16, torch.float16) and head_dim == 128
         return self.variant != "default"
 
     def code(self, dtype, head_dim: int, m_tile: int, plain: bool) -> int:
@@ -158,8 +160,8 @@ class PrefixTune:
 AUTO_TUNE = PrefixTune(variant="n64w8", m_tile=64, prefer_tokens=0)
 # ... and on Hopper GPUs (sm_90a code in the library): the wgmma kernel, 64-row tiles, the wave rule's chunks. Same
 # shapes on the H200 (benchmarks/RESULTS.md, "The prefix kernel on Hopper"): 8x8 222 -> 184 us, 8x16 294 -> 201 us,
-# 8x4 213 -> 180 us, 8x8 at 4k 79 -> 79 us. fp16 is checked on the GPU but was not timed, so "auto" keeps it on
-# the default kernel.
+# 8x4 213 -> 180 us, 8x8 at 4k 79 -> 79 us; groups of 8 query rows (8x2) 231 -> 179 us; fp16 (whose "auto" was the
+# default kernel) 8x8 255 -> 185 us, 8x16 363 -> 202 us. So it serves bf16 and fp16 groups of any size.
 AUTO_TUNE_SM90 = PrefixTune(variant=SM90_VARIANT, m_tile=64, prefer_tokens=0)
 AUTO_MIN_QUERY_ROWS = 16
 
@@ -642,7 +644,7 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms,
     if not (G > 0 and Rg > 0 and table_blocks > 0 and int(pl.max(initial=0)) > 0):
         return _PrefixLevel(False, 1, 1, 1, 0, row_nchunks)
     rows_q = Rg * Lq * grp
-    sm90 = (tune.variant == "auto" and plain and dtype == torch.bfloat16 and D == 128
+    sm90 = (tune.variant == "auto" and plain and dtype in (torch.bfloat16, torch.float16) and D == 128
             and lib.prefix_runs(DTYPE_CODES[dtype], D, 64, PREFIX_VARIANTS[SM90_VARIANT][0]))
     tune = tune.resolve(dtype, D, rows_q, plain, sm90=sm90)
     m_max = 64 if D <= 128 else 32
