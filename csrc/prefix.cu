@@ -118,10 +118,6 @@ template <> struct Mma<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
 };
 template <> struct Mma<__half> {
   static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -129,10 +125,6 @@ template <> struct Mma<__half> {
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
   }
 };
 
@@ -147,7 +139,7 @@ template <> struct Mma<__half> {
 //   K (B of S):  matrix i = tokens 8(i>>1).., d chunk 2kk + (i&1)    -> b0, b1 of token n-tile 0, then 1
 //   V (B of PV, .trans): matrix i = tokens 8(i&1).., d chunk 2dp + (i>>1) -> b0, b1 of d n-tile 0, then 1
 //   P (A of PV): S n-tiles 2j, 2j+1 of the sub-tile: a = {pack(c0,c1) of 2j, pack(c2,c3) of 2j,
-//                pack(c0,c1) of 2j+1, pack(c2,c3) of 2j+1}.
+//                pack(c0,c1) of 2j+1, pack(c2,c3) of 2j+1} (probabilities() in csrc/include/hfc/common.cuh).
 
 // VAR: the per-layer variants (csrc/include/hfc/params.h) are compiled in; the plain instantiation (VAR false)
 // is the same code as before they existed. cap_out > 0: softcap, logit = cap_out x tanh(cap_in x q.k) (log2
@@ -362,36 +354,10 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
           mx[e >> 1] = fmaxf(mx[e >> 1], v);
         }
       float alpha[2], m_use[2], rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        alpha[r] = (m_run[r] == neg_inf()) ? 0.0f : exp2f(m_run[r] - m_new);
-        m_use[r] = (m_new == neg_inf()) ? 0.0f : m_new;
-        m_run[r] = m_new;
-      }
+      online_max(mx, m_run, alpha, m_use);
       uint32_t pf[KW / 16][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float p0 = exp2f(sacc[nt][0] - m_use[0]);  // exp2(-inf) = 0 for masked columns
-        const float p1 = exp2f(sacc[nt][1] - m_use[0]);
-        const float p2 = exp2f(sacc[nt][2] - m_use[1]);
-        const float p3 = exp2f(sacc[nt][3] - m_use[1]);
-        rsum[0] += p0 + p1;
-        rsum[1] += p2 + p3;
-        pf[nt >> 1][(nt & 1) * 2 + 0] = Mma<T>::pack(p0, p1);
-        pf[nt >> 1][(nt & 1) * 2 + 1] = Mma<T>::pack(p2, p3);
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rsum[r];
-#pragma unroll
-      for (int dn = 0; dn < DN; ++dn) {
-        o[dn][0] *= alpha[0];
-        o[dn][1] *= alpha[0];
-        o[dn][2] *= alpha[1];
-        o[dn][3] *= alpha[1];
-      }
+      probabilities<T>(sacc, m_use, rsum, pf);
+      rescale_state(l_run, o, alpha, rsum);
 
       // ---- O += P V
 #pragma unroll

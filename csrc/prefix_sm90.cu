@@ -156,12 +156,11 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
         qa[kk][e] = src ? __ldg(reinterpret_cast<const unsigned int*>(src + kk * 16 + (e >> 1) * 8 + 2 * q4)) : 0u;
       }
   }
-  float o[C::D / 2];
-#pragma unroll
-  for (int i = 0; i < C::D / 2; ++i) o[i] = 0.0f;
-  float sacc[C::N / 2];
-#pragma unroll
-  for (int i = 0; i < C::N / 2; ++i) sacc[i] = 0.0f;
+  // accumulators as n-tiles of 8 columns (mma.m16n8's C fragments), flat for wgmma
+  float o[C::D / 8][4] = {};
+  float sacc[C::N / 8][4] = {};
+  auto& o_flat = reinterpret_cast<float(&)[C::D / 2]>(o);
+  auto& s_flat = reinterpret_cast<float(&)[C::N / 2]>(sacc);
   float m_run[2] = {neg_inf(), neg_inf()};
   float l_run[2] = {0.0f, 0.0f};  // this lane's share of the row sums (reduced over the quad at the end)
   const float scale_log2 = p.scale_log2;
@@ -177,11 +176,11 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < C::D / 16; ++kk)
-      Wgmma<T>::m64n64k16(sacc, qa[kk], sw128_desc(kbase + (kk >> 2) * C::HALF_BYTES + (kk & 3) * 32, 16, 1024),
+      Wgmma<T>::m64n64k16(s_flat, qa[kk], sw128_desc(kbase + (kk >> 2) * C::HALF_BYTES + (kk & 3) * 32, 16, 1024),
                           kk > 0);
     wg_commit();
     wg_wait<0>();
-    reg_fence(sacc);
+    reg_fence(s_flat);
 
     // ---- online softmax (log2 domain); tokens past the chunk -> -inf
     const int valid = t_end - (t_begin + it * C::N);
@@ -190,51 +189,25 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
     for (int nt = 0; nt < C::N / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float v = sacc[nt * 4 + e] * scale_log2;
+        float v = sacc[nt][e] * scale_log2;
         if (valid < C::N && nt * 8 + 2 * q4 + (e & 1) >= valid) v = neg_inf();
-        sacc[nt * 4 + e] = v;
+        sacc[nt][e] = v;
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
       }
     float alpha[2], m_use[2], rsum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      alpha[r] = (m_run[r] == neg_inf()) ? 0.0f : exp2f(m_run[r] - m_new);
-      m_use[r] = (m_new == neg_inf()) ? 0.0f : m_new;
-      m_run[r] = m_new;
-    }
+    online_max(mx, m_run, alpha, m_use);
     uint32_t pf[C::N / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < C::N / 8; ++nt) {
-      const float p0 = exp2f(sacc[nt * 4 + 0] - m_use[0]);
-      const float p1 = exp2f(sacc[nt * 4 + 1] - m_use[0]);
-      const float p2 = exp2f(sacc[nt * 4 + 2] - m_use[1]);
-      const float p3 = exp2f(sacc[nt * 4 + 3] - m_use[1]);
-      rsum[0] += p0 + p1;
-      rsum[1] += p2 + p3;
-      pf[nt >> 1][(nt & 1) * 2 + 0] = Cvt<T>::pack2(p0, p1);
-      pf[nt >> 1][(nt & 1) * 2 + 1] = Cvt<T>::pack2(p2, p3);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l_run[r] = l_run[r] * alpha[r] + rsum[r];
-#pragma unroll
-    for (int dn = 0; dn < C::D / 8; ++dn) {
-      o[dn * 4 + 0] *= alpha[0];
-      o[dn * 4 + 1] *= alpha[0];
-      o[dn * 4 + 2] *= alpha[1];
-      o[dn * 4 + 3] *= alpha[1];
-    }
+    probabilities<T>(sacc, m_use, rsum, pf);
+    rescale_state(l_run, o, alpha, rsum);
 
     // ---- O += P V (64 rows x 128 dims, 16 tokens per step)
     wg_fence();
 #pragma unroll
     for (int kt = 0; kt < C::N / 16; ++kt)
-      Wgmma<T>::m64n128k16_tb(o, pf[kt], sw128_desc(vbase + kt * 16 * 128, C::HALF_BYTES, 1024), 1);
+      Wgmma<T>::m64n128k16_tb(o_flat, pf[kt], sw128_desc(vbase + kt * 16 * 128, C::HALF_BYTES, 1024), 1);
     wg_commit();
     wg_wait<0>();
-    reg_fence(o);
+    reg_fence(o_flat);
     mbar_arrive(empty_bar + 8 * s);
   }
 
@@ -253,7 +226,7 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
     float* dst = p.part_o + (slot_items + qi) * C::D + 2 * q4;
 #pragma unroll
     for (int dn = 0; dn < C::D / 8; ++dn)
-      *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn * 4 + 2 * r] * inv, o[dn * 4 + 2 * r + 1] * inv);
+      *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
     if (q4 == 0) p.part_lse[slot_items + qi] = any ? m_run[r] + log2f(l_run[r]) : neg_inf();
   }
 #else

@@ -356,13 +356,7 @@ class _Lib:
         key = (dtype_code, head_dim, m_tile, dev, tune)
         found = self._info.get(key)
         if found is None:
-            # cudaFuncSetAttribute: a variant first met inside a capture must have been set up by the warm-up
-            refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the prefix kernel variant dtype code "
-                              f"{dtype_code}, head_dim {head_dim}, m_tile {m_tile}, tune {tune}, device {dev}")
-            info = _PrefixInfo()
-            with torch.cuda.device(dev):
-                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
-                           "prefix setup")
+            info = self._setup(dtype_code, head_dim, m_tile, dev, tune)
             if info.ctas_per_sm < 1:
                 raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
                                    f"({info.smem_bytes} bytes of shared memory)")
@@ -377,14 +371,18 @@ class _Lib:
         dev = torch.cuda.current_device()
         key = (dtype_code, head_dim, m_tile, dev, tune)
         if key not in self._runs:
-            refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the Hopper prefix kernel, dtype code "
-                              f"{dtype_code}, device {dev}")
-            info = _PrefixInfo()
-            with torch.cuda.device(dev):
-                self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
-                           "prefix setup")
-            self._runs[key] = info.ctas_per_sm >= 1
+            self._runs[key] = self._setup(dtype_code, head_dim, m_tile, dev, tune).ctas_per_sm >= 1
         return self._runs[key]
+
+    def _setup(self, dtype_code: int, head_dim: int, m_tile: int, dev: int, tune: int) -> "_PrefixInfo":
+        """hfc_prefix_setup of one prefix kernel variant on device ``dev``."""
+        # cudaFuncSetAttribute: a variant first met inside a capture must have been set up by the warm-up
+        refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the prefix kernel variant dtype code "
+                          f"{dtype_code}, head_dim {head_dim}, m_tile {m_tile}, tune {tune}, device {dev}")
+        info = _PrefixInfo()
+        with torch.cuda.device(dev):
+            self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)), "prefix setup")
+        return info
 
     # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
     # them for the torch operators; attend checks q and the pool, _validate the plan once per step).

@@ -55,6 +55,59 @@ template <> struct Cvt<__nv_bfloat16> {
   }
 };
 
+// --------------------------------------------------------------------------------- online softmax
+
+// One tile's step of the online softmax (log2 domain) for rows g and g + 8 of an mma.m16n8 / wgmma accumulator, whose
+// row is held by a quad of lanes: mx, this lane's maxima of the tile -> the quad's; m_run, the running maxima ->
+// the new ones; alpha, the factor for the old state (0 where there was none); m_use, the maximum to subtract (0 where
+// everything is -inf, so that exp2 gives 0, never NaN). Used by csrc/prefix.cu and csrc/prefix_sm90.cu.
+__device__ __forceinline__ void online_max(float (&mx)[2], float (&m_run)[2], float (&alpha)[2], float (&m_use)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFull, mx[r], 2));
+    const float m_new = fmaxf(m_run[r], mx[r]);
+    alpha[r] = (m_run[r] == neg_inf()) ? 0.0f : exp2f(m_run[r] - m_new);
+    m_use[r] = (m_new == neg_inf()) ? 0.0f : m_new;
+    m_run[r] = m_new;
+  }
+}
+
+// The tile's probabilities P = exp2(S - m_use) of the same rows, from S's accumulators s (NT n-tiles of 8 columns,
+// masked columns at -inf give 0): their row sums added to rsum, and P packed in T pairs as the A operand of P V
+// (k step j = n-tiles 2j, 2j + 1: mma.m16n8k16's A fragment, which is also wgmma's register A fragment per warp).
+template <typename T, int NT>
+__device__ __forceinline__ void probabilities(const float (&s)[NT][4], const float (&m_use)[2], float (&rsum)[2],
+                                              uint32_t (&pf)[NT / 2][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float p0 = exp2f(s[nt][0] - m_use[0]);  // exp2(-inf) = 0 for masked columns
+    const float p1 = exp2f(s[nt][1] - m_use[0]);
+    const float p2 = exp2f(s[nt][2] - m_use[1]);
+    const float p3 = exp2f(s[nt][3] - m_use[1]);
+    rsum[0] += p0 + p1;
+    rsum[1] += p2 + p3;
+    pf[nt >> 1][(nt & 1) * 2 + 0] = Cvt<T>::pack2(p0, p1);
+    pf[nt >> 1][(nt & 1) * 2 + 1] = Cvt<T>::pack2(p2, p3);
+  }
+}
+
+// The running state of the same rows rescaled for the new maximum: row sums l (this lane's share) and the output
+// accumulators o (DN n-tiles of 8 columns).
+template <int DN>
+__device__ __forceinline__ void rescale_state(float (&l)[2], float (&o)[DN][4], const float (&alpha)[2],
+                                              const float (&rsum)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + rsum[r];
+#pragma unroll
+  for (int dn = 0; dn < DN; ++dn) {
+    o[dn][0] *= alpha[0];
+    o[dn][1] *= alpha[0];
+    o[dn][2] *= alpha[1];
+    o[dn][3] *= alpha[1];
+  }
+}
+
 // --------------------------------------------------------------------------------------- cp.async
 
 // src_bytes 0: nothing is read, the 16 bytes are zero-filled
