@@ -1,5 +1,5 @@
 """Build hooks (metadata: setup.cfg). A wheel carries the kernel sources (csrc/ -> hf_cascade/csrc) and, where nvcc
-exists, the kernels compiled into one library (hf_cascade/kernels/libhfc_kernels.so: sm_80, sm_86, sm_89, sm_90
+exists, the kernels compiled into one library (hf_cascade/kernels/libhfc_kernels.so: sm_80, sm_86, sm_89, sm_90a
 and compute_90 PTX), which the installed package loads without a compiler. ``pip install -e .`` compiles nothing
 (a checkout builds its kernels with nvcc on first use).
 

@@ -35,7 +35,7 @@ variant (extra instantiations of ``csrc/prefix.cu`` for bf16, head_dim 128) can 
 ``$HF_CASCADE_PREFIX_TUNE`` or :func:`set_prefix_tune` (:class:`PrefixTune`); unset, every launch is the production one.
 
 Where the library comes from, first that works: the prebuilt one of a wheel (``hf_cascade/kernels/
-libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90 and compute_90 PTX) if its ABI version matches; else compiled with
+libhfc_kernels.so``: sm_80, sm_86, sm_89, sm_90a and compute_90 PTX) if its ABI version matches; else compiled with
 nvcc for the present GPU on first use and cached under ``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``),
 keyed by a hash of the sources, the arch, the flags and nvcc's version; else the backend is unavailable (the
 reason starts with "CUDA kernels unavailable", on which :func:`hf_cascade.kernels.select` WARNs once with what
@@ -480,7 +480,7 @@ def availability() -> tuple[bool, str]:
         return False, str(err)
     if PREBUILT.is_file():
         try:
-            source = f"prebuilt {_Lib(PREBUILT).path} (sm_80, sm_86, sm_89, sm_90 + compute_90 PTX)"
+            source = f"prebuilt {_Lib(PREBUILT).path} (sm_80, sm_86, sm_89, sm_90a + compute_90 PTX)"
         except (OSError, RuntimeError) as err:
             source = None
             problem = f"the prebuilt library is unusable ({err})"
