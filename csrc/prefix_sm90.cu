@@ -12,10 +12,11 @@
 //   producer  per 64-token K/V tile: waits for a free ring slot (mbarrier `empty`), gathers the tile's paged rows
 //             with cp.async (zero fill past the chunk: garbage never enters the product), and has the copies arrive
 //             on `full` as they land (cp.async.mbarrier.arrive.noinc), so it runs ahead as far as the ring allows.
-//   consumer  Q in registers (the A operand); per tile, once `full`: the proxy fence, S = Q K^T (8 x wgmma m64n64k16, B = K in shared memory,
-//             K-major), the online softmax in registers (log2 domain), P re-packed in registers as the A operand
-//             of O += P V (4 x wgmma m64n128k16, B = V, MN-major), then frees the slot. Each query row lives in
-//             one thread quad, so the epilogue writes the partials with no exchange.
+//   consumer  Q in registers (the A operand); per tile, once `full`: the proxy fence, S = Q K^T (8 x wgmma
+//             m64n64k16, B = K in shared memory, K-major), the online softmax in registers (log2 domain), P
+//             re-packed in registers as the A operand of O += P V (4 x wgmma m64n128k16, B = V, MN-major), then
+//             frees the slot. Each query row lives in one thread quad, so the epilogue writes the partials with no
+//             exchange.
 // Shared memory: STAGES slots of [K | V], each [2 halves of 64 dims][64 tokens][128 bytes] with the 128-byte
 // swizzle (16-byte chunk c of token n at c ^ (n & 7)), which is the canonical wgmma layout for K (K-major: rows
 // are tokens, SBO 1024) and for V (MN-major: k rows are tokens, LBO 8192 to the second half, SBO 1024).

@@ -11,7 +11,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["LIBRARY_NAME", "WHEEL_GENCODE", "gencode_for", "find_csrc", "find_nvcc", "source_files", "nvcc_command", "compile_library"]
+__all__ = ["LIBRARY_NAME", "WHEEL_GENCODE", "gencode_for", "find_csrc", "find_nvcc", "source_files", "nvcc_command",
+           "compile_library"]
 
 LIBRARY_NAME = "libhfc_kernels.so"   # the prebuilt library's file name, next to this module in a wheel
 NVCC_FLAGS = ("-O3", "--use_fast_math", "-std=c++17", "-Xcompiler", "-fPIC", "-shared", "-lineinfo")

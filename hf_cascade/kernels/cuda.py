@@ -52,6 +52,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -116,15 +117,17 @@ class PrefixTune:
     prefer_tokens: int | None = None
     min_tokens: int = 0
 
-    def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool, sm90: bool = False) -> "PrefixTune":
+    def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool,
+                hopper_runs: Callable[[], bool] = lambda: False) -> "PrefixTune":
         """The tuning one level's launch uses: "auto" alone is, for head_dim-128 layers without softcap / window,
-        AUTO_TUNE_SM90 where the Hopper kernel runs (``sm90``; bf16 and fp16, any group size), else AUTO_TUNE for bf16
+        AUTO_TUNE_SM90 where the Hopper kernel runs (``hopper_runs()``, asked only for bf16 / fp16; any group size),
+        else AUTO_TUNE for bf16
         groups of >= AUTO_MIN_QUERY_ROWS query rows (where the H200 measured each faster), else the default kernel
         (as are "auto" with other knobs set); any other setting as given."""
         if self.variant != "auto":
             return self
         if self == PrefixTune() and plain and head_dim == 128:
-            if sm90 and dtype in (torch.bfloat16, torch.float16):
+            if dtype in (torch.bfloat16, torch.float16) and hopper_runs():
                 return AUTO_TUNE_SM90
             if dtype == torch.bfloat16 and query_rows >= AUTO_MIN_QUERY_ROWS:
                 return AUTO_TUNE
@@ -326,8 +329,7 @@ class _Lib:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.POINTER(params), ctypes.c_size_t]
         self.lib = lib
-        self._info: dict = {}
-        self._runs: dict = {}        # (dtype, head_dim, m_tile, device, tune) -> the variant runs there
+        self._info: dict = {}        # (dtype, head_dim, m_tile, device, tune) -> prefix_info's figures
 
     @property
     def debug(self) -> bool:
@@ -352,27 +354,27 @@ class _Lib:
         The first call per variant and device runs ``hfc_prefix_setup`` (the kernel's shared-memory attributes:
         not capture safe), which every prefix launch of that variant needs first; later calls are a dict lookup.
         """
+        found = self._variant(dtype_code, head_dim, m_tile, device_index, tune)
+        if found[0] < 1:
+            raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
+                               f"({found[1]} bytes of shared memory)")
+        return found
+
+    def prefix_runs(self, dtype_code: int, head_dim: int, m_tile: int, tune: int) -> bool:
+        """Whether the prefix kernel variant ``tune`` can run on the current device (the Hopper kernel needs the
+        library's sm_90a code). Its first call per variant and device runs the setup, as prefix_info's does."""
+        return self._variant(dtype_code, head_dim, m_tile, None, tune)[0] >= 1
+
+    def _variant(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None, tune: int
+                 ) -> tuple[int, int, int]:
+        """prefix_info's figures (CTAs per SM 0: cannot run here), set up on first use."""
         dev = torch.cuda.current_device() if device_index is None else device_index
         key = (dtype_code, head_dim, m_tile, dev, tune)
         found = self._info.get(key)
         if found is None:
             info = self._setup(dtype_code, head_dim, m_tile, dev, tune)
-            if info.ctas_per_sm < 1:
-                raise RuntimeError(f"the prefix kernel (head_dim {head_dim}, rows {m_tile}) cannot run on this GPU "
-                                   f"({info.smem_bytes} bytes of shared memory)")
             found = self._info[key] = (info.ctas_per_sm, info.smem_bytes, info.tile_tokens)
         return found
-
-    def prefix_runs(self, dtype_code: int, head_dim: int, m_tile: int, tune: int) -> bool:
-        """Whether the prefix kernel variant ``tune`` can run on the current device (the Hopper kernel needs the
-        library's sm_90a code; the others always can). Its first call per variant and device runs the setup."""
-        if tune != PREFIX_VARIANTS[SM90_VARIANT][0]:
-            return True
-        dev = torch.cuda.current_device()
-        key = (dtype_code, head_dim, m_tile, dev, tune)
-        if key not in self._runs:
-            self._runs[key] = self._setup(dtype_code, head_dim, m_tile, dev, tune).ctas_per_sm >= 1
-        return self._runs[key]
 
     def _setup(self, dtype_code: int, head_dim: int, m_tile: int, dev: int, tune: int) -> "_PrefixInfo":
         """hfc_prefix_setup of one prefix kernel variant on device ``dev``."""
@@ -381,7 +383,8 @@ class _Lib:
                           f"{dtype_code}, head_dim {head_dim}, m_tile {m_tile}, tune {tune}, device {dev}")
         info = _PrefixInfo()
         with torch.cuda.device(dev):
-            self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)), "prefix setup")
+            self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
+                       "prefix setup")
         return info
 
     # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
@@ -642,19 +645,18 @@ def _prefix_level(lib, gr, pl, table_blocks, R, Lq, grp, Hkv, D, dtype, bs, sms,
     if not (G > 0 and Rg > 0 and table_blocks > 0 and int(pl.max(initial=0)) > 0):
         return _PrefixLevel(False, 1, 1, 1, 0, row_nchunks)
     rows_q = Rg * Lq * grp
-    sm90 = (tune.variant == "auto" and plain and dtype in (torch.bfloat16, torch.float16) and D == 128
-            and lib.prefix_runs(DTYPE_CODES[dtype], D, 64, PREFIX_VARIANTS[SM90_VARIANT][0]))
-    tune = tune.resolve(dtype, D, rows_q, plain, sm90=sm90)
+    tune = tune.resolve(dtype, D, rows_q, plain,
+                        lambda: lib.prefix_runs(DTYPE_CODES[dtype], D, 64, PREFIX_VARIANTS[SM90_VARIANT][0]))
     m_max = 64 if D <= 128 else 32
     m_tile = next((m for m in (16, 32, 64) if m <= m_max and rows_q <= m), m_max)
     if tune.m_tile and tune.m_tile <= m_max:
         m_tile = tune.m_tile
-    elif tune.variant == SM90_VARIANT and m_max == 64:
-        m_tile = 64                 # the Hopper kernel's one row tile
+    elif len(PREFIX_VARIANTS[tune.variant][1]) == 1 and PREFIX_VARIANTS[tune.variant][1][0] <= m_max:
+        m_tile = PREFIX_VARIANTS[tune.variant][1][0]     # a variant compiled for one row tile (the Hopper kernel's 64)
     row_tiles = -(-rows_q // m_tile)
     code = tune.code(dtype, D, m_tile, plain)
     if code and not lib.prefix_runs(DTYPE_CODES[dtype], D, m_tile, code):
-        code = 0                    # "wg" asked for where it cannot run: the default kernel
+        code = 0                    # a variant asked for where it cannot run ("wg" without sm_90a): the default
     occ, _, tile_tokens = lib.prefix_info(DTYPE_CODES[dtype], D, m_tile, tune=code)
     if tune.chunk_tokens:
         chunk_blocks = -(-tune.chunk_tokens // bs)
