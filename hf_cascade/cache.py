@@ -11,6 +11,7 @@ Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLay
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,9 +70,19 @@ class CascadeLayer(CacheLayerMixin):
 
     def __init__(self, cache: "CascadeCache", layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        # the owning cache, weakly: no reference cycle, so a dropped cache frees its pools at once (without gc)
+        self._cache = weakref.ref(cache)
+        self.layer_idx = layer_idx
         self.storage = None   # a memory.make_storage(...) object, created with the first K/V
         self.step_pool = None  # the pool tensor this step's write used (and its attention reads)
+
+    @property
+    def cache(self) -> "CascadeCache":
+        return self._cache()
+
+    def __getstate__(self):
+        # copied or pickled with its cache, which links the copy to itself (CascadeCache.__setstate__)
+        return {**self.__dict__, "_cache": None, "step_pool": None}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, num_heads, _, head_dim = key_states.shape
@@ -152,6 +163,14 @@ class CascadeCache(Cache):
             ``max_kv_bytes``). Without it, layers are added as ``update`` first sees them.
         cascade_config: a :class:`CascadeConfig` or a dict of its fields (backend, block size, memory policy).
 
+    Copies: ``copy.deepcopy(cache)`` is an independent cache holding the same tokens (transformers' prompt-reuse
+    idiom: prefill a common prefix once, deep-copy it per question, continue each copy); it shares nothing mutable
+    with the original (block tables, reference counts and pools are copied). ``pickle`` and
+    ``torch.save``/``torch.load(weights_only=False)`` round-trip a cache as they do a DynamicCache. What belongs
+    to a step or a generate call in progress (the step context, the decode layout, a graph runner) is not
+    copied. A ``memory="vmm"`` pool comes back as a plain ``"grow"`` pool holding the same blocks (a virtual
+    address range cannot be copied); ``static`` and ``grow`` pools come back as they were.
+
     Raises:
         TypeError: ``config`` is not a model config (e.g. a CascadeConfig passed first), or
             ``cascade_config`` is neither a CascadeConfig nor a dict of its fields.
@@ -191,6 +210,22 @@ class CascadeCache(Cache):
         self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
         self._decode_max_length: int | None = None
         self.graph_runner = None     # the hf_cascade.graphs.DecodeGraphRunner of this cache's decode calls
+        # set by the generate entry when beam search filled it: its rows are the running beams, not the sequences
+        # generate returned (a flag of the cache, so that it travels with copies)
+        self._filled_by_beam_search = False
+
+    # ---- copies (copy.deepcopy, pickle, torch.save) ---------------------------------------------------
+    # what belongs to a step or a generate call in progress: never copied (a copy starts between calls)
+    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layout": None, "_decode_max_length": None,
+                  "graph_runner": None}
+
+    def __getstate__(self):
+        return {**self.__dict__, **self._TRANSIENT}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        for layer in self.layers:
+            layer._cache = weakref.ref(self)
 
     # ---- transformers' Cache API ------------------------------------------------------------
     @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
@@ -369,6 +404,10 @@ class CascadeCache(Cache):
         if self._context is not None:
             self._context.layers_written.clear()
             self._context.pending = None
+
+    def end_step(self) -> None:
+        """End the step in progress (the end of a generate call: a finished cache keeps no step context)."""
+        self._end_step()
 
     def _block_bytes_all_layers(self) -> int:
         return sum(l.storage.block_nbytes for l in self.layers if l.storage is not None)

@@ -6,12 +6,17 @@ and the attention function registered as "cascade" reads it back: which layer an
 the layer's quirks and the kernel backend (chosen once per step and quirk set). This is the shape of
 nano-vllm's ``utils/context.py``: transformers < 5.24 hands the attention function neither the cache nor
 the layer's K/V bookkeeping, so the current context is kept per thread (two threads may generate with two
-models at once) rather than passed as an argument.
+models, or with one model and two caches, at once) rather than passed as an argument.
+
+Lifetime: the thread's current context is held only from a layer's write until its attention call takes it
+(:func:`take_pending`), and a context refers to its cache weakly, so a cache that is dropped frees its pools at
+once (no reference cycle, no context left in a thread-local).
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -69,10 +74,10 @@ class LayerWrite:
     value: torch.Tensor
 
 
-@dataclass
 class StepContext:
     """One forward step of one CascadeCache.
 
+    - ``cache``: the cache (held weakly: the cache holds its context until the next step);
     - ``plan``: the step's :class:`~hf_cascade.plan.StepPlan` (host arrays, device tensors via ``plan.on``);
     - ``step_id``: increases by one per step of the cache;
     - ``layers_written``: layers whose K/V this step already stored (a layer written twice means a new step);
@@ -81,13 +86,17 @@ class StepContext:
     - ``layer_plans``: the plan as each quirk set sees it.
     """
 
-    cache: "CascadeCache"
-    plan: "StepPlan"
-    step_id: int
-    layers_written: set = field(default_factory=set)
-    pending: LayerWrite | None = None
-    backends: dict = field(default_factory=dict)
-    layer_plans: dict = field(default_factory=dict)
+    def __init__(self, cache: "CascadeCache", plan: "StepPlan", step_id: int):
+        self._cache = weakref.ref(cache)
+        self.plan, self.step_id = plan, step_id
+        self.layers_written: set = set()
+        self.pending: LayerWrite | None = None
+        self.backends: dict = {}
+        self.layer_plans: dict = {}
+
+    @property
+    def cache(self) -> "CascadeCache | None":
+        return self._cache()
 
     @property
     def first_write(self) -> bool:
@@ -127,6 +136,7 @@ def take_pending(layer_idx: int) -> tuple[StepContext, LayerWrite] | None:
     if context is None or context.pending is None or context.pending.layer.layer_idx != layer_idx:
         return None
     write, context.pending = context.pending, None
+    _local.context = None        # read: the thread keeps nothing of the step (the cache holds its context)
     return context, write
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from types import SimpleNamespace
 
 import torch
@@ -257,7 +256,6 @@ def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, i
 
 
 _stock_path_logged = False
-_beam_rows = weakref.WeakSet()    # caches a beam search filled: their rows are running beams, not the sequences
 
 
 def _log_stock_path(reason: str) -> None:
@@ -270,7 +268,7 @@ def _log_stock_path(reason: str) -> None:
 
 def _check_continuation(cache: CascadeCache, past: int, prompts: int, width: int) -> None:
     """What continuing from a filled CascadeCache needs (a chat's next turn)."""
-    if cache in _beam_rows:
+    if getattr(cache, "_filled_by_beam_search", False):
         raise ValueError("This CascadeCache was filled by beam search: its rows are the running beams, not the "
                          "sequences generate returned, so it cannot be continued. Call cache.reset() (or pass a new "
                          "cache) and generate from the whole conversation.")
@@ -355,7 +353,7 @@ def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, 
         with runner or contextlib.nullcontext():
             result = decode()
         if generation_config.num_beams > 1:
-            _beam_rows.add(cache)
+            cache._filled_by_beam_search = True
         ok = True
         return result
     finally:
@@ -410,7 +408,7 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
                              "padding). Decoder-only generation needs left padding: set tokenizer.padding_side='left'.")
     cache.model_fingerprint = fingerprint
     model_kwargs[key] = cache
-    _beam_rows.discard(cache)
+    cache._filled_by_beam_search = False
     new = slice(past, width - 1)          # the prompt positions this call prefills (generate feeds the last)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     options = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}

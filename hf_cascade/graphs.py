@@ -17,12 +17,20 @@ step is captured (nothing runs during a capture, so the pool is not touched). Ev
 other shapes, output_attentions, ...) runs the model's own forward. The graph is kept for the call and
 re-captured when what it baked in changes: the input shapes, the layout (rows outgrew its capacity) or a
 pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``static`` never do).
+
+Threads: while any generate call runs a runner on a model, ``model.forward`` is one :class:`_ForwardDispatch`
+(installed by the first such call, removed by the last, exceptions included), which runs the runner of the
+calling thread's generate call, and the model's own forward for every other caller (another thread's
+``model(...)``, or its generate call without a runner). Several threads may so generate with one model at
+once, each with its own cache and runner.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
+import threading
 import time
 import weakref
 
@@ -34,6 +42,8 @@ from .config import CascadeConfig
 
 logger = logging.getLogger("hf_cascade")
 _logged: set = set()
+# generate may run in several threads: guards the forward dispatchers, _kept, _logged, _side_streams and _gc_paused
+_lock = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
@@ -45,9 +55,11 @@ _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_
 
 
 def _log_once(key, level, message, *args):
-    if key not in _logged:
+    with _lock:
+        if key in _logged:
+            return
         _logged.add(key)
-        logger.log(level, message, *args)
+    logger.log(level, message, *args)
 
 
 def unsupported_reason(model, cache, mode) -> str | None:
@@ -87,7 +99,8 @@ def owned_cache(model, cascade_config) -> CascadeCache:
     same, so that its pools keep their addresses and its captured graph is replayed from the first decode step
     of a call of the same shape; otherwise a new one."""
     cascade_config = CascadeConfig.coerce(cascade_config)
-    kept = _kept.pop(model, None)
+    with _lock:        # a kept cache serves one call: a second thread's concurrent call makes its own
+        kept = _kept.pop(model, None)
     if kept is not None and kept.cascade_config == cascade_config and kept.get_seq_length() == 0:
         return kept
     if kept is not None:
@@ -98,11 +111,11 @@ def owned_cache(model, cascade_config) -> CascadeCache:
 def release(model=None) -> None:
     """Drop what generate keeps for ``model``'s next call (its cache's reserved pools, decode buffers and
     captured graph); the next call captures again. ``None``: for every model."""
-    models = list(_kept) if model is None else [model]
-    for each in models:
-        kept = _kept.pop(each, None)
-        if kept is not None:
-            kept.reset()
+    with _lock:
+        kept = [_kept.pop(each, None) for each in (list(_kept) if model is None else [model])]
+    for cache in kept:
+        if cache is not None:
+            cache.reset()
 
 
 def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
@@ -112,11 +125,13 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
         if ok and runner is not None and runner.graph is not None:
             cache.reset_for_reuse()
             runner.detach()
-            _kept[model] = cache           # weakly keyed, and nothing kept refers to the model
+            with _lock:                    # (a concurrent call's kept cache, if any, is replaced and freed)
+                _kept[model] = cache       # weakly keyed, and nothing kept refers to the model
         else:
             cache.reset()
         return
     cache.end_decode()
+    cache.end_step()                       # the caller's cache keeps its tokens, not the last step's context
     if cache.graph_runner is not None:
         cache.graph_runner.release()
         cache.graph_runner = None
@@ -162,9 +177,11 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model, cache, capture: bool = True, compile: bool = False):
-        # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive
+        # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive;
+        # the cache too (it holds its runner): no reference cycle keeps a dropped cache's pools
         self._model = weakref.ref(model)
-        self.cache, self.capture_enabled, self.compiled = cache, capture, compile
+        self._cache = weakref.ref(cache)
+        self.capture_enabled, self.compiled = capture, compile
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.original = self.forward_fn = None
         self.attach(model)
@@ -172,19 +189,24 @@ class DecodeGraphRunner:
         self.pool = None
         self.static_kwargs: dict = {}
         self.static_out = None
+        self._out_args: dict = {}             # static_out's fields that are the call's own objects (the cache)
         self.key = None
         self.disabled: str | None = None      # why graphs stopped for the rest of the call
-        self._saved = None
+        self._installed: list = []            # (model, thread) of each __enter__ not yet exited
         self.begin_call()
 
     @property
     def model(self):
         return self._model()
 
+    @property
+    def cache(self) -> CascadeCache:
+        return self._cache()
+
     def attach(self, model) -> None:
         """Take the model's forward for a call (dropped again by :meth:`detach` when the runner is kept)."""
         if self.original is None:
-            self.original = model.forward
+            self.original = plain_forward(model)      # never a dispatcher: a concurrent call may have installed one
             # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
             # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
             self.forward_fn = _compiled(self.original) if self.compiled else self.original
@@ -192,7 +214,6 @@ class DecodeGraphRunner:
     def detach(self) -> None:
         """Drop every strong reference to the model (its bound forward); the graph and static tensors stay."""
         self.original = self.forward_fn = None
-        self._saved = None
 
     def begin_call(self) -> None:
         """Counters of one generate call (a kept runner serves several)."""
@@ -201,15 +222,15 @@ class DecodeGraphRunner:
 
     # ---- installing ---------------------------------------------------------------------------------
     def __enter__(self):
-        self._saved = self.model.__dict__.get("forward")      # accelerate may have set its own
-        self.model.forward = self
+        """This thread's calls of ``model.forward`` run this runner until ``__exit__`` (see _ForwardDispatch)."""
+        model, thread = self.model, threading.get_ident()
+        _ForwardDispatch.install(model, self, thread)
+        self._installed.append((model, thread))
         return self
 
     def __exit__(self, *exc):
-        if self._saved is not None:
-            self.model.forward = self._saved
-        else:
-            self.model.__dict__.pop("forward", None)
+        model, thread = self._installed.pop()
+        _ForwardDispatch.uninstall(model, self, thread)
         if exc[0] is not None:        # a step failed: nothing half-captured stays
             self.release()
         return False
@@ -217,6 +238,7 @@ class DecodeGraphRunner:
     def release(self) -> None:
         """Drop the graph, its memory pool and the static tensors."""
         self.graph, self.pool, self.static_kwargs, self.static_out, self.key = None, None, {}, None, None
+        self._out_args = {}
 
     # ---- one forward --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -232,10 +254,13 @@ class DecodeGraphRunner:
         if self.graph is None or key != self.key:
             return self._first_step(kwargs, key)
         self._copy_inputs(kwargs)
-        self.graph.replay()
+        if isinstance(self.graph, _EagerGraph):
+            self.graph.replay(kwargs)
+        else:
+            self.graph.replay()
         self._step_done(ctx)
         self.replays += 1
-        return self.static_out.__class__(**dict(self.static_out.items()))
+        return self._output(kwargs)
 
     def _arg(self, kwargs, name):
         """A decoder input by its decoder-only name (an encoder-decoder model's call names it ``decoder_*``)."""
@@ -261,7 +286,7 @@ class DecodeGraphRunner:
     def _key(self, kwargs):
         """What the captured graph baked in: input shapes and options, the layout, the pools' addresses."""
         inputs = tuple(sorted((k, tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor)
-                              else (k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
+                              else (k, v if _plain(v) else _Same(v))
                               for k, v in kwargs.items() if k not in _IGNORED))
         views = (layer.storage.stable_view() for layer in self.cache.layers if layer.storage is not None)
         pools = tuple((view.data_ptr(), tuple(view.shape)) for view in views)
@@ -269,10 +294,30 @@ class DecodeGraphRunner:
         return inputs, None if layout is None else layout.serial, pools
 
     def _static_kwargs(self, kwargs):
-        """The forward's arguments with fixed-shape tensors copied into tensors the graph owns. The 2D
+        """The forward's tensor and plain arguments, the tensors copied into tensors the graph owns. The 2D
         attention mask grows every step and is left out: decode attention reads each row's own tokens from
-        the cache (pads are never stored) and positions come from ``position_ids``."""
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items() if k not in _IGNORED}
+        the cache (pads are never stored) and positions come from ``position_ids``. Other objects (the cache,
+        encoder outputs) are not kept: each forward takes them from its call (:meth:`_with_objects`), so that
+        a kept runner holds no cache."""
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+                if k not in _IGNORED and (isinstance(v, torch.Tensor) or _plain(v))}
+
+    @staticmethod
+    def _with_objects(static, kwargs):
+        """``static`` plus the call's other objects from ``kwargs`` (same keys as when static was made)."""
+        return {**{k: v for k, v in kwargs.items() if k not in _IGNORED and k not in static}, **static}
+
+    def _keep_output(self, out, kwargs):
+        """Keep a step's output for the replays, less the fields that are objects of the call (its cache:
+        a kept runner must not hold it); :meth:`_output` puts the replaying call's own back."""
+        objects = {id(v): k for k, v in kwargs.items() if not isinstance(v, torch.Tensor) and not _plain(v)}
+        self._out_args = {name: objects[id(v)] for name, v in out.items() if id(v) in objects}
+        self.static_out = out.__class__(**{name: v for name, v in out.items() if name not in self._out_args})
+
+    def _output(self, kwargs):
+        fields = dict(self.static_out.items())
+        fields.update({name: kwargs[arg] for name, arg in self._out_args.items()})
+        return self.static_out.__class__(**fields)
 
     def _copy_inputs(self, kwargs):
         for k, v in self.static_kwargs.items():
@@ -298,7 +343,7 @@ class DecodeGraphRunner:
         static = self._static_kwargs(kwargs)
         ctx = self.cache.step
         if not self.capture_enabled:
-            out = self._run(static)
+            out = self._run(self._with_objects(static, kwargs))
             self._step_done(ctx)
             self.static_kwargs, self.key = static, key
             self.graph = _EagerGraph(self, static)
@@ -307,9 +352,10 @@ class DecodeGraphRunner:
         # no background KV mapping from the warm-up to the end of the capture: a driver call from the worker thread
         # can invalidate a capture, and a pool that grew in between would hand the capture other views
         with memory.background_mapping_held():
-            return self._warm_up_and_capture(static, ctx, key)
+            return self._warm_up_and_capture(static, ctx, key, kwargs)
 
-    def _warm_up_and_capture(self, static, ctx, key):
+    def _warm_up_and_capture(self, static_tensors, ctx, key, kwargs):
+        static = self._with_objects(static_tensors, kwargs)
         side = _side_stream(torch.cuda.current_device())
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):          # warm-up on a side stream, as capture will run on one
@@ -337,7 +383,8 @@ class DecodeGraphRunner:
         self.captures += 1
         if self.captures > 1:
             logger.info("hf_cascade: decode graph re-captured (%d captures this call)", self.captures)
-        self.graph, self.pool, self.static_kwargs, self.static_out, self.key = graph, pool, static, static_out, key
+        self.graph, self.pool, self.static_kwargs, self.key = graph, pool, static_tensors, key
+        self._keep_output(static_out, kwargs)
         return out
 
     def _run(self, static):
@@ -379,24 +426,123 @@ class _EagerGraph:
     """``capture=False``: "replays" by running the forward eagerly on the static inputs."""
 
     def __init__(self, runner, static):
-        self.runner, self.static = runner, static
+        self.runner, self.static = weakref.ref(runner), static     # (the runner holds this graph)
 
-    def replay(self):
-        runner = self.runner
+    def replay(self, kwargs):
+        runner = self.runner()
         runner.cache.rewind_step()
-        runner.static_out = runner.forward_fn(**self.static)
+        runner._keep_output(runner.forward_fn(**runner._with_objects(self.static, kwargs)), kwargs)
+
+
+def _plain(value) -> bool:
+    """A forward argument a graph's key compares by value (an option: use_cache, logits_to_keep, ...)."""
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
+class _Same:
+    """A forward argument that is an object (the cache, encoder outputs) in a graph's key: equal to another for
+    the same live object. Held weakly where it can be (a kept runner must not keep its cache alive; a dead one
+    equals nothing, so an id reused by a new object cannot match)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, obj):
+        try:
+            self.ref = weakref.ref(obj)
+        except TypeError:             # not weakly referenceable: held, as before
+            self.ref = lambda obj=obj: obj
+
+    def __eq__(self, other):
+        mine = self.ref()
+        return isinstance(other, _Same) and mine is not None and mine is other.ref()
+
+    __hash__ = None
+
+
+def plain_forward(model):
+    """``model.forward`` without a dispatcher of ours: the instance's own (accelerate sets one) or the class's."""
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, _ForwardDispatch):
+        return forward.plain(model)
+    return model.forward
+
+
+class _ForwardDispatch:
+    """``model.forward`` while generate calls run :class:`DecodeGraphRunner` s on the model: the runner of the
+    calling thread's innermost call, else the forward it replaced. Installed by the first call (:meth:`install`),
+    reference-counted, and the replaced forward restored exactly (an instance attribute, e.g. accelerate's, or
+    none) when the last call ends (:meth:`uninstall`), also when it raises."""
+
+    def __init__(self, model, saved):
+        self._model = weakref.ref(model)   # (weakly: no cycle through the model's __dict__)
+        self.saved = saved          # the instance's own forward it replaced, or None (the class's)
+        self.runners: dict = {}     # thread ident -> the runners of that thread's calls (innermost last)
+        self.calls = 0
+        # what inspect.signature(model.forward) tells: generate reads it (position_ids, logits_to_keep, ...), also
+        # in a thread that starts its call while another's runs
+        self.__signature__ = inspect.signature(self.plain(model))
+
+    def plain(self, model):
+        return self.saved if self.saved is not None else type(model).forward.__get__(model, type(model))
+
+    def __call__(self, *args, **kwargs):
+        runners = self.runners.get(threading.get_ident())
+        if runners:
+            return runners[-1](*args, **kwargs)
+        # another thread's call of the model (or its generate without a runner, or a call that looked the
+        # dispatcher up just before the last generate call removed it): the model's own forward
+        return self.plain(self._model())(*args, **kwargs)
+
+    @classmethod
+    def install(cls, model, runner, thread) -> None:
+        with _lock:
+            dispatch = model.__dict__.get("forward")
+            if not isinstance(dispatch, cls):
+                dispatch = cls(model, dispatch)
+                model.forward = dispatch
+            dispatch.calls += 1
+            dispatch.runners.setdefault(thread, []).append(runner)
+
+    @classmethod
+    def uninstall(cls, model, runner, thread) -> None:
+        with _lock:
+            dispatch = model.__dict__.get("forward")
+            if not isinstance(dispatch, cls):
+                return                # someone replaced it meanwhile: theirs stays (it calls ours, which still works)
+            runners = dispatch.runners.get(thread, [])
+            for i in range(len(runners) - 1, -1, -1):
+                if runners[i] is runner:
+                    del runners[i]
+                    break
+            if not runners:
+                dispatch.runners.pop(thread, None)
+            dispatch.calls -= 1
+            if dispatch.calls <= 0:
+                if dispatch.saved is not None:
+                    model.forward = dispatch.saved
+                else:
+                    model.__dict__.pop("forward", None)
+
+
+_gc_pauses = [0, False]      # blocks in _gc_paused now (any thread), whether the collector was on before the first
 
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Python's cyclic garbage collector off for the block (as it was before, after it)."""
-    was = gc.isenabled()
-    gc.disable()
+    """Python's cyclic garbage collector off for the block (as it was before the first of the blocks that run at
+    once in several threads, after the last: one thread's capture ending must not turn it on under another's)."""
+    with _lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
 
 
 def _end_failed_capture() -> None:
@@ -419,9 +565,10 @@ _side_streams: dict = {}
 def _side_stream(device: int) -> "torch.cuda.Stream":
     """The stream a capture's warm-up runs on: one per device for the process, so that what libraries keep per
     stream (cuBLAS's workspace) is allocated once, not at every capture."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
+    with _lock:
+        if device not in _side_streams:
+            _side_streams[device] = torch.cuda.Stream(device)
+        return _side_streams[device]
 
 
 def _compiled(forward):

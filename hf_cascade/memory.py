@@ -497,6 +497,11 @@ class VMMStorage(BlockStorage):
             self.maps_ahead += 1
         return self.tensor
 
+    def __reduce__(self):
+        """A copy or a pickle is a plain ("grow") pool holding the same blocks: a virtual range cannot travel."""
+        self._settle(wait=True)
+        return _grow_storage_of, (self.block_shape, self.dtype, self.device, self.max_blocks, self.tensor)
+
     def stable_view(self) -> torch.Tensor:
         """The whole reserved range as ``[max_blocks, ...]`` (only mapped blocks are ever indexed)."""
         view = getattr(self, "_stable", None)
@@ -522,6 +527,13 @@ class VMMStorage(BlockStorage):
         self.tensor = self._empty(0)
         self._stable = None
         self.vrange.close()
+
+
+def _grow_storage_of(block_shape, dtype, device, max_blocks, tensor) -> GrowStorage:
+    """A GrowStorage over ``tensor`` (how a copied or unpickled VMM pool comes back)."""
+    storage = GrowStorage(block_shape, dtype, device, max_blocks)
+    storage.tensor = tensor
+    return storage
 
 
 # ---- the factory --------------------------------------------------------------------------------------

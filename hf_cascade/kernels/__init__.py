@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from types import ModuleType
 
 import torch
@@ -39,8 +40,11 @@ logger = logging.getLogger("hf_cascade")
 # A backend that cannot load or take a shape falls through to the next with one logged line.
 AUTO_ORDER = ("cuda", "flashinfer", "reference")
 BACKENDS = AUTO_ORDER
-_loaded: dict[str, ModuleType | Exception] = {}
+# a backend's module, or why it cannot load here (a string: an exception would keep, through its traceback, the frames
+# of the first generate call that loaded it, and so that call's model, alive for the whole process)
+_loaded: dict[str, ModuleType | str | Exception] = {}
 _logged: set = set()
+_lock = threading.RLock()      # generate may run in several threads: one import per backend, each line logged once
 
 
 def capture_underway() -> bool:
@@ -65,14 +69,18 @@ def load(name: str) -> ModuleType:
     """Import backend ``name`` (raises ImportError with the reason if it cannot load here)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS} or 'auto'")
-    if name not in _loaded:
-        try:
-            _loaded[name] = importlib.import_module(f"{__name__}.{name}")
-        except Exception as err:  # an optional backend missing here is expected
-            _loaded[name] = err
-    found = _loaded[name]
-    if isinstance(found, Exception):
-        raise ImportError(f"kernel backend {name!r} is unavailable: {found}") from found
+    found = _loaded.get(name)
+    if found is None:
+        with _lock:
+            found = _loaded.get(name)
+            if found is None:
+                try:
+                    found = importlib.import_module(f"{__name__}.{name}")
+                except Exception as err:  # noqa: BLE001 — an optional backend missing here is expected
+                    found = str(err) or type(err).__name__
+                _loaded[name] = found
+    if isinstance(found, (str, Exception)):     # (tests set an exception)
+        raise ImportError(f"kernel backend {name!r} is unavailable: {found}")
     return found
 
 
@@ -86,9 +94,11 @@ FIXABLE_PREFIX = "CUDA kernels unavailable"   # kernels.cuda's reason when its l
 
 
 def _log_once(key, message, *args, level=logging.INFO):
-    if key not in _logged:
+    with _lock:
+        if key in _logged:
+            return
         _logged.add(key)
-        logger.log(level, message, *args)
+    logger.log(level, message, *args)
 
 
 def _warn_fixable(name: str, reason: str, q) -> None:
@@ -126,8 +136,8 @@ def select(name: str, q, pool, plan) -> ModuleType:
     for candidate in AUTO_ORDER:
         try:
             backend = load(candidate)
-        except ImportError as err:
-            _log_once((candidate, "import"), "hf_cascade: %s", err)
+        except ImportError as err:   # logged as text: a record holding the error would hold this call's frames
+            _log_once((candidate, "import"), "hf_cascade: %s", str(err))
             _warn_fixable(candidate, str(err), q)
             continue
         reason = _reason(backend, q, pool, plan)
