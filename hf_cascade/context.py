@@ -74,6 +74,10 @@ class LayerWrite:
     value: torch.Tensor
 
 
+def _no_cache():
+    return None
+
+
 class StepContext:
     """One forward step of one CascadeCache.
 
@@ -87,7 +91,7 @@ class StepContext:
     """
 
     def __init__(self, cache: "CascadeCache", plan: "StepPlan", step_id: int):
-        self._cache = weakref.ref(cache)
+        self._cache = weakref.ref(cache) if cache is not None else _no_cache
         self.plan, self.step_id = plan, step_id
         self.layers_written: set = set()
         self.pending: LayerWrite | None = None

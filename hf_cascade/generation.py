@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -344,8 +345,29 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                 key, stock)
 
 
+# the caches generate calls are running on now: id(cache) -> the thread of that call
+_in_use: dict = {}
+_in_use_lock = threading.Lock()
+
+
+def _claim(cache: CascadeCache) -> bool:
+    """Refuse a cache that a generate call of another thread is running on (the calls would interleave their
+    rows and blocks). Returns whether this call claimed it (False: an outer call of this thread holds it)."""
+    me = threading.get_ident()
+    with _in_use_lock:
+        holder = _in_use.get(id(cache))
+        if holder is None:
+            _in_use[id(cache)] = me
+            return True
+    if holder != me:
+        raise ValueError("This CascadeCache is in use by a generate call in another thread. Give each concurrent "
+                         "call its own cache (for a shared prompt, fill one and pass copy.deepcopy(cache) to each).")
+    return False
+
+
 def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, model_kwargs: dict, key: str, decode):
     """Fill ``cache`` with the prompts' new tokens, then stock decoding (a captured graph where it can run)."""
+    claimed = _claim(cache)     # before anything that could touch (or, on failure, reset) another call's cache
     ok, runner = False, None
     try:
         _prefill_call(model, cache, input_ids, generation_config, model_kwargs, key)
@@ -360,9 +382,14 @@ def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, 
         handed_out = ok and generation_config.return_dict_in_generate
         # nobody else can reach an owned cache that is not handed out: every block goes back now (what a
         # captured graph points at is kept for the model's next call of the same shape)
-        graphs.finish_call(model, cache, runner, owned=owned and not handed_out, ok=ok)
-        if not ok and not owned:
-            cache.reset()       # the caller's cache: empty and reusable, never half filled
+        try:
+            graphs.finish_call(model, cache, runner, owned=owned and not handed_out, ok=ok)
+            if not ok and not owned:
+                cache.reset()       # the caller's cache: empty and reusable, never half filled
+        finally:
+            if claimed:
+                with _in_use_lock:
+                    _in_use.pop(id(cache), None)
 
 
 def _per_position_outputs(generation_config) -> bool:

@@ -44,6 +44,9 @@ logger = logging.getLogger("hf_cascade")
 _logged: set = set()
 # generate may run in several threads: guards the forward dispatchers, _kept, _logged, _side_streams and _gc_paused
 _lock = threading.RLock()
+# one capture at a time in the process: captures share torch's default capture stream and our warm-up streams, and
+# torch.cuda.graph empties the allocator's cache as it begins (other threads' replays and eager steps go on)
+_capture_lock = threading.Lock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
@@ -351,7 +354,7 @@ class DecodeGraphRunner:
             return out
         # no background KV mapping from the warm-up to the end of the capture: a driver call from the worker thread
         # can invalidate a capture, and a pool that grew in between would hand the capture other views
-        with memory.background_mapping_held():
+        with _capture_lock, memory.background_mapping_held():
             return self._warm_up_and_capture(static, ctx, key, kwargs)
 
     def _warm_up_and_capture(self, static_tensors, ctx, key, kwargs):

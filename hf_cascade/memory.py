@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import sys
+import threading
 from collections import deque
 
 import torch
@@ -161,6 +162,8 @@ def _cu(call: str, *args):
 _vmm_reason: dict[int, str | None] = {}
 _primary_ctx: dict[int, object] = {}
 _mapped_bytes: dict[int, int] = {}        # device index -> bytes mapped by all VMM storages
+# the counters here change from generate's threads and the mapping worker: read-modify-writes under this lock
+_counts_lock = threading.Lock()
 _logged: set = set()
 
 
@@ -300,7 +303,8 @@ class _VirtualRange:
             _cu("cuMemRelease", handle)    # the mapping keeps the memory; unmapping frees it
         self.segments.append((offset, size))
         self.mapped += size
-        _mapped_bytes[self.index] = _mapped_bytes.get(self.index, 0) + size
+        with _counts_lock:
+            _mapped_bytes[self.index] = _mapped_bytes.get(self.index, 0) + size
 
     def shrink(self, keep: int) -> None:
         """Unmap whole segments from the end while at least ``keep`` bytes stay mapped."""
@@ -314,7 +318,8 @@ class _VirtualRange:
                 _cu("cuMemUnmap", _driver().CUdeviceptr(self.base + offset), size)
                 self.segments.pop()
                 self.mapped -= size
-                _mapped_bytes[self.index] -= size
+                with _counts_lock:
+                    _mapped_bytes[self.index] -= size
 
     def close(self) -> None:
         if self.base:
@@ -367,10 +372,11 @@ _executor = None
 def _background():
     """One worker thread that maps KV memory ahead of need (driver calls are thread-safe)."""
     global _executor
-    if _executor is None:
-        from concurrent.futures import ThreadPoolExecutor
-        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cascade_vmm")
-    return _executor
+    with _counts_lock:
+        if _executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cascade_vmm")
+        return _executor
 
 
 _held = 0     # > 0: no new background mapping (see background_mapping_held)
@@ -382,13 +388,15 @@ def background_mapping_held():
     mapping call from the worker thread during a capture can invalidate it); steps map synchronously if they
     must."""
     global _held
-    _held += 1
+    with _counts_lock:
+        _held += 1
     try:
         if _executor is not None:
             _executor.submit(lambda: None).result()      # one worker, in order: every earlier mapping is done
         yield
     finally:
-        _held -= 1
+        with _counts_lock:
+            _held -= 1
         release_deferred()            # what was collected meanwhile, now that no capture runs
 
 

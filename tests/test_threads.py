@@ -12,7 +12,7 @@ import torch
 import hf_cascade
 from hf_cascade import graphs
 
-from conftest import model_pair, padded_batch
+from conftest import cache_kw, model_pair, padded_batch
 
 CONFIGS = [pytest.param(None, id="default"), pytest.param(dict(cuda_graphs="eager"), id="runner")]
 CALLS = [  # greedy, beam search and sampling that cannot differ from greedy (top_k=1: exact whatever the RNG)
@@ -209,3 +209,37 @@ def test_a_failing_call_among_threads_leaves_the_others_and_the_model_intact():
     _check_model_intact(stock, cascade, [(ids, mask)], dict(cuda_graphs="eager"))
     hf_cascade.release(cascade)
     assert cascade not in graphs._kept
+
+
+def test_one_cache_in_two_threads_is_refused_and_the_first_call_is_exact():
+    """Two concurrent calls on one CascadeCache would interleave their rows: the second is refused with what to do,
+    and the first runs on with stock's tokens (the refusal does not touch the cache)."""
+    stock, cascade = model_pair("llama")
+    ids, mask = padded_batch(seed=8)
+    kw = dict(pad_token_id=0, **CALLS[0])
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    cache = hf_cascade.CascadeCache(cascade.config)
+    inside, refused, results = threading.Event(), threading.Event(), {}
+
+    def wait_for_the_other(input_ids, scores):
+        inside.set()
+        assert refused.wait(timeout=120)
+        return scores
+
+    def work(i):
+        if i == 0:
+            results[0] = cascade.generate(input_ids=ids, attention_mask=mask,
+                                          logits_processor=[wait_for_the_other], **cache_kw(cascade, cache), **kw)
+        else:
+            assert inside.wait(timeout=120)
+            try:
+                with pytest.raises(ValueError, match="in use by a generate call in another thread"):
+                    cascade.generate(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache), **kw)
+            finally:
+                refused.set()
+
+    assert _run_threads(work, 2) == []
+    assert torch.equal(results[0], expected)
+    cache.reset()          # (beam search filled it: the next call starts from the whole prompt)
+    assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache), **kw),
+                       expected)     # the cache is free again
