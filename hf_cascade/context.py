@@ -8,9 +8,9 @@ nano-vllm's ``utils/context.py``: transformers < 5.24 hands the attention functi
 the layer's K/V bookkeeping, so the current context is kept per thread (two threads may generate with two
 models, or with one model and two caches, at once) rather than passed as an argument.
 
-Lifetime: the thread's current context is held only from a layer's write until its attention call takes it
-(:func:`take_pending`), and a context refers to its cache weakly, so a cache that is dropped frees its pools at
-once (no reference cycle, no context left in a thread-local).
+Lifetime: the thread holds its current context weakly (the cache holds its step's context until the next step),
+and a context refers to its cache weakly, so a cache that is dropped frees its pools at once (no reference cycle,
+nothing kept per thread).
 """
 from __future__ import annotations
 
@@ -126,12 +126,15 @@ class StepContext:
 
 
 def current() -> StepContext | None:
-    """The context whose last layer write has not been read by its attention call yet (this thread)."""
-    return getattr(_local, "context", None)
+    """The context of this thread's last layer write (None when none, or when its cache has moved on or is gone):
+    its attention call takes the write (:func:`take_pending`); an encoder-decoder's cross-attention that follows
+    records its backend in it."""
+    ref = getattr(_local, "context", None)
+    return None if ref is None else ref()
 
 
 def set_current(context: StepContext | None) -> None:
-    _local.context = context
+    _local.context = None if context is None else weakref.ref(context)
 
 
 def take_pending(layer_idx: int) -> tuple[StepContext, LayerWrite] | None:
@@ -140,7 +143,6 @@ def take_pending(layer_idx: int) -> tuple[StepContext, LayerWrite] | None:
     if context is None or context.pending is None or context.pending.layer.layer_idx != layer_idx:
         return None
     write, context.pending = context.pending, None
-    _local.context = None        # read: the thread keeps nothing of the step (the cache holds its context)
     return context, write
 
 

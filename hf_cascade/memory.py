@@ -298,7 +298,7 @@ class _VirtualRange:
                     try:
                         _cu(call, *args)
                     except CudaDriverError as err:
-                        logger.warning("hf_cascade: undoing a failed KV mapping: %s", err)
+                        logger.warning("hf_cascade: undoing a failed KV mapping: %s", str(err))
                 raise
             _cu("cuMemRelease", handle)    # the mapping keeps the memory; unmapping frees it
         self.segments.append((offset, size))
@@ -363,7 +363,8 @@ def release_deferred() -> int:
             vrange.close()
             freed += 1
         except Exception as err:  # noqa: BLE001  as when collected: the memory goes back with the process
-            logger.warning("hf_cascade: freeing a KV virtual range collected during a graph capture failed: %s", err)
+            logger.warning("hf_cascade: freeing a KV virtual range collected during a graph capture failed: %s",
+                           str(err))
 
 
 _executor = None
@@ -462,7 +463,7 @@ class VMMStorage(BlockStorage):
         try:
             job.result()
         except (MemoryError, CudaDriverError) as err:   # the synchronous path will retry and report
-            logger.info("hf_cascade: background KV mapping failed: %s", err)
+            logger.info("hf_cascade: background KV mapping failed: %s", str(err))   # (text: a record keeps no frames)
         self._refresh()
 
     @property

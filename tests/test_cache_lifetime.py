@@ -99,13 +99,21 @@ def test_a_cache_used_by_plain_forwards_frees_its_pools_when_dropped(llama_pair,
     _, cascade = llama_pair
     ids, _ = padded_batch(seed=5, lengths=(12, 12))
     cache = CascadeCache(cascade.config)
-    with torch.no_grad():
-        cascade(input_ids=ids, use_cache=True, **cache_kw(cascade, cache))
-        cascade(input_ids=ids[:, -1:], use_cache=True, **cache_kw(cascade, cache))
-    assert context.current() is None      # the attention read the last write: this thread keeps nothing
+    seen = []       # the thread's context after a layer's attention took its write: still the step's (an
+    # encoder-decoder's cross-attention records its backend there), though the thread holds it only weakly
+    hook = cascade.model.layers[0].self_attn.register_forward_hook(lambda *_: seen.append(context.current()))
+    try:
+        with torch.no_grad():
+            cascade(input_ids=ids, use_cache=True, **cache_kw(cascade, cache))
+            cascade(input_ids=ids[:, -1:], use_cache=True, **cache_kw(cascade, cache))
+    finally:
+        hook.remove()
+    assert len(seen) == 2 and seen[-1] is cache.step is not None
+    del seen
     refs = _pool_refs(cache)
     del cache
     assert all(r() is None for r in refs)
+    assert context.current() is None
 
 
 # ---- copies ------------------------------------------------------------------------------------------------
