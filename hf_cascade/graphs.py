@@ -483,7 +483,10 @@ class _ForwardDispatch:
         self.calls = 0
         # what inspect.signature(model.forward) tells: generate reads it (position_ids, logits_to_keep, ...), also
         # in a thread that starts its call while another's runs
-        self.__signature__ = inspect.signature(self.plain(model))
+        try:
+            self.__signature__ = inspect.signature(self.plain(model))
+        except (TypeError, ValueError):      # a forward without one: generate sees (*args, **kwargs)
+            pass
 
     def plain(self, model):
         return self.saved if self.saved is not None else type(model).forward.__get__(model, type(model))
