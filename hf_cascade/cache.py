@@ -5,8 +5,8 @@ All layers share one block bookkeeping (:mod:`hf_cascade.blocks`); each layer ow
 (:mod:`hf_cascade.memory`). A forward step is planned once, at the first layer's ``update``
 (:mod:`hf_cascade.plan`) into one :class:`~hf_cascade.context.StepContext`; every layer then writes its
 new K/V with a few index ops and leaves them in the context, where the attention function finds them.
-Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` fixed for the call
-(static shapes and buffers: what a captured CUDA graph replays).
+Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` (static shapes and buffers:
+what a captured CUDA graph replays), sized for the tokens made so far and widened geometrically as rows grow.
 """
 from __future__ import annotations
 
