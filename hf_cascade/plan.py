@@ -384,9 +384,9 @@ class DecodeLayout:
                min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0,
                solo_rows: bool = False) -> "DecodeLayout":
         """The layout of a call whose rows hold ``prev_lengths`` tokens in ``tables`` before its first decode
-        step, with room for ``max_new_tokens`` more each (a call passes :func:`decode_room`). ``solo_rows``: a row that shares no prefix
-        becomes a group of its own over its full blocks (a backend whose prefix kernel spreads a long context
-        over the whole GPU reads it faster than its suffix kernel does)."""
+        step, with room for ``max_new_tokens`` more each (a call passes :func:`decode_room`). ``solo_rows``: a row
+        that shares no prefix becomes a group of its own over its full blocks (a backend whose prefix kernel spreads
+        a long context over the whole GPU reads it faster than its suffix kernel does)."""
         num_rows = tables.shape[0]
         levels = SharedLevels.find(tables, prev_lengths, block_size, min_group_rows, min_prefix_tokens,
                                    min_saved_tokens)
