@@ -5,8 +5,8 @@ All layers share one block bookkeeping (:mod:`hf_cascade.blocks`); each layer ow
 (:mod:`hf_cascade.memory`). A forward step is planned once, at the first layer's ``update``
 (:mod:`hf_cascade.plan`) into one :class:`~hf_cascade.context.StepContext`; every layer then writes its
 new K/V with a few index ops and leaves them in the context, where the attention function finds them.
-Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` fixed for the call
-(static shapes and buffers: what a captured CUDA graph replays).
+Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` (static shapes and buffers:
+what a captured CUDA graph replays), sized for the tokens made so far and widened geometrically as rows grow.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .blocks import BlockManager
 from .config import CascadeConfig
 from .context import LayerWrite, StepContext
 from .memory import make_storage
-from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan
+from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
 logger = logging.getLogger("hf_cascade")
 
@@ -209,6 +209,7 @@ class CascadeCache(Cache):
         self._layout: DecodeLayout | None = None
         self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
         self._decode_max_length: int | None = None
+        self._decode_start = 0        # the logical length when the decode began (decode tokens made = the rest)
         self.graph_runner = None     # the hf_cascade.graphs.DecodeGraphRunner of this cache's decode calls
         # set by the generate entry when beam search filled it: its rows are the running beams, not the sequences
         # generate returned (a flag of the cache, so that it travels with copies)
@@ -370,10 +371,13 @@ class CascadeCache(Cache):
 
     # ---- static decoding (inside generate) ------------------------------------------------------
     def begin_decode(self, max_length: int) -> None:
-        """From the next one-token-per-row step on, plan decode steps on a layout fixed until
-        :meth:`end_decode` (rows hold at most ``max_length`` tokens each); see DecodeLayout."""
+        """From the next one-token-per-row step on, plan decode steps on a static layout until :meth:`end_decode`;
+        see DecodeLayout. ``max_length`` (generate's, padding included) only caps the layout's capacity, which
+        follows the tokens made: room for a few steps first, widened geometrically as rows grow
+        (:func:`~hf_cascade.plan.decode_room`)."""
         self.end_decode()
         self._decode_max_length = int(max_length)
+        self._decode_start = self.logical_length
 
     def end_decode(self) -> None:
         if self._layout is not None:
@@ -381,12 +385,17 @@ class CascadeCache(Cache):
         self._layout, self._decode_max_length = None, None
 
     def attention_horizon(self, static: bool) -> int:
-        """The longest (padded) sequence a step's attention must be right for: for a static decode step the call's
-        decode capacity (a captured graph replays the step while rows grow up to it), else the current length.
+        """The longest sequence a step's attention must be right for: for a static decode step the capacity of the
+        layout in force (a captured graph replays the step while rows grow up to it; a row that would pass it
+        widens the layout, and the graph is captured again, deciding anew), else the current (padded) length.
         A sliding window at least this long cuts nothing and may be left out."""
-        if static and self._decode_max_length is not None:
-            return max(self._decode_max_length, self.logical_length)
+        if static and self._layout is not None:
+            return max(self._layout.max_row_tokens, self.logical_length)
         return self.logical_length
+
+    def _decode_room(self) -> int:
+        """New tokens per row the next decode layout makes room for (see plan.decode_room)."""
+        return decode_room(self.logical_length - self._decode_start, self._decode_max_length - self.logical_length)
 
     @property
     def layout(self) -> DecodeLayout | None:
@@ -457,15 +466,16 @@ class CascadeCache(Cache):
         if static:
             try:
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
-            except LayoutOutgrown as err:     # e.g. a stopping criterion let rows run past max_length
-                logger.info("hf_cascade: decode layout re-planned (%s)", err)
+            except LayoutOutgrown as err:     # rows outgrew the capacity (or left the frozen levels)
                 old, prev = self._layout, self.blocks.lengths - counts
                 old.release()
-                # more room than the call asked for, so that running on does not re-plan every step
-                self._decode_max_length = max(self._decode_max_length, self.logical_length) + \
-                    max(64, self.logical_length // 4)
-                max_new = self._decode_max_length - self.logical_length
-                self._layout = old.widened(prev, max_new) if err.capacity else self._freeze_layout(prev)
+                if err.capacity:
+                    self._layout = old.widened(prev, self._decode_room())
+                    logger.info("hf_cascade: decode layout widened to %d blocks per row (%s; %d decode tokens made)",
+                                self._layout.suffix_width, err, self.logical_length - self._decode_start)
+                else:
+                    logger.info("hf_cascade: decode layout re-planned (%s)", err)
+                    self._layout = self._freeze_layout(prev)
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
         if plan is None:
             saved = self.cascade_config.min_saved_tokens
@@ -506,14 +516,15 @@ class CascadeCache(Cache):
         if saved is None and not self._backend_min_saved_tokens:
             self._backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
         prev = self.blocks.lengths if prev_lengths is None else prev_lengths
-        max_new = self._decode_max_length - self.logical_length      # logical length counts the padding too
-        layout = DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, max_new,
+        layout = DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, self._decode_room(),
                                      self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
                                      self._backend_min_saved_tokens if saved is None else saved,
                                      solo_rows=getattr(backend, "SOLO_PREFIX", False))
         kept, self._kept_layout = self._kept_layout, None
-        if kept is not None and kept.same_geometry(layout):
-            return kept             # the last call's buffers (and the graph that points at them) fit
+        if kept is not None and kept.holds(layout):
+            # the last call's buffers (and the graph that points at them) fit: its capacity is what a call of
+            # this shape came to need
+            return kept
         if kept is not None:
             kept.release()
         return layout

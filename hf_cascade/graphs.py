@@ -141,8 +141,9 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
 
 
 def begin_decoding(model, cache, generation_config, prompt_width: int):
-    """Before generate's decode loop: the cache's decode layout fixed for the call (``static_decode``), and the
-    call's :class:`DecodeGraphRunner` (None where graphs cannot run). :func:`finish_call` ends both."""
+    """Before generate's decode loop: the cache's static decode layouts (``static_decode``; ``max_length`` only
+    caps their capacity, which follows the tokens made), and the call's :class:`DecodeGraphRunner` (None where
+    graphs cannot run). :func:`finish_call` ends both."""
     if cache.cascade_config.static_decode:
         cache.begin_decode(generation_config.max_length or prompt_width + 1)
     return decode_runner(model, cache, generation_config)

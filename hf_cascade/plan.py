@@ -332,9 +332,12 @@ class DecodeLayout:
     prefix blocks, and whether a cascade pays at all) are decided once, at the first decode step, and kept:
     blocks that rows come to share later are read as part of their suffix (exact, a few reads more). Per
     step only the suffix tables and lengths, the write slots and the copy-on-write pairs change; they go to
-    persistent device buffers of fixed shape (suffix tables ``[R, suffix_width]``, with ``suffix_width``
-    from the call's ``max_length``) with one host-to-device copy per step. Kernel backends keep their
-    launch configuration for the call in ``state`` (``StepPlan.call_scratch``).
+    persistent device buffers of fixed shape (suffix tables ``[R, suffix_width]``) with one host-to-device copy
+    per step. ``suffix_width`` is the layout's capacity: room for the tokens rows hold plus a few more
+    (:func:`decode_room`), never for the call's ``max_new_tokens`` up front; a row that outgrows it raises
+    ``LayoutOutgrown(capacity=True)`` and the cache steps on to :meth:`widened` (which a captured graph is
+    re-captured for). Kernel backends keep their launch configuration in ``state`` (``StepPlan.call_scratch``)
+    for as long as the layout holds.
     """
 
     num_rows: int
@@ -349,6 +352,7 @@ class DecodeLayout:
     row_inner_blocks: np.ndarray       # int64 [R]: blocks of each row's deepest shared level
     suffix_width: int
     inner_width: int                   # 0 without a middle level
+    token_limit: int                   # the most tokens a row may hold on this layout (LayoutOutgrown past it)
     state: dict = field(default_factory=dict, repr=False)
     _buffers: dict = field(default_factory=dict, repr=False)
     serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))   # never reused (unlike id())
@@ -357,16 +361,32 @@ class DecodeLayout:
         """The same rows, levels and capacities: ``other``'s buffers and backend state fit this layout."""
         return (self.num_rows == other.num_rows and self.block_size == other.block_size
                 and self.suffix_width == other.suffix_width and self.inner_width == other.inner_width
+                and self.token_limit == other.token_limit
                 and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _LEVEL_FIELDS))
+
+    def holds(self, other: "DecodeLayout") -> bool:
+        """The same rows and levels as ``other`` and at least its capacities: this layout (its buffers, its
+        backend state, a graph captured on it) serves every step ``other`` would."""
+        return (self.num_rows == other.num_rows and self.block_size == other.block_size
+                and self.suffix_width >= other.suffix_width and self.inner_width >= other.inner_width
+                and self.token_limit >= other.token_limit and (self.inner_width > 0) == (other.inner_width > 0)
+                and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _LEVEL_FIELDS))
+
+    @property
+    def max_row_tokens(self) -> int:
+        """The most tokens any row can hold while this layout is in force (a row that would hold more raises
+        LayoutOutgrown in :meth:`step`): how far a step's attention must be right for."""
+        tables = int((self.row_prefix_blocks + self.suffix_width).max(initial=0)) * self.block_size
+        return min(self.token_limit, tables)
 
     @classmethod
     def freeze(cls, tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, max_new_tokens: int,
                min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0,
                solo_rows: bool = False) -> "DecodeLayout":
         """The layout of a call whose rows hold ``prev_lengths`` tokens in ``tables`` before its first decode
-        step and will get at most ``max_new_tokens`` more each. ``solo_rows``: a row that shares no prefix
-        becomes a group of its own over its full blocks (a backend whose prefix kernel spreads a long context
-        over the whole GPU reads it faster than its suffix kernel does)."""
+        step, with room for ``max_new_tokens`` more each (a call passes :func:`decode_room`). ``solo_rows``: a row
+        that shares no prefix becomes a group of its own over its full blocks (a backend whose prefix kernel spreads
+        a long context over the whole GPU reads it faster than its suffix kernel does)."""
         num_rows = tables.shape[0]
         levels = SharedLevels.find(tables, prev_lengths, block_size, min_group_rows, min_prefix_tokens,
                                    min_saved_tokens)
@@ -378,7 +398,7 @@ class DecodeLayout:
         suffix_width, inner_width = _widths(prev_lengths, max_new_tokens, block_size, row_prefix,
                                             row_inner if levels.mid_groups else None)
         return cls(num_rows, block_size, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table, mid_len,
-                   row_prefix, row_inner, suffix_width, inner_width)
+                   row_prefix, row_inner, suffix_width, inner_width, _token_limit(prev_lengths, max_new_tokens))
 
     def widened(self, prev_lengths: np.ndarray, max_new_tokens: int) -> "DecodeLayout":
         """The same levels with room for ``max_new_tokens`` more tokens per row (levels are never re-found
@@ -388,7 +408,8 @@ class DecodeLayout:
         return DecodeLayout(
             self.num_rows, self.block_size, self.group_rows, self.prefix_table, self.prefix_len, self.mid_group_rows,
             self.mid_table, self.mid_len, self.row_prefix_blocks, self.row_inner_blocks,
-            max(self.suffix_width, suffix_width), max(self.inner_width, inner_width))
+            max(self.suffix_width, suffix_width), max(self.inner_width, inner_width),
+            max(self.token_limit, _token_limit(prev_lengths, max_new_tokens)))
 
     @property
     def has_mid(self) -> bool:
@@ -418,6 +439,9 @@ class DecodeLayout:
             raise LayoutOutgrown(f"the step has {tables.shape[0]} rows / {append_plan.write_block.shape[0]} new "
                                  f"tokens, the layout {R}")
         self._check_prefixes(tables)
+        longest = int(lengths.max(initial=0))
+        if longest > self.token_limit:      # what attention_horizon promised (a sliding window left out) ends here
+            raise LayoutOutgrown(f"a row holds {longest} tokens, the layout holds {self.token_limit}", capacity=True)
         prev = lengths - 1
         seen_new = np.ones((R, 1), dtype=np.int64)
         suffix_table, q_limit = _suffix(tables, lengths, prev, seen_new, self.row_prefix_blocks, self.block_size,
@@ -458,14 +482,31 @@ class DecodeLayout:
         self.state.clear()
 
 
+FIRST_ROOM = 64      # new tokens per row that a call's first decode layout makes room for
+
+
+def decode_room(made: int, left: int | None = None) -> int:
+    """New tokens per row that a decode layout makes room for, after ``made`` decode tokens of the call, when the
+    call can add at most ``left`` more (its ``max_length``; None or <= 0: unknown, or already passed). As many as
+    were made and at least FIRST_ROOM: each widening doubles the room, so a call of N tokens re-plans (and
+    re-captures its graph) about log2(N / FIRST_ROOM) times, and a layout never holds more than about twice the
+    tokens made (plus FIRST_ROOM) however large ``max_new_tokens`` is."""
+    room = max(FIRST_ROOM, int(made))
+    return min(room, int(left)) if left is not None and left > 0 else room
+
+
 def _widths(prev_lengths, max_new_tokens, block_size, row_prefix_blocks, row_inner_blocks=None):
     """Suffix table widths (blocks) for rows holding ``prev_lengths`` tokens that get at most ``max_new_tokens``
-    more: row r ends with at most ceil((prev + max_new) / bs) blocks (+1: one step more while finishing),
-    minus the blocks its shared levels cover. The inner width is 0 without a middle level."""
-    total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size) + 1
+    more: row r ends with at most ceil((prev + max_new) / bs) blocks, minus the blocks its shared levels cover.
+    The inner width is 0 without a middle level."""
+    total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size)
     suffix = int((total - row_prefix_blocks).max(initial=1))
     inner = 0 if row_inner_blocks is None else int((total - row_inner_blocks).max(initial=1))
     return suffix, inner
+
+
+def _token_limit(prev_lengths, max_new_tokens) -> int:
+    return int(np.asarray(prev_lengths).max(initial=0)) + max(int(max_new_tokens), 1)
 
 
 class _StaticBuffers:

@@ -96,9 +96,10 @@ def test_layout_outgrown_when_rows_pass_max_length_or_leave_their_prefix():
     blocks.fork(2)
     layout = DecodeLayout.freeze(blocks.tables(), blocks.lengths.copy(), BS, max_new_tokens=1)
     assert layout.num_rows == 2 and layout.prefix_len.tolist() == [8]
-    with pytest.raises(LayoutOutgrown, match="suffix needs"):
+    with pytest.raises(LayoutOutgrown, match="the layout holds") as outgrown:
         for _ in range(12):
             layout.step(blocks.tables(), blocks.lengths, blocks.append([1, 1]))
+    assert outgrown.value.capacity
     wide = layout.widened(blocks.lengths - 1, 8)         # capacity only: the same levels, more room
     assert wide.suffix_width > layout.suffix_width and wide.prefix_table is layout.prefix_table
     other = BlockManager(BS)
@@ -109,7 +110,7 @@ def test_layout_outgrown_when_rows_pass_max_length_or_leave_their_prefix():
 
 
 def test_cache_replans_when_the_layout_is_outgrown(llama_pair, caplog):
-    """A decode that runs past the max_length the layout was frozen for re-plans (logged), still exact."""
+    """A decode that runs past the max_length the layout was frozen for widens the layout (logged), still exact."""
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=2)
     kw = dict(num_beams=3, max_new_tokens=6, pad_token_id=0)
@@ -123,7 +124,7 @@ def test_cache_replans_when_the_layout_is_outgrown(llama_pair, caplog):
         mp.setattr(hf_cascade.CascadeCache, "begin_decode", too_short)
         got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(block_size=2))
     assert torch.equal(expected, got)
-    assert "decode layout re-planned" in caplog.text
+    assert "decode layout widened" in caplog.text
 
 
 # ---- tokens -----------------------------------------------------------------------------------------------
