@@ -13,6 +13,7 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 from types import SimpleNamespace
@@ -36,6 +37,26 @@ def _text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
+def routes_attention(model) -> bool:
+    """Whether ``model``'s attention layers call the implementation chosen by ``attn_implementation`` through
+    transformers' ``ALL_ATTENTION_FUNCTIONS`` (else "cascade" would never run and its cache would mislead them).
+    transformers' ``_supports_attention_backend`` says so for most models, but not for all that do: the
+    decoders of BART, mBART, Marian and Whisper used alone (``*ForCausalLM``) route it but lack the flag. So
+    read the code: some module's ``forward`` names ``ALL_ATTENTION_FUNCTIONS``."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    seen = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        code = getattr(inspect.unwrap(cls.forward), "__code__", None)    # under decorators (deprecate_kwarg, ...)
+        if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return True
+    return False
+
+
 def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
@@ -43,8 +64,9 @@ def unsupported_reason(model) -> str | None:
         return encoder_decoder.unsupported_reason(model)
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
+    if not routes_attention(model):
+        return (f"{type(model).__name__} computes attention in its own code: no module of it calls transformers' "
+                "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so the cascade attention would never run")
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
         return "it uses multi-head latent attention (MLA), whose cache payload is not plain K/V"
     if getattr(text, "num_kv_shared_layers", 0):
@@ -256,6 +278,29 @@ def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, i
     return None
 
 
+def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | None:
+    """Why this call's inputs need stock's own path for stock's tokens (None: the cascade serves them).
+
+    Padding that is not plain left padding (right padding, holes) is stored exactly (pads are never stored;
+    positions come from the mask as stock's), except under a sliding window the call can exceed: stock counts
+    the pad columns inside the window, the cascade only stored tokens. Cross-attention inputs
+    (``encoder_hidden_states``: a decoder used alone) would be written into the decoder's own cache."""
+    if model_kwargs.get("encoder_hidden_states") is not None:
+        return ("the decoder gets cross-attention inputs (encoder_hidden_states), which the decoder-only cascade "
+                "does not store; use the encoder-decoder model, whose cascade stores the cross K/V once per input")
+    mask = model_kwargs.get("attention_mask")
+    if mask is None or mask.dim() != 2 or not _has_sliding_window(model):
+        return None
+    window = getattr(_text_config(model), "sliding_window", None)
+    if window is not None and (generation_config.max_length or 0) <= window:
+        return None
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):      # a pad after a real token: not left padding
+        return (f"a batch that is not left-padded (right padding) on a model with a sliding window ({window}) that "
+                "the call can exceed: stock counts the pad columns inside the window. Left-pad the batch "
+                "(tokenizer.padding_side='left') to share its prompts")
+    return None
+
+
 _stock_path_logged = False
 _beam_rows = weakref.WeakSet()    # caches a beam search filled: their rows are running beams, not the sequences
 
@@ -337,6 +382,10 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     width = _prompt_width(input_ids, model_kwargs)
     inputs = _prompt_inputs(model, model_kwargs, input_ids.shape[0], width, strict=False)   # _cascade checks
     hf_cascade_config = CascadeConfig.coerce(hf_cascade_config)
+    reason = input_stock_reason(model, model_kwargs, generation_config)
+    if reason is not None:
+        logger.info("hf_cascade: generate runs on stock's dense path: %s.", reason)
+        return stock()
     reason = stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
                                positions, inputs)
     if reason is not None:
@@ -402,12 +451,14 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
         raise NotImplementedError(f"position_ids of shape {tuple(positions.shape)} (several position axes) are not "
                                   "supported by the cascade prefill; load the model with "
                                   f"attn_implementation='{stock_attention(model)}'.")
+    reason = input_stock_reason(model, model_kwargs, generation_config)
+    if reason is not None:
+        raise ValueError(f"This call cannot run on a CascadeCache: {reason}. Pass no cache (generate then runs it on "
+                         "stock's path, with stock's tokens), or change the input as said.")
     last_is_pad = None
     if mask is not None and not bool(mask[:, -1].all()):
+        # an empty prompt, or right padding (stock feeds the pad and generates after it): the pad is not stored
         last_is_pad = mask[:, -1] == 0
-        if bool(mask[last_is_pad].any()):
-            raise ValueError("The last prompt token of some row is padding but the row has real tokens (right "
-                             "padding). Decoder-only generation needs left padding: set tokenizer.padding_side='left'.")
     cache.model_fingerprint = fingerprint
     model_kwargs[key] = cache
     _beam_rows.discard(cache)

@@ -454,3 +454,51 @@ def test_decoders_with_positions_from_the_cache_length_stay_eager(family, monkey
     assert torch.equal(want, got)
     runner, = spy.runners
     assert (runner.disabled is None and runner.replays >= 5) or "positions" in runner.disabled, runner.disabled
+
+
+# ---- issue 18: padded decoder prompts, hf_cascade_config as a dict, max_kv_bytes -------------------------------
+def _padded_decoder_prompt(family, side="left", lengths=(6, 3), n=1):
+    """Decoder prompts of different lengths (a prompt per input, padded) and their mask, one row per input."""
+    g = torch.Generator().manual_seed(9)
+    width = max(lengths)
+    start = FAMILIES[family]().decoder_start_token_id if family in FAMILIES else 3
+    ids = torch.randint(10, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        cols = slice(width - length, width) if side == "left" else slice(0, length)
+        mask[row, cols] = 1
+        ids[row, cols.start] = start
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+_PAGED = hf_cascade.CascadeConfig(backend="reference", block_size=4)
+
+
+@pytest.mark.parametrize("config", [None, _PAGED], ids=["dense_self_cache", "paged_self_cache"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+def test_padded_decoder_prompt_gives_stock_tokens(family, mode, side, config):
+    """decoder_attention_mask with zeros (what Whisper's batched long-form builds when its rows' previous text
+    differs in length): stock masks the pads; the paged cache never stores them."""
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        inputs = dict(input_features=_SHORT)
+        # Whisper's own generate builds its decoder prompt; GenerationMixin.generate takes one as given
+        call = lambda model, **kw: T.GenerationMixin.generate(model, **kw)   # noqa: E731
+    else:
+        stock, cascade = cached_pair(family)
+        ids, mask = sources()
+        inputs = dict(input_ids=ids, attention_mask=mask)
+        call = lambda model, **kw: model.generate(**kw)   # noqa: E731
+    decoder_ids, decoder_mask = _padded_decoder_prompt(family, side)
+    kw = dict(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, max_new_tokens=NEW,
+              min_new_tokens=NEW, return_dict_in_generate=True, output_scores=True, **MODES[mode])
+    outs = []
+    for model, extra in ((stock, {}), (cascade, {} if config is None else {"hf_cascade_config": config})):
+        torch.manual_seed(1234)
+        outs.append(call(model, **kw, **extra))
+    want, got = outs
+    assert torch.equal(want.sequences, got.sequences)
+    if mode == "beam":
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-9)

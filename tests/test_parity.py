@@ -224,14 +224,6 @@ def test_empty_prompt_in_left_padded_batch(unpadded_embedding_pair, mode, explic
     assert_same(expected, cascade.generate(**kw, **extra))
 
 
-def test_right_padding_is_still_refused(llama_pair):
-    _, cascade = llama_pair
-    ids, mask = padded_batch(seed=12)
-    mask[0, -1] = 0
-    with pytest.raises(ValueError, match="right padding"):
-        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
-
-
 # ---- nothing to share: stock's path ----------------------------------------------------------------------
 
 def test_nothing_to_share_runs_on_stock_path_logged_once(llama_pair, caplog, monkeypatch):
@@ -319,10 +311,9 @@ class Raise(StoppingCriteria):
 def _failures(cascade):
     ids, mask = padded_batch(seed=16)
     base = dict(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6, pad_token_id=0)
-    right = mask.clone()
-    right[0, -1] = 0
+    positions = torch.zeros(3, *ids.shape, dtype=torch.long)     # several position axes: refused by the prefill
     return {
-        "bad input": (dict(base, attention_mask=right), ValueError, CascadeConfig()),
+        "bad input": (dict(base, position_ids=positions), NotImplementedError, CascadeConfig()),
         "stopping criterion": (dict(base, stopping_criteria=StoppingCriteriaList([Raise(RuntimeError("x"), 3)])),
                                RuntimeError, CascadeConfig()),
         "KeyboardInterrupt": (dict(base, stopping_criteria=StoppingCriteriaList([Raise(KeyboardInterrupt(), 2)])),
@@ -344,9 +335,9 @@ def test_failed_generate_leaves_cache_empty_and_reusable(llama_pair, failure, fi
                                  return_dict_in_generate=True, **cache_kw(cascade, cache))
         assert cache.get_seq_length() > 0 and returned_cache(first) is cache
         ids2, mask2 = next_turn(first.sequences, mask, seed=18)
-        if failure == "bad input":
-            mask2[0, -1] = 0
         kw = dict(kw, input_ids=ids2, attention_mask=mask2)
+        if failure == "bad input":
+            kw["position_ids"] = torch.zeros(3, *ids2.shape, dtype=torch.long)
     with pytest.raises(error) as info:
         cascade.generate(**kw, **cache_kw(cascade, cache))
     if failure == "pool exhausted":
