@@ -122,6 +122,10 @@ def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device,
 
 
 # ---- CascadeConfig.max_kv_bytes over the caches that are not paged --------------------------------------
+class KVCapExceeded(PoolExhausted):
+    """A :class:`~hf_cascade.PoolExhausted` raised by :class:`KVCap` (its message says what it counted)."""
+
+
 class KVCap:
     """``CascadeConfig.max_kv_bytes`` for one encoder-decoder generate call: the bytes of K/V that the call's
     caches hold (the cross K/V stored once per input, a dense self-attention cache) are counted before each of
@@ -138,7 +142,7 @@ class KVCap:
     def check(self, extra: int, what: str) -> None:
         held = self.held()              # a loop over layers, only where a cache allocates (not every step)
         if held + extra > self.cap:
-            raise PoolExhausted(
+            raise KVCapExceeded(
                 f"CascadeConfig.max_kv_bytes={self.cap} would be exceeded: {what} needs {extra} more bytes with "
                 f"{held} held already. Raise max_kv_bytes, or lower the number of beams or returned sequences, "
                 "the source length or max_new_tokens.")
@@ -697,7 +701,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                             synced_gpus=synced_gpus, **model_kwargs)
         return _without_cache(result)
     except PoolExhausted as err:
-        if cap is None or not paged:
+        if cap is None or not paged or isinstance(err, KVCapExceeded):
             raise
         raise PoolExhausted(f"{err} (Of CascadeConfig.max_kv_bytes={cap.cap}, the cross-attention K/V of this call "
                             f"take {cross.kv_bytes} bytes; the decoder's paged self-attention cache gets the rest.)"
@@ -718,7 +722,7 @@ def _paged_self_cache(model, config: CascadeConfig, cap: KVCap | None) -> Cascad
     try:
         return CascadeCache(model.config, dataclasses.replace(config, max_kv_bytes=max(left, 1)))
     except ValueError as err:        # less than one block left for the self-attention
-        raise PoolExhausted(f"CascadeConfig.max_kv_bytes={cap.cap} would be exceeded: the cross-attention K/V of "
+        raise KVCapExceeded(f"CascadeConfig.max_kv_bytes={cap.cap} would be exceeded: the cross-attention K/V of "
                             f"this call take {cap.held()} bytes, leaving {left}, less than one block of the "
                             "decoder's self-attention. Raise max_kv_bytes, or lower the number or length of the "
                             "inputs.") from err
