@@ -61,7 +61,15 @@ def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
     if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
-        return encoder_decoder.unsupported_reason(model)
+        reason = encoder_decoder.unsupported_reason(model)
+        if reason is None and config.model_type in encoder_decoder.COMPOSITE:
+            # stock's path, but the "cascade" mask reaches every part: each must take it through the interface
+            for part in (model.get_encoder(), model.get_decoder()):
+                if not routes_attention(part):
+                    return (f"its {'encoder' if part is model.get_encoder() else 'decoder'} "
+                            f"({type(part).__name__}) computes attention in its own code: it does not call "
+                            "transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS)")
+        return reason
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
     if not routes_attention(model):
@@ -81,9 +89,11 @@ def unsupported_reason(model) -> str | None:
 def check_model_supported(model) -> None:
     reason = unsupported_reason(model)
     if reason is not None:
+        # a composite model (VisionEncoderDecoderModel, ...): what its decoder has (TrOCR: eager only)
+        part = model.get_decoder() if model.config.model_type in encoder_decoder.COMPOSITE else model
         raise NotImplementedError(
             f"attn_implementation='cascade' cannot serve this model: {reason}. "
-            f"Load it with attn_implementation='{stock_attention(model)}' instead.")
+            f"Load it with attn_implementation='{stock_attention(part)}' instead.")
 
 
 def model_fingerprint(model) -> tuple:
@@ -111,7 +121,7 @@ def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, atte
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match the inputs' {shape}")
         if not bool(attention_mask.all()):
             cache.set_write_mask(attention_mask)
-        if position_ids is None:
+        if position_ids is None and _accepts(model, "position_ids"):   # else (BART-family decoders): columns
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
             position_ids = position_ids + cache.get_seq_length()
         past = cache.get_seq_length()
@@ -165,6 +175,8 @@ def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: 
     """The tokens :func:`prefill_prompts` stores once for the whole batch (0: none)."""
     if prompts is None or "inputs_embeds" in inputs or _has_sliding_window(model):
         return 0                  # embeddings are not compared; a window would count the other prompts' pads
+    if positions is None and mask is not None and not _accepts(model, "position_ids") and not bool(mask.all()):
+        return 0                  # positions are columns (BART-family decoders): pads shift each row's tokens
     also = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor)) + (() if positions is None else (positions,))
     return shared_prefix_length(prompts, mask, min_tokens=block_size, also=also)
 
@@ -285,9 +297,10 @@ def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | No
     positions come from the mask as stock's), except under a sliding window the call can exceed: stock counts
     the pad columns inside the window, the cascade only stored tokens. Cross-attention inputs
     (``encoder_hidden_states``: a decoder used alone) would be written into the decoder's own cache."""
-    if model_kwargs.get("encoder_hidden_states") is not None:
-        return ("the decoder gets cross-attention inputs (encoder_hidden_states), which the decoder-only cascade "
-                "does not store; use the encoder-decoder model, whose cascade stores the cross K/V once per input")
+    given = [k for k in ("encoder_hidden_states", "encoder_outputs") if model_kwargs.get(k) is not None]
+    if given:     # WhisperForCausalLM takes encoder_outputs, the BART family's decoders encoder_hidden_states
+        return (f"the decoder gets cross-attention inputs ({given[0]}), which the decoder-only cascade does not "
+                "store; use the encoder-decoder model, whose cascade stores the cross K/V once per input")
     mask = model_kwargs.get("attention_mask")
     if mask is None or mask.dim() != 2 or not _has_sliding_window(model):
         return None
@@ -443,6 +456,10 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
     n = max(generation_config.num_beams, generation_config.num_return_sequences or 1)
     width = _prompt_width(input_ids, model_kwargs)
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    reason = input_stock_reason(model, model_kwargs, generation_config)
+    if reason is not None:
+        raise ValueError(f"This call cannot run on a CascadeCache: {reason}. Pass no cache (generate then runs it on "
+                         "stock's path, with stock's tokens), or change the input as said.")
     inputs = _prompt_inputs(model, model_kwargs, rows, width)
     past = cache.get_seq_length()
     if past:
@@ -451,10 +468,6 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
         raise NotImplementedError(f"position_ids of shape {tuple(positions.shape)} (several position axes) are not "
                                   "supported by the cascade prefill; load the model with "
                                   f"attn_implementation='{stock_attention(model)}'.")
-    reason = input_stock_reason(model, model_kwargs, generation_config)
-    if reason is not None:
-        raise ValueError(f"This call cannot run on a CascadeCache: {reason}. Pass no cache (generate then runs it on "
-                         "stock's path, with stock's tokens), or change the input as said.")
     last_is_pad = None
     if mask is not None and not bool(mask[:, -1].all()):
         # an empty prompt, or right padding (stock feeds the pad and generates after it): the pad is not stored
