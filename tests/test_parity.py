@@ -356,9 +356,14 @@ def test_failed_generate_leaves_cache_empty_and_reusable(llama_pair, failure, fi
 @pytest.mark.parametrize("config,expected", [
     (lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4), "eager"),
     (lambda: transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4), "eager"),
-    (lambda: transformers.StableLmConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                         num_hidden_layers=2, num_attention_heads=4), "sdpa"),
-], ids=["mamba", "bloom", "stablelm"])
+    # multi-head latent attention (StableLM was here: it routes its attention through the interface and is served)
+    (lambda: transformers.DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                           moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                           qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                                           num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1),
+     "sdpa"),
+], ids=["mamba", "bloom", "deepseek_v3_mla"])
 def test_refusal_names_an_attention_the_model_has(config, expected):
     model = AutoModelForCausalLM.from_config(config(), attn_implementation="cascade").eval()
     assert generation.stock_attention(model) == expected

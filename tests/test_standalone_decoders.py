@@ -205,3 +205,18 @@ def test_trocr_inside_vision_encoder_decoder_is_refused_with_the_reason():
                                                   r"code.*attn_implementation='eager'"):
         model.generate(pixel_values=pixels, max_new_tokens=2, num_beams=2)
     _vision_encoder_decoder_model("eager", "trocr").eval().generate(pixel_values=pixels, max_new_tokens=2)
+
+
+def test_a_decoder_only_model_without_transformers_flag_is_served():
+    """StableLM routes its attention through ALL_ATTENTION_FUNCTIONS without `_supports_attention_backend`
+    (it was refused for the flag): served, stock's tokens."""
+    def config():
+        return T.StableLmConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    stock, cascade = pair(lambda attn: T.AutoModelForCausalLM.from_config(config(), attn_implementation=attn,
+                                                                           dtype=torch.float64))
+    assert not getattr(cascade, "_supports_attention_backend", False) and generation.unsupported_reason(cascade) is None
+    ids, mask = padded_batch(seed=10)
+    want, got = both(stock, cascade, input_ids=ids, attention_mask=mask, num_beams=3,
+                     cascade_kw=cache_kw(cascade, CascadeCache(cascade.config)))
+    assert_same(want, got)
