@@ -146,7 +146,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     cross = encoder_decoder.cross_layer_of(key)
     if cross is not None:    # encoder-decoder cross-attention over K/V stored once per input
         return encoder_decoder.cross_attention(cross, module, query, dropout, scaling, kwargs)
-    found = take_pending(module.layer_idx)
+    # a module without layer_idx (a ViT encoder's) never writes a cache: dense
+    layer_idx = getattr(module, "layer_idx", None)
+    found = None if layer_idx is None else take_pending(layer_idx)
     if found is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     ctx, write = found

@@ -26,6 +26,7 @@ reference to their layer, which :func:`cross_layer_of` finds.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import weakref
@@ -35,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache
 
 from . import graphs, kernels
+from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .context import current as current_step
@@ -48,10 +50,15 @@ SUPPORTED = {"bart": "", "mbart": "", "marian": "", "m2m_100": "", "whisper": ""
 _ATTR = "_hf_cascade_cross"       # the placeholder K tensor's reference to its CrossLayer
 
 
+# Models that pair any encoder with any decoder: generate runs them on stock's dense path (their decoders'
+# cross-attention modules and an encoder-to-decoder projection differ per pairing), logged once.
+COMPOSITE = ("encoder-decoder", "vision-encoder-decoder", "speech-encoder-decoder")
+
+
 def unsupported_reason(model) -> str | None:
-    """Why the encoder-decoder cascade path cannot serve ``model`` (None when it can)."""
+    """Why the encoder-decoder cascade path cannot serve ``model`` (None when it can, also on stock's path)."""
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED:
+    if model_type not in SUPPORTED and model_type not in COMPOSITE:
         return (f"it is an encoder-decoder model of type {model_type!r}; the cascade path serves "
                 f"{', '.join(sorted(SUPPORTED))}")
     if not hasattr(model, "get_decoder"):
@@ -82,6 +89,18 @@ def _project(attn, states: torch.Tensor):
     return k.view(states.shape[0], -1, head_dim), v.view(states.shape[0], -1, head_dim)
 
 
+def _projected_width(attn) -> int:
+    """K plus V features that :func:`_project` gives per token."""
+    k, v = (attn.k_proj, attn.v_proj) if hasattr(attn, "k_proj") else (attn.k, attn.v)
+    return k.out_features + v.out_features
+
+
+def _projected_itemsize(attn, states: torch.Tensor) -> int:
+    weight = attn.k_proj.weight if hasattr(attn, "k_proj") else attn.k.weight
+    return torch.promote_types(weight.dtype, states.dtype).itemsize if weight.is_floating_point() \
+        else states.element_size()
+
+
 def uses_relative_bias(model) -> bool:
     return SUPPORTED.get(getattr(model.config, "model_type", None)) == "relative bias"
 
@@ -102,6 +121,67 @@ def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device,
     return decoder_ids.shape[1] - 1 >= config.block_size
 
 
+# ---- CascadeConfig.max_kv_bytes over the caches that are not paged --------------------------------------
+class KVCapExceeded(PoolExhausted):
+    """A :class:`~hf_cascade.PoolExhausted` raised by :class:`KVCap` (its message says what it counted)."""
+
+
+class KVCap:
+    """``CascadeConfig.max_kv_bytes`` for one encoder-decoder generate call: the bytes of K/V that the call's
+    caches hold (the cross K/V stored once per input, a dense self-attention cache) are counted before each of
+    their allocations, and one that would pass the cap raises :class:`~hf_cascade.PoolExhausted` before it
+    happens. A paged self-attention CascadeCache gets what the cross K/V leave as its own cap."""
+
+    def __init__(self, cap: int):
+        self.cap = int(cap)
+        self.caches: list = []          # the call's caches, as :func:`held_bytes` counts them
+
+    def held(self) -> int:
+        return sum(held_bytes(c) for c in self.caches)
+
+    def check(self, extra: int, what: str) -> None:
+        held = self.held()              # a loop over layers, only where a cache allocates (not every step)
+        if held + extra > self.cap:
+            raise KVCapExceeded(
+                f"CascadeConfig.max_kv_bytes={self.cap} would be exceeded: {what} needs {extra} more bytes with "
+                f"{held} held already. Raise max_kv_bytes, or lower the number of beams or returned sequences, "
+                "the source length or max_new_tokens.")
+
+
+def held_bytes(cache) -> int:
+    """Bytes of K/V ``cache`` holds now (buffers, spares and pools; a view is not counted twice)."""
+    if isinstance(cache, CrossAttentionCache):
+        return cache.kv_bytes
+    if isinstance(cache, CascadeCache):
+        return sum(l.storage.nbytes for l in cache.layers if l.storage is not None)
+    if isinstance(cache, ReorderedCache):
+        spares = cache.layers[0]._spares if cache.layers else {}
+        return sum(b.nbytes for l in cache.layers for b in (l._buffers or ())) + \
+            sum(b.nbytes for b in spares.values())
+    return sum(t.nbytes for l in getattr(cache, "layers", ()) if getattr(l, "is_initialized", False)
+               for t in (l.keys, l.values) if isinstance(t, torch.Tensor))
+
+
+class CappedLayer(DynamicLayer):
+    """Stock's DynamicLayer whose growth is counted against a :class:`KVCap` before it happens."""
+
+    def __init__(self, cap: KVCap, what: str):
+        super().__init__()
+        self._cap, self._what = cap, what
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self._cap.check(key_states.nbytes + value_states.nbytes, self._what)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def capped_dynamic_cache(cap: KVCap, what: str) -> DynamicCache:
+    """A DynamicCache of :class:`CappedLayer` (registered with ``cap``)."""
+    cache = DynamicCache()
+    Cache.__init__(cache, layer_class_to_replicate=functools.partial(CappedLayer, cap, what))
+    cap.caches.append(cache)
+    return cache
+
+
 # ---- decoder self-attention where it stays dense -----------------------------------------------------
 class ReorderedLayer(DynamicLayer):
     """A DynamicLayer for beam search without its two copies per step: stock's ``reorder_cache`` copies
@@ -114,9 +194,10 @@ class ReorderedLayer(DynamicLayer):
     same result on the strided view as on a contiguous copy (tests compare tokens with stock). Any other
     operation (crop, batch_select_indices, ...) first turns the layer back into a plain DynamicLayer."""
 
-    def __init__(self, capacity: int = 64, spares: dict | None = None):
+    def __init__(self, capacity: int = 64, spares: dict | None = None, cap: KVCap | None = None):
         super().__init__()
         self.capacity = max(int(capacity), 1)
+        self._cap = cap                 # max_kv_bytes: checked before each buffer is allocated
         self._spares = {} if spares is None else spares     # (shape, dtype, device) -> a free buffer
         self._buffers = None          # [K buffer, V buffer]
         self._pending = None          # a reorder not applied yet
@@ -134,6 +215,8 @@ class ReorderedLayer(DynamicLayer):
     def _spare(self, like: torch.Tensor) -> torch.Tensor:
         key = (tuple(like.shape), like.dtype, like.device)
         spare = self._spares.pop(key, None)
+        if spare is None and self._cap is not None:
+            self._cap.check(like.nbytes, _DENSE_SELF)
         return like.new_empty(like.shape) if spare is None else spare
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -148,6 +231,8 @@ class ReorderedLayer(DynamicLayer):
                 self._spares.pop((tuple(buffers[0].shape), buffers[0].dtype, buffers[0].device), None)
             capacity = max(self.capacity, past + new) if buffers is None else max(self.capacity, 2 * (past + new))
             shape = (capacity, rows, key_states.shape[1], key_states.shape[3])
+            if self._cap is not None:
+                self._cap.check(2 * int(np.prod(shape)) * key_states.element_size(), _DENSE_SELF)
             buffers = self._buffers = [key_states.new_empty(shape), value_states.new_empty(shape)]
             if past:
                 buffers[0][:past].copy_(self.keys.permute(2, 0, 1, 3))
@@ -193,17 +278,22 @@ class ReorderedCache(DynamicCache):
     DynamicCache of :class:`ReorderedLayer` sized for the call's ``max_length``, one copy of the K/V per
     beam step instead of two, and one spare buffer for all layers (about stock's memory at the last step)."""
 
-    def __init__(self, capacity: int = 64):
-        Cache.__init__(self, layer_class_to_replicate=functools.partial(ReorderedLayer, capacity, {}))
+    def __init__(self, capacity: int = 64, cap: KVCap | None = None):
+        Cache.__init__(self, layer_class_to_replicate=functools.partial(ReorderedLayer, capacity, {}, cap))
+        if cap is not None:
+            cap.caches.append(self)
 
 
-def self_attention_cache(device: torch.device, generation_config) -> DynamicCache:
+_DENSE_SELF = "the decoder's self-attention K/V (a dense cache: the K/V of every beam)"
+
+
+def self_attention_cache(device: torch.device, generation_config, cap: KVCap | None = None) -> DynamicCache:
     """The dense self-attention cache: :class:`ReorderedCache` on the CPU (sized for the generate call's
     ``max_length``), stock's DynamicCache elsewhere (the strided K/V views are not yet checked against stock
-    on the GPU kernels)."""
+    on the GPU kernels); its allocations counted against ``cap`` (max_kv_bytes) where one is set."""
     if device.type != "cpu":
-        return DynamicCache()
-    return ReorderedCache(min(int(getattr(generation_config, "max_length", None) or 64), 4096))
+        return DynamicCache() if cap is None else capped_dynamic_cache(cap, _DENSE_SELF)
+    return ReorderedCache(min(int(getattr(generation_config, "max_length", None) or 64), 4096), cap)
 
 
 # ---- the encoder output: never expanded k times ----------------------------------------------------
@@ -342,8 +432,9 @@ class CrossAttentionCache(Cache):
         self._plans: dict = {}
 
     @torch.no_grad()
-    def fill(self, modules, states: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Project and store each input's real encoder tokens: ``states`` [B, S, d], ``mask`` [B, S] or None."""
+    def fill(self, modules, states: torch.Tensor, mask: torch.Tensor | None, cap: KVCap | None = None) -> None:
+        """Project and store each input's real encoder tokens: ``states`` [B, S, d], ``mask`` [B, S] or None;
+        their bytes are checked against ``cap`` (max_kv_bytes) before anything is projected or allocated."""
         batch, width, _ = states.shape
         real = torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
         lengths = real.sum(1).numpy().astype(np.int64)            # one host read per generate call
@@ -361,6 +452,11 @@ class CrossAttentionCache(Cache):
         device = states.device
         block = torch.from_numpy(first[owner] + order // bs).to(device)
         slot = torch.from_numpy(order % bs).to(device)
+        if cap is not None:
+            need = sum(int(blocks.sum()) * bs * _projected_width(attn) * _projected_itemsize(attn, states)
+                       for attn in modules)
+            cap.check(need, f"the cross-attention K/V ({int(lengths.sum())} encoder tokens of {batch} inputs, "
+                            f"stored once per input in blocks of {bs}, {len(modules)} layers)")
         flat = states.reshape(batch * width, -1)
         if mask is not None:
             flat = flat[real.reshape(-1).to(device)]              # only real tokens: pads are never stored
@@ -486,12 +582,36 @@ def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
 
 # ---- the generate entry -----------------------------------------------------------------------------
 def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-           model_kwargs):
-    """Stock dense decoding (stock's expanded encoder output restored)."""
+           model_kwargs, cascade_config: CascadeConfig, key: str):
+    """Stock dense decoding (stock's expanded encoder output restored); ``max_kv_bytes`` holds on its caches too
+    (stock's EncoderDecoderCache with the growth of both halves counted against it)."""
     if model_kwargs.get("encoder_outputs") is not None:
         restore_expansion(model_kwargs["encoder_outputs"])
+    cap = cascade_config.max_kv_bytes
+    if cap is not None and generation_config.use_cache:
+        existing = model_kwargs.get(key)
+        if existing is not None and getattr(existing, "_is_user_defined", False):
+            raise ValueError(f"CascadeConfig.max_kv_bytes={cap} cannot be held on a cache of the caller's "
+                             f"({type(existing).__name__}), which this call decodes into as stock does; pass no "
+                             "cache, or leave max_kv_bytes unset.")
+        kv_cap = KVCap(cap)
+        model_kwargs[key] = EncoderDecoderCache(
+            capped_dynamic_cache(kv_cap, "the decoder's self-attention K/V (stock's dense cache, every beam)"),
+            capped_dynamic_cache(kv_cap, "the cross-attention K/V (stock's dense cache: every beam's copy)"))
     return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                   synced_gpus=synced_gpus, **model_kwargs)
+
+
+_composite_logged = False
+
+
+def _log_composite(model) -> None:
+    global _composite_logged
+    if not _composite_logged:
+        _composite_logged = True
+        logger.info("hf_cascade: %s runs generate on stock's dense path (the cascade's encoder-decoder path serves "
+                    "%s, not a pairing of any encoder and decoder); load its decoder alone for the decoder-only "
+                    "cascade (logged once).", type(model).__name__, ", ".join(sorted(SUPPORTED)))
 
 
 def _without_cache(result):
@@ -503,8 +623,9 @@ def _without_cache(result):
 
 
 def generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, decode,
-             cascade_config: CascadeConfig | None, key: str, **model_kwargs):
+             cascade_config: CascadeConfig | dict | None, key: str, **model_kwargs):
     """:func:`hf_cascade.generation.cascade_generate` for encoder-decoder models (see the module docstring)."""
+    cascade_config = CascadeConfig.coerce(cascade_config)      # a dict too; every field checked
     existing = model_kwargs.get(key)
     if generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
@@ -512,15 +633,18 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     if isinstance(existing, (CascadeCache, CascadeEncoderDecoderCache)):
         raise ValueError("A cache passed to generate of an encoder-decoder model is not supported by the cascade "
                          "path (Whisper reuses it across segments); pass no cache.")
+    dense = (decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+             model_kwargs, cascade_config, key)
+    if model.config.model_type in COMPOSITE:
+        _log_composite(model)
+        return _dense(*dense)
     if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
                                                       or generation_config.output_attentions):
         logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
                        "(encoder output expanded per beam, as stock).")
-        return _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus, model_kwargs)
+        return _dense(*dense)
     if not generation_config.use_cache or (existing is not None and getattr(existing, "_is_user_defined", False)):
-        return _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
-                      synced_gpus, model_kwargs)
+        return _dense(*dense)
     encoder_outputs = model_kwargs.get("encoder_outputs")
     if encoder_outputs is None:
         raise ValueError("generate of an encoder-decoder model reached the cascade entry without encoder_outputs.")
@@ -535,43 +659,86 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     if source_mask is not None and source_mask.shape != states.shape[:2]:
         raise ValueError(f"attention_mask {tuple(source_mask.shape)} does not match the encoder output "
                          f"{tuple(states.shape[:2])}; use attn_implementation='sdpa' for this model.")
+    decoder_mask = model_kwargs.get("decoder_attention_mask")
+    if decoder_mask is not None and tuple(decoder_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"decoder_attention_mask {tuple(decoder_mask.shape)} must match the decoder prompt "
+                         f"{tuple(input_ids.shape)} (one row per beam or returned sequence).")
+    padded = decoder_mask is not None and not bool(decoder_mask.all())
 
     modules = cross_attention_modules(model)
+    cap = None if cascade_config.max_kv_bytes is None else KVCap(cascade_config.max_kv_bytes)
     cross = CrossAttentionCache(len(modules), cascade_config)
-    repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
-    cross.fill(modules, states[::repeats], None if source_mask is None else source_mask[::repeats])
-    paged = paged_self_attention(model, input_ids, states.device, cascade_config or CascadeConfig())
-    self_cache = CascadeCache(model.config, cascade_config) if paged else self_attention_cache(
-        states.device, generation_config)
-    cache = CascadeEncoderDecoderCache(self_cache, cross)
-    model_kwargs[key] = cache
-    # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
-    if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy to change
-        model_kwargs["encoder_outputs"] = encoder_outputs = type(encoder_outputs)(**encoder_outputs)
-        encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
-        encoder_outputs.hf_cascade_expand_size = n
-        encoder_outputs["last_hidden_state"] = _placeholder(states, rows)
-    runner = None
+    paged = paged_self_attention(model, input_ids, states.device, cascade_config)
+    self_cache = runner = None
     try:
-        decoder_mask = model_kwargs.get("decoder_attention_mask")
-        if decoder_mask is not None and not bool(decoder_mask.all()):
-            raise NotImplementedError("a padded decoder prompt (decoder_attention_mask with zeros) is not supported "
-                                      "by the cascade path; use attn_implementation='sdpa'.")
+        if cap is not None:
+            cap.caches.append(cross)
+        repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
+        cross.fill(modules, states[::repeats], None if source_mask is None else source_mask[::repeats], cap)
+        self_cache = _paged_self_cache(model, cascade_config, cap) if paged else self_attention_cache(
+            states.device, generation_config, cap)
+        cache = CascadeEncoderDecoderCache(self_cache, cross)
+        model_kwargs[key] = cache
+        # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
+        if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy
+            model_kwargs["encoder_outputs"] = encoder_outputs = type(encoder_outputs)(**encoder_outputs)
+            encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
+            encoder_outputs.hf_cascade_expand_size = n
+            encoder_outputs["last_hidden_state"] = _placeholder(states, rows)
         if paged and input_ids.shape[1] > 1:
             # the decoder prompt (Whisper's start tokens, a prompt) is the same for an input's beams: once
-            with torch.no_grad():
-                model(decoder_input_ids=input_ids[::n, :-1], encoder_outputs=(_placeholder(states, rows // n),),
-                      attention_mask=source_mask, use_cache=True, **{key: cache})
+            _prefill_decoder_prompt(model, cache, input_ids[::n, :-1], None if not padded else decoder_mask[::n, :-1],
+                                    states, source_mask, key)
             self_cache.batch_repeat_interleave(n)
             if decoder_mask is None:   # with a mask, generate's first step feeds only the tokens past the cache
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
+        if paged and padded and not bool(decoder_mask[:, -1].all()):
+            self_cache.set_write_mask(decoder_mask[:, -1:])   # a last pad is not stored either
         if paged:           # the decode steps on a static layout, as a captured graph where one can run
             runner = graphs.begin_decoding(model, self_cache, generation_config, input_ids.shape[1])
         with runner or contextlib.nullcontext():
             result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, **model_kwargs)
         return _without_cache(result)
+    except PoolExhausted as err:
+        if cap is None or not paged or isinstance(err, KVCapExceeded):
+            raise
+        raise PoolExhausted(f"{err} (Of CascadeConfig.max_kv_bytes={cap.cap}, the cross-attention K/V of this call "
+                            f"take {cross.kv_bytes} bytes; the decoder's paged self-attention cache gets the rest.)"
+                            ) from err
     finally:
-        if paged:           # the runner is not kept for a next call: the encoder outputs differ per call
+        if paged and self_cache is not None:   # the runner is not kept for a next call: encoder outputs differ
             graphs.finish_call(model, self_cache, runner, owned=False, ok=True)
-        cache.reset()        # nobody else can reach this cache: give every block back now
+        if self_cache is not None:
+            self_cache.reset()
+        cross.reset()        # nobody else can reach these caches: give every block back now
+
+
+def _paged_self_cache(model, config: CascadeConfig, cap: KVCap | None) -> CascadeCache:
+    """The decoder's paged self-attention CascadeCache; under max_kv_bytes, capped at what the cross K/V leave."""
+    if cap is None:
+        return CascadeCache(model.config, config)
+    left = cap.cap - cap.held()
+    try:
+        return CascadeCache(model.config, dataclasses.replace(config, max_kv_bytes=max(left, 1)))
+    except ValueError as err:        # less than one block left for the self-attention
+        raise KVCapExceeded(f"CascadeConfig.max_kv_bytes={cap.cap} would be exceeded: the cross-attention K/V of "
+                            f"this call take {cap.held()} bytes, leaving {left}, less than one block of the "
+                            "decoder's self-attention. Raise max_kv_bytes, or lower the number or length of the "
+                            "inputs.") from err
+
+
+def _prefill_decoder_prompt(model, cache, ids: torch.Tensor, mask: torch.Tensor | None, states, source_mask,
+                            key: str) -> None:
+    """The decoder prompt's tokens but the last, once per input, into the paged self-attention cache; pad tokens
+    (``mask`` zeros) are not stored. Positions as stock's: Whisper's from the decoder mask (its
+    prepare_inputs_for_generation), the other families' from the cache length (pads count)."""
+    extra = {}
+    if mask is not None:
+        cache.self_attention_cache.set_write_mask(mask)
+        extra["decoder_attention_mask"] = mask
+        if model.config.model_type == "whisper":
+            extra["decoder_position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        model(decoder_input_ids=ids, encoder_outputs=(_placeholder(states, ids.shape[0]),),
+              attention_mask=source_mask, use_cache=True, **extra, **{key: cache})

@@ -13,6 +13,7 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 from types import SimpleNamespace
@@ -36,15 +37,44 @@ def _text_config(model):
     return model.config.get_text_config(decoder=True)
 
 
+def routes_attention(model) -> bool:
+    """Whether ``model``'s attention layers call the implementation chosen by ``attn_implementation`` through
+    transformers' ``ALL_ATTENTION_FUNCTIONS`` (else "cascade" would never run and its cache would mislead them).
+    transformers' ``_supports_attention_backend`` says so for most models, but not for all that do: the
+    decoders of BART, mBART, Marian and Whisper used alone (``*ForCausalLM``) route it but lack the flag. So
+    read the code: some module's ``forward`` names ``ALL_ATTENTION_FUNCTIONS``."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    seen = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        code = getattr(inspect.unwrap(cls.forward), "__code__", None)    # under decorators (deprecate_kwarg, ...)
+        if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+            return True
+    return False
+
+
 def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
     if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
-        return encoder_decoder.unsupported_reason(model)
+        reason = encoder_decoder.unsupported_reason(model)
+        if reason is None and config.model_type in encoder_decoder.COMPOSITE:
+            # stock's path, but the "cascade" mask reaches every part: each must take it through the interface
+            for part in (model.get_encoder(), model.get_decoder()):
+                if not routes_attention(part):
+                    return (f"its {'encoder' if part is model.get_encoder() else 'decoder'} "
+                            f"({type(part).__name__}) computes attention in its own code: it does not call "
+                            "transformers' AttentionInterface (ALL_ATTENTION_FUNCTIONS)")
+        return reason
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not route its attention through transformers' AttentionInterface"
+    if not routes_attention(model):
+        return (f"{type(model).__name__} computes attention in its own code: no module of it calls transformers' "
+                "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so the cascade attention would never run")
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
         return "it uses multi-head latent attention (MLA), whose cache payload is not plain K/V"
     if getattr(text, "num_kv_shared_layers", 0):
@@ -59,9 +89,11 @@ def unsupported_reason(model) -> str | None:
 def check_model_supported(model) -> None:
     reason = unsupported_reason(model)
     if reason is not None:
+        # a composite model (VisionEncoderDecoderModel, ...): what its decoder has (TrOCR: eager only)
+        part = model.get_decoder() if model.config.model_type in encoder_decoder.COMPOSITE else model
         raise NotImplementedError(
             f"attn_implementation='cascade' cannot serve this model: {reason}. "
-            f"Load it with attn_implementation='{stock_attention(model)}' instead.")
+            f"Load it with attn_implementation='{stock_attention(part)}' instead.")
 
 
 def model_fingerprint(model) -> tuple:
@@ -89,7 +121,7 @@ def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, atte
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match the inputs' {shape}")
         if not bool(attention_mask.all()):
             cache.set_write_mask(attention_mask)
-        if position_ids is None:
+        if position_ids is None and _accepts(model, "position_ids"):   # else (BART-family decoders): columns
             position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
             position_ids = position_ids + cache.get_seq_length()
         past = cache.get_seq_length()
@@ -143,6 +175,8 @@ def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: 
     """The tokens :func:`prefill_prompts` stores once for the whole batch (0: none)."""
     if prompts is None or "inputs_embeds" in inputs or _has_sliding_window(model):
         return 0                  # embeddings are not compared; a window would count the other prompts' pads
+    if positions is None and mask is not None and not _accepts(model, "position_ids") and not bool(mask.all()):
+        return 0                  # positions are columns (BART-family decoders): pads shift each row's tokens
     also = tuple(v for v in inputs.values() if isinstance(v, torch.Tensor)) + (() if positions is None else (positions,))
     return shared_prefix_length(prompts, mask, min_tokens=block_size, also=also)
 
@@ -256,6 +290,30 @@ def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, i
     return None
 
 
+def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | None:
+    """Why this call's inputs need stock's own path for stock's tokens (None: the cascade serves them).
+
+    Padding that is not plain left padding (right padding, holes) is stored exactly (pads are never stored;
+    positions come from the mask as stock's), except under a sliding window the call can exceed: stock counts
+    the pad columns inside the window, the cascade only stored tokens. Cross-attention inputs
+    (``encoder_hidden_states``: a decoder used alone) would be written into the decoder's own cache."""
+    given = [k for k in ("encoder_hidden_states", "encoder_outputs") if model_kwargs.get(k) is not None]
+    if given:     # WhisperForCausalLM takes encoder_outputs, the BART family's decoders encoder_hidden_states
+        return (f"the decoder gets cross-attention inputs ({given[0]}), which the decoder-only cascade does not "
+                "store; use the encoder-decoder model, whose cascade stores the cross K/V once per input")
+    mask = model_kwargs.get("attention_mask")
+    if mask is None or mask.dim() != 2 or not _has_sliding_window(model):
+        return None
+    window = getattr(_text_config(model), "sliding_window", None)
+    if window is not None and (generation_config.max_length or 0) <= window:
+        return None
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):      # a pad after a real token: not left padding
+        return (f"a batch that is not left-padded (right padding) on a model with a sliding window ({window}) that "
+                "the call can exceed: stock counts the pad columns inside the window. Left-pad the batch "
+                "(tokenizer.padding_side='left') to share its prompts")
+    return None
+
+
 _stock_path_logged = False
 
 
@@ -336,6 +394,10 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     width = _prompt_width(input_ids, model_kwargs)
     inputs = _prompt_inputs(model, model_kwargs, input_ids.shape[0], width, strict=False)   # _cascade checks
     hf_cascade_config = CascadeConfig.coerce(hf_cascade_config)
+    reason = input_stock_reason(model, model_kwargs, generation_config)
+    if reason is not None:
+        logger.info("hf_cascade: generate runs on stock's dense path: %s.", reason)
+        return stock()
     reason = stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
                                positions, inputs)
     if reason is not None:
@@ -419,6 +481,10 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
     n = max(generation_config.num_beams, generation_config.num_return_sequences or 1)
     width = _prompt_width(input_ids, model_kwargs)
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    reason = input_stock_reason(model, model_kwargs, generation_config)
+    if reason is not None:
+        raise ValueError(f"This call cannot run on a CascadeCache: {reason}. Pass no cache (generate then runs it on "
+                         "stock's path, with stock's tokens), or change the input as said.")
     inputs = _prompt_inputs(model, model_kwargs, rows, width)
     past = cache.get_seq_length()
     if past:
@@ -429,10 +495,8 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
                                   f"attn_implementation='{stock_attention(model)}'.")
     last_is_pad = None
     if mask is not None and not bool(mask[:, -1].all()):
+        # an empty prompt, or right padding (stock feeds the pad and generates after it): the pad is not stored
         last_is_pad = mask[:, -1] == 0
-        if bool(mask[last_is_pad].any()):
-            raise ValueError("The last prompt token of some row is padding but the row has real tokens (right "
-                             "padding). Decoder-only generation needs left padding: set tokenizer.padding_side='left'.")
     cache.model_fingerprint = fingerprint
     model_kwargs[key] = cache
     cache._filled_by_beam_search = False

@@ -454,3 +454,171 @@ def test_decoders_with_positions_from_the_cache_length_stay_eager(family, monkey
     assert torch.equal(want, got)
     runner, = spy.runners
     assert (runner.disabled is None and runner.replays >= 5) or "positions" in runner.disabled, runner.disabled
+
+
+# ---- issue 18: padded decoder prompts, hf_cascade_config as a dict, max_kv_bytes -------------------------------
+def _padded_decoder_prompt(family, side="left", lengths=(6, 3), n=1):
+    """Decoder prompts of different lengths (a prompt per input, padded) and their mask, one row per input."""
+    g = torch.Generator().manual_seed(9)
+    width = max(lengths)
+    start = FAMILIES[family]().decoder_start_token_id if family in FAMILIES else 3
+    ids = torch.randint(10, VOCAB, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        cols = slice(width - length, width) if side == "left" else slice(0, length)
+        mask[row, cols] = 1
+        ids[row, cols.start] = start
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+_PAGED = hf_cascade.CascadeConfig(backend="reference", block_size=4)
+
+
+@pytest.mark.parametrize("config", [None, _PAGED], ids=["dense_self_cache", "paged_self_cache"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+def test_padded_decoder_prompt_gives_stock_tokens(family, mode, side, config):
+    """decoder_attention_mask with zeros (what Whisper's batched long-form builds when its rows' previous text
+    differs in length): stock masks the pads; the paged cache never stores them."""
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        inputs = dict(input_features=_SHORT)
+        # Whisper's own generate builds its decoder prompt; GenerationMixin.generate takes one as given
+        call = lambda model, **kw: T.GenerationMixin.generate(model, **kw)   # noqa: E731
+    else:
+        stock, cascade = cached_pair(family)
+        ids, mask = sources()
+        inputs = dict(input_ids=ids, attention_mask=mask)
+        call = lambda model, **kw: model.generate(**kw)   # noqa: E731
+    decoder_ids, decoder_mask = _padded_decoder_prompt(family, side)
+    kw = dict(**inputs, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask, max_new_tokens=NEW,
+              min_new_tokens=NEW, return_dict_in_generate=True, output_scores=True, **MODES[mode])
+    outs = []
+    for model, extra in ((stock, {}), (cascade, {} if config is None else {"hf_cascade_config": config})):
+        torch.manual_seed(1234)
+        outs.append(call(model, **kw, **extra))
+    want, got = outs
+    assert torch.equal(want.sequences, got.sequences)
+    if mode == "beam":
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("config", [{"backend": "reference", "block_size": 4},
+                                    hf_cascade.CascadeConfig(backend="reference", block_size=4)],
+                         ids=["dict", "CascadeConfig"])
+@pytest.mark.parametrize("family", ["bart", "whisper"])
+def test_cascade_config_as_a_dict(family, config, monkeypatch):
+    plans = []
+    original = encoder_decoder.CrossAttentionCache.plan
+    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan",
+                        lambda self, *a: plans.append(self.block_size) or original(self, *a))
+    want, got = _beam_search_pair(family, config)
+    assert torch.equal(want, got)
+    assert plans and set(plans) == {4}                           # the dict's values were used
+
+
+@pytest.mark.parametrize("config,error,match", [
+    ({"blocksize": 4}, TypeError, "blocksize.*did you mean 'block_size'"),
+    ({"block_size": 0}, ValueError, "block_size must be an int >= 1"),
+    ({"backend": "fast"}, ValueError, "backend must be one of"),
+])
+def test_bad_cascade_config_dict_names_the_field(config, error, match):
+    _, cascade = cached_pair("bart")
+    ids, mask = sources()
+    with pytest.raises(error, match=match):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, num_beams=2, hf_cascade_config=config)
+
+
+def _kv_bytes_reached(cache, seen: dict) -> int:
+    """Bytes of the distinct storages of K/V that ``cache`` holds now, read from the tensors themselves."""
+    tensors = []
+    caches = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "cross_attention_cache") \
+        else [cache]
+    for part in caches:
+        for layer in part.layers:
+            for name in ("pool", "kv", "keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor) and t.stride() != (0,) * t.dim():
+                    tensors.append(t)
+            tensors += list(getattr(layer, "_buffers", None) or ()) + list(getattr(layer, "_spares", {}).values())
+            storage = getattr(layer, "storage", None)
+            if storage is not None:
+                tensors.append(storage.tensor)
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class KVMeter:
+    """The largest K/V footprint the model's forwards saw (each forward's cache, measured before and after)."""
+
+    def __init__(self, model):
+        self.peak = 0
+        self.handles = [model.register_forward_pre_hook(self._hook, with_kwargs=True),
+                        model.register_forward_hook(self._hook_after, with_kwargs=True)]
+
+    def _measure(self, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and hasattr(cache, "layers") or hasattr(cache, "cross_attention_cache"):
+            self.peak = max(self.peak, _kv_bytes_reached(cache, {}))
+
+    def _hook(self, module, args, kwargs):
+        self._measure(kwargs)
+
+    def _hook_after(self, module, args, kwargs, output):
+        self._measure(kwargs)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _capped_call(family, config, output_hidden_states=False):
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        kw = dict(language="en", max_new_tokens=8, num_beams=3)
+        args = (_SHORT,)
+    else:
+        stock, cascade = cached_pair(family)
+        ids, mask = sources()
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, num_beams=4, num_return_sequences=2)
+        args = ()
+    if output_hidden_states:
+        kw.update(return_dict_in_generate=True, output_hidden_states=True)
+    meter = KVMeter(cascade)
+    try:
+        got = cascade.generate(*args, **kw, hf_cascade_config=config)
+    finally:
+        meter.remove()
+    want = stock.generate(*args, **kw)
+    return want, got, meter.peak
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense_self_cache", "paged_self_cache"])
+@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+def test_max_kv_bytes_holds(family, paged):
+    """The cap counts the cross K/V and the self-attention cache (dense or paged): a small one raises
+    PoolExhausted naming max_kv_bytes before it is passed; a large enough one gives stock's tokens, and the K/V
+    measured in every forward never exceed it."""
+    base = dict(backend="reference", block_size=4) if paged else {}
+    with pytest.raises(hf_cascade.PoolExhausted, match="max_kv_bytes"):
+        _capped_call(family, {**base, "max_kv_bytes": 2048})
+    # find what the call needs, then cap just above it (and a little below: refused)
+    want, got, need = _capped_call(family, hf_cascade.CascadeConfig(**base))
+    assert torch.equal(want, got) and need > 2048
+    want, got, peak = _capped_call(family, {**base, "max_kv_bytes": need})
+    assert torch.equal(want, got) and 0 < peak <= need
+    with pytest.raises(hf_cascade.PoolExhausted, match="max_kv_bytes"):
+        _capped_call(family, {**base, "max_kv_bytes": need // 2})
+
+
+def test_max_kv_bytes_holds_on_the_dense_fallback():
+    """output_hidden_states runs stock's dense decoding: its caches count against the cap too."""
+    want, got, need = _capped_call("bart", None, output_hidden_states=True)
+    assert torch.equal(want.sequences, got.sequences) and need > 0
+    want, got, peak = _capped_call("bart", {"max_kv_bytes": need}, output_hidden_states=True)
+    assert torch.equal(want.sequences, got.sequences) and peak <= need
+    with pytest.raises(hf_cascade.PoolExhausted, match="max_kv_bytes"):
+        _capped_call("bart", {"max_kv_bytes": need // 2}, output_hidden_states=True)

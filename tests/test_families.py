@@ -117,8 +117,8 @@ FAMILIES: dict[str, Family] = {
                                   alibi=True), status="load error", error_type=NotImplementedError,
                              error="table of its own.*sdpa", quirks="ALiBi; own attention-class table: refused at load"),
     "StableLM": Family(_llama_like(T.StableLmConfig, partial_rotary_factor=0.25, use_qkv_bias=True),
-                       status="refused", error="does not route its attention through transformers' AttentionInterface",
-                       quirks="own attention classes (not AttentionInterface)"),
+                       quirks="partial RoPE, qkv bias; AttentionInterface without transformers' "
+                              "_supports_attention_backend flag"),
     "OLMo2": Family(_llama_like(T.Olmo2Config), quirks="q/k norm over all heads"),
     "Granite": Family(_llama_like(T.GraniteConfig, attention_multiplier=0.3, embedding_multiplier=2.0,
                                   residual_multiplier=0.5, logits_scaling=2.0),
@@ -153,7 +153,7 @@ FAMILIES: dict[str, Family] = {
     "Mamba": Family(_cfg(T.MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4), status="refused",
                     error="no attention layers", quirks="state-space model: no attention, told to load eager"),
     "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
-                    error="does not route its attention through transformers' AttentionInterface",
+                    error="computes attention in its own code",
                     quirks="ALiBi, own attention code (not AttentionInterface)"),
 }
 
