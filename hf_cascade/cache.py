@@ -419,7 +419,7 @@ class CascadeCache(Cache):
             try:
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
             except LayoutOutgrown as err:     # e.g. a stopping criterion let rows run past max_length
-                logger.info("hf_cascade: decode layout re-planned (%s)", err)
+                logger.info("decode layout re-planned (%s)", err)
                 old, prev = self._layout, self.blocks.lengths - counts
                 old.release()
                 # more room than the call asked for, so that running on does not re-plan every step

@@ -514,7 +514,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                          "path (Whisper reuses it across segments); pass no cache.")
     if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
                                                       or generation_config.output_attentions):
-        logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
+        logger.warning("output_hidden_states/output_attentions run with dense attention "
                        "(encoder output expanded per beam, as stock).")
         return _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus, model_kwargs)
