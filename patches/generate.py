@@ -59,8 +59,9 @@ def _check_switched(model) -> None:
         raise ValueError(
             f"model.config._attn_implementation is 'cascade' but {type(model).__name__}'s decoder still runs "
             f"{used!r} attention (its layers keep a config of their own, so setting the attribute on model.config "
-            "switches only part of the model). Call model.set_attn_implementation('cascade') (after "
-            "`import hf_cascade`), or load the model with attn_implementation='cascade'.")
+            "switches only part of the model). Load the model with attn_implementation='cascade' (after "
+            "`import hf_cascade`), or call model.set_attn_implementation('cascade') on a transformers version whose "
+            "set_attn_implementation reaches the decoder's config (5.24 does; 5.17 does not for T5).")
 
 
 def _wrap_extract(original):
