@@ -528,3 +528,20 @@ def test_log_lines_do_not_repeat_the_logger_name(llama_pair, caplog, monkeypatch
     ours = [r for r in caplog.records if r.name == "hf_cascade"]
     assert len(ours) >= 3 and any("stock's dense path" in r.getMessage() for r in ours)
     assert not [r.getMessage() for r in ours if r.getMessage().startswith("hf_cascade")]
+
+
+@pytest.mark.parametrize("masks", [[[0, 0, 0, 0, 1]], [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]], [[0, 0, 0, 0, 0]]])
+def test_padded_prompts_of_one_token_give_stock_tokens(llama_pair, masks):
+    """Left padding before each prompt's only token: the prefill stores nothing, and the first decode step's dense
+    attention got the pads' mask (a size-mismatch RuntimeError); the graph runner's static step gave other tokens.
+    (Found by tests/test_fuzz.py.)"""
+    stock, cascade = llama_pair
+    mask = torch.tensor(masks)
+    ids = torch.randint(3, 96, mask.shape, generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, num_beams=2)
+    expected = stock.generate(**kw)
+    for extra in (dict(hf_cascade_config={"max_kv_bytes": 10 ** 6}), dict(hf_cascade_config={"cuda_graphs": "eager"}),
+                  cache_kw(cascade, CascadeCache(cascade.config))):
+        assert torch.equal(cascade.generate(**kw, **extra), expected), extra
+    with pytest.raises(NotImplementedError, match=r"CascadeConfig\(cuda_graphs=False\)"):
+        cascade.generate(**kw, **cache_kw(cascade, CascadeCache(cascade.config, {"cuda_graphs": "eager"})))
