@@ -86,11 +86,13 @@ def _model_eager(module, kwargs):
     return fn
 
 
-def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, fresh: bool = False, **kwargs):
     fn = _model_eager(module, kwargs)
     if fn is not None:
         if isinstance(attention_mask, CascadeMask):
             attention_mask = attention_mask.eager()
+        if fresh:
+            attention_mask = _new_columns(attention_mask, key)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attention_mask, torch.finfo(query.dtype).min)
@@ -98,8 +100,18 @@ def _dense_fallback(module, query, key, value, attention_mask, dropout, scaling,
         return out, None
     if isinstance(attention_mask, CascadeMask):
         attention_mask = attention_mask.dense()
+    if fresh:
+        attention_mask = _new_columns(attention_mask, key)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
+
+
+def _new_columns(attention_mask, key):
+    """A fresh step's keys are its new tokens only; where every earlier position was padding (never stored: a batch
+    of one-token prompts, left-padded) the model's mask still spans them. Its last columns are the new tokens'."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] > key.shape[-2]:
+        return attention_mask[..., -key.shape[-2]:]
+    return attention_mask
 
 
 def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> None:
@@ -162,7 +174,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     if plan.q_len > 1 and ctx.first_write:
         _check_padding_known(plan, attention_mask)
     if plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
-        return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, fresh=True, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = write.layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]

@@ -471,10 +471,10 @@ class CascadeCache(Cache):
                 old.release()
                 if err.capacity:
                     self._layout = old.widened(prev, self._decode_room())
-                    logger.info("hf_cascade: decode layout widened to %d blocks per row (%s; %d decode tokens made)",
-                                self._layout.suffix_width, err, self.logical_length - self._decode_start)
+                    logger.info("decode layout widened to %d blocks per row (%s; %d decode tokens made)",
+                                self._layout.suffix_width, str(err), self.logical_length - self._decode_start)
                 else:
-                    logger.info("hf_cascade: decode layout re-planned (%s)", err)
+                    logger.info("decode layout re-planned (%s)", str(err))
                     self._layout = self._freeze_layout(prev)
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
         if plan is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -10,6 +11,11 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "flashinfer", "cuda", "reference")
 MEMORY_POLICIES = ("auto", "vmm", "grow", "static")
+# Largest block_size accepted. A block is what a row's private tail and every shared prefix are rounded up to, and
+# each row holds at least one: 65536 tokens per block is already past most models' context windows (one block of
+# an 8B model is 8 GiB over its layers), and beyond it the kernels' int32 slot indices (block id x block_size)
+# overflow after a few thousand blocks. Larger values are typos (block_size=10**9 asked for 8 TB on one layer).
+MAX_BLOCK_SIZE = 2 ** 16
 
 
 class ConfigTypeError(TypeError, ValueError):
@@ -88,6 +94,9 @@ class CascadeConfig:
         self.backend = _choice("backend", self.backend, BACKENDS)
         self.memory = _choice("memory", self.memory, MEMORY_POLICIES)
         self.block_size = _integer("block_size", self.block_size, low=1)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"CascadeConfig.block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}: "
+                             "a block is the unit every row and shared prefix is rounded up to (16-256 are usual).")
         if self.max_kv_bytes is not None:
             self.max_kv_bytes = _byte_count("max_kv_bytes", self.max_kv_bytes, low=1, or_none=True)
         self.keep_kv_bytes = _byte_count("keep_kv_bytes", self.keep_kv_bytes, low=0)
@@ -109,15 +118,37 @@ class CascadeConfig:
         if isinstance(obj, cls):
             return obj
         if isinstance(obj, Mapping):
-            fields = [f.name for f in dataclasses.fields(cls)]
-            unknown = [k for k in obj if k not in fields]
+            unknown = [k for k in obj if k not in _FIELDS]
             if unknown:
-                hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k in unknown
-                                if (m := difflib.get_close_matches(str(k), fields, n=1)))
-                raise TypeError(f"unknown CascadeConfig field(s) {unknown}{hints}; the fields are {fields}.")
+                raise TypeError(_unknown_fields(unknown))
             return cls(**obj)
         raise TypeError(f"expected a hf_cascade.CascadeConfig, a dict of its fields or None, got "
                         f"{type(obj).__name__}: e.g. hf_cascade_config=hf_cascade.CascadeConfig(backend='reference').")
+
+
+_FIELDS = [f.name for f in dataclasses.fields(CascadeConfig)]
+
+
+def _hinting_init(init):
+    """The dataclass's ``__init__``, with a misspelt field named and the likely one suggested (as ``coerce`` does
+    for a dict) instead of a bare "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in _FIELDS]
+        if unknown:
+            raise TypeError(_unknown_fields(unknown))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CascadeConfig.__init__ = _hinting_init(CascadeConfig.__init__)
+
+
+def _unknown_fields(unknown: list) -> str:
+    hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k in unknown
+                    if (m := difflib.get_close_matches(str(k), _FIELDS, n=1)))
+    return f"unknown CascadeConfig field(s) {unknown}{hints}; the fields are {_FIELDS}."
 
 
 def _choice(name: str, value, choices: tuple) -> str:

@@ -609,7 +609,7 @@ def _log_composite(model) -> None:
     global _composite_logged
     if not _composite_logged:
         _composite_logged = True
-        logger.info("hf_cascade: %s runs generate on stock's dense path (the cascade's encoder-decoder path serves "
+        logger.info("%s runs generate on stock's dense path (the cascade's encoder-decoder path serves "
                     "%s, not a pairing of any encoder and decoder); load its decoder alone for the decoder-only "
                     "cascade (logged once).", type(model).__name__, ", ".join(sorted(SUPPORTED)))
 
@@ -640,7 +640,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
         return _dense(*dense)
     if generation_config.return_dict_in_generate and (generation_config.output_hidden_states
                                                       or generation_config.output_attentions):
-        logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
+        logger.warning("output_hidden_states/output_attentions run with dense attention "
                        "(encoder output expanded per beam, as stock).")
         return _dense(*dense)
     if not generation_config.use_cache or (existing is not None and getattr(existing, "_is_user_defined", False)):

@@ -13,9 +13,12 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
+import numbers
 import threading
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -142,7 +145,16 @@ def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tens
     """How many tokens every left-padded prompt of the batch begins with (a common system prompt),
     leaving each prompt at least one token of its own; 0 if fewer than ``min_tokens``. Tensors in
     ``also`` ([B, L, ...]: token types, positions) must agree over the shared tokens too."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"shared_prefix_length takes input_ids of shape [batch, length], got {tuple(input_ids.shape)}.")
     batch, width = input_ids.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, width):
+        raise ValueError(f"shared_prefix_length got attention_mask of shape {tuple(attention_mask.shape)} for input_ids "
+                         f"of shape {(batch, width)}: the mask must have the ids' shape (1 for tokens, 0 for padding).")
+    for t in also:
+        if t.dim() < 2 or tuple(t.shape[:2]) != (batch, width):
+            raise ValueError(f"shared_prefix_length got a per-token input of shape {tuple(t.shape)} for input_ids of "
+                             f"shape {(batch, width)}: it must be laid out like the ids ([batch, length, ...]).")
     if batch < 2:
         return 0
     ids = input_ids.cpu()
@@ -321,7 +333,7 @@ def _log_stock_path(reason: str) -> None:
     global _stock_path_logged
     if not _stock_path_logged:
         _stock_path_logged = True
-        logger.info("hf_cascade: generate runs on stock's dense path where %s; pass a CascadeCache to generate "
+        logger.info("generate runs on stock's dense path where %s; pass a CascadeCache to generate "
                     "to run the cascade anyway (logged once).", reason)
 
 
@@ -355,6 +367,8 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     prefilled, and the rows fork to this call's beams or samples. A call that raises leaves the caller's
     CascadeCache empty.
     """
+    _check_counts(generation_config)
+    given, hf_cascade_config = hf_cascade_config, CascadeConfig.coerce(hf_cascade_config)   # checked on every path
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         raise NotImplementedError(f"cascade generate supports greedy, sampling and beam search, not {mode.value}; "
@@ -368,10 +382,38 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
     key = _cache_key(model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+        states = model_kwargs.get("encoder_outputs")
+        states = states[0] if states is not None and len(states) else None
+        if isinstance(states, torch.Tensor) and states.dim() != 3:
+            raise ValueError(f"the encoder output has shape {list(states.shape)}, not [batch, length, hidden size]: "
+                             "generate takes input_ids of shape [batch, length] (or inputs_embeds [batch, length, "
+                             "hidden size]).")
         return encoder_decoder.generate(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                         synced_gpus, decode, hf_cascade_config, key, **model_kwargs)
     existing = model_kwargs.get(key)
     explicit = isinstance(existing, CascadeCache)
+    _check_inputs(model, input_ids, generation_config, model_kwargs)
+    if explicit:
+        if given is not None and hf_cascade_config != existing.cascade_config:
+            raise ValueError("generate got both a CascadeCache and hf_cascade_config; the cache keeps the config it "
+                             "was made with, so hf_cascade_config would be ignored. Make the cache with it "
+                             "(CascadeCache(model.config, hf_cascade_config)) or pass only one of them.")
+        hf_cascade_config = existing.cascade_config
+    _warn_unused_compile(model, hf_cascade_config)
+    capped = hf_cascade_config.max_kv_bytes is not None
+    mask = model_kwargs.get("attention_mask")
+    if (mask is not None and mask.shape[1] > 1 and not bool(mask[:, :-1].any()) and not bool(mask.all())
+            and not (explicit and existing.get_seq_length())
+            and graphs.unsupported_reason(model, SimpleNamespace(cascade_config=hf_cascade_config),
+                                          hf_cascade_config.cuda_graphs) is None):
+        # Left padding before every prompt's only token: the prefill stores nothing, and the graph runner's first
+        # static step on a cache of pads alone gives other tokens than stock (a bug of the runner, not fixed here):
+        # decode without the runner.
+        if explicit:
+            raise NotImplementedError(
+                "Every prompt of this padded batch has at most one real token, which a CascadeCache with decode "
+                "graphs cannot start from yet. Make the cache with CascadeConfig(cuda_graphs=False), or pass no cache.")
+        hf_cascade_config = dataclasses.replace(hf_cascade_config, cuda_graphs=False)
 
     def stock():
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -383,23 +425,32 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
                          "attn_implementation='cascade', which brings its own cache. Unset it, or use "
                          f"attn_implementation='{stock_attention(model)}'.")
+    if not generation_config.use_cache:
+        return stock()        # no cache: nothing is stored, so a max_kv_bytes cap holds; attention runs dense
     if _per_position_outputs(generation_config):
-        logger.warning("hf_cascade: output_hidden_states/output_attentions run with dense attention "
+        if capped:
+            raise ValueError(_uncapped("output_hidden_states/output_attentions (they run stock's dense cache, which "
+                                       "stores every row's prompt)", "drop them"))
+        logger.warning("output_hidden_states/output_attentions run with dense attention "
                        "(no prompt sharing).")
         return stock()
-    if not generation_config.use_cache or (existing is not None and getattr(existing, "_is_user_defined", False)):
-        # No cache, or the user's own non-cascade cache: stock decoding; attention takes the dense path.
+    if existing is not None and getattr(existing, "_is_user_defined", False):
+        if capped:    # the user's own non-cascade cache: stock decoding; attention takes the dense path
+            raise ValueError(_uncapped(f"a {type(existing).__name__} of yours", "pass a CascadeCache (or no cache)"))
         return stock()
     mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
     width = _prompt_width(input_ids, model_kwargs)
     inputs = _prompt_inputs(model, model_kwargs, input_ids.shape[0], width, strict=False)   # _cascade checks
-    hf_cascade_config = CascadeConfig.coerce(hf_cascade_config)
     reason = input_stock_reason(model, model_kwargs, generation_config)
     if reason is not None:
-        logger.info("hf_cascade: generate runs on stock's dense path: %s.", reason)
+        if capped:
+            raise ValueError(_uncapped(f"this call, which runs on stock's dense path ({reason})",
+                                       "change the input as that reason says"))
+        logger.info("generate runs on stock's dense path: %s.", reason)
         return stock()
-    reason = stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
-                               positions, inputs)
+    # a capped call runs the cascade, whose pool enforces the cap (stock's cache would not)
+    reason = None if capped else stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
+                                                   positions, inputs)
     if reason is not None:
         _log_stock_path(reason)
         return stock()
@@ -425,6 +476,69 @@ def _claim(cache: CascadeCache) -> bool:
         raise ValueError("This CascadeCache is in use by a generate call in another thread. Give each concurrent "
                          "call its own cache (for a shared prompt, fill one and pass copy.deepcopy(cache) to each).")
     return False
+
+
+def _uncapped(what: str, fix: str) -> str:
+    return (f"CascadeConfig.max_kv_bytes cannot be enforced for {what}: only a CascadeCache's pool is capped. "
+            f"Unset max_kv_bytes, or {fix}.")
+
+
+def _check_counts(generation_config) -> None:
+    """What stock generate refuses only by crashing somewhere inside (num_beams=0: ZeroDivisionError) or lets
+    through to a different decoding (num_beams=-2 would run greedy here)."""
+    beams = generation_config.num_beams
+    if isinstance(beams, numbers.Real) and not isinstance(beams, bool) and beams < 1:
+        raise ValueError(f"num_beams must be a positive integer (1: greedy search or sampling, > 1: beam search), got "
+                         f"{beams!r}.")
+
+
+def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> None:
+    """Shapes generate's inputs must have for a decoder-only call, named before anything runs (a mismatch would
+    otherwise fail inside the prefill, or run with the mask of other positions)."""
+    embeds = model_kwargs.get("inputs_embeds")
+    ids_name = "input_ids" if embeds is None else "inputs_embeds"
+    reference = input_ids if embeds is None else embeds
+    n = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    if input_ids.dim() != 2 or (embeds is not None and (embeds.dim() != 3 or embeds.shape[0] != input_ids.shape[0])):
+        raise ValueError(f"generate got {ids_name} of shape {tuple(reference.shape)}; it takes input_ids of shape "
+                         "[batch, prompt length] (or inputs_embeds [batch, prompt length, hidden size]).")
+    rows, width = reference.shape[:2]
+
+    def as_passed(t):       # a shape as the caller passed it, before generate expanded each prompt to n rows
+        return [t.shape[0] // n if t.shape[0] % n == 0 else t.shape[0], *t.shape[1:]]
+
+    expected = f"the {ids_name}' shape {as_passed(reference)[:2]}, one entry per prompt token"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"generate got attention_mask of type {type(mask).__name__}; it takes a tensor of "
+                            f"{expected} (1 for tokens, 0 for left padding).")
+        if mask.dim() < 2:
+            raise ValueError(f"generate got attention_mask of shape {list(mask.shape)}; it must have {expected} "
+                             "(1 for tokens, 0 for left padding), as the tokenizer returns it with the ids.")
+        if mask.dim() > 2:
+            raise NotImplementedError(
+                f"generate got a {mask.dim()}D attention_mask; the cascade prefill takes a padding mask of {expected} "
+                f"(1 for tokens, 0 for left padding). For a custom {mask.dim()}D mask, load the model with "
+                f"attn_implementation='{stock_attention(model)}'.")
+        if tuple(mask.shape) != (rows, width):
+            raise ValueError(f"generate got attention_mask of shape {as_passed(mask)}; it must have {expected} "
+                             "(1 for tokens, 0 for left padding), as the tokenizer returns it with the ids.")
+    positions = model_kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and tuple(positions.shape) != (rows, width):
+        raise ValueError(f"generate got position_ids of shape {as_passed(positions)} (generate derives them from "
+                         f"attention_mask where not given); attention_mask and position_ids must have {expected}.")
+
+
+def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
+    if not cascade_config.compile:
+        return
+    reason = graphs.unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config),
+                                       cascade_config.cuda_graphs)
+    if reason is not None:
+        graphs._log_once(("compile unused", reason), logging.WARNING,
+                         "CascadeConfig(compile=True) is ignored: it compiles the decode step replayed as a CUDA "
+                         "graph, and decode steps run without graphs here (%s).", reason)
 
 
 def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, model_kwargs: dict, key: str, decode):

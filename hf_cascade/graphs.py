@@ -58,10 +58,11 @@ _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_
 
 
 def _log_once(key, level, message, *args):
+    # keyed with the level: a message first logged at INFO still shows once at WARNING
     with _lock:
-        if key in _logged:
+        if (key, level) in _logged:
             return
-        _logged.add(key)
+        _logged.add((key, level))
     logger.log(level, message, *args)
 
 
@@ -157,9 +158,9 @@ def decode_runner(model, cache, generation_config):
     if reason is not None:
         if mode is not False:
             _log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
-                      "hf_cascade: decode steps run without CUDA graphs: %s", reason)
+                      "decode steps run without CUDA graphs: %s", reason)
         return None
-    _log_once(("on", mode), logging.INFO, "hf_cascade: decode steps run as %s",
+    _log_once(("on", mode), logging.INFO, "decode steps run as %s",
               "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
     capture, compile = mode != "eager", cache.cascade_config.compile
     runner = cache.graph_runner
@@ -282,7 +283,7 @@ class DecodeGraphRunner:
         if shaped and not isinstance(self._arg(kwargs, "position_ids"), torch.Tensor):
             # the model would compute its positions from the cache length on the host, which a graph freezes
             self.disabled = "the decoder's positions are not an input of the step (computed on the host)"
-            _log_once(("disabled", self.disabled), logging.INFO, "hf_cascade: decode steps run without CUDA graphs: "
+            _log_once(("disabled", self.disabled), logging.INFO, "decode steps run without CUDA graphs: "
                       "%s", self.disabled)
             return False
         return shaped
@@ -386,7 +387,7 @@ class DecodeGraphRunner:
         self.capture_seconds += time.perf_counter() - started
         self.captures += 1
         if self.captures > 1:
-            logger.info("hf_cascade: decode graph re-captured (%d captures this call)", self.captures)
+            logger.info("decode graph re-captured (%d captures this call)", self.captures)
         self.graph, self.pool, self.static_kwargs, self.key = graph, pool, static_tensors, key
         self._keep_output(static_out, kwargs)
         return out
@@ -400,7 +401,7 @@ class DecodeGraphRunner:
             return self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — inductor/dynamo failures: fall back to the plain forward
             _log_once(("compile", type(err).__name__), logging.WARNING,
-                      "hf_cascade: CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
+                      "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
                       type(err).__name__, str(err)[:200])
             self.forward_fn = self.original
             self.cache.rewind_step()           # the layers that ran wrote their K/V: the same slots again
@@ -422,7 +423,7 @@ class DecodeGraphRunner:
         self.disabled = reason
         self._step_done(ctx)
         self.release()
-        _log_once(("disabled", reason), logging.INFO, "hf_cascade: decode steps run without CUDA graphs: %s", reason)
+        _log_once(("disabled", reason), logging.INFO, "decode steps run without CUDA graphs: %s", reason)
         return out
 
 
@@ -562,7 +563,7 @@ def _end_failed_capture() -> None:
             torch.zeros(1, device=torch.cuda.current_device())
         del graph
     except Exception as err:  # noqa: BLE001 — nothing more can be done here; say so
-        logger.warning("hf_cascade: after a failed decode-graph capture, CUDA's random generator could not be reset "
+        logger.warning("after a failed decode-graph capture, CUDA's random generator could not be reset "
                        "(%s: %s); random ops on this device may fail", type(err).__name__, str(err)[:200])
 
 

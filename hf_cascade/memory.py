@@ -33,6 +33,11 @@ from .kernels import capture_underway, refuse_in_capture
 logger = logging.getLogger("hf_cascade")
 
 
+class PoolAllocationError(torch.OutOfMemoryError):
+    """The device could not allocate a KV pool; the message names the CascadeConfig setting to change (a
+    ``torch.OutOfMemoryError``, so code that catches that still does)."""
+
+
 class BlockStorage:
     """The bytes of one layer's paged KV pool (the shared part of every policy).
 
@@ -51,7 +56,24 @@ class BlockStorage:
         self.tensor = self._empty(0)
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
-        return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
+        try:
+            return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
+        except RuntimeError as err:        # torch.OutOfMemoryError on CUDA, a plain RuntimeError from the CPU allocator
+            if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err).lower():
+                raise
+            raise PoolAllocationError(self._allocation_advice(num_blocks, err)) from err
+
+    def _allocation_advice(self, num_blocks: int, err: Exception) -> str:
+        what = (f"the KV pool of one layer ({type(self).__name__}: {num_blocks} blocks of {self.block_shape[1]} tokens, "
+                f"{num_blocks * self.block_nbytes} bytes) could not be allocated on {self.device}")
+        if isinstance(self, StaticStorage):
+            fix = ('memory="static" allocates CascadeConfig.max_kv_bytes up front (split over the layers): lower '
+                   'max_kv_bytes to what the device holds, or use memory="auto" to grow the pool as it fills')
+        else:
+            fix = (f"lower CascadeConfig.block_size (now {self.block_shape[1]} tokens per block; 16-256 are usual) or "
+                   "the beams, prompt length or batch; CascadeConfig.max_kv_bytes turns this into a PoolExhausted")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"{what}: {first[:200]}. {fix}."
 
     @property
     def num_blocks(self) -> int:
@@ -298,7 +320,7 @@ class _VirtualRange:
                     try:
                         _cu(call, *args)
                     except CudaDriverError as err:
-                        logger.warning("hf_cascade: undoing a failed KV mapping: %s", str(err))
+                        logger.warning("undoing a failed KV mapping: %s", str(err))
                 raise
             _cu("cuMemRelease", handle)    # the mapping keeps the memory; unmapping frees it
         self.segments.append((offset, size))
@@ -363,7 +385,7 @@ def release_deferred() -> int:
             vrange.close()
             freed += 1
         except Exception as err:  # noqa: BLE001  as when collected: the memory goes back with the process
-            logger.warning("hf_cascade: freeing a KV virtual range collected during a graph capture failed: %s",
+            logger.warning("freeing a KV virtual range collected during a graph capture failed: %s",
                            str(err))
 
 
@@ -463,7 +485,7 @@ class VMMStorage(BlockStorage):
         try:
             job.result()
         except (MemoryError, CudaDriverError) as err:   # the synchronous path will retry and report
-            logger.info("hf_cascade: background KV mapping failed: %s", str(err))   # (text: a record keeps no frames)
+            logger.info("background KV mapping failed: %s", str(err))   # (text: a record keeps no frames)
         self._refresh()
 
     @property
@@ -557,7 +579,7 @@ def resolve_policy(policy: str, device) -> str:
     key = (str(torch.device(device)), chosen)
     if key not in _logged:
         _logged.add(key)
-        logger.info("hf_cascade memory='auto' on %s: %s", device,
+        logger.info("memory='auto' on %s: %s", device,
                     f"'grow' ({reason})" if reason else "'vmm' (CUDA virtual memory: the KV pool grows in place)")
     return chosen
 

@@ -44,6 +44,26 @@ def _is_assisted(model, arguments, extra) -> bool:
     return any(extra[k] if k in extra else any(getattr(c, k, None) for c in configs) for k in ASSISTED)
 
 
+def _check_switched(model) -> None:
+    """A model switched to "cascade" after loading by setting ``model.config._attn_implementation``: models whose
+    decoder keeps a config of its own (T5's stacks hold copies) still run their old attention there, while generate
+    would run hf_cascade's entry (which, for an encoder-decoder, leaves the encoder output unexpanded for the cascade
+    cross-attention): refuse rather than crash inside with a size mismatch."""
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # noqa: BLE001 — a model without a separable decoder: its config is the model's
+        decoder = None
+    used = getattr(getattr(decoder, "config", None), "_attn_implementation", "cascade")
+    if used != "cascade":
+        raise ValueError(
+            f"model.config._attn_implementation is 'cascade' but {type(model).__name__}'s decoder still runs "
+            f"{used!r} attention (its layers keep a config of their own, so setting the attribute on model.config "
+            "switches only part of the model). Load the model with attn_implementation='cascade' (after "
+            "`import hf_cascade`), or call model.set_attn_implementation('cascade') on a transformers version whose "
+            "set_attn_implementation reaches the decoder's config (5.24 does; 5.17 does not for T5).")
+
+
 def _wrap_extract(original):
     @functools.wraps(original)
     def extract(self, custom_generate, kwargs, synced_gpus, assistant_model, streamer):
@@ -70,17 +90,27 @@ def _wrap(original):
         extra = arguments.pop("kwargs", {})
         user_cache = extra.get("cache", extra.get("past_key_values"))
         if not _is_cascade(self):
-            if isinstance(user_cache, CascadeCache):
-                raise ValueError("A CascadeCache needs a model loaded with attn_implementation='cascade' "
-                                 "(after `import hf_cascade`); this model uses "
-                                 f"{getattr(self.config, '_attn_implementation', None)!r}.")
+            if isinstance(user_cache, CascadeCache) or "hf_cascade_config" in extra:
+                what = "A CascadeCache" if isinstance(user_cache, CascadeCache) else "hf_cascade_config"
+                raise ValueError(f"{what} applies only to models loaded with attn_implementation='cascade' (after "
+                                 "`import hf_cascade`); this model uses "
+                                 f"{getattr(self.config, '_attn_implementation', None)!r}. Load it with "
+                                 "attn_implementation='cascade', or leave the argument out.")
             return original(self, *args, **kwargs)
+        _check_switched(self)
         check_model_supported(self)
         if arguments.get("custom_generate") is not None:
             return original(self, *args, **kwargs)          # the caller chose a decoding method
         if _is_assisted(self, arguments, extra):
-            logger.warning("hf_cascade: assisted decoding runs with dense attention (no prompt sharing).")
-            return original(self, *args, **kwargs)
+            config = extra.pop("hf_cascade_config", None)
+            if config is not None:
+                from hf_cascade.config import CascadeConfig
+                if CascadeConfig.coerce(config).max_kv_bytes is not None:
+                    raise ValueError("CascadeConfig.max_kv_bytes cannot be enforced with assisted decoding (an "
+                                     "assistant model, prompt lookup, early exit, MTP), which runs stock's dense cache. "
+                                     "Unset max_kv_bytes, or drop the assistant.")
+            logger.warning("assisted decoding runs with dense attention (no prompt sharing).")
+            return original(self, **{k: v for k, v in arguments.items() if k != "self"}, **extra)
         arguments["custom_generate"] = cascade_generate
         streamer = arguments.pop("streamer", None)
         if streamer is not None:
@@ -126,7 +156,7 @@ def _wrap_whisper(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         if _is_cascade(self) and kwargs.get("return_token_timestamps"):
-            logger.warning("hf_cascade: return_token_timestamps needs cross-attention weights, so Whisper switches "
+            logger.warning("return_token_timestamps needs cross-attention weights, so Whisper switches "
                            "this model to eager attention (its own behaviour): this and every later generate call "
                            "run stock eager attention. Use a separate model for token timestamps.")
         return original(self, *args, **kwargs)
@@ -141,7 +171,7 @@ def apply() -> None:
         return
     version = Version(transformers.__version__)
     if not SUPPORTED[0] <= version < SUPPORTED[1]:
-        logger.warning("hf_cascade: transformers %s is outside the checked range [%s, %s): generate() on cascade "
+        logger.warning("transformers %s is outside the checked range [%s, %s): generate() on cascade "
                        "models will not prefill prompts once (attention still works).", version, *SUPPORTED)
         return
     _original_generate, _original_extract = GenerationMixin.generate, GenerationMixin._extract_generation_mode_kwargs

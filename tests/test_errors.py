@@ -14,9 +14,10 @@ import torch
 import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig, PoolExhausted, kernels
 from hf_cascade import __main__ as cli
-from hf_cascade.config import ConfigTypeError
-from hf_cascade.memory import make_storage
-from conftest import cache_kw, padded_batch, tiny_config
+from hf_cascade import generation, graphs
+from hf_cascade.config import MAX_BLOCK_SIZE, ConfigTypeError
+from hf_cascade.memory import PoolAllocationError, make_storage
+from conftest import cache_kw, model_pair, padded_batch, returned_cache, tiny_config
 
 GEN = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
 
@@ -38,11 +39,15 @@ GEN = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
     (dict(max_kv_bytes="4GB"), TypeError, "max_kv_bytes must be a number of bytes"),
     (dict(max_kv_bytes=float("nan")), ValueError, "max_kv_bytes"),
     (dict(keep_kv_bytes=-1), ValueError, "keep_kv_bytes"),
+    (dict(block_size=10**9), ValueError, "block_size must be at most 65536"),
+    (dict(blocksize=16), TypeError, "'blocksize': did you mean 'block_size'"),
 ])
 def test_config_refuses_wrong_types_and_values(kwargs, error, match):
     with pytest.raises(error, match=match) as info:
         CascadeConfig(**kwargs)
-    if error is TypeError:      # also a ValueError, as these errors were before
+    if "blocksize" in kwargs:     # a misspelt field: a plain TypeError, as from any __init__
+        assert type(info.value) is TypeError
+    elif error is TypeError:      # also a ValueError, as these errors were before
         assert isinstance(info.value, ConfigTypeError) and isinstance(info.value, ValueError)
     else:
         assert not isinstance(info.value, TypeError)
@@ -283,3 +288,260 @@ def test_env_names_what_is_missing_for_the_cuda_kernels(monkeypatch):
     fake.library = lambda device: (_ for _ in ()).throw(RuntimeError("nvcc failed with exit code 1"))
     ok, reason = diagnostics._cuda_backend()
     assert not ok and "built with /usr/local/cuda/bin/nvcc" in reason and "nvcc failed" in reason
+
+
+def test_the_largest_block_size_is_accepted():
+    assert CascadeConfig(block_size=MAX_BLOCK_SIZE).block_size == 2 ** 16
+
+
+@pytest.mark.parametrize("policy,match", [("static", "lower max_kv_bytes"), ("grow", "lower CascadeConfig.block_size")])
+def test_a_pool_the_device_cannot_allocate_names_the_setting(policy, match):
+    """The allocator's own error names no setting; the pool's names the one to change (and stays an OutOfMemoryError)."""
+    huge = (2, 16, 2 ** 20, 2 ** 20)            # 2**41 elements a block: no machine allocates it
+    with pytest.raises(PoolAllocationError, match=match) as info:
+        storage = make_storage(huge, torch.float32, "cpu", policy, max_blocks=4)
+        storage.ensure(1)
+    assert isinstance(info.value, torch.OutOfMemoryError) and "could not be allocated on cpu" in str(info.value)
+
+
+def test_static_pool_past_the_device_names_max_kv_bytes(llama_pair):
+    _, cascade = llama_pair
+    ids, mask = padded_batch()
+    with pytest.raises(PoolAllocationError, match=r'memory="static" allocates CascadeConfig.max_kv_bytes up front'):
+        cascade.generate(input_ids=ids, attention_mask=mask, **GEN,
+                         hf_cascade_config=dict(memory="static", max_kv_bytes=1e15))
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **GEN)     # the model is fine afterwards
+    assert got.shape == (2, ids.shape[1] + GEN["max_new_tokens"])
+
+
+# ----------------------------------------------------------------------------------------- max_kv_bytes on every path
+
+def _greedy_kw(ids, mask, **extra):
+    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0, **extra)
+
+
+@pytest.mark.parametrize("call", [dict(), dict(num_beams=2)], ids=["nothing-to-share", "below-threshold"])
+def test_a_cap_holds_where_the_call_would_run_on_stocks_path(llama_pair, monkeypatch, call):
+    """Greedy with one sequence per prompt (nothing to share), and beams below the CPU threshold, used to run on
+    stock's path with its uncapped DynamicCache; a capped call runs the cascade, whose pool enforces the cap."""
+    monkeypatch.setattr(generation, "MIN_SHARED_TOKENS", {"cpu": 1024})
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=3)
+    block = _block_bytes(cascade.config, 8)                   # block_size 4, float64
+    with pytest.raises(PoolExhausted, match="max_kv_bytes"):
+        cascade.generate(**_greedy_kw(ids, mask, **call), hf_cascade_config=dict(block_size=4, max_kv_bytes=4 * block))
+    expected = stock.generate(**_greedy_kw(ids, mask, **call))
+    cap = 32 * block
+    out = cascade.generate(**_greedy_kw(ids, mask, **call), hf_cascade_config=dict(block_size=4, max_kv_bytes=cap),
+                           return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    stats = returned_cache(out).stats()
+    assert 0 < stats.peak_kv_bytes_in_use <= cap and stats.kv_bytes_reserved <= cap
+
+
+def test_paths_that_cannot_hold_a_cap_refuse_before_running(llama_pair):
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=4)
+    capped = dict(hf_cascade_config=dict(max_kv_bytes=10 ** 6))
+    with pytest.raises(ValueError, match="max_kv_bytes cannot be enforced for output_hidden_states"):
+        cascade.generate(**_greedy_kw(ids, mask), **capped, return_dict_in_generate=True, output_hidden_states=True)
+    from transformers import DynamicCache
+    with pytest.raises(ValueError, match="max_kv_bytes cannot be enforced for a DynamicCache of yours.*CascadeCache"):
+        cascade.generate(**_greedy_kw(ids, mask), **capped, **cache_kw(cascade, DynamicCache(config=cascade.config)))
+    with pytest.raises(ValueError, match="max_kv_bytes cannot be enforced with assisted decoding"):
+        cascade.generate(**_greedy_kw(ids, mask), **capped, prompt_lookup_num_tokens=2)
+    with pytest.raises(ValueError, match="both a CascadeCache and hf_cascade_config"):   # the cache's config applies
+        cascade.generate(**_greedy_kw(ids, mask), **capped, **cache_kw(cascade, CascadeCache(cascade.config)))
+    # use_cache=False stores no K/V at all: nothing to cap, stock's tokens
+    assert torch.equal(cascade.generate(**_greedy_kw(ids, mask), **capped, use_cache=False),
+                       stock.generate(**_greedy_kw(ids, mask), use_cache=False))
+    # without a cap those paths run as before (stock's tokens)
+    one = dict(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=8, pad_token_id=0, prompt_lookup_num_tokens=2)
+    assert torch.equal(cascade.generate(**one, hf_cascade_config=dict(block_size=4)), stock.generate(**one))
+
+
+# ----------------------------------------------------------------------------------------- shapes and counts
+
+@pytest.mark.parametrize("ids_shape,mask_shape,match", [
+    ((23,), None, r"input_ids of shape \[batch, length\], got \(23,\)"),
+    ((2, 23), (23,), r"attention_mask of shape \(23,\) for input_ids of shape \(2, 23\)"),
+    ((2, 23), (2, 30), r"attention_mask of shape \(2, 30\)"),
+    ((2, 23, 1), None, "input_ids of shape"),
+])
+def test_shared_prefix_length_names_shapes_that_disagree(ids_shape, mask_shape, match):
+    ids = torch.ones(ids_shape, dtype=torch.long)
+    mask = None if mask_shape is None else torch.ones(mask_shape, dtype=torch.long)
+    with pytest.raises(ValueError, match=match):
+        generation.shared_prefix_length(ids, mask, min_tokens=1)
+    with pytest.raises(ValueError, match=r"per-token input of shape \(2, 5\)"):
+        generation.shared_prefix_length(torch.ones(2, 23, dtype=torch.long), None, 1, also=(torch.ones(2, 5),))
+
+
+@pytest.mark.parametrize("width", [30, 20])
+@pytest.mark.parametrize("beams", [1, 2])
+def test_a_mask_wider_or_narrower_than_the_ids_says_what_generate_expects(llama_pair, width, beams):
+    """Stock crashes inside on a narrower mask and runs a wider one with other positions' entries (its tokens then
+    differed from ours); the message names both shapes and what generate takes."""
+    _, cascade = llama_pair
+    ids, _ = padded_batch()
+    mask = torch.ones(2, width, dtype=torch.long)
+    for extra in ({}, cache_kw(cascade, CascadeCache(cascade.config))):
+        with pytest.raises(ValueError, match=r"must have the input_ids' shape \[2, 23\], one entry per prompt token") \
+                as info:
+            cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=beams, pad_token_id=0,
+                             **extra)
+        assert f"[2, {width}]" in str(info.value) and "use model.generate" not in str(info.value)
+
+
+@pytest.mark.parametrize("beams", [0, -2])
+def test_num_beams_below_one_is_refused(llama_pair, beams):
+    """Stock raises (ZeroDivisionError, a negative dimension) from inside; the cascade entry ran it as greedy."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch()
+    with pytest.raises(Exception):
+        stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=beams, pad_token_id=0)
+    with pytest.raises(ValueError, match=f"num_beams must be a positive integer.*got {beams}"):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=beams, pad_token_id=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_beams=2, num_return_sequences=3), dict(max_new_tokens=0),
+                                    dict(max_new_tokens=-1), dict(do_sample=True, top_k=-1),
+                                    dict(do_sample=True, temperature=0.0)])
+def test_other_counts_behave_as_stock(llama_pair, kwargs):
+    stock, cascade = llama_pair
+    ids, mask = padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, pad_token_id=0, **{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(ValueError) as expected:
+        stock.generate(**kw)
+    with pytest.raises(ValueError) as got:
+        cascade.generate(**kw)
+    assert str(got.value) == str(expected.value)
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_zero_or_negative_num_return_sequences_runs_as_stock(llama_pair, count):
+    stock, cascade = llama_pair
+    ids, mask = padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, pad_token_id=0, max_new_tokens=3, num_return_sequences=count)
+    assert torch.equal(cascade.generate(**kw), stock.generate(**kw))
+
+
+# ----------------------------------------------------------------------------------------- switching and routing
+
+def test_hf_cascade_config_on_a_non_cascade_model_says_what_it_needs(llama_pair):
+    stock, _ = llama_pair
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="hf_cascade_config applies only to models loaded with "
+                                         "attn_implementation='cascade'.*uses 'sdpa'"):
+        stock.generate(input_ids=ids, attention_mask=mask, **GEN, hf_cascade_config={"block_size": 4})
+
+
+def _t5_pair():
+    import transformers as T
+    from transformers import AutoModelForSeq2SeqLM
+
+    def config():
+        return T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                          relative_attention_num_buckets=8, relative_attention_max_distance=16, pad_token_id=0,
+                          eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    stock = AutoModelForSeq2SeqLM.from_config(config(), attn_implementation="sdpa", dtype=torch.float64).eval()
+    other = AutoModelForSeq2SeqLM.from_config(config(), attn_implementation="sdpa", dtype=torch.float64).eval()
+    other.load_state_dict(stock.state_dict())
+    return stock, other
+
+
+def test_a_model_switched_to_cascade_after_loading():
+    """T5's stacks keep config copies: setting model.config._attn_implementation switched only the top and crashed
+    with a size mismatch; it is refused with the fix, and set_attn_implementation gives stock's tokens (as does
+    either way on a decoder-only model, whose layers share the model's config)."""
+    stock, t5 = _t5_pair()
+    ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, num_beams=2)
+    expected = stock.generate(**kw)
+    t5.config._attn_implementation = "cascade"
+    refusal = r"decoder still runs 'sdpa'.*Load the model with attn_implementation='cascade'"
+    with pytest.raises(ValueError, match=refusal):
+        t5.generate(**kw)
+    t5.set_attn_implementation("cascade")
+    if t5.decoder.config._attn_implementation == "cascade":
+        assert torch.equal(t5.generate(**kw), expected)
+    else:             # transformers 5.17's set_attn_implementation does not reach T5's stacks
+        with pytest.raises(ValueError, match=refusal):
+            t5.generate(**kw)
+    for switch in ("config", "set"):
+        stock, llama = model_pair("llama")
+        llama.set_attn_implementation("sdpa")
+        if switch == "config":
+            llama.config._attn_implementation = "cascade"
+        else:
+            llama.set_attn_implementation("cascade")
+        ids, mask = padded_batch()
+        assert torch.equal(llama.generate(input_ids=ids, attention_mask=mask, **GEN),
+                           stock.generate(input_ids=ids, attention_mask=mask, **GEN))
+
+
+# ----------------------------------------------------------------------------------------- log lines
+
+def test_compile_without_graphs_is_warned_once(llama_pair, caplog, monkeypatch):
+    monkeypatch.setattr(graphs, "_logged", set())
+    _, cascade = llama_pair
+    ids, mask = padded_batch()
+    with caplog.at_level(logging.WARNING, logger="hf_cascade"):
+        for _ in range(2):
+            cascade.generate(input_ids=ids, attention_mask=mask, **GEN, hf_cascade_config={"compile": True})
+    lines = [r.getMessage() for r in caplog.records if "compile=True" in r.getMessage()]
+    assert len(lines) == 1 and "ignored" in lines[0] and "the model is on cpu, not CUDA" in lines[0], lines
+    assert caplog.records[0].levelno == logging.WARNING
+
+
+def test_a_line_logged_once_at_info_still_shows_at_warning(llama_pair, caplog, monkeypatch):
+    """cuda_graphs=None logs 'decode steps run without CUDA graphs' at INFO; a later cuda_graphs=True asks for a
+    WARNING, which must show even though the same line was logged at INFO (and only once)."""
+    monkeypatch.setattr(graphs, "_logged", set())
+    _, cascade = llama_pair
+    ids, mask = padded_batch()
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        for graphs_mode in (None, True, True, None):
+            cascade.generate(input_ids=ids, attention_mask=mask, **GEN, hf_cascade_config={"cuda_graphs": graphs_mode})
+    levels = [r.levelno for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+    assert levels == [logging.INFO, logging.WARNING], levels
+
+
+def test_kernels_log_once_keys_by_level(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        for level in (logging.INFO, logging.WARNING, logging.WARNING, logging.INFO):
+            kernels._log_once(("k",), "a line", level=level)
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.WARNING]
+
+
+def test_log_lines_do_not_repeat_the_logger_name(llama_pair, caplog, monkeypatch):
+    monkeypatch.setattr(graphs, "_logged", set())
+    monkeypatch.setattr(kernels, "_logged", set())
+    monkeypatch.setattr(generation, "_stock_path_logged", False)
+    _, cascade = llama_pair
+    ids, mask = padded_batch()
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        cascade.generate(input_ids=ids, attention_mask=mask, **GEN)
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)   # stock's path
+    ours = [r for r in caplog.records if r.name == "hf_cascade"]
+    assert len(ours) >= 3 and any("stock's dense path" in r.getMessage() for r in ours)
+    assert not [r.getMessage() for r in ours if r.getMessage().startswith("hf_cascade")]
+
+
+@pytest.mark.parametrize("masks", [[[0, 0, 0, 0, 1]], [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]], [[0, 0, 0, 0, 0]]])
+def test_padded_prompts_of_one_token_give_stock_tokens(llama_pair, masks):
+    """Left padding before each prompt's only token: the prefill stores nothing, and the first decode step's dense
+    attention got the pads' mask (a size-mismatch RuntimeError); the graph runner's static step gave other tokens.
+    (Found by tests/test_fuzz.py.)"""
+    stock, cascade = llama_pair
+    mask = torch.tensor(masks)
+    ids = torch.randint(3, 96, mask.shape, generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, num_beams=2)
+    expected = stock.generate(**kw)
+    for extra in (dict(hf_cascade_config={"max_kv_bytes": 10 ** 6}), dict(hf_cascade_config={"cuda_graphs": "eager"}),
+                  cache_kw(cascade, CascadeCache(cascade.config))):
+        assert torch.equal(cascade.generate(**kw, **extra), expected), extra
+    with pytest.raises(NotImplementedError, match=r"CascadeConfig\(cuda_graphs=False\)"):
+        cascade.generate(**kw, **cache_kw(cascade, CascadeCache(cascade.config, {"cuda_graphs": "eager"})))

@@ -94,10 +94,11 @@ FIXABLE_PREFIX = "CUDA kernels unavailable"   # kernels.cuda's reason when its l
 
 
 def _log_once(key, message, *args, level=logging.INFO):
+    # keyed with the level: a message first logged at INFO still shows once at WARNING
     with _lock:
-        if key in _logged:
+        if (key, level) in _logged:
             return
-        _logged.add(key)
+        _logged.add((key, level))
     logger.log(level, message, *args)
 
 
@@ -106,7 +107,7 @@ def _warn_fixable(name: str, reason: str, q) -> None:
     (bf16/fp16 steps only: no fast backend takes other dtypes, so nothing would be gained)."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return
-    _log_once(("fixable", name), "hf_cascade: the %s attention kernels are off (%s); the next backend in %s "
+    _log_once(("fixable", name), "the %s attention kernels are off (%s); the next backend in %s "
               "runs instead. To use them: %s. `python -m hf_cascade env` lists each backend's status.",
               name, reason, AUTO_ORDER, FIXES.get(name, "see the reason"), level=logging.WARNING)
 
@@ -137,14 +138,14 @@ def select(name: str, q, pool, plan) -> ModuleType:
         try:
             backend = load(candidate)
         except ImportError as err:   # logged as text: a record holding the error would hold this call's frames
-            _log_once((candidate, "import"), "hf_cascade: %s", str(err))
+            _log_once((candidate, "import"), "%s", str(err))
             _warn_fixable(candidate, str(err), q)
             continue
         reason = _reason(backend, q, pool, plan)
         if reason is None:
-            _log_once((candidate, key), "hf_cascade: attention backend %r for %s", candidate, key)
+            _log_once((candidate, key), "attention backend %r for %s", candidate, key)
             return backend
-        _log_once((candidate, key, reason), "hf_cascade: backend %r skipped (%s)", candidate, reason)
+        _log_once((candidate, key, reason), "backend %r skipped (%s)", candidate, reason)
         if reason.startswith(FIXABLE_PREFIX):
             _warn_fixable(candidate, reason, q)
     raise RuntimeError("no kernel backend can run this step")  # unreachable: reference takes everything

@@ -260,7 +260,7 @@ def build_library(arch: str) -> Path:
     if target.is_file():
         return target
     tmp = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    logger.info("hf_cascade: building the CUDA kernels for %s with %s (first use, takes a minute)", arch, nvcc)
+    logger.info("building the CUDA kernels for %s with %s (first use, takes a minute)", arch, nvcc)
     _build.compile_library(tmp, gencode, nvcc=nvcc, csrc=csrc)
     os.replace(tmp, target)   # atomic: concurrent builders race harmlessly
     return target
@@ -443,14 +443,14 @@ def _load(arch: str) -> _Lib:
             return _Lib(PREBUILT)
         except (OSError, RuntimeError) as err:
             prebuilt_problem = f"the prebuilt {PREBUILT.name} is unusable ({err})"
-            logger.info("hf_cascade: %s; building from source instead", prebuilt_problem)
+            logger.info("%s; building from source instead", prebuilt_problem)
     try:
         return _Lib(build_library(arch))
     except RuntimeError as err:
         where = prebuilt_problem or "no prebuilt kernel library in this installation"
         detail = str(err)
         if "\n" in detail:         # nvcc's messages: in full at INFO, the first line in the reason
-            logger.info("hf_cascade: building the CUDA kernels for %s failed:\n%s", arch, detail)
+            logger.info("building the CUDA kernels for %s failed:\n%s", arch, detail)
             detail = detail.splitlines()[0] + " (nvcc's output: INFO on the 'hf_cascade' logger)"
         raise RuntimeError(f"{where}, and building one failed: {detail}") from err
 
