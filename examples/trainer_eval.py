@@ -5,7 +5,7 @@ Runs on the built-in random Llama of ``python -m hf_cascade`` (no download) and 
 of token-id prompts and targets, so no tokenizer is needed::
 
     python examples/trainer_eval.py                 # float32, 8 examples of 96-160 tokens, 4 beams
-    python examples/trainer_eval.py --dtype float64 --examples 8
+    python examples/trainer_eval.py --dtype float64 --examples 16
 
 It prints whether the predictions of each evaluation agree with the same evaluation on sdpa, the eval
 loss of both, the KV bytes the generate calls kept (cascade: the cache's peak; stock: its final
@@ -228,6 +228,7 @@ def stock_path_line(reasons: list[str | None]) -> str | None:
         return None
     return (f"cascade: {len(taken)} of {len(reasons)} generate calls per evaluation ran on stock's own path "
             f"(no KV shared): {taken[0]}")
+
 
 def compare(stock, cascade, dataset, batch_size: int = 4, num_beams: int = 4, max_new_tokens: int = 8,
             output_dir: str | None = None) -> dict:
