@@ -274,9 +274,7 @@ def report(r: dict) -> None:
     print(f"KV bytes, all generate calls of the plain loop: stock {mib(s['kv_bytes'])}, "
           f"cascade {mib(c['kv_bytes'])}  (cascade / stock = {r['kv_ratio']:.3f})")
     print(f"rows prefilled by the plain loop: stock {s['rows_prefilled']}, cascade {c['rows_prefilled']}")
-    line = stock_path_line(r["stock_path"])
-    if line:
-        print(line)
+    print(stock_path_line(r["stock_path"]) or "every cascade generate call shared its prompts' KV across the beams")
 
 
 def main(argv=None) -> dict:
