@@ -3,8 +3,8 @@ on ``attn_implementation="cascade"`` and on stock ``"sdpa"``: the same predictio
 attention KV each generate call held.
 
 With network access it evaluates a Hub checkpoint (``--model``, default ``google/flan-t5-small``) on a few
-built-in texts; without (or with ``HF_HUB_OFFLINE=1``) a built-in random BART-shaped model on synthetic token
-ids, so it runs anywhere::
+built-in texts; without (the Hub is asked once with a 3 s timeout; ``HF_HUB_OFFLINE=1`` skips even that) a
+built-in random BART-shaped model on synthetic token ids, so it runs anywhere::
 
     python examples/seq2seq_eval.py                       # compare stock and cascade, print a report
     torchrun --nproc-per-node 2 examples/seq2seq_eval.py --only cascade --out preds.json   # data parallel (gloo)
@@ -28,6 +28,7 @@ from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, BartConfig, Seq2
                           Seq2SeqTrainingArguments)
 
 import hf_cascade
+import hub_check          # examples/hub_check.py: no waiting on the Hub's retries where it does not answer
 from hf_cascade.encoder_decoder import CascadeEncoderDecoderCache
 
 IGNORE = -100
@@ -67,9 +68,11 @@ def load_pair(model_id: str | None, dtype=torch.float32, shape: str = "tiny", de
     (``shape``: "tiny" or "bart-large-cnn"; built on ``device`` when given, e.g. straight on the GPU)."""
     if model_id:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model_id)
-            stock = AutoModelForSeq2SeqLM.from_pretrained(model_id, attn_implementation="sdpa", dtype=dtype).eval()
-            cascade = AutoModelForSeq2SeqLM.from_pretrained(model_id, attn_implementation="cascade", dtype=dtype).eval()
+            kw = hub_check.from_pretrained_kwargs(model_id)
+            tokenizer = AutoTokenizer.from_pretrained(model_id, **kw)
+            stock = AutoModelForSeq2SeqLM.from_pretrained(model_id, attn_implementation="sdpa", dtype=dtype, **kw).eval()
+            cascade = AutoModelForSeq2SeqLM.from_pretrained(model_id, attn_implementation="cascade", dtype=dtype,
+                                                            **kw).eval()
             return stock, cascade, tokenizer, model_id
         except Exception as err:                     # no network, offline mode, ...
             print(f"Could not load {model_id!r} ({type(err).__name__}: {str(err).splitlines()[0][:160]})")

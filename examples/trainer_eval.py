@@ -4,12 +4,18 @@
 Runs on the built-in random Llama of ``python -m hf_cascade`` (no download) and a tiny synthetic data set
 of token-id prompts and targets, so no tokenizer is needed::
 
-    python examples/trainer_eval.py                 # float32, 16 examples, 4 beams
-    python examples/trainer_eval.py --dtype float64 --examples 8
+    python examples/trainer_eval.py                 # float32, 8 examples of 96-160 tokens, 4 beams
+    python examples/trainer_eval.py --dtype float64 --examples 16
 
 It prints whether the predictions of each evaluation agree with the same evaluation on sdpa, the eval
-loss of both, and the KV bytes each generate call kept (cascade: the cache's peak; stock: its final
-DynamicCache).
+loss of both, the KV bytes the generate calls kept (cascade: the cache's peak; stock: its final
+DynamicCache), the rows they prefilled and the time, and says in one line if a cascade call ran on
+stock's own path, and why.
+
+The prompts are 96-160 tokens: on the CPU a generate call runs the cascade only where sharing saves at
+least ``hf_cascade.generation.MIN_SHARED_TOKENS`` (1024) prompt-token reads per step — (beams - 1) x the
+batch's prompt tokens — and runs on stock's path otherwise (no saving to show). With 4 beams and batches
+of 4 that takes prompts of about 90 tokens or more.
 
 What a decoder-only model needs in ``Seq2SeqTrainer``:
 
@@ -37,14 +43,15 @@ from torch.utils.data import DataLoader
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 import hf_cascade
-from hf_cascade.__main__ import build_model
+from hf_cascade.__main__ import build_model, stock_path
 
 IGNORE = -100
+PROMPT_LENS = (96, 160)      # long enough that sharing pays on the CPU (module docstring)
 
 
 # ---- data --------------------------------------------------------------------------------------------
 
-def synthetic_dataset(n: int, vocab_size: int, prompt_lens=(12, 40), target_len: int = 8, seed: int = 0,
+def synthetic_dataset(n: int, vocab_size: int, prompt_lens=PROMPT_LENS, target_len: int = 8, seed: int = 0,
                       low: int = 3) -> list[dict]:
     """``n`` examples ``{"prompt": [ids], "target": [ids]}`` of random token ids in [low, vocab_size);
     prompt lengths drawn from ``prompt_lens`` (inclusive), so batches need padding."""
@@ -161,13 +168,14 @@ def plain_eval_loop(model, dataset, batch_size: int = 4, num_beams: int = 4, max
 # ---- KV accounting -----------------------------------------------------------------------------------
 
 class KVMeter:
-    """Forward hook recording, per cache a forward used, the KV bytes it held: a CascadeCache's peak in
-    use, a DynamicCache's tensors; one figure per cache, i.e. per generate call (a forward given no
-    cache, like the Trainer's loss pass, is not counted)."""
+    """Forward hook recording, per cache a forward used, the KV bytes it held (a CascadeCache's peak in
+    use, a DynamicCache's tensors) and the rows of its first forward (the prefill); one figure per cache,
+    i.e. per generate call (a forward given no cache, like the Trainer's loss pass, is not counted)."""
 
     def __init__(self, model):
         self.bytes: dict[int, int] = {}
         self.kinds: dict[int, str] = {}
+        self.rows: dict[int, int] = {}
         self._keep = []          # keep caches alive so ids stay unique
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
@@ -185,20 +193,42 @@ class KVMeter:
         key = id(cache)
         if key not in self.bytes:
             self._keep.append(cache)
+            x = kwargs.get("input_ids")
+            self.rows[key] = (kwargs.get("inputs_embeds") if x is None else x).shape[0]
         self.bytes[key] = max(self.bytes.get(key, 0), n)
         self.kinds[key] = kind
 
     def reset(self):
-        self.bytes.clear(), self.kinds.clear(), self._keep.clear()
+        self.bytes.clear(), self.kinds.clear(), self.rows.clear(), self._keep.clear()
 
     def total(self) -> int:
         return sum(self.bytes.values())
+
+    def rows_prefilled(self) -> int:
+        return sum(self.rows.values())
 
     def remove(self):
         self.handle.remove()
 
 
 # ---- the comparison ----------------------------------------------------------------------------------
+
+def stock_path_reasons(model, dataset, batch_size: int = 4, num_beams: int = 4) -> list[str | None]:
+    """Per batch of the evaluation, why its generate call on a cascade model runs on stock's own path (no
+    saving), or None where it runs the cascade (:func:`hf_cascade.__main__.stock_path`)."""
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                        collate_fn=PromptTargetCollator(model.config.pad_token_id))
+    return [stock_path(model, b["prompt_input_ids"], num_beams, b["prompt_attention_mask"]) for b in loader]
+
+
+def stock_path_line(reasons: list[str | None]) -> str | None:
+    """One line saying how many generate calls ran on stock's path and why (None where none did)."""
+    taken = [r for r in reasons if r]
+    if not taken:
+        return None
+    return (f"cascade: {len(taken)} of {len(reasons)} generate calls per evaluation ran on stock's own path "
+            f"(no KV shared): {taken[0]}")
+
 
 def compare(stock, cascade, dataset, batch_size: int = 4, num_beams: int = 4, max_new_tokens: int = 8,
             output_dir: str | None = None) -> dict:
@@ -222,12 +252,13 @@ def compare(stock, cascade, dataset, batch_size: int = 4, num_beams: int = 4, ma
             result[name] = dict(trainer_predictions=torch.as_tensor(pred.predictions),
                                 label_ids=torch.as_tensor(pred.label_ids), loss=pred.metrics["test_loss"],
                                 loop_predictions=loop, kv_bytes=meter.total(), seconds_trainer=t_trainer,
-                                seconds_loop=t_loop)
+                                seconds_loop=t_loop, rows_prefilled=meter.rows_prefilled())
     s, c = result["stock"], result["cascade"]
     result["trainer_agreement"] = float((s["trainer_predictions"] == c["trainer_predictions"]).double().mean())
     result["loop_agreement"] = float((s["loop_predictions"] == c["loop_predictions"]).double().mean())
     result["trainer_vs_loop_agreement"] = float((c["trainer_predictions"] == c["loop_predictions"]).double().mean())
     result["kv_ratio"] = c["kv_bytes"] / s["kv_bytes"]
+    result["stock_path"] = stock_path_reasons(cascade, dataset, batch_size, num_beams)
     return result
 
 
@@ -242,21 +273,26 @@ def report(r: dict) -> None:
     print(f"Trainer vs plain loop (cascade): {r['trainer_vs_loop_agreement']:.1%}")
     print(f"KV bytes, all generate calls of the plain loop: stock {mib(s['kv_bytes'])}, "
           f"cascade {mib(c['kv_bytes'])}  (cascade / stock = {r['kv_ratio']:.3f})")
+    print(f"rows prefilled by the plain loop: stock {s['rows_prefilled']}, cascade {c['rows_prefilled']}")
+    print(stock_path_line(r["stock_path"]) or "every cascade generate call shared its prompts' KV across the beams")
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--examples", type=int, default=16)
+    p.add_argument("--examples", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-lens", type=int, nargs=2, default=PROMPT_LENS, metavar=("MIN", "MAX"),
+                   help="prompt lengths drawn from [MIN, MAX] (default: %(default)s; shorter prompts run on stock's "
+                        "path on the CPU: see the module docstring)")
     a = p.parse_args(argv)
     stock = build_model("sdpa", dtype=a.dtype, seed=a.seed)
     cascade = build_model("cascade", dtype=a.dtype, seed=a.seed)
     cascade.load_state_dict(stock.state_dict())
-    data = synthetic_dataset(a.examples, stock.config.vocab_size, target_len=a.new_tokens, seed=a.seed)
+    data = synthetic_dataset(a.examples, stock.config.vocab_size, tuple(a.prompt_lens), a.new_tokens, a.seed)
     r = compare(stock, cascade, data, a.batch_size, a.beams, a.new_tokens)
     report(r)
     return r

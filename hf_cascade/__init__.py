@@ -11,6 +11,11 @@ cache; pass your own to ``generate`` to read :meth:`CascadeCache.stats`), :class
 Which kernel backend runs is logged on the ``"hf_cascade"`` logger; ``python -m hf_cascade env``
 reports what this machine offers.
 """
+from . import _cli
+
+if _cli.invoked():      # `python -m hf_cascade ...`: answer --help or a bad flag before torch loads (seconds)
+    _cli.check_argv()
+
 from .attention import register
 from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache

@@ -3,8 +3,11 @@
 Builds a small Llama-shaped model with random weights (or loads ``--model PATH``), runs
 ``generate(num_beams=...)`` on seeded random prompts with each attention implementation, and
 reports whether the tokens match, the KV bytes each kept, the rows each prefilled and the wall time.
-Exit code 1 if the tokens differ. ``python -m hf_cascade env`` prints versions, GPUs and which kernel
-backends can run here, with the reason.
+A cascade call where sharing would not pay runs on stock's own path
+(:func:`hf_cascade.generation.stock_path_reason`); the report then says so, with the reason.
+Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags, 3 the run failed.
+``python -m hf_cascade env`` prints versions, GPUs and which kernel backends can run here, with the reason.
+The flags are parsed by :mod:`hf_cascade._cli`, before torch is imported.
 """
 from __future__ import annotations
 
@@ -14,15 +17,17 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_cascade
-from hf_cascade import kernels
+from hf_cascade import generation
+from hf_cascade._cli import PROG, build_env_parser, build_parser
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,9 +73,27 @@ def kv_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
+def stock_path(model, input_ids, beams: int = 1, attention_mask=None, backend: str = "auto",
+               num_return_sequences: int = 1) -> str | None:
+    """Why ``model.generate(input_ids, num_beams=beams, ...)`` on a cascade model runs on stock's own path
+    (dense attention, transformers' cache: nothing shared, no saving), or None where it runs the cascade;
+    None for a model that is not a cascade model. What :func:`hf_cascade.generation.stock_path_reason`
+    says, given the rows as generate expands them."""
+    if getattr(model.config, "_attn_implementation", None) != "cascade" or model.config.is_encoder_decoder:
+        return None
+    n = max(beams, num_return_sequences)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    return generation.stock_path_reason(
+        model, hf_cascade.CascadeConfig(backend=backend),
+        GenerationConfig(num_beams=beams, num_return_sequences=num_return_sequences),
+        input_ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0))
+
+
 def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = "auto", desc: str = "",
                   progress: bool = True) -> dict:
-    """One ``generate`` call: its tokens, KV bytes, rows in its first forward call and wall time."""
+    """One ``generate`` call: its tokens, KV bytes, rows in its first forward call and wall time; on a cascade
+    model also ``stock_path``: None where the call ran the cascade (then ``stats``: its CacheStats as a dict),
+    else why it ran on stock's own path."""
     rows = []
 
     def count_rows(module, args, kwargs):      # batch rows of every forward call; the first one is the prefill
@@ -102,8 +125,12 @@ def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = 
         cache = out.past_key_values
     result = dict(sequences=out.sequences.cpu(), kv_bytes=kv_bytes(cache), rows_prefilled=rows[0], seconds=seconds)
     if isinstance(cache, hf_cascade.CascadeCache):
+        result["stock_path"] = None
         result["stats"] = vars(cache.stats())
         cache.reset()
+    elif "hf_cascade_config" in extra:       # a cascade model whose call went to stock's path
+        result["stock_path"] = (stock_path(model, input_ids, beams, backend=backend)
+                                or "generate returned no CascadeCache (reason unknown)")
     return result
 
 
@@ -138,7 +165,8 @@ def run_comparison(model_path: str | None = None, prompt_len: int = 1024, beams:
         seconds_stock=t_stock, seconds_cascade=t_cascade, time_ratio=t_cascade / t_stock,
         seconds_stock_all=[r["seconds"] for r in runs["stock"]],
         seconds_cascade_all=[r["seconds"] for r in runs["cascade"]],
-        cascade_stats=c["stats"])
+        cascade_path="stock" if c["stock_path"] else "cascade", stock_path_reason=c["stock_path"],
+        cascade_stats=c.get("stats"))
 
 
 def _mib(n: int) -> str:
@@ -161,56 +189,24 @@ def print_table(result: dict, console: Console | None = None) -> None:
                   f"{r['rows_prefilled_cascade'] / r['rows_prefilled_stock']:.3f}")
     label = "wall time" + (f" (median of {r['repeats']})" if r["repeats"] > 1 else "")
     table.add_row(label, f"{r['seconds_stock']:.3f} s", f"{r['seconds_cascade']:.3f} s", f"{r['time_ratio']:.3f}")
-    (console or Console()).print(table)
+    console = console or Console()
+    console.print(table)
+    line = stock_path_line(r)
+    if line:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)     # one line, however wide
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)       # argparse turns the ValueError into "invalid _positive_int value"
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def stock_path_line(result: dict) -> str | None:
+    """One line saying that the cascade call ran on stock's path, and why (None where it ran the cascade)."""
+    reason = result.get("stock_path_reason")
+    if not reason:
+        return None
+    hint = (" (raise --prompt-len, --beams or --batch to share more)" if "MIN_SHARED_TOKENS" in reason else "")
+    return f"cascade ran on stock's own path (dense attention, no KV shared): {reason}{hint}"
 
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-_positive_int.__name__ = _non_negative_int.__name__ = "int"     # argparse's "invalid int value: 'x'"
 
 GPU_BACKENDS = ("cuda", "flashinfer")
 HALF_DTYPES = ("bfloat16", "float16")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m hf_cascade", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-        epilog="Run `python -m hf_cascade env` for versions, GPUs and which kernel backends are available.")
-    p.add_argument("--model", default=None, metavar="PATH",
-                   help="local checkpoint folder to load (default: a built-in random Llama-shaped model, 8 layers)")
-    p.add_argument("--prompt-len", type=_positive_int, default=1024, metavar="N",
-                   help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--beams", type=_positive_int, default=8, metavar="K", help="num_beams (default: %(default)s)")
-    p.add_argument("--new-tokens", type=_positive_int, default=16, metavar="N",
-                   help="tokens generated per sequence (default: %(default)s)")
-    p.add_argument("--batch", type=_positive_int, default=1, metavar="B",
-                   help="prompts per generate call (default: %(default)s)")
-    p.add_argument("--device", default=None,
-                   help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if a GPU is visible, else cpu)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                   help="model dtype (default: %(default)s; float32/float64 give stock's tokens exactly, "
-                        "bf16/fp16 may differ by rounding)")
-    p.add_argument("--backend", choices=("auto", *kernels.BACKENDS), default="auto",
-                   help="CascadeConfig.backend for the cascade run (default: %(default)s; cuda and flashinfer "
-                        "need a CUDA device and bfloat16/float16)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: %(default)s)")
-    p.add_argument("--warmup", type=_non_negative_int, default=None, metavar="N",
-                   help="untimed runs of each before the timed one (default: 1 on CUDA, 0 on CPU)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write the results as JSON to PATH ('-' or no PATH: stdout)")
-    return p
 
 
 def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -249,10 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def env_main(argv) -> int:
     """``python -m hf_cascade env [--json]``: versions, GPUs, each backend's availability with the reason."""
-    p = argparse.ArgumentParser(prog="python -m hf_cascade env",
-                                description="Versions, GPUs and each kernel backend's availability, with the reason.")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = p.parse_args(argv)
+    args = build_env_parser().parse_args(argv)
     from . import diagnostics
     found = diagnostics.report()
     print(json.dumps(found, indent=2) if args.json else diagnostics.format_report(found))
@@ -269,8 +262,10 @@ def write_json(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags (one line on stderr), 3 the run failed
-    for a reason the message names (unsupported model or backend, KV pool too small, checkpoint unreadable)."""
+    """Exit codes: 0 same tokens (also where the cascade call ran on stock's path: the report says why),
+    1 the tokens differ, 2 bad flags (one line on stderr), 3 the run failed: for a reason the message names
+    (unsupported model or backend, KV pool too small, checkpoint unreadable) in one line, otherwise with
+    the traceback (Python's own exit code for an uncaught error, 1, would read as "the tokens differ")."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["env"]:
         return env_main(argv[1:])
@@ -280,7 +275,12 @@ def main(argv=None) -> int:
         result = run_comparison(args.model, args.prompt_len, args.beams, args.new_tokens, args.batch, args.device,
                                 args.dtype, args.backend, args.seed, warmup=warmup)
     except (NotImplementedError, MemoryError, OSError) as err:      # errors that say what to do: no traceback
-        print(f"python -m hf_cascade: error: {type(err).__name__}: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except Exception as err:                # a bug: keep the traceback for the report
+        traceback.print_exc()
+        print(f"{PROG}: error: the run failed ({type(err).__name__}); please report it with the command line and "
+              f"the output of `{PROG} env`", file=sys.stderr)
         raise SystemExit(3) from None
     print_table(result, Console(stderr=args.json == "-"))     # keep stdout pure JSON with --json -
     if args.json:

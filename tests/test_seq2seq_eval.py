@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ def _run(cmd, out):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow      # two torchrun processes and one more: ~15 s on 2 cores
 def test_data_parallel_on_cpu_matches_one_process(tmp_path):
     one = _run([sys.executable], tmp_path / "one.json")
     two = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"], tmp_path / "two.json")

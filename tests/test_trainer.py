@@ -11,11 +11,13 @@ import torch
 
 import hf_cascade
 from conftest import VOCAB, model_pair
+from hf_cascade import generation
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 import trainer_eval  # noqa: E402
 
 BEAMS, NEW, BATCH = 4, 5, 4
+REAL_THRESHOLD = dict(generation.MIN_SHARED_TOKENS)     # read at import, before conftest's autouse fixture empties it
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,3 +148,33 @@ def test_compare_reports_agreement(pair, data):
     # measured, not compared: with prompts this short (4-15 tokens) the cascade cache's 16-token blocks
     # hold more than stock's dense rows
     assert r["cascade"]["kv_bytes"] > 0 and r["stock"]["kv_bytes"] > 0
+
+    assert r["stock_path"] == [None, None]      # conftest keeps tiny prompts on the cascade
+
+
+def test_report_prints_the_saving_and_the_stock_path_line(pair, data, capsys):
+    stock, cascade = pair
+    r = trainer_eval.compare(stock, cascade, data, BATCH, BEAMS, NEW)
+    r["stock_path"] = [None, "sharing would save 42 prompt-token reads per step (MIN_SHARED_TOKENS)"]
+    trainer_eval.report(r)
+    out = capsys.readouterr().out
+    assert f"rows prefilled by the plain loop: stock {len(data) * BEAMS}, cascade {len(data)}" in out
+    assert "cascade / stock = " in out
+    lines = [line for line in out.splitlines() if "stock's own path" in line]
+    assert lines == ["cascade: 1 of 2 generate calls per evaluation ran on stock's own path (no KV shared): "
+                     "sharing would save 42 prompt-token reads per step (MIN_SHARED_TOKENS)"]
+
+
+def test_example_shapes_share_on_the_cpu(pair, monkeypatch):
+    """The example's default prompts are long enough that every generate call of its evaluation runs the cascade
+    on the CPU (below MIN_SHARED_TOKENS a call runs on stock's path and shows no saving)."""
+    monkeypatch.setattr(generation, "MIN_SHARED_TOKENS", REAL_THRESHOLD)
+    _, cascade = pair
+    assert cascade.device.type == "cpu" and REAL_THRESHOLD.get("cpu", 0) > 0
+    examples = trainer_eval.synthetic_dataset(16, VOCAB)           # PROMPT_LENS, as the example and notebook use
+    # the example's --batch-size 4 --beams 4 (and the notebook's BATCH, BEAMS)
+    assert trainer_eval.stock_path_reasons(cascade, examples, 4, 4) == [None] * 4
+    short = trainer_eval.synthetic_dataset(8, VOCAB, prompt_lens=(4, 15))
+    reasons = trainer_eval.stock_path_reasons(cascade, short, 4, 4)
+    assert all("MIN_SHARED_TOKENS" in r for r in reasons)
+    assert "2 of 2 generate calls" in trainer_eval.stock_path_line(reasons)
