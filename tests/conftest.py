@@ -14,6 +14,14 @@ from hf_cascade import generation
 VOCAB = 96
 
 
+def pytest_configure(config):
+    """One torch thread unless OMP_NUM_THREADS says otherwise: the tiny models of these tests run several times
+    slower with a thread per core on a small, shared machine (the suite took 40 minutes on 2 cores that way)."""
+    import os
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """``@pytest.mark.gpu`` (or ``gpu(n)`` for n GPUs) skips a test where torch sees fewer CUDA devices."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
