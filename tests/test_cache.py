@@ -177,15 +177,12 @@ def test_filled_cache_is_refused(pair):
         cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **cache_kw(cascade, cache))
 
 
-def test_right_padding_is_refused(pair):
-    _, cascade = pair
+def test_right_padding_runs_with_stock_tokens(pair):
+    # was: refused; pads are not stored (tests/test_padding.py covers modes, caches and windows)
+    stock, cascade = pair
     ids, mask = padded_batch(seed=1)
-    with pytest.raises(ValueError, match="left"):
-        cascade.generate(input_ids=ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=2, pad_token_id=0,
-                         num_beams=2)
-    # greedy shares nothing: it runs on stock's path, which takes right padding as stock does (with its warning)
-    kw = dict(input_ids=ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=2, pad_token_id=0)
-    assert torch.equal(pair[0].generate(**kw), cascade.generate(**kw))
+    kw = dict(input_ids=ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=3, pad_token_id=0, num_beams=2)
+    assert torch.equal(stock.generate(**kw), cascade.generate(**kw))
 
 
 def test_sliding_window_beyond_window_matches_stock():
