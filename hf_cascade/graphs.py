@@ -48,6 +48,11 @@ _lock = threading.RLock()
 # torch.cuda.graph empties the allocator's cache as it begins (other threads' replays and eager steps go on)
 _capture_lock = threading.Lock()
 
+# generate calls whose decode steps may be captured run one at a time in the process: while one thread captures, a
+# kernel that another thread launches on the legacy default stream (its prefill, transformers' token choice) is an
+# illegal operation on the capturing stream ("operation not permitted when stream is capturing", seen on the H200)
+_capturing_calls = threading.RLock()
+
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
 _CACHE_KWARGS = ("past_key_values", "cache")
@@ -139,6 +144,15 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
     if cache.graph_runner is not None:
         cache.graph_runner.release()
         cache.graph_runner = None
+
+
+def capturing_call(model, cache):
+    """The context of one generate call: the process-wide lock where its decode steps may be captured as a CUDA
+    graph (concurrent such calls are serialized), nothing otherwise (CPU calls, the runner's eager form)."""
+    mode = cache.cascade_config.cuda_graphs
+    if mode == "eager" or unsupported_reason(model, cache, mode) is not None:
+        return contextlib.nullcontext()
+    return _capturing_calls
 
 
 def begin_decoding(model, cache, generation_config, prompt_width: int):

@@ -1,0 +1,61 @@
+"""generate on one CUDA model from several threads at once, with the default settings: decode steps replayed as
+captured CUDA graphs (the runner of each call's own thread), captures one at a time. Every threaded call gives
+stock's tokens (float32, TF32 off), and afterwards ``model.forward`` is the model's own again.
+
+Run on the GPU machine: ``pytest -m gpu tests/test_gpu_threads.py``.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_cascade import graphs
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=512, vocab_size=500, max_position_embeddings=4096, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None)
+CALLS = [dict(num_beams=4, max_new_tokens=12), dict(max_new_tokens=10),
+         dict(do_sample=True, top_k=1, num_return_sequences=3, max_new_tokens=9)]
+
+
+def test_threads_on_one_cuda_model_give_stock_tokens():
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    models = {}
+    for impl in ("sdpa", "cascade"):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            models[impl] = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation=impl,
+                                                            dtype=torch.float32).eval()
+    model = models["cascade"]
+    model.load_state_dict(models["sdpa"].state_dict())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (2, 96 + 16 * i), generator=g).cuda() for i in range(len(CALLS))]
+    alone = [models["sdpa"].generate(ids, pad_token_id=0, **kw).cpu() for ids, kw in zip(prompts, CALLS)]
+    results, errors, start = {}, [], threading.Barrier(len(CALLS) * 2)
+
+    def body(t):
+        i = t % len(CALLS)
+        start.wait()
+        try:
+            for r in range(3):
+                results[(t, r)] = model.generate(prompts[i], pad_token_id=0, **CALLS[i]).cpu()
+        except BaseException as err:  # noqa: BLE001 — reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=body, args=(t,)) for t in range(len(CALLS) * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == len(CALLS) * 2 * 3
+    for (t, _), out in results.items():
+        assert torch.equal(out, alone[t % len(CALLS)]), (t, CALLS[t % len(CALLS)])
+    assert "forward" not in model.__dict__          # the dispatcher is gone: the class's forward again
+    assert torch.equal(model.generate(prompts[0], pad_token_id=0, **CALLS[0]).cpu(), alone[0])
+    graphs.release(model)
