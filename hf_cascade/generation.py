@@ -543,11 +543,6 @@ def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
 
 def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, model_kwargs: dict, key: str, decode):
     """Fill ``cache`` with the prompts' new tokens, then stock decoding (a captured graph where it can run)."""
-    with graphs.capturing_call(model, cache):
-        return _run_claimed(model, cache, owned, input_ids, generation_config, model_kwargs, key, decode)
-
-
-def _run_claimed(model, cache, owned, input_ids, generation_config, model_kwargs, key, decode):
     claimed = _claim(cache)     # before anything that could touch (or, on failure, reset) another call's cache
     ok, runner = False, None
     try:

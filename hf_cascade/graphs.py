@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import torch
 
@@ -42,15 +43,14 @@ from .config import CascadeConfig
 
 logger = logging.getLogger("hf_cascade")
 _logged: set = set()
-# generate may run in several threads: guards the forward dispatchers, _kept, _logged, _side_streams and _gc_paused
+# generate may run in several threads: guards the forward dispatchers, _kept, _logged and _side_streams
 _lock = threading.RLock()
-# one capture at a time in the process: captures share torch's default capture stream and our warm-up streams, and
-# torch.cuda.graph empties the allocator's cache as it begins (other threads' replays and eager steps go on)
-_capture_lock = threading.Lock()
 
-# generate calls whose decode steps may be captured run one at a time in the process: while one thread captures, a
-# kernel that another thread launches on the legacy default stream (its prefill, transformers' token choice) is an
-# illegal operation on the capturing stream ("operation not permitted when stream is capturing", seen on the H200)
+# generate calls whose decode steps may be captured run one at a time in the process (the generate patch takes it
+# for the whole call; a capture takes it too): while one thread captures, a kernel that another thread launches on
+# the legacy default stream (its prefill, the encoder, transformers' token choice) is an illegal operation on the
+# capturing stream ("operation not permitted when stream is capturing", seen on the H200). Captures also share
+# torch's capture stream and our warm-up streams, and torch.cuda.graph empties the allocator's cache as it begins.
 _capturing_calls = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
@@ -146,11 +146,12 @@ def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
         cache.graph_runner = None
 
 
-def capturing_call(model, cache):
+def capturing_call(model, cascade_config):
     """The context of one generate call: the process-wide lock where its decode steps may be captured as a CUDA
     graph (concurrent such calls are serialized), nothing otherwise (CPU calls, the runner's eager form)."""
-    mode = cache.cascade_config.cuda_graphs
-    if mode == "eager" or unsupported_reason(model, cache, mode) is not None:
+    cascade_config = CascadeConfig.coerce(cascade_config)
+    mode = cascade_config.cuda_graphs
+    if mode == "eager" or unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config), mode):
         return contextlib.nullcontext()
     return _capturing_calls
 
@@ -370,7 +371,7 @@ class DecodeGraphRunner:
             return out
         # no background KV mapping from the warm-up to the end of the capture: a driver call from the worker thread
         # can invalidate a capture, and a pool that grew in between would hand the capture other views
-        with _capture_lock, memory.background_mapping_held():
+        with _capturing_calls, memory.background_mapping_held():
             return self._warm_up_and_capture(static, ctx, key, kwargs)
 
     def _warm_up_and_capture(self, static_tensors, ctx, key, kwargs):
@@ -546,25 +547,17 @@ class _ForwardDispatch:
                     model.__dict__.pop("forward", None)
 
 
-_gc_pauses = [0, False]      # blocks in _gc_paused now (any thread), whether the collector was on before the first
-
-
 @contextlib.contextmanager
 def _gc_paused():
-    """Python's cyclic garbage collector off for the block (as it was before the first of the blocks that run at
-    once in several threads, after the last: one thread's capture ending must not turn it on under another's)."""
-    with _lock:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
-        _gc_pauses[0] += 1
+    """Python's cyclic garbage collector off for the block (as it was before, after it). Captures run one at a
+    time (``_capturing_calls``), so no other thread's block overlaps."""
+    was = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        with _lock:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
+        if was:
+            gc.enable()
 
 
 def _end_failed_capture() -> None:

@@ -84,6 +84,7 @@ def _wrap(original):
     def generate(self, *args, **kwargs):
         from hf_cascade.cache import CascadeCache
         from hf_cascade.generation import cascade_generate, check_model_supported
+        from hf_cascade.graphs import capturing_call
 
         bound = signature.bind_partial(self, *args, **kwargs)
         arguments = bound.arguments
@@ -118,8 +119,12 @@ def _wrap(original):
         arguments.pop("self")
         outer = getattr(_state, "defer_encoder_expansion", False)
         _state.defer_encoder_expansion = bool(getattr(self.config, "is_encoder_decoder", False))
+        config = user_cache.cascade_config if isinstance(user_cache, CascadeCache) else extra.get("hf_cascade_config")
         try:
-            return original(self, **arguments, **extra)
+            # the whole call, transformers' own work before our entry included: where decode steps may be captured
+            # as a CUDA graph, such calls run one at a time (hf_cascade.graphs.capturing_call)
+            with capturing_call(self, config):
+                return original(self, **arguments, **extra)
         finally:
             _state.defer_encoder_expansion = outer
 
