@@ -287,20 +287,3 @@ class CascadeEncoderDecoderCache(EncoderDecoderCache):
     def reset(self) -> None:
         self.self_attention_cache.reset()
         self.cross_attention_cache.reset()
-
-
-class CascadeEncoderDecoderCache(EncoderDecoderCache):
-    """Decoder self-attention (CascadeCache, or DynamicCache for relative-bias families) plus the
-    cross-attention K/V once per input. Reordering beams touches the self-attention part only."""
-
-    def __init__(self, self_attention_cache: Cache, cross_attention_cache: CrossAttentionCache):
-        super().__init__(self_attention_cache, cross_attention_cache)
-        self.is_updated = {i: True for i in range(len(cross_attention_cache.layers))}   # the model never projects
-
-    def reorder_cache(self, beam_idx) -> None:
-        self.cross_attention_cache.check_reorder(beam_idx)
-        self.self_attention_cache.reorder_cache(beam_idx)
-
-    def reset(self) -> None:
-        self.self_attention_cache.reset()
-        self.cross_attention_cache.reset()
