@@ -11,6 +11,9 @@ Every storage has the same small interface: ``tensor``, ``num_blocks``, ``block_
   never copies; its base address (``tensor.data_ptr()``) is fixed, only the tensor's shape grows.
 - ``auto``: ``vmm`` where the device supports it and cuda-bindings imports, else ``grow``.
 
+:func:`make_fixed_storage` builds the pool of K/V written once whose size is known up front (an encoder-decoder
+call's cross-attention K/V): a zeroed :class:`FixedStorage`, paged, or as one K run and one V run on the CPU.
+
 Block ids index dim 0, so growth never renumbers blocks. A storage raises PoolExhausted (a MemoryError),
 with the numbers, when asked for more blocks than its cap, MemoryError when the device has no room, and
 is unchanged and usable afterwards.
@@ -56,8 +59,12 @@ class BlockStorage:
         self.tensor = self._empty(0)
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
+        return self._allocate((num_blocks, *self.block_shape), num_blocks)
+
+    def _allocate(self, shape, num_blocks: int) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` (``num_blocks`` blocks); PoolAllocationError says what to change."""
         try:
-            return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, device=self.device)
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         except RuntimeError as err:        # torch.OutOfMemoryError on CUDA, a plain RuntimeError from the CPU allocator
             if not isinstance(err, torch.OutOfMemoryError) and "alloc" not in str(err).lower():
                 raise
@@ -66,14 +73,13 @@ class BlockStorage:
     def _allocation_advice(self, num_blocks: int, err: Exception) -> str:
         what = (f"the KV pool of one layer ({type(self).__name__}: {num_blocks} blocks of {self.block_shape[1]} tokens, "
                 f"{num_blocks * self.block_nbytes} bytes) could not be allocated on {self.device}")
-        if isinstance(self, StaticStorage):
-            fix = ('memory="static" allocates CascadeConfig.max_kv_bytes up front (split over the layers): lower '
-                   'max_kv_bytes to what the device holds, or use memory="auto" to grow the pool as it fills')
-        else:
-            fix = (f"lower CascadeConfig.block_size (now {self.block_shape[1]} tokens per block; 16-256 are usual) or "
-                   "the beams, prompt length or batch; CascadeConfig.max_kv_bytes turns this into a PoolExhausted")
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return f"{what}: {first[:200]}. {fix}."
+        return f"{what}: {first[:200]}. {self._allocation_fix()}."
+
+    def _allocation_fix(self) -> str:
+        """What to change when the pool cannot be allocated (the setting, per kind of storage)."""
+        return (f"lower CascadeConfig.block_size (now {self.block_shape[1]} tokens per block; 16-256 are usual) or "
+                "the beams, prompt length or batch; CascadeConfig.max_kv_bytes turns this into a PoolExhausted")
 
     @property
     def num_blocks(self) -> int:
@@ -146,6 +152,38 @@ class StaticStorage(BlockStorage):
 
     def release(self) -> None:
         pass
+
+    def _allocation_fix(self) -> str:
+        return ('memory="static" allocates CascadeConfig.max_kv_bytes up front (split over the layers): lower '
+                'max_kv_bytes to what the device holds, or use memory="auto" to grow the pool as it fills')
+
+
+class FixedStorage(StaticStorage):
+    """``num_blocks`` zeroed blocks for K/V written once, up front (an encoder-decoder call's cross-attention
+    K/V): never grows, released by dropping it. Zeroed, so the unused tail of an input's last block reads as 0,
+    never as stale bytes.
+
+    ``kv_runs=True`` lays the same bytes out as one K run then one V run, ``runs``
+    ``[2, num_blocks * block_size, kv_heads, head_dim]``, where an input's tokens are one contiguous run that
+    sdpa reads in place; ``tensor`` is then that memory seen in the paged layout (a permuted view, not
+    contiguous). Otherwise ``tensor`` is the contiguous paged pool the GPU kernels take and ``runs`` is None.
+    """
+
+    def __init__(self, block_shape, dtype, device, num_blocks: int, kv_runs: bool = False):
+        self.kv_runs = kv_runs
+        super().__init__(block_shape, dtype, device, num_blocks)
+
+    def _empty(self, num_blocks: int) -> torch.Tensor:
+        if not self.kv_runs:
+            self.runs = None
+            return super()._empty(num_blocks).zero_()
+        two, block_size, *head = self.block_shape
+        self.runs = self._allocate((two, num_blocks * block_size, *head), num_blocks).zero_()
+        return self.runs.view(two, num_blocks, block_size, *head).permute(1, 0, 2, 3, 4)
+
+    def _allocation_fix(self) -> str:
+        return ("these blocks hold the cross-attention K/V of an encoder-decoder call: lower the number or length "
+                "of the inputs; CascadeConfig.max_kv_bytes turns this into a PoolExhausted")
 
 
 # ---- CUDA virtual memory ----------------------------------------------------------------------------
@@ -600,3 +638,11 @@ def make_storage(block_shape, dtype: torch.dtype, device, policy: str = "auto", 
     if policy == "static":
         return StaticStorage(block_shape, dtype, device, max_blocks)
     return GrowStorage(block_shape, dtype, device, max_blocks)
+
+
+def make_fixed_storage(block_shape, dtype: torch.dtype, device, num_blocks: int, kv_runs: bool = False
+                       ) -> FixedStorage:
+    """The storage of K/V written once, ``num_blocks`` blocks (see :class:`FixedStorage` for ``kv_runs``): fixed
+    whatever ``CascadeConfig.memory`` says, since its size is known before it is filled (growing or mapping
+    ahead would buy nothing)."""
+    return FixedStorage(block_shape, dtype, device, num_blocks, kv_runs)

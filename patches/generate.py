@@ -134,7 +134,7 @@ def _wrap(original):
 
 def _wrap_expand(original):
     """Encoder-decoder models on our entry: the encoder output is not copied once per beam
-    (hf_cascade.encoder_decoder.defer_expansion keeps one row per input; the rest is expanded as stock)."""
+    (hf_cascade.encoder_expansion.defer_expansion keeps one row per input; the rest is expanded as stock)."""
     function = original.__func__ if isinstance(original, staticmethod) else original   # static before 5.2x
 
     @functools.wraps(function)
@@ -144,7 +144,7 @@ def _wrap_expand(original):
         if not getattr(_state, "defer_encoder_expansion", False) or encoder_outputs is None or size == 1 \
                 or not kwargs.get("is_encoder_decoder", False):
             return function(*args, **kwargs)
-        from hf_cascade.encoder_decoder import defer_expansion
+        from hf_cascade.encoder_expansion import defer_expansion
 
         kwargs = {**kwargs, "is_encoder_decoder": False}
         del kwargs["encoder_outputs"]

@@ -14,7 +14,7 @@ import transformers as T
 from transformers import AutoModelForSeq2SeqLM
 
 import hf_cascade  # noqa: F401  registers "cascade"
-from hf_cascade import encoder_decoder
+from hf_cascade import cross_kv, dense_cache, seq2seq_models
 
 from conftest import RunnerSpy, cache_kw
 
@@ -115,7 +115,7 @@ def test_cross_kv_projected_once_per_input_from_real_tokens(family):
     _, cascade = cached_pair(family)
     ids, mask = sources()
     rows_seen, storages = [], []
-    first = encoder_decoder.cross_attention_modules(cascade)[0]
+    first = seq2seq_models.cross_attention_modules(cascade)[0]
     linear = first.k_proj if hasattr(first, "k_proj") else first.k
     hooks = [linear.register_forward_hook(lambda m, a, o: rows_seen.append(tuple(a[0].shape))),
              cascade.get_decoder().register_forward_pre_hook(
@@ -131,10 +131,10 @@ def test_cross_kv_projected_once_per_input_from_real_tokens(family):
 
 def test_cross_reorder_copies_nothing_and_stays_within_inputs():
     _, cascade = cached_pair("bart")
-    cross = encoder_decoder.CrossAttentionCache(2)
+    cross = cross_kv.CrossAttentionCache(2)
     ids, mask = sources()
     states = cascade.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-    cross.fill(encoder_decoder.cross_attention_modules(cascade), states, mask)
+    cross.fill(seq2seq_models.cross_projections(cascade), states, mask)
     before = [layer.pool.clone() for layer in cross.layers]
     cross.reorder_cache(torch.tensor([1, 1, 0, 0, 5, 4, 4, 7]))
     assert all(torch.equal(b, layer.pool) for b, layer in zip(before, cross.layers))
@@ -148,7 +148,7 @@ def test_reordered_self_cache_equals_dynamic_cache():
     """The CPU's dense self-attention cache: stock's K/V after any sequence of updates, reorders (also two
     in a row), growth past its capacity, and the operations that turn it back into a plain DynamicLayer."""
     g = torch.Generator().manual_seed(0)
-    ref, ours = T.DynamicCache(), encoder_decoder.ReorderedCache(capacity=3)
+    ref, ours = T.DynamicCache(), dense_cache.ReorderedCache(capacity=3)
 
     def step(q, rows=4):
         for layer in range(2):
@@ -257,8 +257,8 @@ def test_whisper_stock_tokens(case, monkeypatch):
     stock, cascade = whisper_pair()
     features, kwargs = WHISPER_CASES[case]
     fills = []
-    original = encoder_decoder.CrossAttentionCache.fill
-    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "fill",
+    original = cross_kv.CrossAttentionCache.fill
+    monkeypatch.setattr(cross_kv.CrossAttentionCache, "fill",
                         lambda self, *a: (fills.append(a[1].shape), original(self, *a))[1])
     kwargs = {"language": "en", **kwargs}
     torch.manual_seed(5)
@@ -291,12 +291,12 @@ def test_paged_plan_through_reference_backend(family, monkeypatch):
     on the paged CascadeCache (T5: DynamicCache); "auto" on the CPU reads the cross K/V in place."""
     config = hf_cascade.CascadeConfig(backend="reference", block_size=4)
     plans = []
-    original = encoder_decoder.CrossAttentionCache.plan
-    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan",
+    original = cross_kv.CrossAttentionCache.plan
+    monkeypatch.setattr(cross_kv.CrossAttentionCache, "plan",
                         lambda self, *a: plans.append(a) or original(self, *a))
     selfs = []
-    init = encoder_decoder.CascadeEncoderDecoderCache.__init__
-    monkeypatch.setattr(encoder_decoder.CascadeEncoderDecoderCache, "__init__",
+    init = cross_kv.CascadeEncoderDecoderCache.__init__
+    monkeypatch.setattr(cross_kv.CascadeEncoderDecoderCache, "__init__",
                         lambda self, own, cross: selfs.append(own) or init(self, own, cross))
     want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)
@@ -390,8 +390,8 @@ def test_identical_inputs_share_their_cross_kv(monkeypatch):
     ids, mask = sources(lengths=(13, 13, 9, 9), seed=4)
     ids[1], ids[3] = ids[0], ids[2]                               # runs of two identical sources
     fills = []
-    original = encoder_decoder.CrossAttentionCache.fill
-    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "fill",
+    original = cross_kv.CrossAttentionCache.fill
+    monkeypatch.setattr(cross_kv.CrossAttentionCache, "fill",
                         lambda self, *a: (fills.append(a[1].shape[0]), original(self, *a))[1])
     kw = dict(max_new_tokens=NEW, num_beams=3, num_return_sequences=2, no_repeat_ngram_size=2)
     assert torch.equal(stock.generate(input_ids=ids, attention_mask=mask, **kw),
@@ -406,11 +406,11 @@ def test_identical_inputs_share_their_cross_kv(monkeypatch):
 def test_gpu_pool_layout_through_the_plan(family, monkeypatch):
     """The contiguous [blocks, 2, block_size, H, D] cross pool the GPU kernels take, read through the paged
     plan by the reference backend (on the CPU, as a GPU run would with backend="reference")."""
-    monkeypatch.setattr(encoder_decoder, "in_place_layout", lambda device: False)
+    monkeypatch.setattr(cross_kv, "in_place_layout", lambda device: False)
     config = hf_cascade.CascadeConfig(block_size=4)
     pools = []
-    original = encoder_decoder.CrossLayer.fill
-    monkeypatch.setattr(encoder_decoder.CrossLayer, "fill",
+    original = cross_kv.CrossLayer.fill
+    monkeypatch.setattr(cross_kv.CrossLayer, "fill",
                         lambda self, *a: (original(self, *a), pools.append(self.pool))[0])
     want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)
@@ -510,8 +510,8 @@ def test_padded_decoder_prompt_gives_stock_tokens(family, mode, side, config):
 @pytest.mark.parametrize("family", ["bart", "whisper"])
 def test_cascade_config_as_a_dict(family, config, monkeypatch):
     plans = []
-    original = encoder_decoder.CrossAttentionCache.plan
-    monkeypatch.setattr(encoder_decoder.CrossAttentionCache, "plan",
+    original = cross_kv.CrossAttentionCache.plan
+    monkeypatch.setattr(cross_kv.CrossAttentionCache, "plan",
                         lambda self, *a: plans.append(self.block_size) or original(self, *a))
     want, got = _beam_search_pair(family, config)
     assert torch.equal(want, got)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hf_cascade
-from hf_cascade import encoder_decoder
+from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
 from hf_cascade.config import CascadeConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -64,8 +64,8 @@ def test_cross_attention_matches_dense(backend, heads, head_dim, lengths, beams,
     scale = head_dim ** -0.5
     outs = {}
     for name in (backend, "reference"):
-        cache = encoder_decoder.CrossAttentionCache(1, CascadeConfig(backend=name))
-        cache.fill([module], states, mask)
+        cache = cross_kv.CrossAttentionCache(1, CascadeConfig(backend=name))
+        cache.fill([seq2seq_models.SUPPORTED["bart"].cross_projection(module)], states, mask)
         try:
             outs[name], _ = encoder_decoder.cross_attention(cache.layers[0], module, q, 0.0, scale, {})
         except NotImplementedError as err:     # a backend may refuse a plan with no suffix (backend="auto" moves on)

@@ -16,7 +16,7 @@ import torch
 import hf_cascade.memory as memory
 from conftest import model_pair, padded_batch, returned_cache
 from hf_cascade import CascadeConfig
-from hf_cascade.memory import GrowStorage, StaticStorage, make_storage
+from hf_cascade.memory import GrowStorage, PoolAllocationError, StaticStorage, make_fixed_storage, make_storage
 
 SHAPE = (2, 4, 2, 8)          # K+V, block 4, 2 KV heads, head_dim 8
 BLOCK_BYTES = 2 * 4 * 2 * 8 * 4   # float32
@@ -82,6 +82,33 @@ def test_static_is_fixed_and_errors_beyond_its_size():
     _check(pool, 12)
     with pytest.raises(ValueError, match="max_blocks"):
         make_storage(SHAPE, torch.float32, "cpu", "static")
+
+
+# ---- fixed (an encoder-decoder call's cross-attention K/V) ------------------------------------------------
+@pytest.mark.parametrize("kv_runs", [False, True])
+def test_fixed_storage_is_zeroed_and_its_two_layouts_hold_the_same_bytes(kv_runs):
+    """CPU: one K run then one V run, seen as the paged pool without a copy (sdpa reads a run in place);
+    elsewhere the contiguous paged pool the GPU kernels take. Either way num_blocks zeroed blocks, counted alike."""
+    s = make_fixed_storage(SHAPE, torch.float32, "cpu", 5, kv_runs=kv_runs)
+    pool = s.tensor
+    assert isinstance(s, StaticStorage) and pool.shape == (5, *SHAPE) and s.nbytes == 5 * BLOCK_BYTES
+    assert not pool.any() and s.ensure(5) is pool
+    with pytest.raises(MemoryError, match="at most 5 blocks"):
+        s.ensure(6)
+    if not kv_runs:
+        assert s.runs is None and pool.is_contiguous()
+        return
+    _, block_size, *head = SHAPE
+    assert s.runs.shape == (2, 5 * block_size, *head) and s.runs.is_contiguous() and s.runs.nbytes == s.nbytes
+    pool[3, 1, 2] = 7.0                                      # V of block 3, slot 2 ...
+    assert s.runs[1, 3 * block_size + 2].eq(7).all() and s.runs.count_nonzero() == head[0] * head[1]   # ... in place
+
+
+@pytest.mark.parametrize("kv_runs", [False, True])
+def test_fixed_storage_the_device_cannot_allocate_names_what_to_lower(kv_runs):
+    huge = (2, 16, 2 ** 20, 2 ** 20)
+    with pytest.raises(PoolAllocationError, match="cross-attention K/V of an encoder-decoder call: lower the number"):
+        make_fixed_storage(huge, torch.float32, "cpu", 4, kv_runs=kv_runs)
 
 
 # ---- factory and config -----------------------------------------------------------------------------
