@@ -16,10 +16,7 @@ device-to-device copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +30,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import harness  # noqa: E402
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.plan import build_step_plan  # noqa: E402
 
@@ -85,27 +83,10 @@ def bytes_moved(groups, beams, prefix, suffix, elt=2, full_table=False):
     return kv + 2 * R * HQ * HEAD_DIM * elt                # + q and o
 
 
-def time_us(fn, reps, warmup, flush):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(reps):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in events]
-    return statistics.median(times), min(times)
-
-
 def copy_bandwidth(reps=20, nbytes=2 << 30):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    med, _ = time_us(lambda: dst.copy_(src), reps, 3, lambda: None)
+    med, _ = harness.cuda_time_us(lambda: dst.copy_(src), reps, 3, lambda: None)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (med * 1e-6)                        # read + write, bytes/s
@@ -187,7 +168,7 @@ def main(argv=None) -> int:
                 if ref_out is None:
                     ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
                 row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
-            med, best = time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup, flush)
+            med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup, flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             row.update(error=f"{type(err).__name__}: {err}")
             results.append(row)
@@ -196,7 +177,7 @@ def main(argv=None) -> int:
         roofline = row["cascade_bytes"] / bw * 1e6
         row.update(median_us=med, min_us=best, roofline_us=roofline, fraction_of_roofline=roofline / med,
                    achieved_tb_s=row["bytes"] / (med * 1e-6) / 1e12)
-        if name == "cuda" and cascade.scratch:
+        if name == "cuda" and getattr(cascade, "scratch", None):     # the cuda backend's launch, where it keeps one
             st = next(v for k, v in cascade.scratch.items() if k[0] == "cuda")
             row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
                                     m_tile=st.m_tile, suffix_splits=st.nsplit)
@@ -221,14 +202,11 @@ def main(argv=None) -> int:
     if args.threshold:
         console.print(threshold_summary(results))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+    out = harness.write_json(args.out, dict(
+        harness.run_record(__file__, argv),
+        gpu=props.name, sms=props.multi_processor_count,
         copy_bandwidth_bytes_per_s=bw, heads=[HQ, HKV], head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16",
-        reps=args.reps, command=" ".join(["kernels_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-        results=results), indent=2))
+        reps=args.reps, results=results), indent=2)
     console.print(f"wrote {out}")
     return 0
 

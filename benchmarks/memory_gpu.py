@@ -20,23 +20,19 @@ A scenario is PROMPTxBEAMSxNEW[xBATCH].
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-import transformers
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import harness
 import hf_cascade
-from common import git_commit
 from hf_cascade import memory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,21 +58,14 @@ def static_bytes(sc: dict, block_size: int, dtype: torch.dtype) -> int:
     return blocks * per_block * SHAPE["num_hidden_layers"]
 
 
-class StepProbe:
-    """Forward pre/post hooks on the model: CUDA events per forward, and memory read after each one."""
+class StepProbe(harness.ForwardTimer):
+    """CUDA events per forward (the harness's ForwardTimer), and memory read after each forward."""
 
     def __init__(self, model, device):
-        self.device, self.events, self.samples = device, [], []
-        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        model.register_forward_hook(self._post, with_kwargs=True)]
+        super().__init__(model)
+        self.device, self.samples = device, []
 
-    def _pre(self, module, args, kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.events.append((start, end))
-
-    def _post(self, module, args, kwargs, output):
-        self.events[-1][1].record()
+    def after_forward(self, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         sample = dict(torch_peak=torch.cuda.max_memory_reserved(self.device),
                       vmm=memory.vmm_mapped_bytes(self.device),
@@ -92,10 +81,6 @@ class StepProbe:
             sample.update(kv_in_use=kv, kv_peak=kv, kv_reserved=kv)
         self.samples.append(sample)
         torch.cuda.reset_peak_memory_stats(self.device)     # the next sample's torch peak is that step's own
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
@@ -126,9 +111,9 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
         wall = time.perf_counter() - t0
         probe.remove()
         model.set_attn_implementation("sdpa")
-    times = [s.elapsed_time(e) for s, e in probe.events]
+    times = probe.times_ms()
     steps = times[1:]
-    med = statistics.median(steps) if steps else float("nan")
+    med = harness.median(steps) if steps else float("nan")
     samples = probe.samples or [dict(torch_peak=0, vmm=0, free=base_free)]
     peak = max(s["torch_peak"] + s["vmm"] for s in samples)
     reserved_kv = [s.get("kv_reserved", 0) for s in samples]
@@ -151,7 +136,7 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
         growth_events=sum(grew),                      # decode steps in which the reserved KV bytes grew
         steps_with_waited_map=sum(waited), steps_with_map_ahead=sum(ahead),
         growth_step_max_ms=max(growth_times) if growth_times else None,
-        growth_step_median_ms=statistics.median(growth_times) if growth_times else None,
+        growth_step_median_ms=harness.median(growth_times) if growth_times else None,
         slowest_step=None if slowest is None else dict(
             index=slowest, ms=steps[slowest], grew=grew[slowest], waited_map=waited[slowest],
             map_ahead=ahead[slowest]),
@@ -253,14 +238,11 @@ def main(argv=None) -> int:
                           str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"]))
     console.print(table)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([Path(sys.executable).name, *sys.argv]), git_commit=git_commit(),
-        torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
+    record = harness.run_record(__file__, argv)
+    out = harness.write_json(args.out, dict(
+        record, git_commit=record["commit"],                    # git_commit: the field's name before the harness
         device=torch.cuda.get_device_name(device), vmm_unavailable=vmm_reason, model_shape=SHAPE, dtype=args.dtype,
-        backend=args.backend, block_size=args.block_size, results=results), indent=2, default=str))
+        backend=args.backend, block_size=args.block_size, results=results), indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -14,8 +14,6 @@ JSON is rewritten after every candidate. Phase 2 times, per shape, the best kern
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import sys
 import time
@@ -31,7 +29,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.kernels import cuda as cuda_backend  # noqa: E402
-from kernels_gpu import HEAD_DIM, bytes_moved, copy_bandwidth, make_step, time_us  # noqa: E402
+import harness  # noqa: E402
+from kernels_gpu import HEAD_DIM, bytes_moved, copy_bandwidth, make_step  # noqa: E402
 
 SHAPES = [dict(groups=8, beams=b, prefix=p, suffix=64) for b, p in ((8, 16384), (16, 16384), (4, 16384), (8, 4096))]
 # safest first. Launch-shape knobs (no new kernel code): the wave rule alone, fixed chunks (1376 / 928 tokens: ~2 / ~3
@@ -100,7 +99,7 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
             if not (torch.isfinite(out).all() and err < MAX_REL_ERR):
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
-                med, best = time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps, args.warmup, flush)
+                med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps, args.warmup, flush)
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
@@ -150,11 +149,10 @@ def combos(results) -> list[str]:
 
 
 def write(path: Path, meta: dict, results: list, note: str | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = dict(meta, results=results, best=best_per_shape(results))
     if note:
         doc["stopped"] = note
-    path.write_text(json.dumps(doc, indent=2))
+    harness.write_json(path, doc, indent=2)
 
 
 def print_table(console, results, bw) -> None:
@@ -228,10 +226,8 @@ def main(argv=None) -> int:
         steps.append(step)
         torch.cuda.empty_cache()
     console.print(f"shapes and float32 references ready at {time.perf_counter() - t0:.1f} s")
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=props.name,
-                sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype,
-                copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR,
-                command=" ".join(["prefix_sweep_gpu.py", *(argv if argv is not None else sys.argv[1:])]))
+    meta = dict(harness.run_record(__file__, argv), gpu=props.name, sms=props.multi_processor_count, dtype=args.dtype,
+                copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR)
     out = Path(args.out)
     results: list[dict] = []
     note = None

@@ -20,20 +20,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
+import harness
 import hf_cascade
-from common import git_commit
 from generate_gpu import build
 from hf_cascade.cache import CascadeCache
 from hf_cascade.graphs import DecodeGraphRunner
@@ -145,9 +139,9 @@ def main(argv=None) -> int:
             top[k.name[:90]] += k.time_range.elapsed_us()
     per_step = {c: by_cat[c] / steps / 1e3 for c in ("attention", "matmul", "other")}
     kernel_ms = sum(per_step.values())
-    fwd_ms = statistics.median(fwd_wall) * 1e3
-    step_ms = statistics.median(step_wall) * 1e3
-    host = {name: 1e3 * statistics.median(t.times[2:] if name.startswith("cache") else t.times or [0.0])
+    fwd_ms = harness.median(fwd_wall) * 1e3
+    step_ms = harness.median(step_wall) * 1e3
+    host = {name: 1e3 * harness.median(t.times[2:] if name.startswith("cache") else t.times or [0.0])
             for name, t in timers.items() if t.times}
     rows = [
         ("step wall (median)", step_ms),
@@ -160,27 +154,17 @@ def main(argv=None) -> int:
         ("    of which GPU kernels", between_us / steps / 1e3),
         *[(f"  host: {name}", v) for name, v in host.items()],
     ]
-    table = Table(title=f"one decode step, {args.shape} shape, prompt {args.prompt}, {args.beams} beams, "
-                        f"backend {args.backend}, graphs {args.cuda_graphs}{', compiled' if args.compile else ''} "
-                        f"({steps} steps, kernel times are means)")
-    table.add_column("part")
-    table.add_column("ms", justify="right")
-    table.add_column("% of step", justify="right")
-    for name, v in rows:
-        table.add_row(name, f"{v:.2f}", f"{100 * v / step_ms:.0f}%")
-    console.print(table)
+    harness.table(f"one decode step, {args.shape} shape, prompt {args.prompt}, {args.beams} beams, "
+                  f"backend {args.backend}, graphs {args.cuda_graphs}{', compiled' if args.compile else ''} "
+                  f"({steps} steps, kernel times are means)", ["part", "ms", "% of step"],
+                  [(name, f"{v:.2f}", f"{100 * v / step_ms:.0f}%") for name, v in rows], console, left=("part",))
     console.print("largest decode kernels (ms per step):")
     for name, us in top.most_common(10):
         console.print(f"  {us / steps / 1e3:7.3f}  {name}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-        transformers=__import__("transformers").__version__, commit=git_commit(),
-        command=" ".join(["step_breakdown_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+    out = harness.write_json(args.out, dict(
+        harness.run_record(__file__, argv), gpu=torch.cuda.get_device_name(),
         decode_steps=steps, rows=dict(rows), top_kernels_ms_per_step={n: us / steps / 1e3 for n, us in
-                                                                      top.most_common(20)}), indent=2))
+                                                                      top.most_common(20)}), indent=2)
     console.print(f"wrote {out}")
     return 0
 
