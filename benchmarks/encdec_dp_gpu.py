@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     try:
         import torch
         import transformers
-        result.update(transformers=transformers.__version__,
-                      gpu=torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None)
+        gpu = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None
+        result.update(transformers=transformers.__version__, gpu=gpu)
     except Exception:            # the report still gets written
         pass
     if ok:

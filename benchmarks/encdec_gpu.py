@@ -142,8 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--scale", default="real", choices=["real", "tiny"])
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encdec_gpu.json"))
+    p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
+    args.output = args.output or str(harness.results_path("encdec_gpu"))
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     rows = []

@@ -276,8 +276,10 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=["reference", "cuda", "flashinfer"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default="benchmarks/results/generate_gpu.json")
+    parser.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/generate_gpu.json, "
+                                      "without --whole-step generate_gpu_forward.json)")
     args = parser.parse_args(argv)
+    args.out = args.out or str(harness.results_path("generate_gpu" if args.whole_step else "generate_gpu_forward"))
     dtype = getattr(torch, args.dtype)
     results, models = [], {}
     console = Console()

@@ -89,6 +89,17 @@ def run_record(script: str, argv: Sequence[str] | None = None) -> dict:
                 **versions())
 
 
+def results_path(benchmark: str) -> Path:
+    """Where a benchmark's result lives in the repository: ``benchmarks/results/<hardware>/<benchmark>.json``, the
+    hardware being the GPU's architecture ("sm90") or "cpu" (two-GPU runs: "sm90x2", named by their scripts)."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        hardware_dir = f"sm{major}{minor}"
+    else:
+        hardware_dir = "cpu"
+    return ROOT / "benchmarks" / "results" / hardware_dir / f"{benchmark}.json"
+
+
 def write_json(path: str | Path, payload: dict, indent: int = 1) -> Path | str:
     """Writes ``payload`` to ``path`` (its folder made if missing; "-": standard output); values JSON cannot hold
     are written as their str."""

@@ -11,7 +11,7 @@ row's whole table (no prefix groups), i.e. what a cascade saves (and "flashinfer
 Roofline: bytes a cascade must move (each prefix once per group, each row's suffix, q and o) divided by the
 device-to-device copy bandwidth measured in the same run.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/kernels_gpu.json]
+    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/sm90/kernels_gpu.json]
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def threshold_summary(results) -> Table:
     for col in ("prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"):
         table.add_column(col, justify="right")
     for g, b, s, backend in sorted({(k[0], k[1], k[2], k[4]) for k in timed if not k[4].endswith("-full-table")}):
-        ratios = [timed.get((g, b, s, p, backend), math.nan) / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan)
-                  for p in prefixes]
+        ratios = [timed.get((g, b, s, p, backend), math.nan)
+                  / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan) for p in prefixes]
         pays_from = next((p for i, p in enumerate(prefixes) if all(x <= 1 for x in ratios[i:])), None)
         table.add_row(f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from))
     return table
@@ -117,8 +117,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
     p.add_argument("--threshold", action="store_true",
                    help="short prefixes (16..1024 tokens): where the cascade stops paying against full tables")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_gpu.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/kernels_gpu[_threshold].json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("kernels_gpu_threshold" if args.threshold else "kernels_gpu"))
     if not torch.cuda.is_available():
         print("kernels_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -168,7 +169,8 @@ def main(argv=None) -> int:
                 if ref_out is None:
                     ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
                 row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
-            med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup, flush)
+            med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup,
+                                             flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             row.update(error=f"{type(err).__name__}: {err}")
             results.append(row)

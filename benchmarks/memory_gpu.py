@@ -24,7 +24,6 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -35,7 +34,6 @@ import harness
 import hf_cascade
 from hf_cascade import memory
 
-ROOT = Path(__file__).resolve().parent.parent
 GIB, MIB = float(1 << 30), float(1 << 20)
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              intermediate_size=8192, vocab_size=128256, max_position_embeddings=32768, pad_token_id=0,
@@ -51,7 +49,8 @@ def parse_scenario(text: str) -> dict:
 
 
 def static_bytes(sc: dict, block_size: int, dtype: torch.dtype) -> int:
-    """Worst case of the cascade pool: prompts once, each row's own tail, one block of slack per row for copy-on-write."""
+    """Worst case of the cascade pool: prompts once, each row's own tail, one block of slack per row for
+    copy-on-write."""
     blocks = sc["batch"] * math.ceil(sc["prompt"] / block_size) + \
         sc["batch"] * sc["beams"] * (math.ceil(sc["new"] / block_size) + 2)
     per_block = 2 * block_size * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * dtype.itemsize
@@ -72,7 +71,8 @@ class StepProbe(harness.ForwardTimer):
                       free=torch.cuda.mem_get_info(self.device)[0])
         if isinstance(cache, hf_cascade.CascadeCache):
             st = cache.stats()
-            sample.update(kv_in_use=st.kv_bytes_in_use, kv_peak=st.peak_kv_bytes_in_use, kv_reserved=st.kv_bytes_reserved)
+            sample.update(kv_in_use=st.kv_bytes_in_use, kv_peak=st.peak_kv_bytes_in_use,
+                          kv_reserved=st.kv_bytes_reserved)
             stores = [l.storage for l in cache.layers if l.storage is not None]
             sample.update(maps_on_step=sum(getattr(x, "maps_on_step", 0) for x in stores),
                           maps_ahead=sum(getattr(x, "maps_ahead", 0) for x in stores))
@@ -167,8 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos", action="store_true",
                    help="generate all NEW tokens (the pool still does not know the length in advance)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_gpu.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/memory_gpu.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("memory_gpu"))
     if not torch.cuda.is_available():
         print("memory_gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -219,7 +220,8 @@ def main(argv=None) -> int:
 
     table = Table(title=f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}")
     for col in ("scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
-                "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow", "= stock"):
+                "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow",
+                "= stock"):
         table.add_column(col, justify="left" if col in ("scenario", "memory") else "right")
     for res in results:
         sc = res["scenario"]

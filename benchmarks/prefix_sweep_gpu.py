@@ -9,7 +9,7 @@ register spills, then those with small spills): a CUDA error that poisons the co
 JSON is rewritten after every candidate. Phase 2 times, per shape, the best kernel knob with the best chunk knob.
 
     PYTHONPATH=. python benchmarks/prefix_sweep_gpu.py [--reps 20] [--dtype float16] [--shapes 8x8x1k,8x16x16k]
-        [--candidates "auto;variant=wg"] [--out benchmarks/results/prefix_sweep.json]
+        [--candidates "auto;variant=wg"] [--out benchmarks/results/sm90/prefix_sweep_gpu.json]
 """
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
             if not (torch.isfinite(out).all() and err < MAX_REL_ERR):
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
-                med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps, args.warmup, flush)
+                med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps,
+                                                 args.warmup, flush)
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
@@ -194,8 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--shapes", default=None, help="comma-separated GxBxP shapes (e.g. 8x8x1k,8x16x16k) instead of the "
                                                   "built-in ones")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_sweep.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/prefix_sweep_gpu.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("prefix_sweep_gpu"))
     global SHAPES, DTYPE
     DTYPE = getattr(torch, args.dtype)
     if args.shapes:
