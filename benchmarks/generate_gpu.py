@@ -155,7 +155,7 @@ def _mode_kwargs(mode: str) -> dict:
 def _spying(owner, name: str, wrap):
     """``owner.name`` replaced by ``wrap(original)`` inside the block; nothing where the library no longer has
     that internal (the figures it feeds are then missing from the JSON, the timing is the same)."""
-    original = getattr(owner, name, None)
+    original = getattr(owner, name, None) if owner is not None else None
     if original is None:
         yield
         return
@@ -183,8 +183,10 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     def spy_prepare(real_prepare):
         def prepare(cache, *a, **k):        # the first decode step's attention reads (per layer and KV head)
             ctx = real_prepare(cache, *a, **k)
-            if "kv_reads" not in info and ctx.plan.q_len == 1 and not ctx.plan.fresh:
-                info["kv_reads"] = ctx.plan.kv_reads()
+            plan = getattr(ctx, "plan", None)
+            if ("kv_reads" not in info and getattr(plan, "q_len", None) == 1 and not getattr(plan, "fresh", True)
+                    and hasattr(plan, "kv_reads")):
+                info["kv_reads"] = plan.kv_reads()
             return ctx
         return prepare
 
@@ -192,7 +194,7 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        with _spying(hf_cascade.graphs, "decode_runner", spy_runner), \
+        with _spying(getattr(hf_cascade, "graphs", None), "decode_runner", spy_runner), \
                 _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
@@ -200,8 +202,8 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 + hf_cascade.memory.vmm_mapped_bytes(ids.device) / 2**30
     runner = runners[0] if runners else None
     if runner is not None:
-        info.update(captures=runner.captures, capture_s=runner.capture_seconds, replays=runner.replays,
-                    graph_disabled=runner.disabled)
+        info.update(captures=getattr(runner, "captures", None), capture_s=getattr(runner, "capture_seconds", None),
+                    replays=getattr(runner, "replays", None), graph_disabled=getattr(runner, "disabled", None))
     return {"wall": wall, "peak": peak}
 
 
