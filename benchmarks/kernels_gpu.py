@@ -24,7 +24,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,21 +91,20 @@ def copy_bandwidth(reps=20, nbytes=2 << 30):
     return 2 * nbytes / (med * 1e-6)                        # read + write, bytes/s
 
 
-def threshold_summary(results) -> Table:
+def threshold_summary(results):
     """Per (prompts x beams, suffix, backend): cascade time / full-table time at each prefix, and the
     shortest prefix from which the cascade is at least as fast at every longer prefix measured."""
     timed = {(r["groups"], r["beams"], r["suffix"], r["prefix"], r["backend"]): r["median_us"]
              for r in results if "median_us" in r}
     prefixes = sorted({k[3] for k in timed})
-    table = Table(title="cascade / full-table time (< 1: the cascade pays)")
-    for col in ("prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"):
-        table.add_column(col, justify="right")
+    rows = []
     for g, b, s, backend in sorted({(k[0], k[1], k[2], k[4]) for k in timed if not k[4].endswith("-full-table")}):
         ratios = [timed.get((g, b, s, p, backend), math.nan)
                   / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan) for p in prefixes]
         pays_from = next((p for i, p in enumerate(prefixes) if all(x <= 1 for x in ratios[i:])), None)
-        table.add_row(f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from))
-    return table
+        rows.append((f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from)))
+    return harness.table("cascade / full-table time (< 1: the cascade pays)",
+                         ["prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"], rows)
 
 
 def main(argv=None) -> int:
@@ -186,21 +184,19 @@ def main(argv=None) -> int:
         results.append(row)
         torch.cuda.empty_cache()
 
-    table = Table(title=f"one decode layer ({HQ}/{HKV} heads, D {HEAD_DIM}, bf16, block {BLOCK}); "
-                        f"copy bw {bw / 1e12:.2f} TB/s")
-    for col in ("prompts x beams", "prefix", "suffix", "backend", "median µs", "min µs", "roofline µs",
-                "% roofline", "TB/s", "rel err"):
-        table.add_column(col, justify="right" if col not in ("backend",) else "left")
+    rows = []
     for r in results:
+        shape = (f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"])
         if "median_us" not in r:
-            table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
-                          "-", "-", "-", "-", "-", (r.get("skipped") or r.get("error", ""))[:60])
+            rows.append((*shape, "-", "-", "-", "-", "-", (r.get("skipped") or r.get("error", ""))[:60]))
             continue
-        table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
-                      f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", f"{r['roofline_us']:.1f}",
-                      f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
-                      f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else "")
-    console.print(table)
+        rows.append((*shape, f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", f"{r['roofline_us']:.1f}",
+                     f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
+                     f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else ""))
+    harness.table(f"one decode layer ({HQ}/{HKV} heads, D {HEAD_DIM}, bf16, block {BLOCK}); "
+                  f"copy bw {bw / 1e12:.2f} TB/s",
+                  ["prompts x beams", "prefix", "suffix", "backend", "median µs", "min µs", "roofline µs",
+                   "% roofline", "TB/s", "rel err"], rows, console, left=("backend",))
     if args.threshold:
         console.print(threshold_summary(results))
 

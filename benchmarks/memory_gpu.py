@@ -27,7 +27,6 @@ import time
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import harness
@@ -218,27 +217,26 @@ def main(argv=None) -> int:
             r["same_tokens_as_stock"] = None if tok is None or stock is None else bool(torch.equal(tok, stock))
         results.append(dict(scenario=sc, eos=eos, runs=runs))
 
-    table = Table(title=f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}")
-    for col in ("scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
-                "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow",
-                "= stock"):
-        table.add_column(col, justify="left" if col in ("scenario", "memory") else "right")
+    rows = []
     for res in results:
         sc = res["scenario"]
         name = f"{sc['batch']}x{sc['prompt']} k={sc['beams']} n<={sc['new']}"
         for r in res["runs"]:
             if r["error"]:
-                table.add_row(name, r["policy"], "[red]MemoryError[/]", *[""] * 15)
+                rows.append((name, r["policy"], "[red]MemoryError[/]", *[""] * 15))
                 continue
-            table.add_row(name, r["policy"], str(r["new_tokens"]), f"{r['peak_reserved_gib']:.2f}",
-                          f"{r['peak_over_base_gib']:.2f}", f"{r['device_peak_over_base_gib']:.2f}",
-                          f"{r['kv_in_use_peak_mib']:.0f}", f"{r['kv_reserved_peak_mib']:.0f}",
-                          str(r["growth_events"]), str(r["steps_with_waited_map"]),
-                          "" if r["growth_step_max_ms"] is None else f"{r['growth_step_max_ms']:.1f}",
-                          f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
-                          f"{r['step_max_ms']:.1f}", str(r["spikes"]), f"{r['wall_s']:.1f}",
-                          str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"]))
-    console.print(table)
+            rows.append((name, r["policy"], str(r["new_tokens"]), f"{r['peak_reserved_gib']:.2f}",
+                         f"{r['peak_over_base_gib']:.2f}", f"{r['device_peak_over_base_gib']:.2f}",
+                         f"{r['kv_in_use_peak_mib']:.0f}", f"{r['kv_reserved_peak_mib']:.0f}",
+                         str(r["growth_events"]), str(r["steps_with_waited_map"]),
+                         "" if r["growth_step_max_ms"] is None else f"{r['growth_step_max_ms']:.1f}",
+                         f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
+                         f"{r['step_max_ms']:.1f}", str(r["spikes"]), f"{r['wall_s']:.1f}",
+                         str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"])))
+    harness.table(f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}",
+                  ["scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
+                   "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s",
+                   "= grow", "= stock"], rows, console, left=("scenario", "memory"))
 
     record = harness.run_record(__file__, argv)
     out = harness.write_json(args.out, dict(

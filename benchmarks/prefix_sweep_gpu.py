@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -158,11 +157,7 @@ def write(path: Path, meta: dict, results: list, note: str | None = None) -> Non
 
 def print_table(console, results, bw) -> None:
     names = [shape_name(s) for s in SHAPES]
-    table = Table(title=f"prefix kernel sweep: one 8B decode layer (prefix + suffix + merge), µs (% roofline); "
-                        f"copy bw {bw / 1e12:.2f} TB/s")
-    table.add_column("candidate")
-    for n in names:
-        table.add_column(n, justify="right")
+    rows = []
     by = {(r["candidate"], r["shape"]): r for r in results}
     best = best_per_shape(results)
     for cand in dict.fromkeys(r["candidate"] for r in results):
@@ -178,8 +173,9 @@ def print_table(console, results, bw) -> None:
                 if "variant=" in cand and not (r.get("launch") or {}).get("tune_code"):
                     cell += "*"          # the variant is not compiled for this row tile: the default kernel ran
                 cells.append(f"[bold green]{cell}[/bold green]" if best[n]["candidate"] == cand else cell)
-        table.add_row(cand, *cells)
-    console.print(table)
+        rows.append((cand, *cells))
+    harness.table(f"prefix kernel sweep: one 8B decode layer (prefix + suffix + merge), µs (% roofline); "
+                  f"copy bw {bw / 1e12:.2f} TB/s", ["candidate", *names], rows, console, left=("candidate",))
     console.print("*: the variant is not compiled for this row tile, the default kernel ran (its launch shape only)")
     for n, b in best.items():
         console.print(f"best {n}: {b['candidate']}  {b['median_us']:.1f} µs = {100 * b['fraction_of_roofline']:.0f}% "
