@@ -6,11 +6,12 @@
 - :func:`interleave`: variants run in turn inside each round (s, c, s, c, ...), so that a host whose load drifts
   weighs on every variant alike; the figures to report are medians over rounds (:func:`median`).
 - :func:`table`: a rich table (rich is a dependency of hf_cascade).
-- :func:`run_record` and :func:`write_json`: what every result file carries beside its figures (date, commit,
-  command, hardware, versions).
+- :func:`run_record`, :func:`write_json` and :func:`results_path`: what every result file carries beside its figures
+  (date, commit, command, hardware, versions), and where it lives (``benchmarks/results/<hardware>/``).
 
 Scripts run as ``PYTHONPATH=. python benchmarks/<script>.py``: their folder is on ``sys.path``, so ``import harness``
-finds this file. Only the standard library, torch and rich are imported here (transformers where it is loaded).
+finds this file. It imports only the standard library, torch and rich; the versions of transformers, hf_cascade and
+FlashInfer are recorded where the script itself loaded them.
 """
 from __future__ import annotations
 
