@@ -13,14 +13,10 @@ peak memory; tokens identical. Also counts the cascade's decode-layout widenings
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import re
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 MMAP_THRESHOLD = str(256 * 1024)
@@ -29,12 +25,10 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:      # glibc read
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from transformers import StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
-import hf_cascade  # noqa: E402
-from common import git_commit  # noqa: E402
-from hf_cascade.__main__ import build_model, write_json  # noqa: E402
+import harness  # noqa: E402
+from hf_cascade.__main__ import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(prompts=2, prompt_len=300, beams=4, stop_after=20)
@@ -71,12 +65,10 @@ def measure(model, ids, max_new_tokens: int, stop_after: int, beams: int, wideni
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")                       # VmHWM := VmRSS
     before, widenings.count = _status("VmRSS"), 0
-    start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beams, do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0,
-                             stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1], stop_after)]))
-    seconds = time.perf_counter() - start
+        seconds, out = harness.timed(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), num_beams=beams, do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=0, stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1], stop_after)])))
     return dict(seconds=seconds, peak_rss_delta=_status("VmHWM") - before, sequences=out, widenings=widenings.count)
 
 
@@ -85,19 +77,20 @@ def run(max_new_tokens: int, repeats: int, seed: int, stock, cascade, ids, log) 
     logger = logging.getLogger("hf_cascade")
     logger.addHandler(widenings)
     logger.setLevel(logging.INFO)
-    runs = {"stock": [], "cascade": []}
+    models = {"stock": stock, "cascade": cascade}
+
+    def one(name, rnd):
+        r = measure(models[name], ids, max_new_tokens, SETTINGS["stop_after"], SETTINGS["beams"], widenings)
+        log(f"max_new_tokens {max_new_tokens:>8}  {name:7s} {'warm-up' if not rnd else f'run {rnd}':7s} "
+            f"{r['seconds']:7.3f} s  peak RSS +{r['peak_rss_delta'] / 2**20:8.1f} MiB")
+        return r
+
     try:
-        for i in range(1 + repeats):                                    # round 0: warm-up
-            for name, model in (("stock", stock), ("cascade", cascade)):
-                r = measure(model, ids, max_new_tokens, SETTINGS["stop_after"], SETTINGS["beams"], widenings)
-                log(f"max_new_tokens {max_new_tokens:>8}  {name:7s} {'warm-up' if not i else f'run {i}':7s} "
-                    f"{r['seconds']:7.3f} s  peak RSS +{r['peak_rss_delta'] / 2**20:8.1f} MiB")
-                if i:
-                    runs[name].append(r)
+        runs = harness.interleave(list(models), one, repeats, warmup=1)        # round 0: warm-up
     finally:
         logger.removeHandler(widenings)
     ref = runs["stock"][0]["sequences"]
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_rss_delta")}
+    med = {name: {k: harness.median(r[k] for r in rs) for k in ("seconds", "peak_rss_delta")}
            for name, rs in runs.items()}
     time_ratio = med["cascade"]["seconds"] / med["stock"]["seconds"]
     memory_ratio = med["cascade"]["peak_rss_delta"] / med["stock"]["peak_rss_delta"]
@@ -144,16 +137,10 @@ def main(argv=None) -> int:
         memory_measure="peak RSS above the call's start (/proc/self/status VmHWM after clear_refs; "
                        f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})",
         repeats=args.repeats, warmup=1, seed=args.seed, cases=cases,
-        tokens_identical=all(c["tokens_identical"] for c in cases),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__, transformers=transformers.__version__, hf_cascade=hf_cascade.__version__,
-        git_commit=git_commit(),
-        command=shlex.join([Path(sys.executable).name] + sys.argv if argv is None else ["capacity_cpu.py", *argv]),
-        threads=torch.get_num_threads())
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(result, str(out))
-    print(f"wrote {out}")
+        tokens_identical=all(c["tokens_identical"] for c in cases), threads=torch.get_num_threads())
+    record = harness.run_record(__file__, argv)
+    result = dict(record, git_commit=record["commit"], **result)   # git_commit: the field's name before the harness
+    print(f"wrote {harness.write_json(args.output, result, indent=2)}")
     return 0 if result["tokens_identical"] else 1
 
 

@@ -9,26 +9,21 @@ cascade peak KV <= 0.2 x stock's final DynamicCache, and cascade wall time <= 0.
 search (4 beams) on a short and a long prompt, stock and cascade interleaved in one run, medians;
 target: cascade <= 1.1 x stock's wall time in every case (calls that share nothing run on stock's path).
 
-    python benchmarks/cpu_generate.py [--repeats 3] [--output benchmarks/results/cpu_generate.json]
-    python benchmarks/cpu_generate.py --grid [--repeats 5] [--output benchmarks/results/cpu_generate_grid.json]
+    python benchmarks/cpu_generate.py [--repeats 3] [--output benchmarks/results/cpu/cpu_generate.json]
+    python benchmarks/cpu_generate.py --grid [--repeats 5] [--output benchmarks/results/cpu/cpu_generate_grid.json]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import transformers
 from rich.console import Console
 
+import harness
 import hf_cascade
-from common import git_commit
-from hf_cascade.__main__ import build_model, print_table, run_comparison, write_json
+from hf_cascade.__main__ import build_model, print_table, run_comparison
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(prompt_len=1024, beams=8, new_tokens=16, batch=1, device="cpu", dtype="float32")
@@ -54,24 +49,19 @@ def run_grid(repeats: int, seed: int, backend: str, console: Console) -> dict:
     def once(model, ids, mode):
         extra = {"hf_cascade_config": config} if model is cascade else {}
         torch.manual_seed(seed)
-        start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GRID_NEW,
-                                 min_new_tokens=GRID_NEW, pad_token_id=0, **GRID_MODES[mode], **extra)
-        return time.perf_counter() - start, out
+            return harness.timed(lambda: model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=GRID_NEW, min_new_tokens=GRID_NEW,
+                pad_token_id=0, **GRID_MODES[mode], **extra))
 
+    models = {"stock": stock, "cascade": cascade}
     cases = []
     for mode in GRID_MODES:
         for prompt, ids in prompts.items():
-            times = {"stock": [], "cascade": []}
-            same = True
-            for i in range(1 + repeats):
-                (ts, a), (tc, b) = once(stock, ids, mode), once(cascade, ids, mode)
-                same &= torch.equal(a, b)
-                if i:
-                    times["stock"].append(ts)
-                    times["cascade"].append(tc)
-            s, c = statistics.median(times["stock"]), statistics.median(times["cascade"])
+            runs = harness.interleave(list(models), lambda name, _: once(models[name], ids, mode), repeats, warmup=1)
+            same = all(torch.equal(a, c) for (_, a), (_, c) in zip(runs["stock"], runs["cascade"]))
+            times = {name: [t for t, _ in rs] for name, rs in runs.items()}
+            s, c = harness.median(times["stock"]), harness.median(times["cascade"])
             case = dict(mode=mode, prompt=prompt, prompt_len=ids.shape[1], seconds_stock=s, seconds_cascade=c,
                         ratio=c / s, tokens_identical=same, seconds_stock_all=times["stock"],
                         seconds_cascade_all=times["cascade"])
@@ -90,7 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each (median reported)")
     p.add_argument("--backend", default="auto", help="CascadeConfig.backend for the cascade runs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="JSON path (default: benchmarks/results/cpu_generate[_grid].json)")
+    p.add_argument("--output", default=None,
+                   help="JSON path (default: benchmarks/results/cpu/cpu_generate[_grid].json)")
     p.add_argument("--grid", action="store_true", help="the no-loss grid: greedy/sampling/beam x short/long prompts")
     p.add_argument("--threads", type=int, default=THREADS,
                    help="torch threads (1 on a machine busy with other work: spinning OpenMP threads distort timings)")
@@ -99,13 +90,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.grid:
         return grid_main(args, argv)
-    args.output = args.output or str(ROOT / "benchmarks" / "results" / "cpu_generate.json")
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / "cpu" / "cpu_generate.json")
     result = run_comparison(**SETTINGS, backend=args.backend, seed=args.seed, repeats=args.repeats, warmup=1)
     result.update(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__, transformers=transformers.__version__, git_commit=git_commit(),
-        command=shlex.join([Path(sys.executable).name] + sys.argv if argv is None else ["cpu_generate.py", *argv]),
-        threads=torch.get_num_threads(),
+        _record(argv), threads=torch.get_num_threads(),
         targets={
             "kv": dict(ratio=result["kv_ratio"], limit=KV_TARGET, met=result["kv_ratio"] <= KV_TARGET),
             "time": dict(ratio=result["time_ratio"], limit=TIME_TARGET, met=result["time_ratio"] <= TIME_TARGET),
@@ -116,27 +104,24 @@ def main(argv=None) -> int:
     for name, t in result["targets"].items():
         mark = "[green]met[/]" if t["met"] else "[red]MISSED[/]"
         console.print(f"target {name}: cascade / stock = {t['ratio']:.3f} <= {t['limit']}: {mark}")
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(result, str(out))
-    console.print(f"wrote {out}")
+    console.print(f"wrote {harness.write_json(args.output, result, indent=2)}")
     return 0 if result["tokens_identical"] else 1
+
+
+def _record(argv) -> dict:
+    record = harness.run_record(__file__, argv)
+    return dict(record, git_commit=record["commit"])           # git_commit: the field's name before the harness
 
 
 def grid_main(args, argv) -> int:
     console = Console()
     result = run_grid(args.repeats, args.seed, args.backend, console)
-    result.update(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        torch=torch.__version__, transformers=transformers.__version__, git_commit=git_commit(),
-        command=shlex.join([Path(sys.executable).name] + sys.argv if argv is None else ["cpu_generate.py", *argv]),
-        threads=torch.get_num_threads())
+    result.update(_record(argv), threads=torch.get_num_threads())
     t = result["target"]
     mark = "[green]met[/]" if t["met"] else "[red]MISSED[/]"
     console.print(f"target: worst cascade / stock = {t['worst_ratio']:.3f} <= {t['limit']}: {mark}")
-    out = Path(args.output or ROOT / "benchmarks" / "results" / "cpu_generate_grid.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(result, str(out))
+    out = harness.write_json(args.output or ROOT / "benchmarks" / "results" / "cpu" / "cpu_generate_grid.json",
+                             result, indent=2)
     console.print(f"wrote {out}")
     return 0 if result["tokens_identical"] else 1
 

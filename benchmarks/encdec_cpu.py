@@ -5,21 +5,18 @@ measured in reference/encoder_decoder.md: 2 threads thrash on the shared 2-core 
 8 beams, 64 new tokens (``min_new_tokens`` = ``max_new_tokens``, so every run decodes its full
 length); Whisper through its own generate on 30 s of audio (1500 encoder frames), the text models on
 512-token sources. Per model: a short warm-up of each, then ``--rounds`` interleaved rounds (stock,
-cascade, stock, cascade, ...; default 1), medians of each side. Reported: CPU seconds of the generating thread, wall seconds, peak RSS above the RSS at the start of generate
-(sampled every millisecond; the script re-executes itself with MALLOC_MMAP_THRESHOLD_=65536 so freed
-tensors go back to the OS), and whether the tokens are the same. Targets (issue 11): whisper-base
-time <= 0.3x and peak <= 0.2x stock's; t5-small and bart-base time <= 0.45x.
+cascade, stock, cascade, ...; default 1), medians of each side. Reported: CPU seconds of the generating thread,
+wall seconds, peak RSS above the RSS at the start of generate (sampled every millisecond; the script re-executes
+itself with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the OS), and whether the tokens are the same.
+Targets (issue 11): whisper-base time <= 0.3x and peak <= 0.2x stock's; t5-small and bart-base time <= 0.45x.
 
     python benchmarks/encdec_cpu.py [--models whisper-base,t5-small,bart-base] [--new 64] [--beams 8] [--rounds 1]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
-import statistics
 import sys
 import threading
 import time
@@ -35,8 +32,8 @@ from transformers import AutoModelForSeq2SeqLM, WhisperForConditionalGeneration 
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import harness  # noqa: E402
 import hf_cascade  # noqa: E402,F401  registers "cascade"
-from common import git_commit  # noqa: E402
 
 SOURCE_LEN, BATCH = 512, 2
 TARGETS = {"whisper-base": dict(time=0.3, peak=0.2), "t5-small": dict(time=0.45), "bart-base": dict(time=0.45)}
@@ -113,7 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--beams", type=int, default=8)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds (stock, cascade, ...); medians")
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encdec_cpu.json"))
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "cpu" / "encdec_cpu.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -122,14 +119,12 @@ def main(argv=None) -> int:
         kwargs = dict(inputs(name), num_beams=args.beams, max_new_tokens=args.new, min_new_tokens=args.new)
         for model in (stock, cascade):     # warm-up: first-call costs out of the timed runs
             model.generate(**{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-        runs = {"stock": [], "cascade": []}
-        for _ in range(args.rounds):
-            runs["stock"].append(measure(stock, kwargs))
-            runs["cascade"].append(measure(cascade, kwargs))
+        models = {"stock": stock, "cascade": cascade}
+        runs = harness.interleave(list(models), lambda side, _: measure(models[side], kwargs), args.rounds)
         s_out, c_out = runs["stock"][0][0], runs["cascade"][0][0]
         same = all(r[0].shape == s_out.shape and torch.equal(r[0], s_out) for r in runs["stock"] + runs["cascade"])
-        s_cpu, s_wall, s_peak = (statistics.median(r[i] for r in runs["stock"]) for i in (1, 2, 3))
-        c_cpu, c_wall, c_peak = (statistics.median(r[i] for r in runs["cascade"]) for i in (1, 2, 3))
+        s_cpu, s_wall, s_peak = (harness.median(r[i] for r in runs["stock"]) for i in (1, 2, 3))
+        c_cpu, c_wall, c_peak = (harness.median(r[i] for r in runs["cascade"]) for i in (1, 2, 3))
         row = dict(model=name, batch=BATCH, beams=args.beams, new_tokens=args.new, rounds=args.rounds,
                    source=1500 if name.startswith("whisper") else SOURCE_LEN,
                    stock_cpu_s=round(s_cpu, 2), cascade_cpu_s=round(c_cpu, 2),
@@ -145,12 +140,10 @@ def main(argv=None) -> int:
         row["targets"] = {k: dict(limit=v, met=row[f"{k}_ratio"] <= v) for k, v in target.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del stock, cascade
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  torch=torch.__version__, transformers=T.__version__, git_commit=git_commit(), threads=1,
-                  dtype="float32", command=shlex.join(["encdec_cpu.py", *(argv or sys.argv[1:])]), rows=rows)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+        del stock, cascade, models
+    record = harness.run_record(__file__, argv)
+    # git_commit: the field's name before the harness
+    harness.write_json(args.output, dict(record, git_commit=record["commit"], threads=1, dtype="float32", rows=rows))
     print(f"| model | batch x beams | new | stock CPU s | cascade CPU s | time ratio | stock peak MiB | "
           f"cascade peak MiB | peak ratio | same tokens |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

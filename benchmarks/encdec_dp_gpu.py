@@ -18,17 +18,25 @@ tokens; about 1-2 minutes on two H200s (mostly process start-up and model buildi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from common import git_commit  # noqa: E402
+import harness  # noqa: E402
+
+
+def _run(cmd, env, timeout) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a child process; 124 when it ran past ``timeout`` seconds."""
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as err:
+        stdout, stderr = err.stdout or "", err.stderr or ""
+        return (124, *(x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr)))
 
 
 def main(argv=None) -> int:
@@ -72,16 +80,10 @@ def main(argv=None) -> int:
         if name == "one" and args.device == "cuda":
             run_env["CUDA_VISIBLE_DEVICES"] = run_env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         # logged as run from the repository (no path of the machine it ran on)
-        shown = ["python", *launcher[1:], os.path.relpath(example, ROOT), *common, "--out", f"$OUT/encdec_dp_{name}.json"]
+        shown = ["python", *launcher[1:], os.path.relpath(example, ROOT), *common,
+                 "--out", f"$OUT/encdec_dp_{name}.json"]
         say(f"$ {' '.join(shown)}")
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=args.timeout)
-            rc, stdout, stderr = done.returncode, done.stdout, done.stderr
-        except subprocess.TimeoutExpired as err:
-            rc, stdout, stderr = 124, err.stdout or "", err.stderr or ""
-            stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
-        wall = time.perf_counter() - start
+        wall, (rc, stdout, stderr) = harness.timed(lambda: _run(cmd, run_env, args.timeout))
         say(stdout.rstrip())
         if rc:
             say(stderr[-8000:].rstrip())
@@ -90,15 +92,15 @@ def main(argv=None) -> int:
         if rc == 0:
             runs[name].update(json.loads((out / f"encdec_dp_{name}.json").read_text()))
     ok = all(r["rc"] == 0 for r in runs.values())
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  git_commit=git_commit(), command=" ".join(["encdec_dp_gpu.py", *(argv or sys.argv[1:])]),
+    record = harness.run_record(__file__, argv)
+    result = dict(record, git_commit=record["commit"],          # git_commit: the field's name before the harness
                   device=args.device, shape=args.shape, dtype=args.dtype, examples=args.examples,
                   batch_per_process=args.batch, beams=args.beams, new_tokens=args.new, source_len=args.source_len)
     try:
         import torch
         import transformers
-        result.update(torch=torch.__version__, transformers=transformers.__version__,
-                      gpu=torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None)
+        gpu = torch.cuda.get_device_name(0) if args.device == "cuda" and torch.cuda.is_available() else None
+        result.update(transformers=transformers.__version__, gpu=gpu)
     except Exception:            # the report still gets written
         pass
     if ok:
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
     else:
         result.update(runs={name: dict(rc=r["rc"], wall_s=r["wall_s"]) for name, r in runs.items()})
     result["ok"] = bool(ok)
-    (out / "encdec_dp.json").write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_json(out / "encdec_dp.json", result)
     say(f"{'OK' if ok else 'FAILED'}: results in {out / 'encdec_dp.json'}")
     return 0 if ok else 1
 

@@ -18,10 +18,7 @@ flan-t5 throughput >= 2.5x stock's. Ends with a table and the total seconds (als
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import hf_cascade  # noqa: E402
 from hf_cascade.encoder_decoder import CascadeEncoderDecoderCache  # noqa: E402
-from common import git_commit  # noqa: E402
+import harness  # noqa: E402
 
 SHAPES = {   # (config kwargs, batch, beams, source length)
     "whisper-large-v3": (dict(d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20,
@@ -133,14 +130,8 @@ class KV:
 
 
 def timed(model, kwargs, device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**kwargs)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+        return harness.timed(lambda: model.generate(**kwargs), device)
 
 
 def main(argv=None) -> int:
@@ -151,8 +142,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--scale", default="real", choices=["real", "tiny"])
-    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "encdec_gpu.json"))
+    p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
+    args.output = args.output or str(harness.results_path("encdec_gpu"))
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     rows = []
@@ -167,25 +159,29 @@ def main(argv=None) -> int:
         kv, cross_kv, peak, tokens = {}, {}, {}, {}
         for model in (stock, cascade):                # warm-up at the measured shape
             timed(model, long, args.device)
-        for _ in range(args.rounds):
-            for side, model in (("stock", stock), ("cascade", cascade)):
-                meter = KV(model)
-                if args.device.startswith("cuda"):
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                seconds, out = timed(model, long, args.device)
-                meter.handle.remove()
-                times[side]["long"].append(seconds)
-                times[side]["short"].append(timed(model, short, args.device)[0])
-                kv[side], cross_kv[side] = meter.peak, meter.cross
-                tokens[side] = out
-                if args.device.startswith("cuda"):
-                    peak[side] = torch.cuda.max_memory_allocated() - before
+        models = {"stock": stock, "cascade": cascade}
+
+        def one_round(side, _):
+            model = models[side]
+            meter = KV(model)
+            if args.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            seconds, out = timed(model, long, args.device)
+            meter.handle.remove()
+            times[side]["long"].append(seconds)
+            times[side]["short"].append(timed(model, short, args.device)[0])
+            kv[side], cross_kv[side] = meter.peak, meter.cross
+            tokens[side] = out
+            if args.device.startswith("cuda"):
+                peak[side] = torch.cuda.max_memory_allocated() - before
+
+        harness.interleave(list(models), one_round, args.rounds)
         row = dict(model=name, batch=batch, beams=beams, source=source, new_tokens=args.new, dtype=args.dtype,
                    same_tokens=bool(tokens["stock"].shape == tokens["cascade"].shape
                                     and torch.equal(tokens["stock"], tokens["cascade"])))
         for side in ("stock", "cascade"):
-            t_long, t_short = statistics.median(times[side]["long"]), statistics.median(times[side]["short"])
+            t_long, t_short = harness.median(times[side]["long"]), harness.median(times[side]["short"])
             row[f"{side}_step_ms"] = round(1000 * (t_long - t_short) / max(args.new - 1, 1), 2)
             row[f"{side}_throughput_tok_s"] = round(batch * args.new / t_long, 1)
             row[f"{side}_kv_gib"] = round(kv[side] / 2**30, 3)
@@ -206,16 +202,14 @@ def main(argv=None) -> int:
                           for k, v in target.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del stock, cascade
+        del stock, cascade, models
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  torch=torch.__version__, transformers=T.__version__, git_commit=git_commit(),
+    record = harness.run_record(__file__, argv)
+    result = dict(record, git_commit=record["commit"],          # git_commit: the field's name before the harness
                   device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
-                  command=shlex.join(["encdec_gpu.py", *(argv or sys.argv[1:])]),
                   total_s=round(time.perf_counter() - started, 1), rows=rows)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
+    harness.write_json(args.output, result)
     print(f"| model | batch x beams | step ms stock / cascade | step ratio | throughput tok/s stock / cascade | "
           f"throughput ratio | cross K/V GiB stock / cascade | cross K/V ratio | same tokens | targets |\n"
           f"|---|---|---|---|---|---|---|---|---|---|")

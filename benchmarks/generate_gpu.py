@@ -19,20 +19,16 @@ bytes the first decode step's attention reads (each shared level once) and what 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
-import sys
-import time
+import contextlib
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig
 
+import harness
 import hf_cascade
-from common import git_commit
+from harness import ForwardTimer, median
 
 # shape name: (config class, its fields). Random weights; the names say which checkpoint's shape.
 SHAPES = {
@@ -58,6 +54,7 @@ SHAPES = {
 # stock's attention where stock sdpa would not give the model's own results (sdpa drops Gemma-2's softcap;
 # GPT-OSS has no sdpa: its sinks need eager)
 STOCK_ATTENTION = {"gemma2-9b": "eager", "gpt-oss-20b": "eager"}
+LEFT = ("shape", "prompt", "mode", "variant", "attention", "error")     # text columns of the tables
 
 
 def build(shape: str, dtype) -> torch.nn.Module:
@@ -80,32 +77,6 @@ def parse_prompt(prompt: str) -> tuple[int, int, int]:
     shared, rest = prompt.split("+")
     own, prompts = rest.split("x")
     return int(shared), int(own), int(prompts)
-
-
-class ForwardTimer:
-    """CUDA events around every forward of the model: the first is the prefill, the rest are steps."""
-
-    def __init__(self, model):
-        self.events = []
-        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
-
-    def _start(self, *args):
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.events.append([start, None])
-
-    def _end(self, *args):
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.events[-1][1] = end
-
-    def times_ms(self):
-        torch.cuda.synchronize()
-        return [s.elapsed_time(e) for s, e in self.events]
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def _model_and_prompt(models: dict, shape: str, prompt, dtype):
@@ -136,10 +107,7 @@ def run_one(model, ids, beams, new_tokens, variant):
     torch.cuda.reset_peak_memory_stats()
     timer = ForwardTimer(model)
     try:
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, **kw)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall, out = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:120]}"}
     finally:
@@ -148,7 +116,7 @@ def run_one(model, ids, beams, new_tokens, variant):
     cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
     figures = {
         "prefill_s": times[0] / 1e3 if variant == "stock" else (times[0] + times[1]) / 1e3,
-        "step_ms": statistics.median(times[1:] if variant == "stock" else times[2:]),
+        "step_ms": median(times[1:] if variant == "stock" else times[2:]),
         "step_ms_max": max(times[2:]),
         "peak_gib_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30,
         "wall_s": wall,
@@ -183,47 +151,59 @@ def _mode_kwargs(mode: str) -> dict:
     raise ValueError(f"mode {mode!r}: use beamK, sampleK or greedy")
 
 
+@contextlib.contextmanager
+def _spying(owner, name: str, wrap):
+    """``owner.name`` replaced by ``wrap(original)`` inside the block; nothing where the library no longer has
+    that internal (the figures it feeds are then missing from the JSON, the timing is the same)."""
+    original = getattr(owner, name, None) if owner is not None else None
+    if original is None:
+        yield
+        return
+    setattr(owner, name, wrap(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def _timed_generate(model, ids, new_tokens, mode, variant, info):
     model.set_attn_implementation(model.stock_attention if variant == "stock" else "cascade")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
     if WHOLE_VARIANTS[variant] is not None:
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
     runners = []
-    real = hf_cascade.graphs.decode_runner
 
-    def spy(*a, **k):
-        runner = real(*a, **k)
-        runners.append(runner)
-        return runner
+    def spy_runner(real):
+        def spy(*a, **k):
+            runner = real(*a, **k)
+            runners.append(runner)
+            return runner
+        return spy
 
-    hf_cascade.graphs.decode_runner = spy
-    real_prepare = hf_cascade.CascadeCache.prepare_step
+    def spy_prepare(real_prepare):
+        def prepare(cache, *a, **k):        # the first decode step's attention reads (per layer and KV head)
+            ctx = real_prepare(cache, *a, **k)
+            plan = getattr(ctx, "plan", None)
+            if ("kv_reads" not in info and getattr(plan, "q_len", None) == 1 and not getattr(plan, "fresh", True)
+                    and hasattr(plan, "kv_reads")):
+                info["kv_reads"] = plan.kv_reads()
+            return ctx
+        return prepare
 
-    def prepare(cache, *a, **k):        # the first decode step's attention reads (per layer and KV head)
-        ctx = real_prepare(cache, *a, **k)
-        if "kv_reads" not in info and ctx.plan.q_len == 1 and not ctx.plan.fresh:
-            info["kv_reads"] = ctx.plan.kv_reads()
-        return ctx
-
-    hf_cascade.CascadeCache.prepare_step = prepare
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        t0 = time.perf_counter()
-        model.generate(input_ids=ids, **kw)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        with _spying(getattr(hf_cascade, "graphs", None), "decode_runner", spy_runner), \
+                _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
+            wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
-    finally:
-        hf_cascade.graphs.decode_runner = real
-        hf_cascade.CascadeCache.prepare_step = real_prepare
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30 + hf_cascade.memory.vmm_mapped_bytes(ids.device) / 2**30
     runner = runners[0] if runners else None
     if runner is not None:
-        info.update(captures=runner.captures, capture_s=runner.capture_seconds, replays=runner.replays,
-                    graph_disabled=runner.disabled)
+        info.update(captures=getattr(runner, "captures", None), capture_s=getattr(runner, "capture_seconds", None),
+                    replays=getattr(runner, "replays", None), graph_disabled=getattr(runner, "disabled", None))
     return {"wall": wall, "peak": peak}
 
 
@@ -233,24 +213,20 @@ def whole_step(args, dtype, console):
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, dtype)
         n = args.new_tokens
-        times = {v: {"t1": [], "tn": [], "peak": []} for v in args.variants}
         info = {v: {} for v in args.variants}
-        errors = {}
-        for rnd in range(args.rounds + 1):              # round 0 warms each variant up at this very shape
-            for v in args.variants:
-                if v in errors:
-                    continue
-                r1 = _timed_generate(model, ids, 1, mode, v, {})
-                rn = _timed_generate(model, ids, n, mode, v, info[v] if rnd == 0 else {})
-                if "error" in r1 or "error" in rn:
-                    errors[v] = r1.get("error") or rn.get("error")
-                    continue
-                if rnd == 0:
-                    info[v]["first_call_wall_s"] = rn["wall"]
-                    continue
-                times[v]["t1"].append(r1["wall"])
-                times[v]["tn"].append(rn["wall"])
-                times[v]["peak"].append(rn["peak"])
+
+        def one_round(v, rnd):
+            r1 = _timed_generate(model, ids, 1, mode, v, {})
+            rn = _timed_generate(model, ids, n, mode, v, info[v] if rnd == 0 else {})
+            if "error" in r1 or "error" in rn:
+                return {"error": r1.get("error") or rn.get("error")}
+            if rnd == 0:
+                info[v]["first_call_wall_s"] = rn["wall"]
+            return {"t1": r1["wall"], "tn": rn["wall"], "peak": rn["peak"]}
+
+        # round 0 warms each variant up at this very shape
+        runs = harness.interleave(args.variants, one_round, args.rounds, warmup=1, failed=lambda r: "error" in r)
+        errors = {v: rs[0]["error"] for v, rs in runs.items() if rs and "error" in rs[0]}
         for v in args.variants:             # a second call of the same shape in a row: the graph is reused
             if v in errors or WHOLE_VARIANTS[v] is None or not WHOLE_VARIANTS[v].get("cuda_graphs"):
                 continue
@@ -264,11 +240,11 @@ def whole_step(args, dtype, console):
             if v in errors:
                 results.append({"shape": shape, "prompt": prompt, "mode": mode, "variant": v, "error": errors[v]})
                 continue
-            steps = [(tn - t1) / (n - 1) * 1e3 for t1, tn in zip(times[v]["t1"], times[v]["tn"])]
+            steps = [(r["tn"] - r["t1"]) / (n - 1) * 1e3 for r in runs[v]]
             row = {"shape": shape, "prompt": prompt, "mode": mode, "variant": v,
                    "attention": model.stock_attention if v == "stock" else "cascade",
-                   "step_ms": statistics.median(steps), "step_ms_all": [round(x, 2) for x in steps],
-                   "t1_s": statistics.median(times[v]["t1"]), "peak_gib": max(times[v]["peak"]), **info[v]}
+                   "step_ms": median(steps), "step_ms_all": [round(x, 2) for x in steps],
+                   "t1_s": median(r["t1"] for r in runs[v]), "peak_gib": max(r["peak"] for r in runs[v]), **info[v]}
             if "kv_reads" in row:       # bytes of K/V the step's attention reads, all layers
                 config = model.config
                 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -283,20 +259,11 @@ def whole_step(args, dtype, console):
                 row["step_vs_stock"] = row["step_ms"] / row_stock["step_ms"]
                 row["t1_vs_stock"] = row["t1_s"] / row_stock["t1_s"]
             results.append(row)
-    _print_table(console, f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
-                 ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock",
-                  "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "captures", "capture_s", "second_call_captures", "first_call_wall_s", "graph_disabled", "error"],
-                 results)
+    harness.table(f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
+                  ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "t1_s", "t1_vs_stock",
+                   "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "captures", "capture_s", "second_call_captures",
+                   "first_call_wall_s", "graph_disabled", "error"], results, console, left=LEFT)
     return results
-
-
-def _print_table(console, title, cols, results):
-    table = Table(title=title)
-    for c in cols:
-        table.add_column(c)
-    for r in results:
-        table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
-    console.print(table)
 
 
 def main(argv=None):
@@ -311,8 +278,10 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=["reference", "cuda", "flashinfer"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default="benchmarks/results/generate_gpu.json")
+    parser.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/generate_gpu.json, "
+                                      "without --whole-step generate_gpu_forward.json)")
     args = parser.parse_args(argv)
+    args.out = args.out or str(harness.results_path("generate_gpu" if args.whole_step else "generate_gpu_forward"))
     dtype = getattr(torch, args.dtype)
     results, models = [], {}
     console = Console()
@@ -343,20 +312,17 @@ def main(argv=None):
                 fig["peak_vs_stock"] = fig["peak_gib_above_weights"] / stock["peak_gib_above_weights"]
             results.append({"shape": shape, "prompt": prompt, "beams": beams, "variant": variant,
                             **{k: v for k, v in fig.items() if k != "sequences"}})
-    _print_table(console, f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens",
-                 ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
-                  "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock",
-                  "error"], results)
+    harness.table(f"generate(num_beams) on one GPU, {args.dtype}, {args.new_tokens} new tokens",
+                  ["shape", "prompt", "beams", "variant", "prefill_s", "step_ms", "peak_gib_above_weights",
+                   "beam_tokens_per_s", "token_agreement", "step_vs_stock", "prefill_vs_stock", "peak_vs_stock",
+                   "error"], results, console, left=LEFT)
     _write(args, results, console)
 
 
 def _write(args, results, console):
-    commit = git_commit()
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__, "commit": commit,
-            "command": " ".join(sys.argv)}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    # meta: the harness's record (date, commit, command, hardware, versions) and, as before, the GPU's name
+    meta = {**harness.run_record(__file__), "gpu": torch.cuda.get_device_name()}
+    harness.write_json(args.out, {"meta": meta, "results": results})
     console.print(f"wrote {args.out}")
 
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+import harness
 from hf_cascade.kernels import cuda, ops
 
 
@@ -38,6 +39,7 @@ def _plain(x, out, a, b, c):
 
 
 def best_us(fn, n=20000, rounds=7) -> float:
+    """Host µs per call of ``fn``: the best of ``rounds`` loops of ``n`` calls (a call overhead, not a GPU time)."""
     for _ in range(1000):
         fn()
     best = float("inf")
@@ -84,8 +86,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     x, o = torch.zeros(4), torch.zeros(4)
-    print(f"torch {torch.__version__}")
-    print(f"custom op (mutating, 5 args) via torch.ops: {best_us(lambda: torch.ops.hfc_bench.noop(x, o, 1, 2, .5)):6.2f} us")
+    print(harness.run_record(__file__))
+    noop_us = best_us(lambda: torch.ops.hfc_bench.noop(x, o, 1, 2, .5))
+    print(f"custom op (mutating, 5 args) via torch.ops: {noop_us:6.2f} us")
     print(f"plain Python function, same arguments:      {best_us(lambda: _plain(x, o, 1, 2, .5)):6.2f} us")
 
     try:
@@ -93,7 +96,8 @@ def main():
     except RuntimeError as err:
         print(f"no kernel library to time the launches with: {err}")
         return
-    a = dict(q=torch.zeros(0, 1, 32, 128, dtype=torch.bfloat16), pool=torch.zeros(4, 2, 16, 8, 128, dtype=torch.bfloat16),
+    a = dict(q=torch.zeros(0, 1, 32, 128, dtype=torch.bfloat16),
+             pool=torch.zeros(4, 2, 16, 8, 128, dtype=torch.bfloat16),
              gr=torch.zeros(1, 8, dtype=torch.int32), pt=torch.zeros(1, 4, dtype=torch.int32),
              pl=torch.zeros(1, dtype=torch.int32), st=torch.zeros(0, 4, dtype=torch.int32),
              ql=torch.zeros(0, 1, dtype=torch.int32), rn=torch.zeros(0, dtype=torch.int32), po=torch.zeros(16),

@@ -11,15 +11,12 @@ row's whole table (no prefix groups), i.e. what a cascade saves (and "flashinfer
 Roofline: bytes a cascade must move (each prefix once per group, each row's suffix, q and o) divided by the
 device-to-device copy bandwidth measured in the same run.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/kernels_gpu.json]
+    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/sm90/kernels_gpu.json]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,12 +24,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import harness  # noqa: E402
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.plan import build_step_plan  # noqa: E402
 
@@ -85,47 +82,29 @@ def bytes_moved(groups, beams, prefix, suffix, elt=2, full_table=False):
     return kv + 2 * R * HQ * HEAD_DIM * elt                # + q and o
 
 
-def time_us(fn, reps, warmup, flush):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(reps):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) * 1e3 for s, e in events]
-    return statistics.median(times), min(times)
-
-
 def copy_bandwidth(reps=20, nbytes=2 << 30):
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    med, _ = time_us(lambda: dst.copy_(src), reps, 3, lambda: None)
+    med, _ = harness.cuda_time_us(lambda: dst.copy_(src), reps, 3, lambda: None)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (med * 1e-6)                        # read + write, bytes/s
 
 
-def threshold_summary(results) -> Table:
+def threshold_summary(results):
     """Per (prompts x beams, suffix, backend): cascade time / full-table time at each prefix, and the
     shortest prefix from which the cascade is at least as fast at every longer prefix measured."""
     timed = {(r["groups"], r["beams"], r["suffix"], r["prefix"], r["backend"]): r["median_us"]
              for r in results if "median_us" in r}
     prefixes = sorted({k[3] for k in timed})
-    table = Table(title="cascade / full-table time (< 1: the cascade pays)")
-    for col in ("prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"):
-        table.add_column(col, justify="right")
+    rows = []
     for g, b, s, backend in sorted({(k[0], k[1], k[2], k[4]) for k in timed if not k[4].endswith("-full-table")}):
-        ratios = [timed.get((g, b, s, p, backend), math.nan) / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan)
-                  for p in prefixes]
+        ratios = [timed.get((g, b, s, p, backend), math.nan)
+                  / timed.get((g, b, s, p, f"{backend}-full-table"), math.nan) for p in prefixes]
         pays_from = next((p for i, p in enumerate(prefixes) if all(x <= 1 for x in ratios[i:])), None)
-        table.add_row(f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from))
-    return table
+        rows.append((f"{g}x{b}", str(s), backend, *[f"{x:.2f}" for x in ratios], str(pays_from)))
+    return harness.table("cascade / full-table time (< 1: the cascade pays)",
+                         ["prompts x beams", "suffix", "backend", *map(str, prefixes), "pays from"], rows)
 
 
 def main(argv=None) -> int:
@@ -136,8 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
     p.add_argument("--threshold", action="store_true",
                    help="short prefixes (16..1024 tokens): where the cascade stops paying against full tables")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels_gpu.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/kernels_gpu[_threshold].json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("kernels_gpu_threshold" if args.threshold else "kernels_gpu"))
     if not torch.cuda.is_available():
         print("kernels_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -187,7 +167,8 @@ def main(argv=None) -> int:
                 if ref_out is None:
                     ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
                 row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
-            med, best = time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup, flush)
+            med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup,
+                                             flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             row.update(error=f"{type(err).__name__}: {err}")
             results.append(row)
@@ -196,39 +177,34 @@ def main(argv=None) -> int:
         roofline = row["cascade_bytes"] / bw * 1e6
         row.update(median_us=med, min_us=best, roofline_us=roofline, fraction_of_roofline=roofline / med,
                    achieved_tb_s=row["bytes"] / (med * 1e-6) / 1e12)
-        if name == "cuda" and cascade.scratch:
+        if name == "cuda" and getattr(cascade, "scratch", None):     # the cuda backend's launch, where it keeps one
             st = next(v for k, v in cascade.scratch.items() if k[0] == "cuda")
             row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
                                     m_tile=st.m_tile, suffix_splits=st.nsplit)
         results.append(row)
         torch.cuda.empty_cache()
 
-    table = Table(title=f"one decode layer ({HQ}/{HKV} heads, D {HEAD_DIM}, bf16, block {BLOCK}); "
-                        f"copy bw {bw / 1e12:.2f} TB/s")
-    for col in ("prompts x beams", "prefix", "suffix", "backend", "median µs", "min µs", "roofline µs",
-                "% roofline", "TB/s", "rel err"):
-        table.add_column(col, justify="right" if col not in ("backend",) else "left")
+    rows = []
     for r in results:
+        shape = (f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"])
         if "median_us" not in r:
-            table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
-                          "-", "-", "-", "-", "-", (r.get("skipped") or r.get("error", ""))[:60])
+            rows.append((*shape, "-", "-", "-", "-", "-", (r.get("skipped") or r.get("error", ""))[:60]))
             continue
-        table.add_row(f"{r['groups']}x{r['beams']}", str(r["prefix"]), str(r["suffix"]), r["backend"],
-                      f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", f"{r['roofline_us']:.1f}",
-                      f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
-                      f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else "")
-    console.print(table)
+        rows.append((*shape, f"{r['median_us']:.1f}", f"{r['min_us']:.1f}", f"{r['roofline_us']:.1f}",
+                     f"{100 * r['fraction_of_roofline']:.0f}%", f"{r['achieved_tb_s']:.2f}",
+                     f"{r['rel_err_vs_reference']:.1e}" if "rel_err_vs_reference" in r else ""))
+    harness.table(f"one decode layer ({HQ}/{HKV} heads, D {HEAD_DIM}, bf16, block {BLOCK}); "
+                  f"copy bw {bw / 1e12:.2f} TB/s",
+                  ["prompts x beams", "prefix", "suffix", "backend", "median µs", "min µs", "roofline µs",
+                   "% roofline", "TB/s", "rel err"], rows, console, left=("backend",))
     if args.threshold:
         console.print(threshold_summary(results))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda,
+    out = harness.write_json(args.out, dict(
+        harness.run_record(__file__, argv),
+        gpu=props.name, sms=props.multi_processor_count,
         copy_bandwidth_bytes_per_s=bw, heads=[HQ, HKV], head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16",
-        reps=args.reps, command=" ".join(["kernels_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-        results=results), indent=2))
+        reps=args.reps, results=results), indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -20,26 +20,19 @@ A scenario is PROMPTxBEAMSxNEW[xBATCH].
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-import transformers
 from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import harness
 import hf_cascade
-from common import git_commit
 from hf_cascade import memory
 
-ROOT = Path(__file__).resolve().parent.parent
 GIB, MIB = float(1 << 30), float(1 << 20)
 SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
              intermediate_size=8192, vocab_size=128256, max_position_embeddings=32768, pad_token_id=0,
@@ -55,35 +48,30 @@ def parse_scenario(text: str) -> dict:
 
 
 def static_bytes(sc: dict, block_size: int, dtype: torch.dtype) -> int:
-    """Worst case of the cascade pool: prompts once, each row's own tail, one block of slack per row for copy-on-write."""
+    """Worst case of the cascade pool: prompts once, each row's own tail, one block of slack per row for
+    copy-on-write."""
     blocks = sc["batch"] * math.ceil(sc["prompt"] / block_size) + \
         sc["batch"] * sc["beams"] * (math.ceil(sc["new"] / block_size) + 2)
     per_block = 2 * block_size * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * dtype.itemsize
     return blocks * per_block * SHAPE["num_hidden_layers"]
 
 
-class StepProbe:
-    """Forward pre/post hooks on the model: CUDA events per forward, and memory read after each one."""
+class StepProbe(harness.ForwardTimer):
+    """CUDA events per forward (the harness's ForwardTimer), and memory read after each forward."""
 
     def __init__(self, model, device):
-        self.device, self.events, self.samples = device, [], []
-        self.handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        model.register_forward_hook(self._post, with_kwargs=True)]
+        super().__init__(model)
+        self.device, self.samples = device, []
 
-    def _pre(self, module, args, kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.events.append((start, end))
-
-    def _post(self, module, args, kwargs, output):
-        self.events[-1][1].record()
+    def after_forward(self, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         sample = dict(torch_peak=torch.cuda.max_memory_reserved(self.device),
                       vmm=memory.vmm_mapped_bytes(self.device),
                       free=torch.cuda.mem_get_info(self.device)[0])
         if isinstance(cache, hf_cascade.CascadeCache):
             st = cache.stats()
-            sample.update(kv_in_use=st.kv_bytes_in_use, kv_peak=st.peak_kv_bytes_in_use, kv_reserved=st.kv_bytes_reserved)
+            sample.update(kv_in_use=st.kv_bytes_in_use, kv_peak=st.peak_kv_bytes_in_use,
+                          kv_reserved=st.kv_bytes_reserved)
             stores = [l.storage for l in cache.layers if l.storage is not None]
             sample.update(maps_on_step=sum(getattr(x, "maps_on_step", 0) for x in stores),
                           maps_ahead=sum(getattr(x, "maps_ahead", 0) for x in stores))
@@ -92,10 +80,6 @@ class StepProbe:
             sample.update(kv_in_use=kv, kv_peak=kv, kv_reserved=kv)
         self.samples.append(sample)
         torch.cuda.reset_peak_memory_stats(self.device)     # the next sample's torch peak is that step's own
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
@@ -126,9 +110,9 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
         wall = time.perf_counter() - t0
         probe.remove()
         model.set_attn_implementation("sdpa")
-    times = [s.elapsed_time(e) for s, e in probe.events]
+    times = probe.times_ms()
     steps = times[1:]
-    med = statistics.median(steps) if steps else float("nan")
+    med = harness.median(steps) if steps else float("nan")
     samples = probe.samples or [dict(torch_peak=0, vmm=0, free=base_free)]
     peak = max(s["torch_peak"] + s["vmm"] for s in samples)
     reserved_kv = [s.get("kv_reserved", 0) for s in samples]
@@ -151,7 +135,7 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
         growth_events=sum(grew),                      # decode steps in which the reserved KV bytes grew
         steps_with_waited_map=sum(waited), steps_with_map_ahead=sum(ahead),
         growth_step_max_ms=max(growth_times) if growth_times else None,
-        growth_step_median_ms=statistics.median(growth_times) if growth_times else None,
+        growth_step_median_ms=harness.median(growth_times) if growth_times else None,
         slowest_step=None if slowest is None else dict(
             index=slowest, ms=steps[slowest], grew=grew[slowest], waited_map=waited[slowest],
             map_ahead=ahead[slowest]),
@@ -182,8 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos", action="store_true",
                    help="generate all NEW tokens (the pool still does not know the length in advance)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_gpu.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/memory_gpu.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("memory_gpu"))
     if not torch.cuda.is_available():
         print("memory_gpu.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -232,35 +217,32 @@ def main(argv=None) -> int:
             r["same_tokens_as_stock"] = None if tok is None or stock is None else bool(torch.equal(tok, stock))
         results.append(dict(scenario=sc, eos=eos, runs=runs))
 
-    table = Table(title=f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}")
-    for col in ("scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
-                "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s", "= grow", "= stock"):
-        table.add_column(col, justify="left" if col in ("scenario", "memory") else "right")
+    rows = []
     for res in results:
         sc = res["scenario"]
         name = f"{sc['batch']}x{sc['prompt']} k={sc['beams']} n<={sc['new']}"
         for r in res["runs"]:
             if r["error"]:
-                table.add_row(name, r["policy"], "[red]MemoryError[/]", *[""] * 15)
+                rows.append((name, r["policy"], "[red]MemoryError[/]", *[""] * 15))
                 continue
-            table.add_row(name, r["policy"], str(r["new_tokens"]), f"{r['peak_reserved_gib']:.2f}",
-                          f"{r['peak_over_base_gib']:.2f}", f"{r['device_peak_over_base_gib']:.2f}",
-                          f"{r['kv_in_use_peak_mib']:.0f}", f"{r['kv_reserved_peak_mib']:.0f}",
-                          str(r["growth_events"]), str(r["steps_with_waited_map"]),
-                          "" if r["growth_step_max_ms"] is None else f"{r['growth_step_max_ms']:.1f}",
-                          f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
-                          f"{r['step_max_ms']:.1f}", str(r["spikes"]), f"{r['wall_s']:.1f}",
-                          str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"]))
-    console.print(table)
+            rows.append((name, r["policy"], str(r["new_tokens"]), f"{r['peak_reserved_gib']:.2f}",
+                         f"{r['peak_over_base_gib']:.2f}", f"{r['device_peak_over_base_gib']:.2f}",
+                         f"{r['kv_in_use_peak_mib']:.0f}", f"{r['kv_reserved_peak_mib']:.0f}",
+                         str(r["growth_events"]), str(r["steps_with_waited_map"]),
+                         "" if r["growth_step_max_ms"] is None else f"{r['growth_step_max_ms']:.1f}",
+                         f"{r['prefill_ms']:.0f}", f"{r['step_median_ms']:.1f}",
+                         f"{r['step_max_ms']:.1f}", str(r["spikes"]), f"{r['wall_s']:.1f}",
+                         str(r["same_tokens_as_grow"]), str(r["same_tokens_as_stock"])))
+    harness.table(f"KV memory policies, Llama-3.2-1B shape, {args.dtype}, {torch.cuda.get_device_name(device)}",
+                  ["scenario", "memory", "new tok", "peak GiB", "over base", "device", "KV used MiB", "KV resv MiB",
+                   "grows", "waited", "grow step max", "prefill ms", "step med", "step max", "spikes", "wall s",
+                   "= grow", "= stock"], rows, console, left=("scenario", "memory"))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([Path(sys.executable).name, *sys.argv]), git_commit=git_commit(),
-        torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
+    record = harness.run_record(__file__, argv)
+    out = harness.write_json(args.out, dict(
+        record, git_commit=record["commit"],                    # git_commit: the field's name before the harness
         device=torch.cuda.get_device_name(device), vmm_unavailable=vmm_reason, model_shape=SHAPE, dtype=args.dtype,
-        backend=args.backend, block_size=args.block_size, results=results), indent=2, default=str))
+        backend=args.backend, block_size=args.block_size, results=results), indent=2)
     console.print(f"wrote {out}")
     return 0
 

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import harness
 import hf_cascade
 
 SHAPES = {
@@ -51,33 +50,6 @@ def _devices(args) -> list[torch.device]:
     if args.device == "cpu":
         return [torch.device("cpu")]
     return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-
-
-def _sync(devices) -> None:
-    for d in devices:
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
-class StepClock:
-    """Wall time of every forward, all devices synchronised before and after (the same in every mode,
-    so that one GPU, a device_map split and tensor parallelism compare like with like)."""
-
-    def __init__(self, model, devices):
-        self.devices, self.times, self._t0 = devices, [], 0.0
-        self.handles = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._end)]
-
-    def _start(self, *args):
-        _sync(self.devices)
-        self._t0 = time.perf_counter()
-
-    def _end(self, *args):
-        _sync(self.devices)
-        self.times.append(time.perf_counter() - self._t0)
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def _tp_kwargs() -> dict:
@@ -117,15 +89,19 @@ def generate(args, mode: str) -> dict:
     kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
               do_sample=False, early_stopping=False, return_dict_in_generate=True)
     model.generate(input_ids=ids[:, :64], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-    _sync(devices)
+    for d in devices:
+        harness.synchronize(d)
     base = {d: torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"}
     for d in base:
         torch.cuda.reset_peak_memory_stats(d)
-    clock = StepClock(model, devices)
+    # wall time of every forward, all devices synchronised before and after (the same in every mode, so that
+    # one GPU, a device_map split and tensor parallelism compare like with like)
+    clock = harness.ForwardTimer(model, sync_devices=devices)
     try:
         out = model.generate(input_ids=ids, **kw)
     finally:
         clock.remove()
+    times_ms = clock.times_ms()
     cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
     cascade = isinstance(cache, hf_cascade.CascadeCache)
     pools = [layer.storage for layer in cache.layers] if cascade else []
@@ -140,8 +116,8 @@ def generate(args, mode: str) -> dict:
         "peak_kv_bytes_in_use": cache.stats().peak_kv_bytes_in_use if cascade else
         sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
         # generate's own forward of the last prompt token over all beams follows our prefill: both count
-        "prefill_s": clock.times[0] + clock.times[1],
-        "step_ms": 1e3 * statistics.median(clock.times[2:]),
+        "prefill_s": (times_ms[0] + times_ms[1]) / 1e3,
+        "step_ms": harness.median(times_ms[2:]),
         "peak_gib_above_weights": {str(d): (torch.cuda.max_memory_allocated(d) - base[d]) / 2**30 for d in base},
         "tokens": out.sequences[:, args.prompt:].tolist(),
     }
@@ -186,8 +162,7 @@ def main(argv=None) -> None:
     print(json.dumps(summary))
     if args.out:
         path = args.out if result["rank"] == 0 else f"{args.out}.rank{result['rank']}"
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        harness.write_json(path, {**harness.run_record(__file__, argv), **result})
 
 
 if __name__ == "__main__":

@@ -9,13 +9,11 @@ register spills, then those with small spills): a CUDA error that poisons the co
 JSON is rewritten after every candidate. Phase 2 times, per shape, the best kernel knob with the best chunk knob.
 
     PYTHONPATH=. python benchmarks/prefix_sweep_gpu.py [--reps 20] [--dtype float16] [--shapes 8x8x1k,8x16x16k]
-        [--candidates "auto;variant=wg"] [--out benchmarks/results/prefix_sweep.json]
+        [--candidates "auto;variant=wg"] [--out benchmarks/results/sm90/prefix_sweep_gpu.json]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import sys
 import time
@@ -23,7 +21,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -31,7 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.kernels import cuda as cuda_backend  # noqa: E402
-from kernels_gpu import HEAD_DIM, bytes_moved, copy_bandwidth, make_step, time_us  # noqa: E402
+import harness  # noqa: E402
+from kernels_gpu import HEAD_DIM, bytes_moved, copy_bandwidth, make_step  # noqa: E402
 
 SHAPES = [dict(groups=8, beams=b, prefix=p, suffix=64) for b, p in ((8, 16384), (16, 16384), (4, 16384), (8, 4096))]
 # safest first. Launch-shape knobs (no new kernel code): the wave rule alone, fixed chunks (1376 / 928 tokens: ~2 / ~3
@@ -100,7 +98,8 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
             if not (torch.isfinite(out).all() and err < MAX_REL_ERR):
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
-                med, best = time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps, args.warmup, flush)
+                med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps,
+                                                 args.warmup, flush)
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
@@ -150,20 +149,15 @@ def combos(results) -> list[str]:
 
 
 def write(path: Path, meta: dict, results: list, note: str | None = None) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = dict(meta, results=results, best=best_per_shape(results))
     if note:
         doc["stopped"] = note
-    path.write_text(json.dumps(doc, indent=2))
+    harness.write_json(path, doc, indent=2)
 
 
 def print_table(console, results, bw) -> None:
     names = [shape_name(s) for s in SHAPES]
-    table = Table(title=f"prefix kernel sweep: one 8B decode layer (prefix + suffix + merge), µs (% roofline); "
-                        f"copy bw {bw / 1e12:.2f} TB/s")
-    table.add_column("candidate")
-    for n in names:
-        table.add_column(n, justify="right")
+    rows = []
     by = {(r["candidate"], r["shape"]): r for r in results}
     best = best_per_shape(results)
     for cand in dict.fromkeys(r["candidate"] for r in results):
@@ -179,8 +173,9 @@ def print_table(console, results, bw) -> None:
                 if "variant=" in cand and not (r.get("launch") or {}).get("tune_code"):
                     cell += "*"          # the variant is not compiled for this row tile: the default kernel ran
                 cells.append(f"[bold green]{cell}[/bold green]" if best[n]["candidate"] == cand else cell)
-        table.add_row(cand, *cells)
-    console.print(table)
+        rows.append((cand, *cells))
+    harness.table(f"prefix kernel sweep: one 8B decode layer (prefix + suffix + merge), µs (% roofline); "
+                  f"copy bw {bw / 1e12:.2f} TB/s", ["candidate", *names], rows, console, left=("candidate",))
     console.print("*: the variant is not compiled for this row tile, the default kernel ran (its launch shape only)")
     for n, b in best.items():
         console.print(f"best {n}: {b['candidate']}  {b['median_us']:.1f} µs = {100 * b['fraction_of_roofline']:.0f}% "
@@ -196,8 +191,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--shapes", default=None, help="comma-separated GxBxP shapes (e.g. 8x8x1k,8x16x16k) instead of the "
                                                   "built-in ones")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefix_sweep.json"))
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/prefix_sweep_gpu.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("prefix_sweep_gpu"))
     global SHAPES, DTYPE
     DTYPE = getattr(torch, args.dtype)
     if args.shapes:
@@ -228,10 +224,8 @@ def main(argv=None) -> int:
         steps.append(step)
         torch.cuda.empty_cache()
     console.print(f"shapes and float32 references ready at {time.perf_counter() - t0:.1f} s")
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), gpu=props.name,
-                sms=props.multi_processor_count, torch=torch.__version__, cuda=torch.version.cuda, dtype=args.dtype,
-                copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR,
-                command=" ".join(["prefix_sweep_gpu.py", *(argv if argv is not None else sys.argv[1:])]))
+    meta = dict(harness.run_record(__file__, argv), gpu=props.name, sms=props.multi_processor_count, dtype=args.dtype,
+                copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR)
     out = Path(args.out)
     results: list[dict] = []
     note = None

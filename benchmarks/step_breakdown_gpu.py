@@ -20,24 +20,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 
+import harness
 import hf_cascade
-from common import git_commit
 from generate_gpu import build
-from hf_cascade.cache import CascadeCache
-from hf_cascade.graphs import DecodeGraphRunner
-from hf_cascade.plan import StepPlan
+from hf_cascade import cache as cache_module, graphs, plan as plan_module
 
 ATTENTION = ("hfc_", "prefix_kernel", "suffix_kernel", "merge_kernel", "flashinfer", "BatchPrefill",
              "BatchDecode", "MergeState", "index_put", "scatter")
@@ -81,8 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cuda")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default="on")
     p.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True) (with graphs)")
-    p.add_argument("--out", default="benchmarks/results/step_breakdown_gpu.json")
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/step_breakdown_gpu.json)")
     args = p.parse_args(argv)
+    args.out = args.out or str(harness.results_path("step_breakdown_gpu"))
     console = Console(width=160)
     model = build(args.shape, torch.bfloat16)
     model.set_attn_implementation("cascade")
@@ -108,11 +101,14 @@ def main(argv=None) -> int:
         torch.cuda._sleep(1)
 
     hooks = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
-    timers = {"cache bookkeeping + plan (per step)": HostTimer(CascadeCache, "_begin_step_shape"),
-              "plan upload (per step)": HostTimer(StepPlan, "on"),
-              "reorder_cache (per step)": HostTimer(CascadeCache, "reorder_cache"),
-              "graph runner: pools + plan upload (per step)": HostTimer(DecodeGraphRunner, "_upload"),
-              "graph replay, host side (per step)": HostTimer(torch.cuda.CUDAGraph, "replay")}
+    # host parts timed where the library still has them (a refactored library loses a row, not the run)
+    parts = {"cache bookkeeping + plan (per step)": (getattr(cache_module, "CascadeCache", None), "_begin_step_shape"),
+             "plan upload (per step)": (getattr(plan_module, "StepPlan", None), "on"),
+             "reorder_cache (per step)": (getattr(cache_module, "CascadeCache", None), "reorder_cache"),
+             "graph runner: pools + plan upload (per step)": (getattr(graphs, "DecodeGraphRunner", None), "_upload"),
+             "graph replay, host side (per step)": (torch.cuda.CUDAGraph, "replay")}
+    timers = {label: HostTimer(owner, name) for label, (owner, name) in parts.items()
+              if owner is not None and hasattr(owner, name)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.generate(input_ids=ids, **kw)
         torch.cuda.synchronize()
@@ -145,9 +141,9 @@ def main(argv=None) -> int:
             top[k.name[:90]] += k.time_range.elapsed_us()
     per_step = {c: by_cat[c] / steps / 1e3 for c in ("attention", "matmul", "other")}
     kernel_ms = sum(per_step.values())
-    fwd_ms = statistics.median(fwd_wall) * 1e3
-    step_ms = statistics.median(step_wall) * 1e3
-    host = {name: 1e3 * statistics.median(t.times[2:] if name.startswith("cache") else t.times or [0.0])
+    fwd_ms = harness.median(fwd_wall) * 1e3
+    step_ms = harness.median(step_wall) * 1e3
+    host = {name: 1e3 * harness.median(t.times[2:] if name.startswith("cache") else t.times or [0.0])
             for name, t in timers.items() if t.times}
     rows = [
         ("step wall (median)", step_ms),
@@ -160,27 +156,17 @@ def main(argv=None) -> int:
         ("    of which GPU kernels", between_us / steps / 1e3),
         *[(f"  host: {name}", v) for name, v in host.items()],
     ]
-    table = Table(title=f"one decode step, {args.shape} shape, prompt {args.prompt}, {args.beams} beams, "
-                        f"backend {args.backend}, graphs {args.cuda_graphs}{', compiled' if args.compile else ''} "
-                        f"({steps} steps, kernel times are means)")
-    table.add_column("part")
-    table.add_column("ms", justify="right")
-    table.add_column("% of step", justify="right")
-    for name, v in rows:
-        table.add_row(name, f"{v:.2f}", f"{100 * v / step_ms:.0f}%")
-    console.print(table)
+    harness.table(f"one decode step, {args.shape} shape, prompt {args.prompt}, {args.beams} beams, "
+                  f"backend {args.backend}, graphs {args.cuda_graphs}{', compiled' if args.compile else ''} "
+                  f"({steps} steps, kernel times are means)", ["part", "ms", "% of step"],
+                  [(name, f"{v:.2f}", f"{100 * v / step_ms:.0f}%") for name, v in rows], console, left=("part",))
     console.print("largest decode kernels (ms per step):")
     for name, us in top.most_common(10):
         console.print(f"  {us / steps / 1e3:7.3f}  {name}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-        transformers=__import__("transformers").__version__, commit=git_commit(),
-        command=" ".join(["step_breakdown_gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+    out = harness.write_json(args.out, dict(
+        harness.run_record(__file__, argv), gpu=torch.cuda.get_device_name(),
         decode_steps=steps, rows=dict(rows), top_kernels_ms_per_step={n: us / steps / 1e3 for n, us in
-                                                                      top.most_common(20)}), indent=2))
+                                                                      top.most_common(20)}), indent=2)
     console.print(f"wrote {out}")
     return 0
 

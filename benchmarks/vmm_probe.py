@@ -6,26 +6,18 @@ mapping chunks into it (by size), unmapping, and a 16-layer pool set up as a cac
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 
+import harness
 from hf_cascade import memory
 
 MIB = 1 << 20
 
 
 def timed(fn, reps=5):
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median ms of ``fn`` over ``reps`` calls, the GPU synchronised around each."""
+    return harness.median(1e3 * harness.timed(fn, "cuda")[0] for _ in range(reps))
 
 
 def main(argv=None) -> int:
@@ -59,8 +51,7 @@ def main(argv=None) -> int:
     for k, v in res.items():
         print(f"{k:50s} {v:.3f}" if isinstance(v, float) else f"{k:50s} {v}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        harness.write_json(args.out, {**harness.run_record(__file__, argv), **res})
     return 0
 
 
