@@ -8,7 +8,8 @@ We run the model on rows ``0, n, 2n, ...`` minus their last token into a :class:
 ``GenerationMixin._beam_search`` / ``_sample``, whose own prefill then feeds the last prompt token
 for all rows. Other per-token model inputs (``token_type_ids``, ``inputs_embeds``) are sliced the same way.
 A call that shares too little to pay for the paged cache runs on stock's own path instead
-(:func:`stock_path_reason`).
+(:func:`stock_path_reason`). The call's cache, decode layout, graph runner and end belong to its
+:class:`~hf_cascade.session.DecodeSession`; this module gives it the decoder-only strategy (:class:`PromptPrefill`).
 """
 from __future__ import annotations
 

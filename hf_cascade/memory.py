@@ -13,7 +13,8 @@ Every storage has the same small interface: ``tensor``, ``num_blocks``, ``block_
 
 Block ids index dim 0, so growth never renumbers blocks. A storage raises PoolExhausted (a MemoryError),
 with the numbers, when asked for more blocks than its cap, MemoryError when the device has no room, and
-is unchanged and usable afterwards.
+is unchanged and usable afterwards. What a CUDA graph capture needs from these pools (no background mapping,
+no range freed while it runs) is one object, :data:`capture_hold`.
 """
 from __future__ import annotations
 
@@ -543,8 +544,8 @@ class VMMStorage(BlockStorage):
                 self._refresh()
         need = num_blocks * self.block_nbytes
         headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
-        if (self._pending is None and not capture_hold.active and headroom < ahead and self.vrange.mapped < self.vrange.reserved
-                and not capture_underway()):
+        if (self._pending is None and not capture_hold.active and headroom < ahead
+                and self.vrange.mapped < self.vrange.reserved and not capture_underway()):
             target = self.vrange.mapped + ahead
             self._pending = _background().submit(self.vrange.grow, target, target)
             self.maps_ahead += 1

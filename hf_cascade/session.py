@@ -264,10 +264,11 @@ class DecodeSession:
             return None
         if cache.cascade_config.static_decode:
             cache.begin_decode(self.generation_config.max_length or self.prompt_width + 1)
-        return self._decode_runner()
+        return self.decode_runner()
 
-    def _decode_runner(self):
-        """A DecodeGraphRunner for this call (the kept one where it fits), or None (the reason logged once)."""
+    def decode_runner(self):
+        """A DecodeGraphRunner for this call (the kept one where it fits), or None (the reason logged once). Called
+        once per call that decodes on a CascadeCache (tests and benchmarks wrap it to see the runner)."""
         mode = self.cache.cascade_config.cuda_graphs
         reason = graphs.unsupported_reason(self.model, self.cache.cascade_config)
         if reason is not None:

@@ -118,14 +118,14 @@ class RunnerSpy:
     def __init__(self, monkeypatch):
         from hf_cascade.session import DecodeSession
         self.runners = []
-        real = DecodeSession._decode_runner
+        real = DecodeSession.decode_runner
 
         def spy(*args, **kwargs):
             runner = real(*args, **kwargs)
             self.runners.append(runner)
             return runner
 
-        monkeypatch.setattr(DecodeSession, "_decode_runner", spy)
+        monkeypatch.setattr(DecodeSession, "decode_runner", spy)
 
 
 @pytest.fixture

@@ -278,6 +278,22 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
     assert not session._kept
 
 
+def test_the_graph_descriptor_decides_what_a_next_call_reuses(llama_pair):
+    """Same model, config and rows: the kept graph replays; other rows: the kept pools serve, the graph is captured
+    anew; another model (even of the same shape) or other settings: nothing is reused."""
+    _, cascade = llama_pair
+    twin = model_pair("llama")[1]
+    config = CascadeConfig(cuda_graphs="eager")
+    kept = session.GraphDescriptor.of(cascade, config, rows=6)
+    assert kept == session.GraphDescriptor.of(cascade, CascadeConfig(cuda_graphs="eager"), rows=6)
+    more_rows = session.GraphDescriptor.of(cascade, config, rows=8)
+    assert kept != more_rows and kept.fits_pools(more_rows)
+    for other in (session.GraphDescriptor.of(twin, config, rows=6),
+                  session.GraphDescriptor.of(cascade, CascadeConfig(cuda_graphs="eager", block_size=4), rows=6)):
+        assert other != kept and not kept.fits_pools(other)
+    assert (kept.capture, kept.compile, kept.encoder_decoder) == (False, False, False)
+
+
 def test_a_kept_graph_does_not_keep_its_model_alive():
     import gc
     import weakref
