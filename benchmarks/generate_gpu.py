@@ -194,7 +194,8 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        with _spying(getattr(hf_cascade, "graphs", None), "decode_runner", spy_runner), \
+        with _spying(getattr(getattr(hf_cascade, "session", None), "DecodeSession", None), "decode_runner",
+                        spy_runner), \
                 _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:

@@ -21,7 +21,7 @@ from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
-from .graphs import release
+from .session import release
 
 __version__ = "0.1.0"
 __all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register",

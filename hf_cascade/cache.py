@@ -210,15 +210,13 @@ class CascadeCache(Cache):
         self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
         self._decode_max_length: int | None = None
         self._decode_start = 0        # the logical length when the decode began (decode tokens made = the rest)
-        self.graph_runner = None     # the hf_cascade.graphs.DecodeGraphRunner of this cache's decode calls
         # set by the generate entry when beam search filled it: its rows are the running beams, not the sequences
         # generate returned (a flag of the cache, so that it travels with copies)
         self._filled_by_beam_search = False
 
     # ---- copies (copy.deepcopy, pickle, torch.save) ---------------------------------------------------
     # what belongs to a step or a generate call in progress: never copied (a copy starts between calls)
-    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layout": None, "_decode_max_length": None,
-                  "graph_runner": None}
+    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layout": None, "_decode_max_length": None}
 
     def __getstate__(self):
         return {**self.__dict__, **self._TRANSIENT}
@@ -316,7 +314,8 @@ class CascadeCache(Cache):
     def reset_for_reuse(self) -> None:
         """Like :meth:`reset`, but keep what a captured decode graph points at for a next call of the same
         shape: the pools' storage objects (their addresses; a vmm pool keeps nothing mapped beyond
-        ``keep_kv_bytes``), the last decode layout (its buffers) and the graph runner."""
+        ``keep_kv_bytes``) and the last decode layout (its buffers). The runner is kept beside it
+        (:mod:`hf_cascade.session`)."""
         self._reset(keep=True)
 
     def _reset(self, keep: bool) -> None:
@@ -334,9 +333,6 @@ class CascadeCache(Cache):
             self._kept_layout.release()
             self._kept_layout = None
         self.end_decode()
-        if not keep and self.graph_runner is not None:
-            self.graph_runner.release()
-            self.graph_runner = None
         self._peak_blocks = 0
         step_context.forget(self)
 

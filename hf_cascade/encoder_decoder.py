@@ -25,14 +25,13 @@ reference to their layer, which :func:`cross_layer_of` finds.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import graphs, kernels
+from . import kernels
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -44,6 +43,7 @@ from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
 # unsupported_reason and COMPOSITE: also generation's checks before it calls this entry
 from .seq2seq_models import (COMPOSITE, SUPPORTED, cross_projections, family_of, paged_self_attention,
                              unsupported_reason)
+from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
 
@@ -164,55 +164,82 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     if decoder_mask is not None and tuple(decoder_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"decoder_attention_mask {tuple(decoder_mask.shape)} must match the decoder prompt "
                          f"{tuple(input_ids.shape)} (one row per beam or returned sequence).")
-    padded = decoder_mask is not None and not bool(decoder_mask.all())
 
     projections = cross_projections(model)
     cap = None if cascade_config.max_kv_bytes is None else KVCap(cascade_config.max_kv_bytes)
-    cross = CrossAttentionCache(len(projections), cascade_config)
-    paged = paged_self_attention(model, input_ids, states.device, cascade_config)
-    self_cache = runner = None
+    side = EncoderSide(model, input_ids, generation_config, model_kwargs, key, cascade_config, cap, projections, states,
+                       source_mask, decoder_mask, n)
+    call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
+                         cascade_config=cascade_config)     # nothing kept for a next call: encoder outputs differ
     try:
+        result = call.run(lambda: decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                         synced_gpus=synced_gpus, **model_kwargs))
+        return _without_cache(result)
+    except PoolExhausted as err:
+        if cap is None or not side.paged or isinstance(err, KVCapExceeded):
+            raise
+        raise PoolExhausted(f"{err} (Of CascadeConfig.max_kv_bytes={cap.cap}, the cross-attention K/V of this call "
+                            f"take {side.cross.kv_bytes} bytes; the decoder's paged self-attention cache gets the "
+                            "rest.)") from err
+
+
+class EncoderSide:
+    """The encoder-decoder :class:`~hf_cascade.session.DecodeStrategy`: the cross-attention K/V stored once per
+    input, the decoder's self-attention cache (paged, or dense where :func:`paged_self_attention` says so), the
+    decoder prompt prefilled once per input, placeholder encoder outputs of stock's shape; all given back at the
+    end of the call (nobody else can reach these caches)."""
+
+    def __init__(self, model, input_ids, generation_config, model_kwargs: dict, key: str,
+                 cascade_config: CascadeConfig, cap: KVCap | None, projections: list, states, source_mask,
+                 decoder_mask, n: int):
+        self.model, self.input_ids, self.generation_config = model, input_ids, generation_config
+        self.model_kwargs, self.key, self.cascade_config, self.cap = model_kwargs, key, cascade_config, cap
+        self.projections, self.states, self.source_mask, self.decoder_mask, self.n = (
+            projections, states, source_mask, decoder_mask, n)
+        self.cross = CrossAttentionCache(len(projections), cascade_config)
+        self.paged = paged_self_attention(model, input_ids, states.device, cascade_config)
+        self.self_cache = None
+
+    def prepare(self, cache: None) -> CascadeCache | None:
+        model, input_ids, model_kwargs, n = self.model, self.input_ids, self.model_kwargs, self.n
+        states, source_mask, decoder_mask, cap, cross = self.states, self.source_mask, self.decoder_mask, self.cap, \
+            self.cross
+        padded = decoder_mask is not None and not bool(decoder_mask.all())
         if cap is not None:
             cap.caches.append(cross)
         repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
-        cross.fill(projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap)
-        self_cache = _paged_self_cache(model, cascade_config, cap) if paged else self_attention_cache(
-            states.device, generation_config, cap)
-        cache = CascadeEncoderDecoderCache(self_cache, cross)
-        model_kwargs[key] = cache
+        cross.fill(self.projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap)
+        self.self_cache = self_cache = (_paged_self_cache(model, self.cascade_config, cap) if self.paged
+                                        else self_attention_cache(states.device, self.generation_config, cap))
+        both = CascadeEncoderDecoderCache(self_cache, cross)
+        model_kwargs[self.key] = both
         # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
+        encoder_outputs = model_kwargs["encoder_outputs"]
         if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy
             model_kwargs["encoder_outputs"] = encoder_outputs = type(encoder_outputs)(**encoder_outputs)
             encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
             encoder_outputs.hf_cascade_expand_size = n
-            encoder_outputs["last_hidden_state"] = placeholder(states, rows)
-        if paged and input_ids.shape[1] > 1:
+            encoder_outputs["last_hidden_state"] = placeholder(states, input_ids.shape[0])
+        if not self.paged:
+            return None          # the decode steps run on a dense cache: no layout, no runner
+        if input_ids.shape[1] > 1:
             # the decoder prompt (Whisper's start tokens, a prompt) is the same for an input's beams: once
-            _prefill_decoder_prompt(model, cache, input_ids[::n, :-1], None if not padded else decoder_mask[::n, :-1],
-                                    states, source_mask, key)
+            _prefill_decoder_prompt(model, both, input_ids[::n, :-1], None if not padded else decoder_mask[::n, :-1],
+                                    states, source_mask, self.key)
             self_cache.batch_repeat_interleave(n)
             if decoder_mask is None:   # with a mask, generate's first step feeds only the tokens past the cache
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
-        if paged and padded and not bool(decoder_mask[:, -1].all()):
+        if padded and not bool(decoder_mask[:, -1].all()):
             self_cache.set_write_mask(decoder_mask[:, -1:])   # a last pad is not stored either
-        if paged:           # the decode steps on a static layout, as a captured graph where one can run
-            runner = graphs.begin_decoding(model, self_cache, generation_config, input_ids.shape[1])
-        with runner or contextlib.nullcontext():
-            result = decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                            synced_gpus=synced_gpus, **model_kwargs)
-        return _without_cache(result)
-    except PoolExhausted as err:
-        if cap is None or not paged or isinstance(err, KVCapExceeded):
-            raise
-        raise PoolExhausted(f"{err} (Of CascadeConfig.max_kv_bytes={cap.cap}, the cross-attention K/V of this call "
-                            f"take {cross.kv_bytes} bytes; the decoder's paged self-attention cache gets the rest.)"
-                            ) from err
-    finally:
-        if paged and self_cache is not None:   # the runner is not kept for a next call: encoder outputs differ
-            graphs.finish_call(model, self_cache, runner, owned=False, ok=True)
-        if self_cache is not None:
-            self_cache.reset()
-        cross.reset()        # nobody else can reach these caches: give every block back now
+        return self_cache       # the decode steps on a static layout, as a captured graph where one can run
+
+    def decoded(self, cache) -> None:
+        pass
+
+    def release(self, ok: bool) -> None:
+        if self.self_cache is not None:
+            self.self_cache.reset()
+        self.cross.reset()
 
 
 def _paged_self_cache(model, config: CascadeConfig, cap: KVCap | None) -> CascadeCache:

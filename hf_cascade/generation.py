@@ -8,18 +8,15 @@ We run the model on rows ``0, n, 2n, ...`` minus their last token into a :class:
 ``GenerationMixin._beam_search`` / ``_sample``, whose own prefill then feeds the last prompt token
 for all rows. Other per-token model inputs (``token_type_ids``, ``inputs_embeds``) are sliced the same way.
 A call that shares too little to pay for the paged cache runs on stock's own path instead
-(:func:`stock_path_reason`).
+(:func:`stock_path_reason`). The call's cache, decode layout, graph runner and end belong to its
+:class:`~hf_cascade.session.DecodeSession`; this module gives it the decoder-only strategy (:class:`PromptPrefill`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
 import numbers
-import threading
-import weakref
-from types import SimpleNamespace
 
 import torch
 from transformers import GenerationMixin
@@ -29,6 +26,7 @@ from . import encoder_decoder, graphs
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
 
@@ -277,8 +275,7 @@ def stock_path_reason(model, cascade_config: CascadeConfig, generation_config, i
     worth at least ``MIN_SHARED_TOKENS`` on the model's device — or where its decode steps will run as a
     graph (:mod:`hf_cascade.graphs`), which is faster than stock's even with nothing to share.
     ``input_ids``/``mask``/``positions``/``inputs`` are as generate expanded them (rows = prompts x n)."""
-    if graphs.unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config),
-                                 cascade_config.cuda_graphs) is None:
+    if graphs.unsupported_reason(model, cascade_config) is None:
         return None       # a decode step replayed as a graph beats stock's even with nothing shared
     n = max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     inputs = inputs or {}
@@ -404,8 +401,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     mask = model_kwargs.get("attention_mask")
     if (mask is not None and mask.shape[1] > 1 and not bool(mask[:, :-1].any()) and not bool(mask.all())
             and not (explicit and existing.get_seq_length())
-            and graphs.unsupported_reason(model, SimpleNamespace(cascade_config=hf_cascade_config),
-                                          hf_cascade_config.cuda_graphs) is None):
+            and graphs.unsupported_reason(model, hf_cascade_config) is None):
         # Left padding before every prompt's only token: the prefill stores nothing, and the graph runner's first
         # static step on a cache of pads alone gives other tokens than stock (a bug of the runner, not fixed here):
         # decode without the runner.
@@ -420,7 +416,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                       synced_gpus=synced_gpus, **model_kwargs)
 
     if explicit:
-        return _run(model, existing, False, input_ids, generation_config, model_kwargs, key, stock)
+        return _run(model, existing, hf_cascade_config, input_ids, generation_config, model_kwargs, key, stock)
     if existing is not None and generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
                          "attn_implementation='cascade', which brings its own cache. Unset it, or use "
@@ -454,28 +450,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     if reason is not None:
         _log_stock_path(reason)
         return stock()
-    return _run(model, graphs.owned_cache(model, hf_cascade_config), True, input_ids, generation_config, model_kwargs,
-                key, stock)
-
-
-# the caches generate calls are running on now: id(cache) -> the thread of that call
-_in_use: dict = {}
-_in_use_lock = threading.Lock()
-
-
-def _claim(cache: CascadeCache) -> bool:
-    """Refuse a cache that a generate call of another thread is running on (the calls would interleave their
-    rows and blocks). Returns whether this call claimed it (False: an outer call of this thread holds it)."""
-    me = threading.get_ident()
-    with _in_use_lock:
-        holder = _in_use.get(id(cache))
-        if holder is None:
-            _in_use[id(cache)] = me
-            return True
-    if holder != me:
-        raise ValueError("This CascadeCache is in use by a generate call in another thread. Give each concurrent "
-                         "call its own cache (for a shared prompt, fill one and pass copy.deepcopy(cache) to each).")
-    return False
+    return _run(model, None, hf_cascade_config, input_ids, generation_config, model_kwargs, key, stock)
 
 
 def _uncapped(what: str, fix: str) -> str:
@@ -533,39 +508,42 @@ def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> No
 def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
     if not cascade_config.compile:
         return
-    reason = graphs.unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config),
-                                       cascade_config.cuda_graphs)
+    reason = graphs.unsupported_reason(model, cascade_config)
     if reason is not None:
-        graphs._log_once(("compile unused", reason), logging.WARNING,
+        graphs.log_once(("compile unused", reason), logging.WARNING,
                          "CascadeConfig(compile=True) is ignored: it compiles the decode step replayed as a CUDA "
                          "graph, and decode steps run without graphs here (%s).", reason)
 
 
-def _run(model, cache: CascadeCache, owned: bool, input_ids, generation_config, model_kwargs: dict, key: str, decode):
-    """Fill ``cache`` with the prompts' new tokens, then stock decoding (a captured graph where it can run)."""
-    claimed = _claim(cache)     # before anything that could touch (or, on failure, reset) another call's cache
-    ok, runner = False, None
-    try:
-        _prefill_call(model, cache, input_ids, generation_config, model_kwargs, key)
-        runner = graphs.begin_decoding(model, cache, generation_config, input_ids.shape[1])
-        with runner or contextlib.nullcontext():
-            result = decode()
-        if generation_config.num_beams > 1:
+def _run(model, cache: CascadeCache | None, cascade_config: CascadeConfig, input_ids, generation_config,
+         model_kwargs: dict, key: str, decode):
+    """Fill the cache (the caller's; None: one the call owns) with the prompts' new tokens, then stock decoding (a
+    captured graph where it can run), in one :class:`~hf_cascade.session.DecodeSession`."""
+    strategy = PromptPrefill(model, input_ids, generation_config, model_kwargs, key)
+    call = DecodeSession(model, strategy, generation_config, rows=input_ids.shape[0], prompt_width=input_ids.shape[1],
+                         cascade_config=cascade_config, cache=cache, keep=cache is None,
+                         hands_out=bool(generation_config.return_dict_in_generate))
+    return call.run(decode)
+
+
+class PromptPrefill:
+    """The decoder-only :class:`~hf_cascade.session.DecodeStrategy`: each prompt's new tokens prefilled once into
+    the session's cache, which is then forked to all rows (beams or samples)."""
+
+    def __init__(self, model, input_ids, generation_config, model_kwargs: dict, key: str):
+        self.model, self.input_ids, self.generation_config = model, input_ids, generation_config
+        self.model_kwargs, self.key = model_kwargs, key
+
+    def prepare(self, cache: CascadeCache) -> CascadeCache:
+        _prefill_call(self.model, cache, self.input_ids, self.generation_config, self.model_kwargs, self.key)
+        return cache
+
+    def decoded(self, cache: CascadeCache) -> None:
+        if self.generation_config.num_beams > 1:
             cache._filled_by_beam_search = True
-        ok = True
-        return result
-    finally:
-        handed_out = ok and generation_config.return_dict_in_generate
-        # nobody else can reach an owned cache that is not handed out: every block goes back now (what a
-        # captured graph points at is kept for the model's next call of the same shape)
-        try:
-            graphs.finish_call(model, cache, runner, owned=owned and not handed_out, ok=ok)
-            if not ok and not owned:
-                cache.reset()       # the caller's cache: empty and reusable, never half filled
-        finally:
-            if claimed:
-                with _in_use_lock:
-                    _in_use.pop(id(cache), None)
+
+    def release(self, ok: bool) -> None:
+        pass                       # nothing besides the cache
 
 
 def _per_position_outputs(generation_config) -> bool:

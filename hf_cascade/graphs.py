@@ -1,10 +1,10 @@
 """The decode step as one captured CUDA graph, inside transformers' own generate loop.
 
 transformers' ``_beam_search`` and ``_sample`` call ``model(**model_inputs)`` once per step; on a GPU that
-step is bound by the host (hundreds of small launches from Python). :func:`decode_runner` gives
-``cascade_generate`` a :class:`DecodeGraphRunner` that stands in for ``model.forward`` while the decode
-loop runs. For a decode-shaped call (one new token per row, on the call's static
-:class:`~hf_cascade.plan.DecodeLayout`) it
+step is bound by the host (hundreds of small launches from Python). A generate call's
+:class:`~hf_cascade.session.DecodeSession` installs a :class:`DecodeGraphRunner` that stands in for
+``model.forward`` while the decode loop runs. For a decode-shaped call (one new token per row, on the call's
+static :class:`~hf_cascade.plan.DecodeLayout`) it
 
 1. begins the cache's step on the host (block bookkeeping, plan) and uploads the plan into the layout's
    persistent device buffers (one copy per step);
@@ -17,6 +17,10 @@ step is captured (nothing runs during a capture, so the pool is not touched). Ev
 other shapes, output_attentions, ...) runs the model's own forward. The graph is kept for the call and
 re-captured when what it baked in changes: the input shapes, the layout (rows outgrew its capacity) or a
 pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``static`` never do).
+
+This module owns the runner (capture and replay), the forward dispatcher and the support policy
+(:func:`unsupported_reason`); which runner a call uses, what is kept for the next call and the capture guard
+belong to :mod:`hf_cascade.session`.
 
 Threads: while any generate call runs a runner on a model, ``model.forward`` is one :class:`_ForwardDispatch`
 (installed by the first such call, removed by the last, exceptions included), which runs the runner of the
@@ -33,25 +37,16 @@ import logging
 import threading
 import time
 import weakref
-from types import SimpleNamespace
 
 import torch
 
-from . import memory
 from .cache import CascadeCache
 from .config import CascadeConfig
 
 logger = logging.getLogger("hf_cascade")
 _logged: set = set()
-# generate may run in several threads: guards the forward dispatchers, _kept, _logged and _side_streams
+# generate may run in several threads: guards the forward dispatchers, _logged and _side_streams
 _lock = threading.RLock()
-
-# generate calls whose decode steps may be captured run one at a time in the process (the generate patch takes it
-# for the whole call; a capture takes it too): while one thread captures, a kernel that another thread launches on
-# the legacy default stream (its prefill, the encoder, transformers' token choice) is an illegal operation on the
-# capturing stream ("operation not permitted when stream is capturing", seen on the H200). Captures also share
-# torch's capture stream and our warm-up streams, and torch.cuda.graph empties the allocator's cache as it begins.
-_capturing_calls = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
@@ -62,7 +57,7 @@ _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_
             "inputs_embeds": "decoder_inputs_embeds"}
 
 
-def _log_once(key, level, message, *args):
+def log_once(key, level, message, *args):
     # keyed with the level: a message first logged at INFO still shows once at WARNING
     with _lock:
         if (key, level) in _logged:
@@ -71,11 +66,13 @@ def _log_once(key, level, message, *args):
     logger.log(level, message, *args)
 
 
-def unsupported_reason(model, cache, mode) -> str | None:
-    """Why generate's decode steps cannot run as a graph for ``model`` (None when they can)."""
+def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
+    """Why generate's decode steps cannot run on the graph runner for ``model`` under ``cascade_config`` (None when
+    they can: captured and replayed, or with ``cuda_graphs="eager"`` its static path without capture)."""
+    mode = cascade_config.cuda_graphs
     if mode is False:
         return "CascadeConfig(cuda_graphs=False)"
-    if not cache.cascade_config.static_decode:
+    if not cascade_config.static_decode:
         return "CascadeConfig(static_decode=False)"
     devices = {str(p.device) for p in model.parameters()}
     if not devices:
@@ -99,109 +96,24 @@ def unsupported_reason(model, cache, mode) -> str | None:
     return None
 
 
-# the cache each model's last generate call made for itself and left with a captured graph (see owned_cache)
-_kept: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def owned_cache(model, cascade_config) -> CascadeCache:
-    """The cache ``generate`` makes for itself: the one the model's last call left, when the settings are the
-    same, so that its pools keep their addresses and its captured graph is replayed from the first decode step
-    of a call of the same shape; otherwise a new one."""
-    cascade_config = CascadeConfig.coerce(cascade_config)
-    with _lock:        # a kept cache serves one call: a second thread's concurrent call makes its own
-        kept = _kept.pop(model, None)
-    if kept is not None and kept.cascade_config == cascade_config and kept.get_seq_length() == 0:
-        return kept
-    if kept is not None:
-        kept.reset()
-    return CascadeCache(model.config, cascade_config)
-
-
-def release(model=None) -> None:
-    """Drop what generate keeps for ``model``'s next call (its cache's reserved pools, decode buffers and
-    captured graph); the next call captures again. ``None``: for every model."""
-    with _lock:
-        kept = [_kept.pop(each, None) for each in (list(_kept) if model is None else [model])]
-    for cache in kept:
-        if cache is not None:
-            cache.reset()
-
-
-def finish_call(model, cache, runner, owned: bool, ok: bool) -> None:
-    """End a generate call: an owned cache gives its blocks back (keeping what its graph points at when a
-    graph was captured and the call succeeded); another cache keeps its tokens, and its graph is dropped."""
-    if owned:
-        if ok and runner is not None and runner.graph is not None:
-            cache.reset_for_reuse()
-            runner.detach()
-            with _lock:                    # (a concurrent call's kept cache, if any, is replaced and freed)
-                _kept[model] = cache       # weakly keyed, and nothing kept refers to the model
-        else:
-            cache.reset()
-        return
-    cache.end_decode()
-    cache.end_step()                       # the caller's cache keeps its tokens, not the last step's context
-    if cache.graph_runner is not None:
-        cache.graph_runner.release()
-        cache.graph_runner = None
-
-
-def capturing_call(model, cascade_config):
-    """The context of one generate call: the process-wide lock where its decode steps may be captured as a CUDA
-    graph (concurrent such calls are serialized), nothing otherwise (CPU calls, the runner's eager form)."""
-    cascade_config = CascadeConfig.coerce(cascade_config)
-    mode = cascade_config.cuda_graphs
-    if mode == "eager" or unsupported_reason(model, SimpleNamespace(cascade_config=cascade_config), mode):
-        return contextlib.nullcontext()
-    return _capturing_calls
-
-
-def begin_decoding(model, cache, generation_config, prompt_width: int):
-    """Before generate's decode loop: the cache's static decode layouts (``static_decode``; ``max_length`` only
-    caps their capacity, which follows the tokens made), and the call's :class:`DecodeGraphRunner` (None where
-    graphs cannot run). :func:`finish_call` ends both."""
-    if cache.cascade_config.static_decode:
-        cache.begin_decode(generation_config.max_length or prompt_width + 1)
-    return decode_runner(model, cache, generation_config)
-
-
-def decode_runner(model, cache, generation_config):
-    """A DecodeGraphRunner for this generate call (the cache's own from its last call where it fits), or
-    None (the reason logged once)."""
-    mode = cache.cascade_config.cuda_graphs
-    reason = unsupported_reason(model, cache, mode)
-    if reason is not None:
-        if mode is not False:
-            _log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
-                      "decode steps run without CUDA graphs: %s", reason)
-        return None
-    _log_once(("on", mode), logging.INFO, "decode steps run as %s",
-              "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
-    capture, compile = mode != "eager", cache.cascade_config.compile
-    runner = cache.graph_runner
-    if runner is None or runner.model is not model or (runner.capture_enabled, runner.compiled) != (capture, compile):
-        if runner is not None:
-            runner.release()
-        runner = cache.graph_runner = DecodeGraphRunner(model, cache, capture=capture, compile=compile)
-    runner.attach(model)
-    runner.begin_call()
-    return runner
-
-
 class DecodeGraphRunner:
     """Stands in for ``model.forward`` during one generate call's decode loop (a context manager).
 
-    ``capture=False`` runs the same static path (fixed input tensors, the layout's buffers, one plan upload
-    per step) with an eager forward instead of a replay: on any device, for debugging and tests.
+    ``capture_guard()`` is entered from the first step's warm-up to the end of its capture (the session's:
+    captures one at a time in the process, the pools' memory held). ``capture=False`` runs the same static path
+    (fixed input tensors, the layout's buffers, one plan upload per step) with an eager forward instead of a
+    replay: on any device, for debugging and tests.
     Attributes for benchmarks: ``captures`` (count), ``capture_seconds``, ``replays``, ``eager_calls``.
     """
 
-    def __init__(self, model, cache, capture: bool = True, compile: bool = False):
+    def __init__(self, model, cache, capture_guard, capture: bool = True, compile: bool = False):
         # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive;
-        # the cache too (it holds its runner): no reference cycle keeps a dropped cache's pools
+        # the cache too: the session (or what it keeps for the next call) holds it
         self._model = weakref.ref(model)
         self._cache = weakref.ref(cache)
         self.capture_enabled, self.compiled = capture, compile
+        # a context for the warm-up and capture: serialises them with other calls and holds the pools' memory
+        self.capture_guard = capture_guard
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.original = self.forward_fn = None
         self.attach(model)
@@ -298,7 +210,7 @@ class DecodeGraphRunner:
         if shaped and not isinstance(self._arg(kwargs, "position_ids"), torch.Tensor):
             # the model would compute its positions from the cache length on the host, which a graph freezes
             self.disabled = "the decoder's positions are not an input of the step (computed on the host)"
-            _log_once(("disabled", self.disabled), logging.INFO, "decode steps run without CUDA graphs: "
+            log_once(("disabled", self.disabled), logging.INFO, "decode steps run without CUDA graphs: "
                       "%s", self.disabled)
             return False
         return shaped
@@ -369,9 +281,7 @@ class DecodeGraphRunner:
             self.graph = _EagerGraph(self, static)
             self.eager_calls += 1
             return out
-        # no background KV mapping from the warm-up to the end of the capture: a driver call from the worker thread
-        # can invalidate a capture, and a pool that grew in between would hand the capture other views
-        with _capturing_calls, memory.background_mapping_held():
+        with self.capture_guard():
             return self._warm_up_and_capture(static, ctx, key, kwargs)
 
     def _warm_up_and_capture(self, static_tensors, ctx, key, kwargs):
@@ -415,7 +325,7 @@ class DecodeGraphRunner:
         try:
             return self.forward_fn(**static)
         except Exception as err:  # noqa: BLE001 — inductor/dynamo failures: fall back to the plain forward
-            _log_once(("compile", type(err).__name__), logging.WARNING,
+            log_once(("compile", type(err).__name__), logging.WARNING,
                       "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
                       type(err).__name__, str(err)[:200])
             self.forward_fn = self.original
@@ -438,7 +348,7 @@ class DecodeGraphRunner:
         self.disabled = reason
         self._step_done(ctx)
         self.release()
-        _log_once(("disabled", reason), logging.INFO, "decode steps run without CUDA graphs: %s", reason)
+        log_once(("disabled", reason), logging.INFO, "decode steps run without CUDA graphs: %s", reason)
         return out
 
 
@@ -550,7 +460,7 @@ class _ForwardDispatch:
 @contextlib.contextmanager
 def _gc_paused():
     """Python's cyclic garbage collector off for the block (as it was before, after it). Captures run one at a
-    time (``_capturing_calls``), so no other thread's block overlaps."""
+    time (the runner's capture guard), so no other thread's block overlaps."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -16,7 +16,8 @@ call's cross-attention K/V): a zeroed :class:`FixedStorage`, paged, or as one K 
 
 Block ids index dim 0, so growth never renumbers blocks. A storage raises PoolExhausted (a MemoryError),
 with the numbers, when asked for more blocks than its cap, MemoryError when the device has no room, and
-is unchanged and usable afterwards.
+is unchanged and usable afterwards. What a CUDA graph capture needs from these pools (no background mapping,
+no range freed while it runs) is one object, :data:`capture_hold`.
 """
 from __future__ import annotations
 
@@ -263,7 +264,7 @@ def vmm_unavailable_reason(device) -> str | None:
 def vmm_mapped_bytes(device=None) -> int:
     """Bytes that VMM storages hold mapped on ``device`` (all devices if None); torch's counters miss these. Ranges
     collected during a graph capture and set aside are freed first (outside a capture), so they do not count."""
-    release_deferred()
+    capture_hold.release_deferred()
     if device is None:
         return sum(_mapped_bytes.values())
     if not isinstance(device, int) and torch.device(device).type != "cuda":
@@ -391,12 +392,11 @@ class _VirtualRange:
     def __del__(self):
         if sys.is_finalizing():
             return
-        if _held or capture_underway():
-            # Collected inside a graph capture (the cyclic GC runs at any allocation, and a dead CascadeCache's
-            # layers form a cycle): close() synchronises the device and unmaps, which invalidates the capture, and
-            # an error here is swallowed, so the capture would only fail later as "invalidated". Kept (this
-            # resurrects the range; __del__ does not run again) and closed by release_deferred() after it.
-            _deferred.append(self)
+        # Collected inside a graph capture (the cyclic GC runs at any allocation, and a dead CascadeCache's layers
+        # form a cycle): close() synchronises the device and unmaps, which invalidates the capture, and an error
+        # here is swallowed, so the capture would only fail later as "invalidated". Set aside instead (this
+        # resurrects the range; __del__ does not run again) and closed when the capture is over.
+        if capture_hold.defer(self):
             return
         try:
             self.close()
@@ -404,27 +404,71 @@ class _VirtualRange:
             pass
 
 
-# ranges collected while a capture ran or a capture's hold was on: unmapped and freed by release_deferred()
-_deferred: deque = deque()
+class CaptureHold:
+    """What a CUDA graph capture needs from the pools' memory, as one object (the process has one,
+    :data:`capture_hold`): while held (:meth:`held`, nestable, from the warm-up to the end of a capture), the
+    background mappings in flight are waited for and no new one starts (a driver mapping call from the worker
+    thread during a capture can invalidate it; steps map synchronously if they must); virtual ranges collected
+    while held or while any capture runs are set aside (:meth:`defer`) and freed once neither is the case
+    (:meth:`release_deferred`)."""
+
+    def __init__(self):
+        self._holds = 0                # held() blocks entered and not left
+        self._deferred: deque = deque()   # ranges collected meanwhile (append/popleft: safe from __del__)
+
+    @property
+    def active(self) -> bool:
+        """Whether no background mapping may start now."""
+        return self._holds > 0
+
+    @property
+    def holds(self) -> int:
+        return self._holds
+
+    @property
+    def deferred(self) -> int:
+        """Ranges set aside, not yet freed."""
+        return len(self._deferred)
+
+    @contextlib.contextmanager
+    def held(self):
+        with _counts_lock:
+            self._holds += 1
+        try:
+            if _executor is not None:
+                _executor.submit(lambda: None).result()      # one worker, in order: every earlier mapping is done
+            yield
+        finally:
+            with _counts_lock:
+                self._holds -= 1
+            self.release_deferred()          # what was collected meanwhile, now that no capture runs
+
+    def defer(self, vrange: "_VirtualRange") -> bool:
+        """Set ``vrange`` aside if it cannot be closed now (held, or a capture under way); whether it was."""
+        if self._holds or capture_underway():
+            self._deferred.append(vrange)
+            return True
+        return False
+
+    def release_deferred(self) -> int:
+        """Unmap and free the ranges set aside, unless still held or a capture is under way; how many were freed."""
+        if not self._deferred or self._holds or capture_underway():
+            return 0
+        freed = 0
+        while True:
+            try:
+                vrange = self._deferred.popleft()
+            except IndexError:
+                return freed
+            try:
+                vrange.close()
+                freed += 1
+            except Exception as err:  # noqa: BLE001  as when collected: the memory goes back with the process
+                logger.warning("freeing a KV virtual range collected during a graph capture failed: %s",
+                               str(err))
 
 
-def release_deferred() -> int:
-    """Unmap and free the virtual ranges that were collected during a CUDA graph capture (see
-    ``_VirtualRange.__del__``), unless one is still under way; returns how many were freed."""
-    if not _deferred or _held or capture_underway():
-        return 0
-    freed = 0
-    while True:
-        try:
-            vrange = _deferred.popleft()
-        except IndexError:
-            return freed
-        try:
-            vrange.close()
-            freed += 1
-        except Exception as err:  # noqa: BLE001  as when collected: the memory goes back with the process
-            logger.warning("freeing a KV virtual range collected during a graph capture failed: %s",
-                           str(err))
+capture_hold = CaptureHold()
 
 
 _executor = None
@@ -438,27 +482,6 @@ def _background():
             from concurrent.futures import ThreadPoolExecutor
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cascade_vmm")
         return _executor
-
-
-_held = 0     # > 0: no new background mapping (see background_mapping_held)
-
-
-@contextlib.contextmanager
-def background_mapping_held():
-    """While a CUDA graph is captured: the mappings in flight are waited for and no new one starts (a driver
-    mapping call from the worker thread during a capture can invalidate it); steps map synchronously if they
-    must."""
-    global _held
-    with _counts_lock:
-        _held += 1
-    try:
-        if _executor is not None:
-            _executor.submit(lambda: None).result()      # one worker, in order: every earlier mapping is done
-        yield
-    finally:
-        with _counts_lock:
-            _held -= 1
-        release_deferred()            # what was collected meanwhile, now that no capture runs
 
 
 class _Window:
@@ -490,7 +513,7 @@ class VMMStorage(BlockStorage):
     AHEAD_FRACTION = 64        # headroom kept mapped ahead: 1/64 of the pool, at least one granule
 
     def __init__(self, block_shape, dtype, device, max_blocks: int | None = None, keep_bytes: int = 0):
-        release_deferred()
+        capture_hold.release_deferred()
         index = _device_index(device)
         super().__init__(block_shape, dtype, torch.device("cuda", index), max_blocks)
         limit = (max_blocks * self.block_nbytes if max_blocks is not None
@@ -543,8 +566,8 @@ class VMMStorage(BlockStorage):
         return self.tensor
 
     def ensure(self, num_blocks: int) -> torch.Tensor:
-        if _deferred:
-            release_deferred()
+        if capture_hold.deferred:
+            capture_hold.release_deferred()
         self._settle(wait=False)
         if num_blocks > self.num_blocks:
             if num_blocks > self.max_blocks:
@@ -559,8 +582,8 @@ class VMMStorage(BlockStorage):
                 self._refresh()
         need = num_blocks * self.block_nbytes
         headroom, ahead = self.vrange.mapped - need, self._ahead(self.vrange.mapped)
-        if (self._pending is None and not _held and headroom < ahead and self.vrange.mapped < self.vrange.reserved
-                and not capture_underway()):
+        if (self._pending is None and not capture_hold.active and headroom < ahead
+                and self.vrange.mapped < self.vrange.reserved and not capture_underway()):
             target = self.vrange.mapped + ahead
             self._pending = _background().submit(self.vrange.grow, target, target)
             self.maps_ahead += 1
@@ -581,7 +604,7 @@ class VMMStorage(BlockStorage):
 
     def shrink_to(self, num_blocks: int) -> torch.Tensor:
         """Unmap what lies beyond ``num_blocks`` blocks (whole segments: a little more may stay mapped)."""
-        release_deferred()
+        capture_hold.release_deferred()
         self._settle(wait=True)
         self.vrange.shrink(num_blocks * self.block_nbytes)
         return self._refresh()

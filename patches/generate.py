@@ -84,7 +84,7 @@ def _wrap(original):
     def generate(self, *args, **kwargs):
         from hf_cascade.cache import CascadeCache
         from hf_cascade.generation import cascade_generate, check_model_supported
-        from hf_cascade.graphs import capturing_call
+        from hf_cascade.session import capturing_call
 
         bound = signature.bind_partial(self, *args, **kwargs)
         arguments = bound.arguments
@@ -122,7 +122,7 @@ def _wrap(original):
         config = user_cache.cascade_config if isinstance(user_cache, CascadeCache) else extra.get("hf_cascade_config")
         try:
             # the whole call, transformers' own work before our entry included: where decode steps may be captured
-            # as a CUDA graph, such calls run one at a time (hf_cascade.graphs.capturing_call)
+            # as a CUDA graph, such calls run one at a time (hf_cascade.session.capturing_call)
             with capturing_call(self, config):
                 return original(self, **arguments, **extra)
         finally:

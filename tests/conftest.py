@@ -116,16 +116,16 @@ class RunnerSpy:
     """Records the graph runners (hf_cascade.graphs.DecodeGraphRunner, or None) generate calls create."""
 
     def __init__(self, monkeypatch):
-        from hf_cascade import graphs
+        from hf_cascade.session import DecodeSession
         self.runners = []
-        real = graphs.decode_runner
+        real = DecodeSession.decode_runner
 
         def spy(*args, **kwargs):
             runner = real(*args, **kwargs)
             self.runners.append(runner)
             return runner
 
-        monkeypatch.setattr(graphs, "decode_runner", spy)
+        monkeypatch.setattr(DecodeSession, "decode_runner", spy)
 
 
 @pytest.fixture

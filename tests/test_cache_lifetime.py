@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_cascade
-from hf_cascade import CascadeCache, context, graphs, kernels
+from hf_cascade import CascadeCache, context, graphs, kernels, session
 
 from conftest import cache_kw, model_pair, padded_batch, returned_cache
 
@@ -78,7 +78,7 @@ def test_a_dropped_cache_frees_its_pools_at_once(config, llama_pair, gc_off):
     cache = CascadeCache(cascade.config, config)
     cascade.generate(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=5, pad_token_id=0,
                      **cache_kw(cascade, cache))
-    assert cache.step is None and cache.graph_runner is None       # a finished cache keeps no step of the call
+    assert cache.step is None and session.active(cache) is None    # a finished cache keeps no step of the call
     assert context.current() is None
     refs = _pool_refs(cache) + [weakref.ref(cache)]
     del cache
@@ -217,7 +217,7 @@ def test_a_filled_cache_round_trips_and_continues(round_trip, llama_pair):
     first = cascade.generate(input_ids=ids, attention_mask=mask, **cache_kw(cascade, cache), **kw)
     back = round_trip(cache)
     assert type(back) is CascadeCache and back.get_seq_length() == cache.get_seq_length()
-    assert back.step is None and back.layout is None and back.graph_runner is None
+    assert back.step is None and back.layout is None and session.active(back) is None
     assert all(layer.cache is back for layer in back.layers)
     _same(_snapshot(back), _snapshot(cache))
     # the next turn from the copy: stock's tokens for the whole conversation
@@ -252,7 +252,7 @@ def test_deepcopy_during_a_call_drops_the_call_state(llama_pair):
 
     def stop(input_ids, scores, **_):
         if input_ids.shape[1] == ids.shape[1] + 3:
-            assert cache.graph_runner is not None and cache.layout is not None
+            assert session.active(cache).runner is not None and cache.layout is not None
             copies.append(copy.deepcopy(cache))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
@@ -260,7 +260,7 @@ def test_deepcopy_during_a_call_drops_the_call_state(llama_pair):
                            **kw)
     assert torch.equal(got, stock.generate(input_ids=ids, attention_mask=mask, **kw))
     (twin,) = copies
-    assert twin.step is None and twin.layout is None and twin.graph_runner is None
+    assert twin.step is None and twin.layout is None and session.active(twin) is None
     assert twin.get_seq_length() == ids.shape[1] + 2 and twin.batch_size == 6
 
 

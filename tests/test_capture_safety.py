@@ -11,6 +11,7 @@ GPU: tests/test_gpu_graphs.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import types
 
@@ -133,7 +134,8 @@ def emulated_capture(monkeypatch):
     monkeypatch.setattr(graphs, "_side_stream", lambda device: stream)
     real = graphs.unsupported_reason
     monkeypatch.setattr(graphs, "unsupported_reason",           # a CPU model "on CUDA"
-                        lambda model, cache, mode: real(model, cache, "eager" if mode is True else mode))
+                        lambda model, config: real(model, dataclasses.replace(config, cuda_graphs="eager")
+                                                   if config.cuda_graphs is True else config))
     return _EmulatedCapture
 
 

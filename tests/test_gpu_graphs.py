@@ -131,8 +131,7 @@ def test_graphs_are_off_when_asked_and_for_several_devices(model, monkeypatch, c
     assert spy.runners == [None]
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
     try:
-        cache = hf_cascade.CascadeCache(model.config)
-        assert "several devices" in graphs.unsupported_reason(model, cache, None)
+        assert "several devices" in graphs.unsupported_reason(model, CascadeConfig())
     finally:
         del model.hf_device_map
 

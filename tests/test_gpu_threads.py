@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_cascade import graphs
+from hf_cascade import session
 
 pytestmark = pytest.mark.gpu
 
@@ -58,4 +58,4 @@ def test_threads_on_one_cuda_model_give_stock_tokens():
         assert torch.equal(out, alone[t % len(CALLS)]), (t, CALLS[t % len(CALLS)])
     assert "forward" not in model.__dict__          # the dispatcher is gone: the class's forward again
     assert torch.equal(model.generate(prompts[0], pad_token_id=0, **CALLS[0]).cpu(), alone[0])
-    graphs.release(model)
+    session.release(model)

@@ -365,18 +365,18 @@ def test_auto_picks_vmm_where_the_driver_supports_it(fake, monkeypatch):
         make_storage(VMM_SHAPE, torch.bfloat16, "cuda:0", "vmm")
 
 
-def test_background_mapping_held_waits_for_mappings_in_flight():
+def test_capture_hold_waits_for_mappings_in_flight():
     """What a graph capture holds: the worker's earlier mappings are done on entry, no new one starts inside."""
     import threading
     import time
     from hf_cascade import memory
     done = threading.Event()
     memory._background().submit(lambda: (time.sleep(0.2), done.set()))
-    with memory.background_mapping_held():
-        assert done.is_set() and memory._held == 1
-        with memory.background_mapping_held():
-            assert memory._held == 2
-    assert memory._held == 0
+    with memory.capture_hold.held():
+        assert done.is_set() and memory.capture_hold.holds == 1
+        with memory.capture_hold.held():
+            assert memory.capture_hold.holds == 2
+    assert memory.capture_hold.holds == 0
 
 
 # ---- inside a CUDA graph capture (hf_cascade.graphs): no mapping, unmapping or synchronising ------------------
@@ -412,11 +412,11 @@ def test_vmm_range_collected_during_a_capture_is_freed_after_it(fake, capture):
     gc.collect()                                   # the collector runs inside the capture
     assert fake.used == mapped and fake.ranges, "unmapped inside the capture"
     assert True not in capture.syncs, "synchronised inside the capture"
-    assert memory.release_deferred() == 0          # still capturing: kept
+    assert memory.capture_hold.release_deferred() == 0          # still capturing: kept
     capture.on = False
-    assert memory.release_deferred() == 1
+    assert memory.capture_hold.release_deferred() == 1
     assert fake.used == 0 and not fake.ranges and memory.vmm_mapped_bytes() == 0
-    assert not memory._deferred
+    assert not memory.capture_hold.deferred
 
 
 def test_vmm_range_collected_while_a_capture_is_held_is_freed_when_the_hold_ends(fake, capture):
@@ -424,10 +424,10 @@ def test_vmm_range_collected_while_a_capture_is_held_is_freed_when_the_hold_ends
     s.ensure(10)
     _dead_cycle(s)
     del s
-    with memory.background_mapping_held():         # the graph runner's warm-up and capture
+    with memory.capture_hold.held():               # the graph runner's warm-up and capture
         gc.collect()
         assert fake.used > 0
-    assert fake.used == 0 and not fake.ranges and not memory._deferred
+    assert fake.used == 0 and not fake.ranges and not memory.capture_hold.deferred
 
 
 def test_vmm_growth_inside_a_capture_is_an_error_naming_it(fake, capture):

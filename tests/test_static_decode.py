@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_cascade
-from hf_cascade import CascadeConfig, graphs
+from hf_cascade import CascadeConfig, graphs, session
 from hf_cascade.blocks import BlockManager
 from hf_cascade.kernels import reference
 from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
@@ -149,7 +149,7 @@ def test_family_tokens_per_step_plans_and_runner(name, mode, monkeypatch):
     spy = RunnerSpy(monkeypatch)
     assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(cuda_graphs="eager")), expected)
     runner, = spy.runners
-    assert graphs.unsupported_reason(cascade, hf_cascade.CascadeCache(cascade.config), "eager") is None
+    assert graphs.unsupported_reason(cascade, CascadeConfig(cuda_graphs="eager")) is None
     assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
     assert "forward" not in cascade.__dict__            # the model's own forward is back
 
@@ -258,7 +258,7 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
                            expected)
     first, second = spy.runners
     assert second is first and first.first_steps == 0 and first.replays >= 6
-    assert graphs._kept[cascade].get_seq_length() == 0
+    assert session._kept[cascade].cache.get_seq_length() == 0
     ids, mask = padded_batch(seed=3)
     expected = stock.generate(input_ids=ids, attention_mask=mask, **{**kw, "num_beams": 4})
     assert torch.equal(cascade.generate(input_ids=ids, attention_mask=mask, **{**kw, "num_beams": 4},
@@ -266,16 +266,32 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
     assert spy.runners[-1].first_steps == 1
     out = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config,
                            return_dict_in_generate=True)
-    assert cascade not in graphs._kept and out.past_key_values.graph_runner is None
+    assert cascade not in session._kept and spy.runners[-1].graph is None     # the handed-out cache's graph dropped
     # other settings: a new cache
     cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
-    assert graphs._kept[cascade].cascade_config == CascadeConfig(cuda_graphs="eager")
+    assert session._kept[cascade].cache.cascade_config == CascadeConfig(cuda_graphs="eager")
     hf_cascade.release(cascade)
-    assert cascade not in graphs._kept
+    assert cascade not in session._kept
     cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=config)
-    assert cascade in graphs._kept
+    assert cascade in session._kept
     hf_cascade.release()                                 # every model's
-    assert not graphs._kept
+    assert not session._kept
+
+
+def test_the_graph_descriptor_decides_what_a_next_call_reuses(llama_pair):
+    """Same model, config and rows: the kept graph replays; other rows: the kept pools serve, the graph is captured
+    anew; another model (even of the same shape) or other settings: nothing is reused."""
+    _, cascade = llama_pair
+    twin = model_pair("llama")[1]
+    config = CascadeConfig(cuda_graphs="eager")
+    kept = session.GraphDescriptor.of(cascade, config, rows=6)
+    assert kept == session.GraphDescriptor.of(cascade, CascadeConfig(cuda_graphs="eager"), rows=6)
+    more_rows = session.GraphDescriptor.of(cascade, config, rows=8)
+    assert kept != more_rows and kept.fits_pools(more_rows)
+    for other in (session.GraphDescriptor.of(twin, config, rows=6),
+                  session.GraphDescriptor.of(cascade, CascadeConfig(cuda_graphs="eager", block_size=4), rows=6)):
+        assert other != kept and not kept.fits_pools(other)
+    assert (kept.capture, kept.compile, kept.encoder_decoder) == (False, False, False)
 
 
 def test_a_kept_graph_does_not_keep_its_model_alive():
@@ -285,7 +301,7 @@ def test_a_kept_graph_does_not_keep_its_model_alive():
     ids, mask = padded_batch(seed=1)
     cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=4, pad_token_id=0,
                      hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
-    assert cascade in graphs._kept
+    assert cascade in session._kept
     ref = weakref.ref(cascade)
     del cascade
     gc.collect()
@@ -320,23 +336,24 @@ def test_failed_step_restores_forward_and_next_generate_is_exact(llama_pair):
 
 def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     stock, cascade = model_pair("llama")
-    cache = hf_cascade.CascadeCache(cascade.config)
-    assert "not CUDA" in graphs.unsupported_reason(cascade, cache, None)
+    def config(mode, **fields):
+        return CascadeConfig(cuda_graphs=mode, **fields)
+
+    assert "not CUDA" in graphs.unsupported_reason(cascade, config(None))
     _, windowed = model_pair("mistral", sliding_window=8)
-    assert graphs.unsupported_reason(windowed, cache, "eager") is None     # the kernels apply windows on the device
+    assert graphs.unsupported_reason(windowed, config("eager")) is None     # the kernels apply windows on the device
     moe = AutoModelForCausalLM.from_config(FAMILIES["GPT-OSS"].make(), experts_implementation="eager")
-    assert "experts_implementation='eager'" in graphs.unsupported_reason(moe, cache, True)
-    assert graphs.unsupported_reason(moe, cache, "eager") is None      # the eager form captures nothing
+    assert "experts_implementation='eager'" in graphs.unsupported_reason(moe, config(True))
+    assert graphs.unsupported_reason(moe, config("eager")) is None      # the eager form captures nothing
     moe = AutoModelForCausalLM.from_config(FAMILIES["GPT-OSS"].make(), experts_implementation="grouped_mm")
-    assert "not CUDA" in graphs.unsupported_reason(moe, cache, True)
+    assert "not CUDA" in graphs.unsupported_reason(moe, config(True))
     _, dynamic = model_pair("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    assert "dynamic RoPE" in graphs.unsupported_reason(dynamic, cache, "eager")
+    assert "dynamic RoPE" in graphs.unsupported_reason(dynamic, config("eager"))
     import accelerate
     hooked = accelerate.cpu_offload(model_pair("llama")[1], execution_device=torch.device("cpu"))
-    assert "accelerate hooks" in graphs.unsupported_reason(hooked, cache, "eager")
-    assert graphs.unsupported_reason(cascade, cache, False) == "CascadeConfig(cuda_graphs=False)"
-    assert graphs.unsupported_reason(cascade, cache, "eager") is None
-    off = hf_cascade.CascadeCache(cascade.config, CascadeConfig(static_decode=False))
-    assert "static_decode" in graphs.unsupported_reason(cascade, off, "eager")
+    assert "accelerate hooks" in graphs.unsupported_reason(hooked, config("eager"))
+    assert graphs.unsupported_reason(cascade, config(False)) == "CascadeConfig(cuda_graphs=False)"
+    assert graphs.unsupported_reason(cascade, config("eager")) is None
+    assert "static_decode" in graphs.unsupported_reason(cascade, config("eager", static_decode=False))
     with pytest.raises(ValueError, match="cuda_graphs"):
         CascadeConfig(cuda_graphs="sometimes")

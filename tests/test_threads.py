@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_cascade
-from hf_cascade import graphs
+from hf_cascade import session
 
 from conftest import cache_kw, model_pair, padded_batch
 
@@ -208,7 +208,7 @@ def test_a_failing_call_among_threads_leaves_the_others_and_the_model_intact():
     assert outs and all(torch.equal(o, expected) for o in outs)
     _check_model_intact(stock, cascade, [(ids, mask)], dict(cuda_graphs="eager"))
     hf_cascade.release(cascade)
-    assert cascade not in graphs._kept
+    assert cascade not in session._kept
 
 
 def test_one_cache_in_two_threads_is_refused_and_the_first_call_is_exact():
