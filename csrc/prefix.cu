@@ -37,7 +37,7 @@
 namespace hfc {
 namespace {
 
-// Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda.PREFIX_VARIANTS names them):
+// Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda_tuning.PREFIX_VARIANTS names them):
 // 0 is the configuration below, the default everywhere. The others trade CTAs per SM against tile size, ring
 // depth and warps per CTA (bytes in flight and independent work per SM). They are compiled for bf16, head_dim
 // 128 and the plain path only, for the row tiles with_tune lists (compile time); tests/test_prefix_tune.py checks
@@ -493,7 +493,7 @@ cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
 }
 
 // tune > 0: f(V, M) (std::integral_constant) for the compiled (variant, row tile) pairs, bf16 and head_dim 128 only;
-// hf_cascade.kernels.cuda.PREFIX_VARIANTS lists the same pairs
+// hf_cascade.kernels.cuda_tuning.PREFIX_VARIANTS lists the same pairs
 template <typename F>
 cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
   using I1 = std::integral_constant<int, 1>;

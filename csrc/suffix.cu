@@ -13,7 +13,7 @@
 namespace hfc {
 namespace {
 
-constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda.py)
+constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda_tuning.py)
 
 // VAR: the per-layer variants compiled in (the plain instantiation is the code from before them). cap_out > 0:
 // softcap, logit = cap_out x tanh(cap_in x s) with s the log2-domain dot product; window > 0: query lq sees

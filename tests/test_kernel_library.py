@@ -166,3 +166,11 @@ def test_a_refused_call_says_why(loader, tmp_path):
     with pytest.raises(RuntimeError, match=r"suffix failed: stub: head_dim 96 has no instantiation \(compiled: 64, "
                                            r"128, 256\) \(cudaError 1\)"):
         lib.check(1, "suffix")
+
+
+def test_a_dtype_without_kernels_is_named(tmp_path):
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    out = torch.zeros(1, 1, 8, 128)
+    with pytest.raises(TypeError, match=r"dtype torch.float32 has no instantiation \(compiled: torch.bfloat16, "
+                                        r"torch.float16\)"):
+        lib.merge(out, out, out, out, 0, 1, 0)

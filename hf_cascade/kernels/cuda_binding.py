@@ -114,6 +114,11 @@ def read_layout(lib: ctypes.CDLL) -> list[tuple[str, str | None, int, int]]:
              int(rows[i].offset), int(rows[i].size)) for i in range(count.value)]
 
 
+def _no_dtype(dtype) -> None:
+    raise TypeError(f"hf_cascade CUDA kernels: dtype {dtype} has no instantiation (compiled: "
+                    f"{', '.join(map(str, DTYPE_CODES))})")
+
+
 class _Lib:
     """The loaded shared library: one method per C entry point, raw pointers and sizes in, errors raised."""
 
@@ -217,7 +222,10 @@ class _Lib:
         items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
         o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
         G, Rg = group_rows.shape
-        dtype_code = DTYPE_CODES[q.dtype]
+        try:
+            dtype_code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
         if (dtype_code, D, m_tile, q.device.index, tune) not in self._info:   # setup once, before the first launch
             self.prefix_info(dtype_code, D, m_tile, q.device.index, tune)
         params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
@@ -230,17 +238,25 @@ class _Lib:
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
                scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0) -> None:
         R, Lq, Hq, D = q.shape
+        try:
+            dtype_code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
         params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
                                part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
-                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, DTYPE_CODES[q.dtype], D,
+                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
                                softcap, window)
         self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
 
     def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
               mid_slot0: int = 0, sinks=None) -> None:
         R, Lq, Hq, D = out.shape
+        try:
+            dtype_code = DTYPE_CODES[out.dtype]
+        except KeyError:
+            _no_dtype(out.dtype)
         params = _MergeParams(part_o.data_ptr(), part_lse.data_ptr(), row_nchunks.data_ptr(), out.data_ptr(), R, Lq,
-                              Hq, slot0, nsplit, DTYPE_CODES[out.dtype], D,
+                              Hq, slot0, nsplit, dtype_code, D,
                               None if row_nmid is None else row_nmid.data_ptr(), mid_slot0,
                               None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
