@@ -7,7 +7,8 @@ the library exports (``hfc_params_layout``: each struct's size and each field's 
 ``offsetof``), so a struct changed on one side only raises an error naming the struct and the field instead of
 launching with shifted arguments. ``hfc_abi_version`` guards the entry points' signatures.
 
-Mutable state: ``debug_sync`` (below), read by every launch's error check.
+Mutable state: ``debug_sync`` (below), read by every launch's error check; each loaded library's ``_info`` (the
+prefix kernels set up so far).
 """
 from __future__ import annotations
 
@@ -150,7 +151,9 @@ class _Lib:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.POINTER(params), ctypes.c_size_t]
         self.lib = lib
-        self._info: dict = {}        # (dtype, head_dim, m_tile, device, tune) -> prefix_info's figures
+        # (dtype, head_dim, m_tile, device, tune) -> prefix_info's figures; filled when a step state is built (two
+        # threads meeting a new kernel both run its idempotent setup and store the same figures)
+        self._info: dict = {}
 
     @property
     def debug(self) -> bool:
