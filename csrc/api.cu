@@ -1,11 +1,35 @@
 // The C ABI of the kernel library (declared in csrc/include/hfc/api.h): thin wrappers over the component
 // launchers of csrc/prefix.cu, csrc/suffix.cu and csrc/merge.cu, so that Python loads one shared library
-// with ctypes (hf_cascade/kernels/cuda.py). Build: see hf_cascade/kernels/_build.py (sources, nvcc flags).
+// with ctypes (hf_cascade/kernels/cuda_binding.py), plus the struct layout table and the error messages.
+// Build: see hf_cascade/kernels/_build.py (sources, nvcc flags).
 
 #include "hfc/api.h"
+#include "hfc/errors.h"
 #include "hfc/launch.h"
 
 #include <cuda_runtime.h>
+
+#include <cstdarg>
+#include <cstdio>
+
+namespace hfc {
+namespace {
+thread_local char error_message[512] = "";  // per thread: concurrent callers keep their own message
+}  // namespace
+
+void clear_error() { error_message[0] = '\0'; }
+
+const char* last_error() { return error_message; }
+
+cudaError_t fail(cudaError_t err, const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(error_message, sizeof(error_message), fmt, args);
+  va_end(args);
+  return err;
+}
+
+}  // namespace hfc
 
 extern "C" {
 
@@ -13,24 +37,38 @@ HFC_API int hfc_abi_version(void) { return HFC_ABI_VERSION; }
 
 HFC_API const char* hfc_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
 
-HFC_API int hfc_sync(void) { return (int)cudaDeviceSynchronize(); }
+HFC_API const char* hfc_last_error(void) { return hfc::last_error(); }
+
+HFC_API const hfc_layout_entry* hfc_params_layout(int32_t* count) {
+  if (count != nullptr) *count = hfc_params_layout_rows;
+  return hfc_params_layout_table;
+}
+
+HFC_API int hfc_sync(void) {
+  hfc::clear_error();
+  return (int)cudaDeviceSynchronize();
+}
 
 HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, int32_t tune, hfc_prefix_info* info) {
+  hfc::clear_error();
   return (int)hfc::prefix_setup(dtype, head_dim, m_tile, tune, info);
 }
 
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream) {
-  if (params == nullptr) return (int)cudaErrorInvalidValue;
+  hfc::clear_error();
+  if (params == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "hfc_prefix: params is NULL");
   return (int)hfc::prefix_launch(*params, reinterpret_cast<cudaStream_t>(stream));
 }
 
 HFC_API int hfc_suffix(const hfc_suffix_params* params, uintptr_t stream) {
-  if (params == nullptr) return (int)cudaErrorInvalidValue;
+  hfc::clear_error();
+  if (params == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "hfc_suffix: params is NULL");
   return (int)hfc::suffix_launch(*params, reinterpret_cast<cudaStream_t>(stream));
 }
 
 HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream) {
-  if (params == nullptr) return (int)cudaErrorInvalidValue;
+  hfc::clear_error();
+  if (params == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "hfc_merge: params is NULL");
   return (int)hfc::merge_launch(*params, reinterpret_cast<cudaStream_t>(stream));
 }
 

@@ -13,12 +13,17 @@ namespace {
 
 // EXTRA: middle-level slots and/or sinks compiled in (the plain instantiation is the code from before them)
 template <typename T, int D, bool EXTRA>
-__global__ void __launch_bounds__(kThreads)
-merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_lse,
-             const int* __restrict__ row_nchunks, T* __restrict__ out, int R, int Lq, int Hq, int slot0,
-             int nsplit, const int* __restrict__ row_nmid, int mid_slot0, const float* __restrict__ sinks) {
+__global__ void __launch_bounds__(kThreads) merge_kernel(const __grid_constant__ hfc_merge_params p) {
+  const float* __restrict__ part_o = p.part_o;
+  const float* __restrict__ part_lse = p.part_lse;
+  const int* __restrict__ row_nchunks = p.row_nchunks;
+  T* __restrict__ out = static_cast<T*>(p.out);
+  const int* __restrict__ row_nmid = p.row_nmid;
+  const float* __restrict__ sinks = p.sinks;
+  const int Lq = (int)p.Lq, Hq = (int)p.Hq, slot0 = (int)p.slot0, nsplit = (int)p.nsplit;
+  const int mid_slot0 = (int)p.mid_slot0;
+  const int64_t total = (int64_t)(int)p.R * Lq * Hq;
   constexpr int EPL = D / 32;  // elements per lane: 2, 4, 8
-  const int64_t total = (int64_t)R * Lq * Hq;
   const int64_t item = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (item >= total) return;  // whole warp
   const int lane = threadIdx.x & 31;
@@ -80,9 +85,7 @@ cudaError_t launch_t(const hfc_merge_params& p, cudaStream_t stream) {
   const long long blocks = (items + kWarps - 1) / kWarps;
   if (!fits_int(blocks)) return cudaErrorInvalidConfiguration;
   const bool extra = p.row_nmid != nullptr || p.sinks != nullptr;
-  (extra ? merge_kernel<T, D, true> : merge_kernel<T, D, false>)<<<(unsigned)blocks, kThreads, 0, stream>>>(
-      p.part_o, p.part_lse, p.row_nchunks, static_cast<T*>(p.out), (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.slot0,
-      (int)p.nsplit, p.row_nmid, (int)p.mid_slot0, p.sinks);
+  (extra ? merge_kernel<T, D, true> : merge_kernel<T, D, false>)<<<(unsigned)blocks, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -37,7 +37,7 @@
 namespace hfc {
 namespace {
 
-// Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda.PREFIX_VARIANTS names them):
+// Tuning variants for a sweep (hfc_prefix_params.tune; hf_cascade.kernels.cuda_tuning.PREFIX_VARIANTS names them):
 // 0 is the configuration below, the default everywhere. The others trade CTAs per SM against tile size, ring
 // depth and warps per CTA (bytes in flight and independent work per SM). They are compiled for bf16, head_dim
 // 128 and the plain path only, for the row tiles with_tune lists (compile time); tests/test_prefix_tune.py checks
@@ -146,11 +146,27 @@ template <> struct Mma<__half> {
 // domain); window > 0: query row sees the prefix tokens >= prefix_len + q_limit[row, lq] - window.
 template <typename T, int D, int M, bool VAR, int V = 0>
 __global__ void __launch_bounds__(PrefixCfg<D, M, V>::THREADS, PrefixCfg<D, M, V>::MIN_CTAS)
-prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ group_rows,
-                 const int* __restrict__ prefix_table, const int* __restrict__ prefix_len,
-                 float* __restrict__ part_o, float* __restrict__ part_lse, int R, int Lq, int Hq, int Hkv,
-                 int bs, int Rg, int Mp, int chunk_tokens, int row_tiles, float scale_log2,
-                 const int* __restrict__ q_limit, float cap_in, float cap_out, int window) {
+prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ pool = static_cast<const T*>(p.pool);
+  const int* __restrict__ group_rows = p.group_rows;
+  const int* __restrict__ prefix_table = p.prefix_table;
+  const int* __restrict__ prefix_len = p.prefix_len;
+  const int* __restrict__ q_limit = p.q_limit;
+  float* __restrict__ part_o = p.part_o;
+  float* __restrict__ part_lse = p.part_lse;
+  const int R = (int)p.R, Lq = (int)p.Lq, Hq = (int)p.Hq, Hkv = (int)p.Hkv, bs = (int)p.block_size;
+  const int Rg = (int)p.Rg, Mp = (int)p.Mp, chunk_tokens = (int)p.chunk_tokens, row_tiles = (int)p.row_tiles;
+  const int window = (int)p.window;
+  const float scale_log2 = p.scale_log2;
+  // softcap: cap x tanh(scale q.k / cap) in the log2 domain (in double, as the host did before)
+  float cap_in = 0.0f, cap_out = 0.0f;
+  if constexpr (VAR) {
+    if (p.softcap > 0.0f) {
+      cap_in = (float)(p.scale_log2 * 0.6931471805599453 / p.softcap);
+      cap_out = (float)(p.softcap * 1.4426950408889634);
+    }
+  }
   using C = PrefixCfg<D, M, V>;
   constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH, STAGES = C::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -175,12 +191,12 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     if (m >= rows_here) return -1;
     const int rg = mg / per_row, rem = mg - rg * per_row;
     const int lq = rem / grp, j = rem - lq * grp;
-    const int row = group_rows[(int64_t)g * Rg + rg];
+    const int row = __ldg(group_rows + (int64_t)g * Rg + rg);
     if (row < 0) return -1;
     return (((int64_t)chunk * R + row) * Lq + lq) * Hq + (int64_t)h * grp + j;
   };
 
-  const int plen = prefix_len[g];
+  const int plen = __ldg(prefix_len + g);
   const int t_begin = chunk * chunk_tokens;
   // first token the CTA reads: with a window, the tile holding the earliest token any of its rows sees
   int t_first = t_begin;
@@ -192,9 +208,9 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
         if (m >= rows_here) return 0x7fffffff;
         const int mg = tile * M + m;
         const int rg = mg / per_row, lq = (mg - rg * per_row) / grp;
-        const int row = group_rows[(int64_t)g * Rg + rg];
+        const int row = __ldg(group_rows + (int64_t)g * Rg + rg);
         if (row < 0) return 0x7fffffff;
-        return plen + q_limit[(int64_t)row * Lq + lq] - window;
+        return plen + __ldg(q_limit + (int64_t)row * Lq + lq) - window;
       };
       const int wrow = (warp / C::WN) * 16 + (lane >> 2);
       win_lo[0] = row_start(wrow);
@@ -240,7 +256,7 @@ prefix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     if (m < rows_here) {
       const int rg = mg / per_row, rem = mg - rg * per_row;
       const int lq = rem / grp, j = rem - lq * grp;
-      const int row = group_rows[(int64_t)g * Rg + rg];
+      const int row = __ldg(group_rows + (int64_t)g * Rg + rg);
       if (row >= 0) {
         src = q + (((int64_t)row * Lq + lq) * Hq + (int64_t)h * grp + j) * D + c * 8;
         bytes = 16;
@@ -469,21 +485,15 @@ cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
   auto kern = prefix_kernel<T, D, M, false, V>;
   if constexpr (V == 0) {
     if (var) kern = prefix_kernel<T, D, M, true, V>;
-  } else if (var) {
-    return cudaErrorInvalidValue;  // not compiled: a tuning variant serves the plain path only
+  } else if (var) {  // not compiled: a tuning variant serves the plain path only
+    return fail(cudaErrorInvalidValue, "prefix tuning variant %d has no softcap / window instantiation (use 0)", V);
   }
-  // softcap: cap x tanh(scale q.k / cap) in the log2 domain
-  const float cap_in = p.softcap > 0.0f ? (float)(p.scale_log2 * 0.6931471805599453 / p.softcap) : 0.0f;
-  const float cap_out = p.softcap > 0.0f ? (float)(p.softcap * 1.4426950408889634) : 0.0f;
-  kern<<<grid, C::THREADS, C::SMEM, stream>>>(
-      static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.group_rows, p.prefix_table, p.prefix_len,
-      p.part_o, p.part_lse, (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Rg, (int)p.Mp,
-      (int)p.chunk_tokens, (int)p.row_tiles, p.scale_log2, p.q_limit, cap_in, cap_out, (int)p.window);
+  kern<<<grid, C::THREADS, C::SMEM, stream>>>(p);
   return cudaGetLastError();
 }
 
 // tune > 0: f(V, M) (std::integral_constant) for the compiled (variant, row tile) pairs, bf16 and head_dim 128 only;
-// hf_cascade.kernels.cuda.PREFIX_VARIANTS lists the same pairs
+// hf_cascade.kernels.cuda_tuning.PREFIX_VARIANTS lists the same pairs
 template <typename F>
 cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
   using I1 = std::integral_constant<int, 1>;
@@ -494,7 +504,9 @@ cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
   using M16 = std::integral_constant<int, 16>;
   using M32 = std::integral_constant<int, 32>;
   using M64 = std::integral_constant<int, 64>;
-  if (dtype != HFC_BF16 || head_dim != 128) return cudaErrorInvalidValue;
+  if (dtype != HFC_BF16 || head_dim != 128)
+    return fail(cudaErrorInvalidValue, "prefix tuning variant %d has no instantiation for dtype code %d, head_dim %d "
+                "(compiled: bf16 = %d, head_dim 128)", tune, dtype, head_dim, HFC_BF16);
   switch (tune * 100 + m_tile) {
     case 116: return f(I1{}, M16{});
     case 132: return f(I1{}, M32{});
@@ -507,14 +519,17 @@ cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
     case 432: return f(I4{}, M32{});
     case 532: return f(I5{}, M32{});
     case 564: return f(I5{}, M64{});
-    default: return cudaErrorInvalidValue;
+    default:
+      return fail(cudaErrorInvalidValue, "prefix kernel code %d with m_tile %d has no instantiation (compiled: 0 "
+                  "default; tuning variants 1: m 16/32/64, 2, 3: m 32/64, 4: m 16/32, 5: m 32/64; %d: the Hopper "
+                  "kernel, m 64)", tune, m_tile, HFC_PREFIX_KERNEL_SM90);
   }
 }
 
 }  // namespace
 
 cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_prefix_info* info) {
-  if (tune == kPrefixTuneSm90) return prefix_sm90_setup(dtype, head_dim, m_tile, info);
+  if (tune == HFC_PREFIX_KERNEL_SM90) return prefix_sm90_setup(dtype, head_dim, m_tile, info);
   if (tune != 0)
     return with_tune(tune, dtype, head_dim, m_tile, [&](auto v, auto m) {
       return setup_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(info);
@@ -533,7 +548,7 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.window < 0 || (p.window > 0 && p.q_limit == nullptr) || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
   if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
-  if (p.tune == kPrefixTuneSm90) return prefix_sm90_launch(p, stream);
+  if (p.tune == HFC_PREFIX_KERNEL_SM90) return prefix_sm90_launch(p, stream);
   if (p.tune != 0)
     return with_tune(p.tune, p.dtype, p.head_dim, p.m_tile, [&](auto v, auto m) {
       return launch_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(p, stream);

@@ -1,7 +1,8 @@
 // Level 0, the shared prefix, on Hopper (sm_90a): warpgroup MMA (wgmma) fed by a producer warp. Same semantics,
 // grid and partials as csrc/prefix.cu's kernel (hf_cascade/kernels/reference.py, prefix_attention), for plain layers
 // (no softcap, no window), head_dim 128, 64-row tiles, bf16 and fp16; csrc/prefix.cu's prefix_launch dispatches here
-// for tune code kTuneSm90 (hf_cascade.kernels.cuda.PREFIX_VARIANTS "wg").
+// for kernel code HFC_PREFIX_KERNEL_SM90 (csrc/include/hfc/params.h), which hf_cascade.kernels.cuda_tuning picks by
+// architecture (HOPPER_KERNEL) where this library's sm_90a code runs on the GPU.
 //
 // Why (benchmarks/RESULTS.md, ncu on the H200): the mma.sync kernel re-reads every K/V tile from shared memory
 // once per 16 query rows (ldmatrix), and the same warps that compute also issue the loads and meet at a barrier
@@ -293,7 +294,9 @@ cudaError_t setup_sm90_t(hfc_prefix_info* info) {
 
 cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info) {
   if (head_dim != Sm90Cfg::D || m_tile != Sm90Cfg::M || (dtype != HFC_BF16 && dtype != HFC_FP16))
-    return cudaErrorInvalidValue;
+    return fail(cudaErrorInvalidValue, "the Hopper prefix kernel has no instantiation for dtype code %d, head_dim %d, "
+                "m_tile %d (compiled: bf16 = %d / fp16 = %d, head_dim %d, m_tile %d)", dtype, head_dim, m_tile,
+                HFC_BF16, HFC_FP16, Sm90Cfg::D, Sm90Cfg::M);
   bool ok = false;
   cudaError_t err = sm90_available(&ok);
   if (err != cudaSuccess) return err;
@@ -307,7 +310,10 @@ cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_in
 cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.head_dim != Sm90Cfg::D || p.m_tile != Sm90Cfg::M || p.softcap != 0.0f || p.window != 0 ||
       (p.block_size & (p.block_size - 1)) != 0 || (p.dtype != HFC_BF16 && p.dtype != HFC_FP16))
-    return cudaErrorInvalidValue;
+    return fail(cudaErrorInvalidValue, "the Hopper prefix kernel has no instantiation for dtype code %d, head_dim %d, "
+                "m_tile %d, block_size %lld, softcap %g, window %d (compiled: bf16 / fp16, head_dim %d, m_tile %d, "
+                "a power-of-two block_size, no softcap / window)", (int)p.dtype, (int)p.head_dim, (int)p.m_tile,
+                (long long)p.block_size, (double)p.softcap, (int)p.window, Sm90Cfg::D, Sm90Cfg::M);
   const long long gx = (long long)p.row_tiles * p.max_chunks;
   if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);

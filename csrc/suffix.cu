@@ -13,17 +13,31 @@
 namespace hfc {
 namespace {
 
-constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda.py)
+constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernels/cuda_tuning.py)
 
 // VAR: the per-layer variants compiled in (the plain instantiation is the code from before them). cap_out > 0:
 // softcap, logit = cap_out x tanh(cap_in x s) with s the log2-domain dot product; window > 0: query lq sees
 // the suffix tokens [q_limit - window, q_limit).
 template <typename T, int D, bool VAR>
-__global__ void __launch_bounds__(kThreads)
-suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __restrict__ suffix_table,
-              const int* __restrict__ q_limit, float* __restrict__ part_o, float* __restrict__ part_lse, int R,
-              int Lq, int Hq, int Hkv, int bs, int Ms, int split_tokens, int nqb, int slot0, float scale_log2,
-              float cap_in, float cap_out, int window) {
+__global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant__ hfc_suffix_params p) {
+  const T* __restrict__ q = static_cast<const T*>(p.q);
+  const T* __restrict__ pool = static_cast<const T*>(p.pool);
+  const int* __restrict__ suffix_table = p.suffix_table;
+  const int* __restrict__ q_limit = p.q_limit;
+  float* __restrict__ part_o = p.part_o;
+  float* __restrict__ part_lse = p.part_lse;
+  const int R = (int)p.R, Lq = (int)p.Lq, Hq = (int)p.Hq, Hkv = (int)p.Hkv, bs = (int)p.block_size, Ms = (int)p.Ms;
+  const int split_tokens = (int)p.split_tokens, slot0 = (int)p.slot0, window = (int)p.window;
+  const float scale_log2 = p.scale_log2;
+  const int nqb = (Lq * (Hq / Hkv) + kQB - 1) / kQB;  // query blocks per (row, KV head): the grid's x / nsplit
+  // softcap: s is scale x q.k x log2(e); cap x tanh(scale q.k / cap) x log2(e) (in double, as the host did before)
+  float cap_in = 0.0f, cap_out = 0.0f;
+  if constexpr (VAR) {
+    if (p.softcap > 0.0f) {
+      cap_in = (float)(0.6931471805599453 / p.softcap);
+      cap_out = (float)(p.softcap * 1.4426950408889634);
+    }
+  }
   constexpr int LPT = D / 8;         // lanes per token, 8 elements (16 bytes) each
   constexpr int TPW = 32 / LPT;      // tokens per warp and step
   constexpr int STEP = kWarps * TPW; // tokens per CTA and step
@@ -52,10 +66,10 @@ suffix_kernel(const T* __restrict__ q, const T* __restrict__ pool, const int* __
     for (int e = 0; e < 8; ++e) qr[qi][e] = 0.0f;
     if (qidx < nq) {
       const int lq = qidx / grp, j = qidx - lq * grp;
-      lim[qi] = max(0, min(q_limit[(int64_t)r * Lq + lq], cap));
+      lim[qi] = max(0, min(__ldg(q_limit + (int64_t)r * Lq + lq), cap));
       tmax = max(tmax, lim[qi]);
       const uint4 raw =
-          *reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8);
+          __ldg(reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8));
       Cvt<T>::unpack8(raw, qr[qi]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) qr[qi][e] *= scale_log2;
@@ -198,13 +212,7 @@ cudaError_t launch_t(const hfc_suffix_params& p, cudaStream_t stream) {
   if (!fits_int(gx) || p.Hkv > 65535 || p.R > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.R);
   const bool var = p.softcap > 0.0f || p.window > 0;
-  // softcap: s is scale x q.k x log2(e); cap x tanh(scale q.k / cap) x log2(e)
-  const float cap_in = p.softcap > 0.0f ? (float)(0.6931471805599453 / p.softcap) : 0.0f;
-  const float cap_out = p.softcap > 0.0f ? (float)(p.softcap * 1.4426950408889634) : 0.0f;
-  (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(p.q), static_cast<const T*>(p.pool), p.suffix_table, p.q_limit, p.part_o, p.part_lse,
-      (int)p.R, (int)p.Lq, (int)p.Hq, (int)p.Hkv, (int)p.block_size, (int)p.Ms, (int)p.split_tokens, nqb,
-      (int)p.slot0, p.scale_log2, cap_in, cap_out, (int)p.window);
+  (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -20,6 +20,7 @@ import torch
 
 from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import cuda as cuda_backend
+from hf_cascade.kernels import cuda_tuning
 from hf_cascade.kernels import ops, reference
 from kernel_helpers import random_layout, random_three_level, step_plan
 from test_reference_kernels import make_three_level
@@ -267,7 +268,7 @@ class _FakeLib:
         return 2, 0, prefix_cfg(D, m_tile, tune)[2]
 
     def prefix_runs(self, dtype_code, D, m_tile, tune):
-        return self.sm90 or tune != cuda_backend.PREFIX_VARIANTS[cuda_backend.SM90_VARIANT][0]
+        return self.sm90 or tune != cuda_tuning.HOPPER_KERNEL
 
 
 @pytest.fixture(autouse=True)
@@ -275,7 +276,7 @@ def _small_pieces(monkeypatch):
     # short prefix chunks (two K/V tiles) and a suffix split in several parts, so that small layouts exercise
     # the window's chunk and tile skips and the slot layout of many partials
     monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)
-    monkeypatch.setattr(cuda_backend, "choose_chunk_blocks",
+    monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
                         lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
     monkeypatch.setattr(cuda_backend, "choose_suffix_split",
                         lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))

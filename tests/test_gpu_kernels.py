@@ -25,6 +25,7 @@ import torch
 from hf_cascade import kernels
 from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import cuda as cuda_backend
+from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
 from kernel_helpers import random_layout, random_three_level, step_plan
 
@@ -78,7 +79,7 @@ def compare(out, ref, q, *, tol=1e-2, row_tol=2e-2):
 
 @pytest.fixture(autouse=True)
 def _debug_sync(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "debug_sync", True)   # report a failing kernel by name
+    monkeypatch.setattr(cuda_binding, "debug_sync", True)   # report a failing kernel by name
 
 
 # ----------------------------------------------------------------------------------------- CPU tests
@@ -213,7 +214,7 @@ def test_rejects_bad_plans_loudly():
 
 def _hopper_kernel_runs() -> bool:
     lib = cuda_backend.library(torch.device("cuda"))
-    return lib.prefix_runs(cuda_backend.DTYPE_CODES[BF], 128, 64, cuda_backend.PREFIX_VARIANTS["wg"][0])
+    return lib.prefix_runs(cuda_backend.DTYPE_CODES[BF], 128, 64, cuda_tuning.HOPPER_KERNEL)
 
 
 @pytest.mark.gpu
@@ -222,18 +223,18 @@ def _hopper_kernel_runs() -> bool:
                                        (((2, 4100),), 3), (((16, 2100),), 1)])
 @pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
 def test_hopper_prefix_kernel(dtype, groups, Lq, bs):
-    """csrc/prefix_sm90.cu ("variant=wg": wgmma fed by a producer warp) against the float32 reference: groups of
+    """csrc/prefix_sm90.cu ("kernel=sm90": wgmma fed by a producer warp) against the float32 reference: groups of
     4 to 64 query rows in 64-row tiles (8 query heads per KV head), chunked prefixes ending inside a block, rows in no
     group, NaN garbage in unused slots, several query tokens per row. Runs where the library holds sm_90a code."""
     if torch.cuda.get_device_capability() != (9, 0) or not _hopper_kernel_runs():
         pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
-    cuda_backend.set_prefix_tune("variant=wg")
+    cuda_backend.set_prefix_tune("kernel=sm90")
     try:
         q, pool, plan, scale = make_case(5, dtype=dtype, D=128, Hkv=2, ratio=8, bs=bs, groups=groups, Lq=Lq,
                                          suffix=(Lq, 60))
         check_case(q, pool, plan, scale)
         st = next(iter(plan.scratch.values()))
-        assert st.tune == cuda_backend.PREFIX_VARIANTS["wg"][0] and st.m_tile == 64   # the kernel ran
+        assert st.tune == cuda_tuning.HOPPER_KERNEL and st.m_tile == 64   # the kernel ran
     finally:
         cuda_backend.set_prefix_tune(None)
 
@@ -289,7 +290,7 @@ def test_window_skips_long_prefix_chunks(window):
 
 @pytest.mark.gpu
 def test_window_in_a_cuda_graph_follows_the_device_lengths(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "debug_sync", False)   # no device synchronisation inside a capture
+    monkeypatch.setattr(cuda_binding, "debug_sync", False)   # no device synchronisation inside a capture
     # the window is applied from the device-side lengths: a captured step replays correctly after the lengths
     # change (as a static decode layout's buffers do between steps), with the same launch shapes
     q, pool, plan, scale = make_case(1200, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,

@@ -1,6 +1,7 @@
-"""The prefix kernel's tuning knobs for a sweep (hf_cascade.kernels.cuda.PrefixTune, $HF_CASCADE_PREFIX_TUNE), on the CPU:
-the parser, the launch parameters they give (the default's must not change), and that a tuned launch still computes
-the reference's result (the emulated kernels of tests/test_cuda_emulation.py walk the variant's tiles and warps).
+"""The prefix kernel's launch geometry (hf_cascade.kernels.cuda_tuning): the architecture's choice of the Hopper kernel
+and the tuning knobs for a sweep (PrefixTune, $HF_CASCADE_PREFIX_TUNE), on the CPU: the parser, the launch parameters
+they give (the default's must not change), and that a tuned launch still computes the reference's result (the
+emulated kernels of tests/test_cuda_emulation.py walk the variant's tiles and warps).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from hf_cascade.kernels import cuda as cuda_backend
+from hf_cascade.kernels import cuda_tuning
 from kernel_helpers import random_layout, step_plan
 from test_cuda_emulation import PREFIX_TUNES, _FakeLib, check, prefix_cfg, run
 
@@ -39,12 +41,12 @@ def test_parse():
 
 
 def test_environment_is_read_once(monkeypatch):
-    monkeypatch.setattr(cuda_backend, "_prefix_tune", None)
+    monkeypatch.setattr(cuda_tuning, "_prefix_tune", None)
     monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "variant=s6,chunk=2048")
     assert cuda_backend.prefix_tune() == parse("variant=s6,chunk=2048")
     monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "m=16")
     assert cuda_backend.prefix_tune().variant == "s6"
-    monkeypatch.setattr(cuda_backend, "_prefix_tune", None)
+    monkeypatch.setattr(cuda_tuning, "_prefix_tune", None)
     monkeypatch.setenv(cuda_backend.PREFIX_TUNE_ENV, "bogus")
     with pytest.raises(ValueError):
         cuda_backend.prefix_tune()
@@ -68,7 +70,7 @@ class _H200:
         return self.sm90 or tune != SM90_CODE
 
 
-SM90_CODE = cuda_backend.PREFIX_VARIANTS[cuda_backend.SM90_VARIANT][0]
+SM90_CODE = cuda_tuning.HOPPER_KERNEL
 
 
 def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True, sm90=False):
@@ -95,13 +97,17 @@ def test_production_launch_is_the_sweeps_winner(shape, want):
     # "auto": the launches the H200 sweep timed as "variant=n64w8,m=64,prefer=0" (benchmarks/RESULTS.md)
     got, codes = level(*shape)
     assert got == want and codes == [2]
-    # ... and where the library has the Hopper kernel, "variant=wg,m=64,prefer=0": the same tiles and chunks
+    # ... and where the library's Hopper kernel runs (the architecture's choice): the same tiles and chunks
     got, codes = level(*shape, sm90=True)
     assert got == (*want[:4], SM90_CODE) and codes == [SM90_CODE]
 
 
 def test_hopper_kernel_only_where_it_runs():
-    # "wg" asked for where the library has no sm_90a code: the default kernel; bf16 and fp16 at head_dim 128 only
+    # "kernel=sm90" (read from the retired "variant=wg" too) asked for where the library has no sm_90a code: the
+    # default kernel; bf16 and fp16 at head_dim 128 only
+    assert parse("variant=wg") == parse("kernel=sm90") and str(parse("variant=wg")) == "kernel=sm90"
+    tuning_codes = {c for c, _ in cuda_backend.PREFIX_VARIANTS.values()}
+    assert "wg" not in cuda_backend.PREFIX_VARIANTS and SM90_CODE not in tuning_codes     # not a tuning variant
     assert level(8, 8, 16384, parse("variant=wg"))[0][4] == 0
     assert level(8, 8, 16384, parse("variant=wg"), sm90=True)[0][:2] == (64, 1)
     assert level(8, 8, 16384, parse("variant=wg"), sm90=True)[0][4] == SM90_CODE
@@ -153,13 +159,14 @@ def test_variant_tables_match_the_kernel_source():
     sm90 = (ROOT / "csrc" / "prefix_sm90.cu").read_text()
     d, m, n = map(int, re.search(r"static constexpr int D = (\d+), M = (\d+), N = (\d+);", sm90).groups())
     consumers = int(re.search(r"static constexpr int CONSUMERS = (\d+)", sm90).group(1))
-    code = int(re.search(r"constexpr int kPrefixTuneSm90 = (\d+);", (ROOT / "csrc" / "include" / "hfc" /
-                                                                     "launch.h").read_text()).group(1))
+    code = int(re.search(r"HFC_PREFIX_KERNEL_SM90 = (\d+)", (ROOT / "csrc" / "include" / "hfc" /
+                                                              "params.h").read_text()).group(1))
     assert (d, code) == (128, SM90_CODE)
     tunes[code] = (n, consumers // 32)
     assert tunes == {k: v for k, v in PREFIX_TUNES.items() if k}
     cases = {(int(c) // 100, int(c) % 100) for c in re.findall(r"case (\d{3}): return f\(I", src)} | {(code, m)}
-    assert cases == {(code, m) for code, ms in cuda_backend.PREFIX_VARIANTS.values() if code for m in ms}
+    assert cases == {(c, m) for c, ms in cuda_backend.PREFIX_VARIANTS.values() if c for m in ms} | \
+        {(code, cuda_tuning.HOPPER_M_TILE)}
 
 
 @pytest.mark.parametrize("tune", ["auto", "variant=n64", "variant=n64w8", "variant=w8", "variant=s3c4", "variant=s6",
@@ -180,9 +187,9 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     out, ref, emu = run(lay, plan, softcap=softcap)
     check(out, ref, emu)
     variant = cuda_backend.prefix_tune().variant
+    hopper = _FakeLib.sm90 and cuda_backend.prefix_tune() in (cuda_backend.PrefixTune(), parse("kernel=sm90"))
     if variant == "auto":        # the production tuning on these plain 24-query-row groups; with knobs, the default
-        variant = ("wg" if _FakeLib.sm90 else "n64w8") if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() \
-            else "default"
-    code, m_tiles = cuda_backend.PREFIX_VARIANTS[variant]
+        variant = "n64w8" if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() else "default"
+    code, m_tiles = (SM90_CODE, (64,)) if hopper else cuda_backend.PREFIX_VARIANTS[variant]
     st = next(iter(plan.scratch.values()))
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}

@@ -6,7 +6,8 @@ from this checkout) and loads that library's C ABI.
     python tools/check_wheel.py [--require-library] [--keep DIR]
 
 The environment sees this Python's site-packages (torch, transformers: nothing is downloaded) and gets only the
-wheel itself. The prebuilt library is loaded with ctypes and its ABI version checked; no GPU is needed.
+wheel itself. The prebuilt library is loaded with ctypes, its ABI version and its parameter structs' layout checked
+against the binding's (hf_cascade/kernels/cuda_binding.py); no GPU is needed.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ LIBRARY = "hf_cascade/kernels/libhfc_kernels.so"
 SOURCES = ("hf_cascade/csrc/api.cu", "hf_cascade/csrc/prefix.cu", "hf_cascade/csrc/suffix.cu",
            "hf_cascade/csrc/merge.cu", "hf_cascade/csrc/include/hfc/params.h", "hf_cascade/csrc/include/hfc/api.h",
            "hf_cascade/csrc/include/hfc/common.cuh", "hf_cascade/csrc/include/hfc/dispatch.h",
+           "hf_cascade/csrc/include/hfc/layout.h", "hf_cascade/csrc/include/hfc/errors.h",
            "hf_cascade/kernels/_build.py", "hf_cascade/kernels/ops.py", "hf_cascade/patches/__init__.py")
 
 # runs inside the fresh environment, from an empty directory
@@ -39,8 +41,8 @@ assert env in where.parents, f"hf_cascade imported from {where}, not from the wh
 csrc = _build.find_csrc()
 assert csrc is not None and env in csrc.resolve().parents, f"kernel sources at {csrc}"
 if cuda.PREBUILT.is_file():
-    lib = cuda._Lib(cuda.PREBUILT)          # raises unless the ABI version matches
-    print(f"prebuilt library loads, ABI {lib.lib.hfc_abi_version()}: {cuda.PREBUILT}")
+    lib = cuda._Lib(cuda.PREBUILT)          # raises unless the ABI version and the structs' layout match
+    print(f"prebuilt library loads, ABI {lib.lib.hfc_abi_version()}, struct layout checked: {cuda.PREBUILT}")
     # the C side's argument checks answer before any CUDA call (no GPU here): the structs arrive intact
     import ctypes
     def prefix(**kw):
@@ -63,6 +65,9 @@ if cuda.PREBUILT.is_file():
                "merge slot0 -1": (merge(slot0=-1), INVALID)}
     wrong = {k: v for k, v in answers.items() if v[0] != v[1]}
     assert not wrong, f"C argument checks answered (got, want): {wrong}"
+    suffix(head_dim=96)                     # a dispatch refusal says which value and which are compiled
+    said = lib.lib.hfc_last_error().decode()
+    assert "head_dim 96" in said and "64, 128, 256" in said, f"hfc_last_error after head_dim 96: {said!r}"
     print(f"C argument checks: {len(answers)} answers as expected")
 else:
     assert not require, "the wheel has no prebuilt kernel library"

@@ -10,7 +10,7 @@
 // 2. Timing with CUDA events (L2 overwritten before each call), Llama-3-8B layer: 32 query / 8 KV heads,
 //    head_dim 128, bf16, block 16, 8 prompt groups, prefix 16k; 8 beams (32 query rows per group and KV
 //    head: M 32) and 16 beams (64 rows: M 64), at the chunk length of the rule of
-//    hf_cascade/kernels/cuda.py (choose_chunk_blocks, fed by hfc_prefix_setup) and a few fixed ones.
+//    hf_cascade/kernels/cuda_tuning.py (choose_chunk_blocks, fed by hfc_prefix_setup) and a few fixed ones.
 //
 // Build and run: csrc/tests/run_prefix_v2_check.sh [--no-timing] [--iters N]
 // Exit status 0 when every check passes.
@@ -69,7 +69,7 @@ static float h2f(uint16_t b) {
 static uint16_t to16(int dtype, float f) { return dtype == 0 ? f2bf(f) : f2h(f); }
 static float from16(int dtype, uint16_t b) { return dtype == 0 ? bf2f(b) : h2f(b); }
 
-// port of hf_cascade.kernels.cuda.choose_chunk_blocks
+// port of hf_cascade.kernels.cuda_tuning.choose_chunk_blocks
 static long long choose_chunk_blocks(const std::vector<long long>& blocks, long long ctas_per_chunk, long long slots,
                                      long long bs, long long tile, long long min_tokens = 256, int max_waves = 8) {
   std::vector<long long> pb;

@@ -1,6 +1,6 @@
 """Compiling the kernels of ``csrc/`` into one shared library with nvcc (standard library only).
 
-Used by :mod:`hf_cascade.kernels.cuda` (a build for the present GPU on first use, when no prebuilt library
+Used by :mod:`hf_cascade.kernels.cuda_library` (a build for the present GPU on first use, when no prebuilt library
 fits) and by ``setup.py`` (the prebuilt library of a wheel, loaded from the file next to this one), so that
 both compile the same sources with the same flags. Importable without torch or the rest of hf_cascade.
 """

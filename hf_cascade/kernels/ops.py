@@ -161,8 +161,8 @@ def _aligned(**tensors) -> None:
 
 
 def _lib(device):
-    from .cuda import library   # the operators' CUDA implementations need the loaded library (cuda imports ops)
-    return library(device)
+    from .cuda_library import library   # the operators' CUDA implementations need the loaded library (its binding
+    return library(device)              # imports ops: imported here, not at the top)
 
 
 def _stream(device) -> int:
@@ -175,7 +175,8 @@ def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, pre
               chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit: torch.Tensor, slot0: int,
               softcap: float, window: int, tune: int = 0) -> None:
     """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
-    (csrc/prefix.cu; ``tune``: a tuning variant's code, hf_cascade.kernels.cuda.PREFIX_VARIANTS, 0 by default)."""
+    (csrc/prefix.cu; ``tune``: the prefix kernel's code, hf_cascade.kernels.cuda_tuning: a tuning variant's or
+    HOPPER_KERNEL, 0 by default)."""
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
                  max_chunks, q_limit, slot0, softcap, window)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores

@@ -1,5 +1,9 @@
-/* The C ABI of the hf_cascade kernel library (csrc/api.cu), loaded by hf_cascade/kernels/cuda.py with ctypes.
- * Every function returns a cudaError_t code (0: success; hfc_error_string names it).
+/* The C ABI of the hf_cascade kernel library (csrc/api.cu), loaded by hf_cascade/kernels/cuda_binding.py with ctypes.
+ * Every function returns a cudaError_t code (0: success; hfc_error_string names it, hfc_last_error says in words
+ * what the calling thread's last failing call refused, e.g. a head_dim with no instantiation, or "").
+ *
+ *   hfc_params_layout  the size of every params struct and the offset and size of each field (layout.h), checked
+ *                      by the Python binding at load; *count receives the number of rows.
  *
  *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
@@ -10,9 +14,10 @@
 
 #include <stdint.h>
 
+#include "hfc/layout.h"
 #include "hfc/params.h"
 
-#define HFC_ABI_VERSION 5
+#define HFC_ABI_VERSION 6
 
 #if defined(_WIN32)
 #define HFC_API __declspec(dllexport)
@@ -26,6 +31,8 @@ extern "C" {
 
 HFC_API int hfc_abi_version(void);
 HFC_API const char* hfc_error_string(int err);
+HFC_API const char* hfc_last_error(void);
+HFC_API const hfc_layout_entry* hfc_params_layout(int32_t* count);
 HFC_API int hfc_sync(void);  /* debugging aid ($HF_CASCADE_CUDA_DEBUG): wait for the device, report errors */
 HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, int32_t tune, hfc_prefix_info* info);
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream);

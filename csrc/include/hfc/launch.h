@@ -15,9 +15,8 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
 
-// csrc/prefix_sm90.cu: the Hopper prefix kernel, tune code kPrefixTuneSm90, reached through prefix_setup and
-// prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
-constexpr int kPrefixTuneSm90 = 6;
+// csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
+// and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
 cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe
 cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream);
 

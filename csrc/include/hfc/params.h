@@ -1,6 +1,9 @@
-/* One parameter struct per kernel (the shape of flash-attention's flash.h), plain C: hf_cascade/kernels/cuda.py
- * mirrors each one field for field as a ctypes.Structure (_PrefixParams, _SuffixParams, _MergeParams), so any
- * change here changes HFC_ABI_VERSION (csrc/include/hfc/api.h) and cuda.py together.
+/* One parameter struct per kernel (the shape of flash-attention's flash.h), plain C: the only definition of a
+ * kernel's arguments. Every kernel takes its struct by value (`const __grid_constant__`, read in place from the
+ * launch's parameter space); the host launchers only check it and compute the grid.
+ * hf_cascade/kernels/cuda_binding.py mirrors each struct as a ctypes.Structure (_PrefixParams, _SuffixParams,
+ * _MergeParams, _PrefixInfo) and checks the mirrors against the library's layout table at load
+ * (csrc/include/hfc/layout.h, hfc_params_layout): a field changed here must change there and in layout.h.
  *
  * Layouts (all contiguous): q [R, Lq, Hq, D] and out in the dtype; pool [num_blocks, 2, block_size, Hkv, D]
  * (K then V of each block; token t of a table is slot t % block_size of block table[t / block_size]);
@@ -16,6 +19,11 @@ extern "C" {
 #endif
 
 enum { HFC_BF16 = 0, HFC_FP16 = 1 };  /* dtype codes */
+
+/* prefix kernel codes (hfc_prefix_params.tune, hfc_prefix_setup's tune): 0 the mma.sync kernel of csrc/prefix.cu,
+ * 1-5 its tuning variants (PrefixTune<V> there; for a sweep), HFC_PREFIX_KERNEL_SM90 the Hopper kernel of
+ * csrc/prefix_sm90.cu, which Python picks by architecture where the library's sm_90a code runs on the GPU */
+enum { HFC_PREFIX_KERNEL_SM90 = 6 };
 
 /* level 0: one CTA per (prefix chunk x row tile, KV head, group); writes slots [0, max_chunks) */
 typedef struct {
@@ -38,8 +46,9 @@ typedef struct {
   const int32_t* q_limit;
   float softcap;
   int32_t window;
-  /* tuning variant of the kernel (csrc/prefix.cu PrefixTune; 0: the default, the only one for production).
-   * The others exist for bf16, head_dim 128, no softcap / window, and need hfc_prefix_setup with the same tune. */
+  /* which prefix kernel (the codes above; 0: the default). A tuning variant exists for bf16, head_dim 128, no
+   * softcap / window; the Hopper kernel for bf16 / fp16, head_dim 128, m_tile 64, no softcap / window. Each needs
+   * hfc_prefix_setup with the same code first. */
   int32_t tune;
 } hfc_prefix_params;
 

@@ -1,0 +1,265 @@
+"""The C ABI of the kernel library (``csrc/include/hfc/api.h``) through ctypes: the parameter structs, one method per
+entry point, and the check at load that the structs here are the C structs.
+
+``csrc/include/hfc/params.h`` is the only definition of the kernels' arguments; ``_PrefixParams``, ``_SuffixParams``,
+``_MergeParams`` and ``_PrefixInfo`` mirror it for ctypes, and :class:`_Lib` compares them at load with the table
+the library exports (``hfc_params_layout``: each struct's size and each field's offset and size, from ``sizeof`` and
+``offsetof``), so a struct changed on one side only raises an error naming the struct and the field instead of
+launching with shifted arguments. ``hfc_abi_version`` guards the entry points' signatures.
+
+Mutable state: ``debug_sync`` (below), read by every launch's error check; each loaded library's ``_info`` (the
+prefix kernels set up so far).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from . import refuse_in_capture
+from .ops import DTYPE_CODES
+
+__all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAMS_STRUCTS"]
+
+ABI_VERSION = 6                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+
+# Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch; never in
+# production. A plain flag: read per launch, written only by tests and debugging sessions.
+debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
+
+_vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _PrefixParams(ctypes.Structure):     # hfc_prefix_params
+    _fields_ = [(n, _vp) for n in ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Rg", "Mp", "chunk_tokens",
+                                    "max_chunks", "row_tiles")] + \
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32),
+                ("q_limit", _vp), ("softcap", _f32), ("window", _i32), ("tune", _i32)]
+
+
+class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
+    _fields_ = [("ctas_per_sm", _i32), ("smem_bytes", _i32), ("tile_tokens", _i32)]
+
+
+class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
+    _fields_ = [(n, _vp) for n in ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32)]
+
+
+class _MergeParams(ctypes.Structure):      # hfc_merge_params
+    _fields_ = [(n, _vp) for n in ("part_o", "part_lse", "row_nchunks", "out")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "slot0", "nsplit")] + \
+               [("dtype", _i32), ("head_dim", _i32), ("row_nmid", _vp), ("mid_slot0", _i64), ("sinks", _vp)]
+
+
+# C struct name -> its ctypes mirror: every struct that crosses the ABI
+PARAMS_STRUCTS = {"hfc_prefix_params": _PrefixParams, "hfc_prefix_info": _PrefixInfo,
+                  "hfc_suffix_params": _SuffixParams, "hfc_merge_params": _MergeParams}
+
+
+class _LayoutEntry(ctypes.Structure):      # hfc_layout_entry (csrc/include/hfc/layout.h)
+    _fields_ = [("struct_name", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _i64), ("size", _i64)]
+
+
+class LayoutMismatch(RuntimeError):
+    """A ctypes struct here differs from the library's C struct (size, a field's offset or size, a field missing)."""
+
+
+def check_layout(table, structs=None) -> None:
+    """Compare ``structs`` (C name -> ctypes.Structure; default :data:`PARAMS_STRUCTS`) with the library's layout
+    ``table``: (struct name, field name or None for the struct itself, offset, size) rows. Raises
+    :class:`LayoutMismatch` naming the struct and the field at the first difference."""
+    structs = PARAMS_STRUCTS if structs is None else structs
+    c_side: dict[str, dict] = {}
+    for struct, field, offset, size in table:
+        c_side.setdefault(struct, {})[field] = (offset, size)
+    for name, mirror in structs.items():
+        fields = c_side.get(name)
+        if fields is None:
+            raise LayoutMismatch(f"the kernel library does not describe struct {name} (a library of another "
+                                 "hf_cascade version?)")
+        py_fields = {field: (getattr(mirror, field).offset, getattr(mirror, field).size)
+                     for field, _ in mirror._fields_}
+        for field, (offset, size) in fields.items():
+            if field is None:
+                continue
+            if field not in py_fields:
+                raise LayoutMismatch(f"{name}.{field} (offset {offset}, {size} bytes) exists in the library's C struct "
+                                     f"but not in its ctypes mirror {mirror.__name__}")
+            if py_fields[field] != (offset, size):
+                got_offset, got_size = py_fields[field]
+                raise LayoutMismatch(f"{name}.{field}: offset {offset}, {size} bytes in the library's C struct, offset "
+                                     f"{got_offset}, {got_size} bytes in its ctypes mirror {mirror.__name__}")
+        for field in py_fields:
+            if field not in fields:
+                raise LayoutMismatch(f"{name}.{field} is in the ctypes mirror {mirror.__name__} but not in the "
+                                     "library's C struct")
+        want = fields.get(None, (0, None))[1]
+        if want != ctypes.sizeof(mirror):
+            raise LayoutMismatch(f"sizeof({name}) is {want} in the library, {ctypes.sizeof(mirror)} in its ctypes "
+                                 f"mirror {mirror.__name__}")
+
+
+def read_layout(lib: ctypes.CDLL) -> list[tuple[str, str | None, int, int]]:
+    """The layout table the library exports (hfc_params_layout)."""
+    fn = lib.hfc_params_layout
+    fn.restype = ctypes.POINTER(_LayoutEntry)
+    fn.argtypes = [ctypes.POINTER(_i32)]
+    count = _i32(0)
+    rows = fn(ctypes.byref(count))
+    return [(rows[i].struct_name.decode(), None if rows[i].field is None else rows[i].field.decode(),
+             int(rows[i].offset), int(rows[i].size)) for i in range(count.value)]
+
+
+def _no_dtype(dtype) -> None:
+    raise TypeError(f"hf_cascade CUDA kernels: dtype {dtype} has no instantiation (compiled: "
+                    f"{', '.join(map(str, DTYPE_CODES))})")
+
+
+class _Lib:
+    """The loaded shared library: one method per C entry point, raw pointers and sizes in, errors raised."""
+
+    prefix_kernel = "v2"      # the only portable prefix kernel since v1 was retired (python -m hf_cascade env)
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.hfc_abi_version.restype = _i32
+        lib.hfc_abi_version.argtypes = []
+        got = lib.hfc_abi_version()
+        if got != ABI_VERSION:
+            raise RuntimeError(f"{path} has ABI version {got}, this hf_cascade needs {ABI_VERSION}")
+        try:
+            check_layout(read_layout(lib))
+        except LayoutMismatch as err:
+            raise LayoutMismatch(f"{path}: {err}") from None
+        lib.hfc_error_string.restype = ctypes.c_char_p
+        lib.hfc_error_string.argtypes = [ctypes.c_int]
+        lib.hfc_last_error.restype = ctypes.c_char_p
+        lib.hfc_last_error.argtypes = []
+        lib.hfc_sync.restype = ctypes.c_int
+        lib.hfc_sync.argtypes = []
+        lib.hfc_prefix_setup.restype = ctypes.c_int
+        lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
+        for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
+                             ("hfc_merge", _MergeParams)):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(params), ctypes.c_size_t]
+        self.lib = lib
+        # (dtype, head_dim, m_tile, device, tune) -> prefix_info's figures; filled when a step state is built (two
+        # threads meeting a new kernel both run its idempotent setup and store the same figures)
+        self._info: dict = {}
+
+    @property
+    def debug(self) -> bool:
+        """$HF_CASCADE_CUDA_DEBUG / tests: check every launch's arguments and synchronise after it."""
+        return debug_sync
+
+    def _message(self, rc: int) -> str:
+        """CUDA's name of ``rc``, and what the library said about the failing call (a dispatch names the value)."""
+        msg = self.lib.hfc_error_string(rc).decode(errors="replace")
+        detail = (self.lib.hfc_last_error() or b"").decode(errors="replace")
+        return f"{msg}: {detail}" if detail else msg
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"hf_cascade CUDA kernel {what} failed: {self._message(rc)} (cudaError {rc})")
+        if debug_sync:
+            rc = self.lib.hfc_sync()
+            if rc != 0:
+                raise RuntimeError(f"hf_cascade CUDA kernel {what} failed while running: {self._message(rc)} "
+                                   f"(cudaError {rc})")
+
+    def prefix_info(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None = None,
+                    tune: int = 0) -> tuple[int, int, int]:
+        """(CTAs per SM, dynamic shared memory bytes, tokens per K/V tile) of one prefix kernel (``tune``: its kernel
+        code, hf_cascade.kernels.cuda_tuning: a tuning variant's or HOPPER_KERNEL).
+
+        The first call per kernel and device runs ``hfc_prefix_setup`` (the kernel's shared-memory attributes:
+        not capture safe), which every prefix launch of that kernel needs first; later calls are a dict lookup.
+        """
+        found = self._variant(dtype_code, head_dim, m_tile, device_index, tune)
+        if found[0] < 1:
+            raise RuntimeError(f"the prefix kernel (code {tune}, dtype code {dtype_code}, head_dim {head_dim}, rows "
+                               f"{m_tile}) cannot run on this GPU ({found[1]} bytes of shared memory)")
+        return found
+
+    def prefix_runs(self, dtype_code: int, head_dim: int, m_tile: int, tune: int) -> bool:
+        """Whether the prefix kernel ``tune`` can run on the current device (the Hopper kernel needs the library's
+        sm_90a code and a GPU that runs it). Its first call per kernel and device runs the setup, as prefix_info's."""
+        return self._variant(dtype_code, head_dim, m_tile, None, tune)[0] >= 1
+
+    def _variant(self, dtype_code: int, head_dim: int, m_tile: int, device_index: int | None, tune: int
+                 ) -> tuple[int, int, int]:
+        """prefix_info's figures (CTAs per SM 0: cannot run here), set up on first use."""
+        dev = torch.cuda.current_device() if device_index is None else device_index
+        key = (dtype_code, head_dim, m_tile, dev, tune)
+        found = self._info.get(key)
+        if found is None:
+            info = self._setup(dtype_code, head_dim, m_tile, dev, tune)
+            found = self._info[key] = (info.ctas_per_sm, info.smem_bytes, info.tile_tokens)
+        return found
+
+    def _setup(self, dtype_code: int, head_dim: int, m_tile: int, dev: int, tune: int) -> "_PrefixInfo":
+        """hfc_prefix_setup of one prefix kernel on device ``dev``."""
+        # cudaFuncSetAttribute: a kernel first met inside a capture must have been set up by the warm-up
+        refuse_in_capture(f"hfc_prefix_setup (cudaFuncSetAttribute) of the prefix kernel variant dtype code "
+                          f"{dtype_code}, head_dim {head_dim}, m_tile {m_tile}, tune {tune}, device {dev}")
+        info = _PrefixInfo()
+        with torch.cuda.device(dev):
+            self.check(self.lib.hfc_prefix_setup(dtype_code, head_dim, m_tile, tune, ctypes.byref(info)),
+                       "prefix setup")
+        return info
+
+    # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
+    # them for the torch operators; the backend checks q and the pool, and the plan once per step).
+    def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
+               chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int, q_limit=None, slot0: int = 0,
+               softcap: float = 0.0, window: int = 0, tune: int = 0) -> None:
+        R, Lq, Hq, D = q.shape
+        items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
+        o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
+        G, Rg = group_rows.shape
+        try:
+            dtype_code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
+        if (dtype_code, D, m_tile, q.device.index, tune) not in self._info:   # setup once, before the first launch
+            self.prefix_info(dtype_code, D, m_tile, q.device.index, tune)
+        params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
+                               prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
+                               pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
+                               row_tiles, scale_log2, dtype_code, D, m_tile,
+                               None if q_limit is None else q_limit.data_ptr(), softcap, window, tune)
+        self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
+
+    def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
+               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0) -> None:
+        R, Lq, Hq, D = q.shape
+        try:
+            dtype_code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
+        params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
+                               part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
+                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
+                               softcap, window)
+        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
+
+    def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
+              mid_slot0: int = 0, sinks=None) -> None:
+        R, Lq, Hq, D = out.shape
+        try:
+            dtype_code = DTYPE_CODES[out.dtype]
+        except KeyError:
+            _no_dtype(out.dtype)
+        params = _MergeParams(part_o.data_ptr(), part_lse.data_ptr(), row_nchunks.data_ptr(), out.data_ptr(), R, Lq,
+                              Hq, slot0, nsplit, dtype_code, D,
+                              None if row_nmid is None else row_nmid.data_ptr(), mid_slot0,
+                              None if sinks is None else sinks.data_ptr())
+        self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")

@@ -1,0 +1,164 @@
+"""Where the CUDA backend's kernel library comes from: the prebuilt one of a wheel, else built with nvcc, once per
+GPU architecture and process.
+
+First that works: the prebuilt library of a wheel (``hf_cascade/kernels/libhfc_kernels.so``: sm_80, sm_86, sm_89,
+sm_90a and compute_90 PTX) if its ABI version and struct layout match (:mod:`hf_cascade.kernels.cuda_binding`); else
+compiled with nvcc (:mod:`hf_cascade.kernels._build`) for the present GPU on first use and cached under
+``$HF_CASCADE_CACHE`` (default ``~/.cache/hf_cascade``), keyed by a hash of the sources, the arch, the flags and nvcc's
+version; else the backend is unavailable (the reason starts with "CUDA kernels unavailable", on which
+:func:`hf_cascade.kernels.select` WARNs once with what to do) and the next backend runs.
+
+Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from . import _build
+from .cuda_binding import ABI_VERSION, _Lib
+
+__all__ = ["library", "availability", "prebuilt_library", "build_library", "PREBUILT"]
+
+logger = logging.getLogger("hf_cascade")
+
+PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
+RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
+
+_lock = threading.Lock()
+_libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
+_find_nvcc = _build.find_nvcc                 # (hf_cascade.diagnostics reports it)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("HF_CASCADE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "hf_cascade"
+
+
+def build_library(arch: str) -> Path:
+    """Compile the kernels of ``csrc/`` for ``arch`` (e.g. "sm_90") unless cached; returns the .so path."""
+    csrc = _build.find_csrc()
+    if csrc is None:
+        raise RuntimeError("the CUDA kernel sources (csrc/) are not in this installation")
+    nvcc = _build.find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (put it on PATH or set $NVCC / $CUDA_HOME)")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"cannot run {nvcc} --version: {err}") from err
+    digest = hashlib.sha256()
+    cus, headers = _build.source_files(csrc)
+    for path in (*cus, *headers):
+        digest.update(path.relative_to(csrc).as_posix().encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    gencode = _build.gencode_for(arch)
+    for part in (arch, " ".join(gencode), version, " ".join(_build.NVCC_FLAGS), str(ABI_VERSION)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    cache = _cache_dir()
+    target = cache / f"hfc_kernels_{arch}_{digest.hexdigest()[:20]}.so"
+    if target.is_file():
+        return target
+    tmp = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    logger.info("building the CUDA kernels for %s with %s (first use, takes a minute)", arch, nvcc)
+    _build.compile_library(tmp, gencode, nvcc=nvcc, csrc=csrc)
+    os.replace(tmp, target)   # atomic: concurrent builders race harmlessly
+    return target
+
+
+def _check_retired_choice() -> None:
+    choice = os.environ.get(RETIRED_PREFIX_KERNEL_ENV, "").strip().lower()
+    if choice == "v1":
+        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}=v1: the v1 prefix kernel was retired (v2, 1.2-1.4x faster "
+                         "on the H200, serves every shape v1 served); unset the variable")
+    if choice not in ("", "v2"):
+        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}={choice!r}: there is one prefix kernel now; unset the variable")
+
+
+def prebuilt_library() -> str | None:
+    """The path of this installation's prebuilt library if it loads with this ABI version and layout, else None."""
+    if not PREBUILT.is_file():
+        return None
+    try:
+        return str(_Lib(PREBUILT).path)
+    except (OSError, RuntimeError):
+        return None
+
+
+def _load(arch: str) -> _Lib:
+    """The prebuilt library if it is there and fits, else one built with nvcc for ``arch``."""
+    prebuilt_problem = None
+    if PREBUILT.is_file():
+        try:
+            return _Lib(PREBUILT)
+        except (OSError, RuntimeError) as err:
+            prebuilt_problem = f"the prebuilt {PREBUILT.name} is unusable ({err})"
+            logger.info("%s; building from source instead", prebuilt_problem)
+    try:
+        return _Lib(build_library(arch))
+    except RuntimeError as err:
+        where = prebuilt_problem or "no prebuilt kernel library in this installation"
+        detail = str(err)
+        if "\n" in detail:         # nvcc's messages: in full at INFO, the first line in the reason
+            logger.info("building the CUDA kernels for %s failed:\n%s", arch, detail)
+            detail = detail.splitlines()[0] + " (nvcc's output: INFO on the 'hf_cascade' logger)"
+        raise RuntimeError(f"{where}, and building one failed: {detail}") from err
+
+
+def library(device) -> _Lib:
+    """The kernel library for ``device``, loaded (or built) on first use; RuntimeError if it cannot be (the
+    reason is one line; :func:`hf_cascade.kernels.select` turns it into the one WARNING that says how to get
+    the kernels)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm_{major}{minor}"
+    with _lock:
+        found = _libs.get(arch)
+        if found is None:
+            _check_retired_choice()    # read when the library is loaded; raised, not a reason to fall back
+            try:
+                found = _load(arch)
+            except Exception as err:   # remember the reason: never retry a failed build every step
+                found = f"{type(err).__name__}: {err}"
+            _libs[arch] = found
+    if isinstance(found, str):
+        raise RuntimeError(found)
+    return found
+
+
+def availability() -> tuple[bool, str]:
+    """Whether the CUDA kernels can run here, and why (for ``python -m hf_cascade env``). Builds nothing."""
+    try:
+        _check_retired_choice()
+    except ValueError as err:
+        return False, str(err)
+    if PREBUILT.is_file():
+        try:
+            source = f"prebuilt {_Lib(PREBUILT).path} (sm_80, sm_86, sm_89, sm_90a + compute_90 PTX)"
+        except (OSError, RuntimeError) as err:
+            source = None
+            problem = f"the prebuilt library is unusable ({err})"
+    else:
+        source, problem = None, "no prebuilt kernel library in this installation"
+    if source is None:
+        nvcc, csrc = _build.find_nvcc(), _build.find_csrc()
+        if nvcc and csrc:
+            source = f"built with {nvcc} from {csrc} on first use, cached in {_cache_dir()}"
+        else:
+            missing = "nvcc" if csrc else "the kernel sources (csrc/)"
+            return False, (f"{problem} and no {missing} to build one: install a wheel built with nvcc, or put nvcc on "
+                           "PATH / set $CUDA_HOME")
+    if not torch.cuda.is_available():
+        return False, f"no CUDA GPU visible to torch (kernels: {source})"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 0):
+        return False, f"compute capability {cap[0]}.{cap[1]} (needs 8.0 or newer; kernels: {source})"
+    return True, source
