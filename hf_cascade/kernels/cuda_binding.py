@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from . import refuse_in_capture
-from .ops import DTYPE_CODES
+
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
 
 __all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAMS_STRUCTS"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .ops import DTYPE_CODES
+from .cuda_binding import DTYPE_CODES
 
 __all__ = ["PrefixTune", "PrefixLevel", "parse_prefix_tune", "prefix_tune", "set_prefix_tune", "prefix_level",
            "choose_chunk_blocks", "choose_suffix_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS", "HOPPER_KERNEL"]

@@ -30,11 +30,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from .cuda_binding import DTYPE_CODES   # the C side's dtype codes (the binding owns the C ABI)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
 __all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
 
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
 HEAD_DIMS = (64, 128, 256)
 M_TILES = (16, 32, 64)
 
