@@ -9,7 +9,7 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   layer's own linears, storing only the input's real (unpadded) encoder tokens in a paged pool;
 - its reorder is a no-op (beams never move between inputs; checked every step);
 - every cross-attention call runs as a cascade with one level: the group of an input's beams reads
-  that input's encoder blocks once, through the same ``backend.attend(q, pool, plan, scale)`` as the
+  that input's encoder blocks once, through the same kernel backends (``forward(q, pool, metadata, scale)``) as the
   decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty suffix);
   on the CPU with backend="auto", one sdpa per input (its beams stacked on the query axis) reads the
   input's K/V in place instead (the PyTorch backend would gather a copy of it every layer and step);
@@ -20,8 +20,9 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   self K/V per beam step instead of stock's two), stock's DynamicCache on GPUs.
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
-directly and pass them to the attention function: those tensors are placeholders that carry a
-reference to their layer, which :func:`cross_layer_of` finds.
+directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a
+:class:`~hf_cascade.cross_attention.CrossContext` by which the attention finds the layer
+(:mod:`hf_cascade.cross_attention`).
 """
 from __future__ import annotations
 
@@ -29,17 +30,15 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import weakref
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, EncoderDecoderCache
 
-from . import graphs, kernels
+from . import cross_attention, graphs
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
-from .context import current as current_step
 from .plan import StepPlan
 
 logger = logging.getLogger("hf_cascade")
@@ -47,7 +46,6 @@ logger = logging.getLogger("hf_cascade")
 # model_type -> quirk; every entry is tested token-exact against stock (tests/test_encoder_decoder.py)
 SUPPORTED = {"bart": "", "mbart": "", "marian": "", "m2m_100": "", "whisper": "", "t5": "relative bias",
              "mt5": "relative bias"}
-_ATTR = "_hf_cascade_cross"       # the placeholder K tensor's reference to its CrossLayer
 
 
 # Models that pair any encoder with any decoder: generate runs them on stock's dense path (their decoders'
@@ -380,7 +378,6 @@ class CrossLayer(CacheLayerMixin):
         self.pool[block, 1, slot] = v
         self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
         self.values = self.keys
-        setattr(self.keys, _ATTR, weakref.ref(self))
         self.dtype, self.device, self.is_initialized = k.dtype, k.device, True
 
     def lazy_initialization(self, key_states, value_states):
@@ -410,12 +407,6 @@ def in_place_layout(device: torch.device) -> bool:
     """Where the cross K/V is stored as one K run and one V run (read in place by sdpa): the CPU. GPU kernels
     take the contiguous paged pool."""
     return device.type == "cpu"
-
-
-def cross_layer_of(key) -> CrossLayer | None:
-    """The CrossLayer whose placeholder ``key`` is (the attention function's cross-attention test)."""
-    ref = getattr(key, _ATTR, None)
-    return None if ref is None else ref()
 
 
 class CrossAttentionCache(Cache):
@@ -554,32 +545,6 @@ class CascadeEncoderDecoderCache(EncoderDecoderCache):
         self.cross_attention_cache.reset()
 
 
-# ---- the attention of a cross-attention call --------------------------------------------------------
-def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
-    """``query`` [R, H, q, D] of R = B x n rows against their input's stored encoder K/V.
-    Returns ([R, q, H, D], None)."""
-    reasons = []
-    if dropout:
-        reasons.append("attention dropout (the model is in training mode; call model.eval())")
-    if kwargs.get("position_bias") is not None and getattr(module, "has_relative_attention_bias", False):
-        reasons.append("a relative position bias in cross-attention")
-    if reasons:   # T5's cross-attention bias is zeros (no relative bias in EncDecAttention): nothing to add
-        raise NotImplementedError(f"{type(module).__name__} cross-attention uses {', '.join(reasons)}, which the "
-                                  "cascade attention does not support. Load the model with attn_implementation='sdpa'.")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    cache = layer.cache
-    if layer.kv is not None and cache.cascade_config.backend == "auto" \
-            and query.shape[1] == layer.kv.shape[2] and query.shape[0] % cache.batch == 0:
-        return cache.sdpa_in_place(layer, query, scale), None
-    q = query.transpose(1, 2)                                          # [R, q, H, D]
-    plan = cache.plan(q.shape[0], q.shape[1])
-    backend = kernels.select(cache.cascade_config.backend, q, layer.pool, plan)
-    step = current_step()
-    if step is not None:       # the decoder's step: a graph runner checks that this backend can be captured too
-        step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
-    return backend.attend(q, layer.pool, plan, scale).contiguous(), None
-
-
 # ---- the generate entry -----------------------------------------------------------------------------
 def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
            model_kwargs, cascade_config: CascadeConfig, key: str):
@@ -679,6 +644,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
             states.device, generation_config, cap)
         cache = CascadeEncoderDecoderCache(self_cache, cross)
         model_kwargs[key] = cache
+        model_kwargs.update(cross_attention.forward_kwargs(cache))
         # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
         if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy
             model_kwargs["encoder_outputs"] = encoder_outputs = type(encoder_outputs)(**encoder_outputs)
@@ -741,4 +707,5 @@ def _prefill_decoder_prompt(model, cache, ids: torch.Tensor, mask: torch.Tensor 
             extra["decoder_position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     with torch.no_grad():
         model(decoder_input_ids=ids, encoder_outputs=(_placeholder(states, ids.shape[0]),),
-              attention_mask=source_mask, use_cache=True, **extra, **{key: cache})
+              attention_mask=source_mask, use_cache=True, **extra, **{key: cache},
+              **cross_attention.forward_kwargs(cache))

@@ -252,7 +252,7 @@ def _plan_after(cascade, ids, mask, kw, config):
 
 def test_min_saved_tokens_skips_a_cascade_that_saves_too_little(pair, monkeypatch):
     """No prefix level when the groups together save fewer reads than the threshold; exact either way.
-    Unset, the threshold is the running backend's MIN_SAVED_TOKENS."""
+    Unset, the threshold is the one the layer shapes' backend declares (``min_saved_tokens``)."""
     stock, cascade = pair
     ids, mask = padded_batch(seed=1)
     kw = dict(num_beams=3, max_new_tokens=5, pad_token_id=0, return_dict_in_generate=True)
@@ -264,7 +264,7 @@ def test_min_saved_tokens_skips_a_cascade_that_saves_too_little(pair, monkeypatc
     for threshold, groups in ((saved, 2), (saved + 1, 0)):
         seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4, min_saved_tokens=threshold))
         assert torch.equal(seq, expected) and plan.num_groups == groups, threshold
-    monkeypatch.setattr(hf_cascade.kernels.reference, "MIN_SAVED_TOKENS", saved + 1)
+    monkeypatch.setattr(hf_cascade.kernels.reference.BACKEND, "min_saved_tokens", saved + 1)
     seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4))
     assert torch.equal(seq, expected) and plan.num_groups == 0
     for bad in (-1, 1.5, True):

@@ -184,5 +184,5 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
         variant = ("wg" if _FakeLib.sm90 else "n64w8") if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() \
             else "default"
     code, m_tiles = cuda_backend.PREFIX_VARIANTS[variant]
-    st = next(iter(plan.scratch.values()))
+    st = emu.state
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}
