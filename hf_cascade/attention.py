@@ -192,8 +192,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
     metadata = ctx.backend_metadata(backend, q, pool, quirks)
-    return backend.forward(q, pool, metadata, scale, softcap=quirks.softcap, window=quirks.window,
-                           sinks=quirks.sinks).contiguous(), None
+    return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous(), None
 
 
 def register() -> None:

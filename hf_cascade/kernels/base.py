@@ -48,7 +48,7 @@ class Quirks:
 
     def kwargs(self) -> dict:
         """As :meth:`Backend.forward` takes them."""
-        return {"softcap": self.softcap, "window": self.window, "sinks": self.sinks}
+        return {name: getattr(self, name) for name in QUIRK_NAMES}
 
 
 NO_QUIRKS = Quirks()
