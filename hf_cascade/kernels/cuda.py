@@ -44,6 +44,7 @@ to do) and the next backend runs.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -770,10 +771,9 @@ class CudaBackend(Backend):
         # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
         three = quirks.window is None and _has_middle(plan)
         plain = quirks.softcap is None and quirks.window is None
-        if lib is None:
-            with torch.cuda.device(q.device):
-                lib = library(q.device)
-        return _step_state(lib, q, pool, plan, three, plain)
+        # on q's device: the prefix variants' one-time setup applies to the current device
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
 
     def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
         if q.dtype not in DTYPE_CODES or pool.dtype != q.dtype or not q.is_cuda or pool.device != q.device:
