@@ -1,10 +1,12 @@
 """The attention and mask functions registered as ``attn_implementation="cascade"``.
 
-With K/V that a :class:`~hf_cascade.cache.CascadeCache` just stored, attention runs as a cascade
+The step context (:mod:`hf_cascade.context`) arrives with the call: as the ``cascade_step`` keyword argument that
+``CascadeCache.update`` put in the attention kwargs (transformers >= 5.24), else through the context shim. With K/V
+that a :class:`~hf_cascade.cache.CascadeCache` just stored for ``module.layer_idx``, attention runs as a cascade
 over the paged pool (shared prefix once per group, each row's suffix, log-sum-exp merge), except
 for a prefill into an empty cache, which runs densely over the fresh K/V exactly like sdpa. Any
 other K/V (no cache, ``use_cache=False``, a DynamicCache: Trainer's loss pass) take the dense
-fallback, transformers' own sdpa.
+fallback, transformers' own sdpa. An encoder-decoder's cross-attention calls go to :mod:`hf_cascade.cross_attention`.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from . import encoder_decoder
-from .context import Quirks, take_pending
+from . import cross_attention
+from .context import STEP_KWARG, Quirks, get_context
 
 NAME = "cascade"
 
@@ -155,28 +157,31 @@ def _check_padding_known(plan, attention_mask) -> None:
 @torch.compiler.disable            # reads the step context and launches our kernels: eager inside a compiled forward
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
-    cross = encoder_decoder.cross_layer_of(key)
+    ctx = kwargs.pop(STEP_KWARG, None)        # taken out first: a dense attention function must not get them
+    cross = cross_attention.cross_layer_of(module, key, kwargs)
     if cross is not None:    # encoder-decoder cross-attention over K/V stored once per input
-        return encoder_decoder.cross_attention(cross, module, query, dropout, scaling, kwargs)
+        return cross_attention.cross_attention(*cross, module, query, dropout, scaling, kwargs)
     # a module without layer_idx (a ViT encoder's) never writes a cache: dense
     layer_idx = getattr(module, "layer_idx", None)
-    found = None if layer_idx is None else take_pending(layer_idx)
-    if found is None:
+    if ctx is None:       # where update got no attention kwargs: the shim (a stale context has no unread layer)
+        ctx = get_context()
+    if ctx is None or layer_idx not in ctx.unread:
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    ctx, write = found
-    if write.key is not key or write.value is not value:
+    ctx.unread.discard(layer_idx)
+    layer, key_shape = ctx.written[layer_idx]
+    if key.shape != key_shape or value.shape != key_shape:
         raise RuntimeError(
             f"{type(module).__name__} changed the K/V between cache.update and the attention call; the cascade "
             "attention reads K/V from its cache and cannot follow. Use "
             f"attn_implementation='{stock_attention(module)}' for this model.")
-    _check_supported(module, ctx, write.layer, attention_mask, dropout, kwargs)
+    _check_supported(module, ctx, layer, attention_mask, dropout, kwargs)
     plan = ctx.plan
     if plan.q_len > 1 and ctx.first_write:
         _check_padding_known(plan, attention_mask)
     if plan.fresh:      # prefill into an empty cache: the new K/V are the whole context
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, fresh=True, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    pool = write.layer.step_pool
+    pool = layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
     window = kwargs.get("sliding_window")
     if window is not None and ctx.cache.attention_horizon(plan.static) <= window:
@@ -186,7 +191,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
         window = None
     quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
-    return backend.attend(q, pool, ctx.layer_plan(quirks), scale).contiguous(), None
+    metadata = ctx.backend_metadata(backend, q, pool, quirks)
+    return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous(), None
 
 
 def register() -> None:

@@ -2,9 +2,10 @@
 
 All layers share one block bookkeeping (:mod:`hf_cascade.blocks`); each layer owns a KV pool
 ``[num_blocks, 2, block_size, kv_heads, head_dim]`` on the device and dtype of its first K/V
-(:mod:`hf_cascade.memory`). A forward step is planned once, at the first layer's ``update``
-(:mod:`hf_cascade.plan`) into one :class:`~hf_cascade.context.StepContext`; every layer then writes its
-new K/V with a few index ops and leaves them in the context, where the attention function finds them.
+(:mod:`hf_cascade.memory`). A forward step is planned once, in :meth:`CascadeCache.prepare_step` before the
+forward or at the first layer's ``update`` (:mod:`hf_cascade.plan`), into one
+:class:`~hf_cascade.context.StepContext`; every layer then writes its new K/V with a few index ops, records
+itself in the context and hands the context to the attention function (:mod:`hf_cascade.context` says how).
 Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` (static shapes and buffers:
 what a captured CUDA graph replays), sized for the tokens made so far and widened geometrically as rows grow.
 """
@@ -18,19 +19,14 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import context as step_context
 from . import kernels
 from .blocks import BlockManager
 from .config import CascadeConfig
-from .context import LayerWrite, StepContext
+from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_context, set_context
 from .memory import make_storage
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
 logger = logging.getLogger("hf_cascade")
-
-
-class _NoAppend:      # the AppendPlan of a step that writes nothing (for probing a backend)
-    write_block = write_offset = copy_src = copy_dst = np.zeros(0, np.int64)
 
 
 @dataclass
@@ -103,7 +99,7 @@ class CascadeLayer(CacheLayerMixin):
         return self.storage.tensor
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self.cache.update(key_states, value_states, self.layer_idx)
+        return self.cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
         """Copy-on-write copies, then this step's new tokens into their slots."""
@@ -204,8 +200,8 @@ class CascadeCache(Cache):
         self._step_id = 0
         self._next_write_mask: np.ndarray | None = None
         self._peak_blocks = 0
-        # the threshold of the backend that ran the last step (0 until one has run)
-        self._backend_min_saved_tokens = 0
+        # the threshold of the backends the layers' shapes get (None: not chosen yet; the pools' shapes decide it)
+        self._backend_min_saved_tokens: int | None = None
         self._layout: DecodeLayout | None = None
         self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
         self._decode_max_length: int | None = None
@@ -234,21 +230,28 @@ class CascadeCache(Cache):
             raise ValueError("CascadeCache does not offload layers to the CPU.")
         while len(self.layers) <= layer_idx:
             self.layers.append(CascadeLayer(self, len(self.layers)))
-        pending = step_context.current()
-        if pending is not None and pending.cache is self and pending.pending is not None:
-            unread, pending.pending = pending.pending.layer.layer_idx, None
+        ctx = self._context
+        if ctx is not None and ctx.unread:
+            unread = next(iter(ctx.unread))
+            ctx.unread.clear()
             raise RuntimeError(
                 f"The K/V that CascadeCache stored for layer {unread} were not read by the cascade "
                 "attention: the model does not run attn_implementation='cascade'. Load it with "
                 "attn_implementation='cascade' (after `import hf_cascade`), or use a DynamicCache.")
-        ctx = self._context
-        if ctx is None or layer_idx in ctx.layers_written:
+        if ctx is None or ctx.finished or layer_idx in ctx.written:
             ctx = self._begin_step(key_states)
-        ctx.layers_written.add(layer_idx)
         layer = self.layers[layer_idx]
         layer.write(key_states, value_states, ctx.plan)
-        ctx.pending = LayerWrite(layer, key_states, value_states)
-        step_context.set_current(ctx)
+        ctx.written[layer_idx] = (layer, key_states.shape)
+        ctx.unread.add(layer_idx)
+        # the context reaches this layer's attention call as an argument, in the dict transformers splats into it;
+        # where update gets no such dict (transformers < 5.24, or a modeling file that passes none, e.g. GPT-NeoX),
+        # through the one per-thread channel
+        attention_kwargs = kwargs.get("kwargs") if UPDATE_PASSES_KWARGS else None
+        if attention_kwargs is not None:
+            attention_kwargs[STEP_KWARG] = ctx
+        else:
+            set_context(ctx)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -334,7 +337,8 @@ class CascadeCache(Cache):
             self._kept_layout = None
         self.end_decode()
         self._peak_blocks = 0
-        step_context.forget(self)
+        self._backend_min_saved_tokens = None
+        reset_context(self)
 
     # ---- cascade specifics --------------------------------------------------------------------
     def set_write_mask(self, mask) -> None:
@@ -407,8 +411,7 @@ class CascadeCache(Cache):
         """Let the current step's layers write again (a capture re-runs the step just run: same slots,
         same values)."""
         if self._context is not None:
-            self._context.layers_written.clear()
-            self._context.pending = None
+            self._context.rewind()
 
     def end_step(self) -> None:
         """End the step in progress (the end of a generate call: a finished cache keeps no step context)."""
@@ -474,48 +477,57 @@ class CascadeCache(Cache):
                     self._layout = self._freeze_layout(prev)
                 plan = self._layout.step(self.blocks.tables(), self.blocks.lengths, append_plan)
         if plan is None:
-            saved = self.cascade_config.min_saved_tokens
             plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
                                    self.block_size, self.cascade_config.min_group_rows,
-                                   self.cascade_config.min_prefix_tokens,
-                                   self._backend_min_saved_tokens if saved is None else saved)
+                                   self.cascade_config.min_prefix_tokens, self._min_saved_tokens())
         self._step_id += 1
         self._context = StepContext(self, plan, self._step_id)
         self.logical_length += q_len
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)
         return self._context
 
-    def _probe_backend(self):
-        """The backend a plain decode step of this cache would run on (the layout is frozen before any decode
-        attention has run), or None."""
-        layer = next((l for l in self.layers if l.storage is not None and l.storage.num_blocks), None)
-        if layer is None:
-            return None
-        pool = layer.storage.tensor
-        q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]))
-        trivial = build_step_plan(np.zeros((1, 1), np.int32), np.ones(1, np.int64), np.ones(1, np.int64), None, 1,
-                                  _NoAppend, self.block_size, self.cascade_config.min_group_rows)
-        try:
-            return kernels.select(self.cascade_config.backend, q, pool, trivial)
-        except Exception:   # noqa: BLE001 — the step itself will report what is wrong
-            return None
+    def _layer_backends(self) -> list:
+        """The backends the layers' shapes get (device, dtype, KV heads, head_dim, block size; one per distinct
+        shape, as a decode step without quirks would choose them), or [] before any layer holds a pool."""
+        chosen = {}
+        for layer in self.layers:
+            storage = layer.storage
+            if storage is None or not storage.num_blocks:
+                continue
+            key = (storage.block_shape, storage.dtype, str(storage.device))
+            if key not in chosen:
+                pool = storage.tensor
+                q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]))
+                try:
+                    chosen[key] = kernels.select(self.cascade_config.backend, q, pool)
+                except Exception:   # noqa: BLE001 — the step itself will report what is wrong
+                    chosen[key] = None
+        return [b for b in chosen.values() if b is not None]
+
+    def _min_saved_tokens(self) -> int:
+        """Where a cascade pays in this cache's plans: the config's threshold, else the strictest declared by the
+        backends of the layers' shapes (chosen once the pools exist, kept until reset)."""
+        saved = self.cascade_config.min_saved_tokens
+        if saved is not None:
+            return saved
+        if self._backend_min_saved_tokens is None:
+            backends = self._layer_backends()
+            if not backends:
+                return 0       # nothing stored yet: a fresh step, which shares nothing
+            self._backend_min_saved_tokens = max(b.min_saved_tokens for b in backends)
+        return self._backend_min_saved_tokens
 
     def _end_step(self) -> None:
-        """The step in progress is over; its backends tell where a cascade pays in the next plans."""
-        if self._context is not None:
-            self._backend_min_saved_tokens = self._context.min_saved_tokens() or self._backend_min_saved_tokens
+        """The step in progress is over."""
         self._context = None
 
     def _freeze_layout(self, prev_lengths=None) -> DecodeLayout:
-        saved = self.cascade_config.min_saved_tokens
-        backend = self._probe_backend()
-        if saved is None and not self._backend_min_saved_tokens:
-            self._backend_min_saved_tokens = getattr(backend, "MIN_SAVED_TOKENS", 0)
+        backends = self._layer_backends()
         prev = self.blocks.lengths if prev_lengths is None else prev_lengths
         layout = DecodeLayout.freeze(self.blocks.tables(), prev, self.block_size, self._decode_room(),
                                      self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
-                                     self._backend_min_saved_tokens if saved is None else saved,
-                                     solo_rows=getattr(backend, "SOLO_PREFIX", False))
+                                     self._min_saved_tokens(),
+                                     solo_rows=bool(backends) and all(b.solo_prefix for b in backends))
         kept, self._kept_layout = self._kept_layout, None
         if kept is not None and kept.holds(layout):
             # the last call's buffers (and the graph that points at them) fit: its capacity is what a call of

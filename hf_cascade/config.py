@@ -55,8 +55,8 @@ class CascadeConfig:
         min_saved_tokens: a step reads shared prefixes once (a cascade) only when that saves at least
             this many token reads per layer, i.e. the sum over prefix groups of (rows - 1) x prefix
             tokens; below it every row reads its whole table (one kernel fewer, no merge). ``None``
-            (default): the threshold measured for the kernel backend that runs (its
-            ``MIN_SAVED_TOKENS``: cuda 8192, flashinfer 262144, reference 0; benchmarks/RESULTS.md).
+            (default): the threshold measured for the kernel backend the layers' shapes get (its declared
+            ``min_saved_tokens``: cuda 8192, flashinfer 262144, reference 0; benchmarks/RESULTS.md).
         cuda_graphs: run generate's decode steps as a replayed CUDA graph of the whole forward
             (:mod:`hf_cascade.graphs`). ``None`` (default): on where it applies (CUDA, one device, the
             ``cuda`` kernels for every layer, ...; the reason is logged once where it does not); ``False``:

@@ -1,77 +1,44 @@
-"""The step context: everything one forward step of a CascadeCache needs, in one object.
+"""The step context: everything one forward step of a CascadeCache needs, in one object, and how it reaches
+the attention function.
 
-The cache builds one :class:`StepContext` when a step begins (the first layer's ``update``, or the graph
-runner before it replays a captured step). Each layer's ``update`` records the K/V it just stored in it,
-and the attention function registered as "cascade" reads it back: which layer and pool, the step's plan,
-the layer's quirks and the kernel backend (chosen once per step and quirk set). This is the shape of
-nano-vllm's ``utils/context.py``: transformers < 5.24 hands the attention function neither the cache nor
-the layer's K/V bookkeeping, so the current context is kept per thread (two threads may generate with two
-models, or with one model and two caches, at once) rather than passed as an argument.
+The cache builds one :class:`StepContext` when a step begins: in ``prepare_step`` before the forward (the graph
+runner, the generate entry), or at the first layer's ``update`` when a caller runs the model directly. Each layer's
+``update`` stores its K/V and records the layer in the context; the attention function registered as "cascade" then
+reads from it the layer's pool, the step's plan, and the kernel backend and its metadata for the layer's shape
+(chosen and built once per step, or once per static decode layout).
 
-Lifetime: the thread holds its current context weakly (the cache holds its step's context until the next step),
-and a context refers to its cache weakly, so a cache that is dropped frees its pools at once (no reference cycle,
-nothing kept per thread).
+How the context reaches the attention function (decided once, at import, by the transformers version):
+
+- transformers >= 5.24 calls ``Cache.update(k, v, layer_idx, kwargs=<the attention kwargs>)`` and then splats the
+  same dict into the attention call: ``update`` puts the context in it under :data:`STEP_KWARG`, an argument;
+- below 5.24 ``update`` gets no such dict (nor from the few modeling files that pass none, e.g. GPT-NeoX's):
+  :func:`set_context` / :func:`get_context` / :func:`reset_context` are then the one channel (nano-vllm's
+  ``utils/context.py``). It keeps the context per thread, because two threads may generate at once
+  (tests/test_threads.py), and weakly, so that a dropped cache frees its pools at once. The attention reads it only
+  for a layer written and not yet read in that step, so a stale context never reaches a later dense forward.
+
+A context refers to its cache weakly (the cache holds its step's context until the next step): no reference cycle.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import torch
+import transformers
+from packaging.version import Version
 
 from . import kernels
+from .kernels.base import Quirks  # noqa: F401  (re-exported: the attention builds quirk sets from here)
 
 if TYPE_CHECKING:
     from .cache import CascadeCache, CascadeLayer
+    from .kernels.base import Backend
     from .plan import StepPlan
 
-_local = threading.local()
-
-
-@dataclass(frozen=True, eq=False)
-class Quirks:
-    """One layer's attention variants, as the model's attention call passes them (None: off).
-
-    ``sinks``: the layer's attention-sink logits [Hq] (GPT-OSS ``s_aux``), a tensor, so quirk sets compare
-    (and key the context's dicts) by its identity: the same parameter every step of a layer."""
-
-    softcap: float | None = None
-    window: int | None = None
-    sinks: torch.Tensor | None = None
-
-    def _key(self):
-        return self.softcap, self.window, None if self.sinks is None else id(self.sinks)
-
-    def __eq__(self, other):
-        return isinstance(other, Quirks) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-
-class LayerPlan:
-    """The step's plan as one layer's kernels read it: the plan's fields plus the layer's quirks
-    (``softcap``, ``window``, ``sinks``). Built once per (step, quirks) by the context, shared by the layers
-    that have the same quirks."""
-
-    def __init__(self, plan: "StepPlan", quirks: Quirks = Quirks()):
-        self.plan, self.quirks = plan, quirks
-        self.softcap, self.window, self.sinks = quirks.softcap, quirks.window, quirks.sinks
-
-    def __getattr__(self, name):
-        return getattr(self.plan, name)
-
-
-@dataclass
-class LayerWrite:
-    """What one layer's ``update`` stored: the attention call that follows checks it got these K/V."""
-
-    layer: "CascadeLayer"
-    key: torch.Tensor
-    value: torch.Tensor
+# the attention kwargs entry that carries the step context (transformers >= 5.24)
+STEP_KWARG = "cascade_step"
+UPDATE_PASSES_KWARGS = Version(Version(transformers.__version__).base_version) >= Version("5.24")
 
 
 def _no_cache():
@@ -84,19 +51,23 @@ class StepContext:
     - ``cache``: the cache (held weakly: the cache holds its context until the next step);
     - ``plan``: the step's :class:`~hf_cascade.plan.StepPlan` (host arrays, device tensors via ``plan.on``);
     - ``step_id``: increases by one per step of the cache;
-    - ``layers_written``: layers whose K/V this step already stored (a layer written twice means a new step);
-    - ``pending``: the layer that wrote last and whose attention has not run yet;
-    - ``backends``: the kernel backend chosen for each quirk set (once per step; the graph runner checks them);
-    - ``layer_plans``: the plan as each quirk set sees it.
+    - ``written``: layer index -> (layer, K shape) of the layers whose K/V this step stored (a layer written twice
+      means a new step); the attention finds its layer's pool here by ``module.layer_idx``;
+    - ``unread``: layers written whose attention has not run (the next ``update`` refuses to go on while one is);
+    - ``backends``: the kernel backend chosen for each layer shape and quirk set (the graph runner checks them);
+    - ``metadata``: each backend's per-step metadata (a static decode layout keeps its own for the call);
+    - ``finished``: the step is over though its layers may not have written (a replayed CUDA graph): the next
+      ``update`` begins a new step.
     """
 
     def __init__(self, cache: "CascadeCache", plan: "StepPlan", step_id: int):
         self._cache = weakref.ref(cache) if cache is not None else _no_cache
         self.plan, self.step_id = plan, step_id
-        self.layers_written: set = set()
-        self.pending: LayerWrite | None = None
+        self.written: dict[int, tuple[CascadeLayer, Any]] = {}
+        self.unread: set[int] = set()
         self.backends: dict = {}
-        self.layer_plans: dict = {}
+        self.metadata: dict = {}
+        self.finished = False
 
     @property
     def cache(self) -> "CascadeCache | None":
@@ -104,50 +75,54 @@ class StepContext:
 
     @property
     def first_write(self) -> bool:
-        return len(self.layers_written) == 1
+        return len(self.written) == 1
 
-    def layer_plan(self, quirks: Quirks) -> LayerPlan:
-        found = self.layer_plans.get(quirks)
-        if found is None:
-            found = self.layer_plans[quirks] = LayerPlan(self.plan, quirks)
-        return found
+    def rewind(self) -> None:
+        """Let the step's layers write again (same slots, same values)."""
+        self.written.clear()
+        self.unread.clear()
+        self.finished = False
 
-    def backend(self, name: str, q: torch.Tensor, pool: torch.Tensor, quirks: Quirks) -> ModuleType:
-        """The kernel backend for this step and quirk set (``kernels.select`` runs once per step each)."""
+    def finish(self) -> None:
+        self.finished = True
+
+    def backend(self, name: str, q, pool, quirks: Quirks) -> "Backend":
+        """The kernel backend for this step, layer shape and quirk set (``kernels.select`` runs once per step each)."""
         key = (quirks, q.device, q.dtype, q.shape[-2], q.shape[-1])
         found = self.backends.get(key)
         if found is None:
-            found = self.backends[key] = kernels.select(name, q, pool, self.layer_plan(quirks))
+            found = self.backends[key] = kernels.select(name, q, pool, self.plan, quirks)
         return found
 
-    def min_saved_tokens(self) -> int:
-        """The threshold of the backend(s) that ran this step (the strictest), for the next step's plan."""
-        return max((getattr(b, "MIN_SAVED_TOKENS", 0) for b in self.backends.values()), default=0)
+    def backend_metadata(self, backend: "Backend", q, pool, quirks: Quirks):
+        """``backend``'s metadata of this step for layers like this one: built by the first, reused by the others.
+        On a static decode step a backend whose metadata holds for the layout keeps it in the layout (the call)."""
+        plan = self.plan
+        store = plan.layout.metadata if plan.layout is not None and backend.layout_metadata else self.metadata
+        key = (backend.name,) + backend.metadata_key(q, pool, quirks)
+        found = store.get(key)
+        if found is None or not backend.reusable(found):
+            found = store[key] = backend.build(plan, q, pool, quirks)
+        return found
 
 
-def current() -> StepContext | None:
-    """The context of this thread's last layer write (None when none, or when its cache has moved on or is gone):
-    its attention call takes the write (:func:`take_pending`); an encoder-decoder's cross-attention that follows
-    records its backend in it."""
+# ---- transformers < 5.24: the one per-thread channel -------------------------------------------------------------
+_local = threading.local()
+
+
+def set_context(context: StepContext | None) -> None:
+    """Make ``context`` this thread's current step (held weakly): where ``Cache.update`` gets no attention kwargs."""
+    _local.context = None if context is None else weakref.ref(context)
+
+
+def get_context() -> StepContext | None:
+    """This thread's current step set by :func:`set_context`, if its cache still holds it."""
     ref = getattr(_local, "context", None)
     return None if ref is None else ref()
 
 
-def set_current(context: StepContext | None) -> None:
-    _local.context = None if context is None else weakref.ref(context)
-
-
-def take_pending(layer_idx: int) -> tuple[StepContext, LayerWrite] | None:
-    """The context and the K/V the CascadeCache layer ``layer_idx`` just stored, if any (consumed)."""
-    context = current()
-    if context is None or context.pending is None or context.pending.layer.layer_idx != layer_idx:
-        return None
-    write, context.pending = context.pending, None
-    return context, write
-
-
-def forget(cache: Any) -> None:
-    """Drop this thread's context if it belongs to ``cache`` (the cache was reset)."""
-    context = current()
-    if context is not None and context.cache is cache:
-        set_current(None)
+def reset_context(cache: Any = None) -> None:
+    """Forget this thread's current step (only if it belongs to ``cache``, when one is given)."""
+    context = get_context()
+    if context is not None and (cache is None or context.cache is cache):
+        set_context(None)

@@ -17,7 +17,6 @@ Its reorder is a no-op (beams never move between inputs; checked every step).
 """
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 import torch
@@ -29,9 +28,6 @@ from .config import CascadeConfig
 from .memory import make_fixed_storage
 from .plan import StepPlan
 from .seq2seq_models import CrossProjection
-
-# the placeholder K tensor's reference to its CrossLayer: the name encoder_decoder.cross_layer_of reads
-_ATTR = "_hf_cascade_cross"
 
 
 # ---- CascadeConfig.max_kv_bytes over the caches that are not paged --------------------------------------
@@ -114,7 +110,6 @@ class CrossLayer(CacheLayerMixin):
         self.pool[block, 1, slot] = v
         self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
         self.values = self.keys
-        setattr(self.keys, _ATTR, weakref.ref(self))
         self.dtype, self.device, self.is_initialized = k.dtype, k.device, True
 
     def lazy_initialization(self, key_states, value_states):
@@ -138,12 +133,6 @@ class CrossLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.storage = self.pool = self.kv = self.keys = self.values = None
         self.is_initialized = False
-
-
-def in_place_layout(device: torch.device) -> bool:
-    """Where the cross K/V is stored as one K run and one V run (read in place by sdpa): the CPU. GPU kernels
-    take the contiguous paged pool."""
-    return device.type == "cpu"
 
 
 def in_place_layout(device: torch.device) -> bool:

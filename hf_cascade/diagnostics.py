@@ -49,7 +49,7 @@ def versions() -> dict:
 
 def _nvcc() -> str | None:
     try:
-        find = getattr(kernels.load("cuda"), "_find_nvcc", None)
+        find = getattr(kernels.module("cuda"), "_find_nvcc", None)
         return find() if callable(find) else None
     except Exception:  # noqa: BLE001
         return None
@@ -69,7 +69,8 @@ def gpus() -> list[dict]:
 def _cuda_backend() -> tuple[bool, str]:
     """Whether the bundled CUDA kernels can run here, and why (loading them builds them once if needed)."""
     try:
-        cuda = kernels.load("cuda")
+        kernels.load("cuda")
+        cuda = kernels.module("cuda")
     except ImportError as err:
         return False, str(err)
     if not torch.cuda.is_available():
@@ -100,7 +101,8 @@ def _cuda_backend() -> tuple[bool, str]:
 
 def _flashinfer_backend() -> tuple[bool, str]:
     try:
-        fi = kernels.load("flashinfer")
+        kernels.load("flashinfer")
+        fi = kernels.module("flashinfer")
     except ImportError as err:
         return False, str(err)
     if not torch.cuda.is_available():
@@ -113,7 +115,7 @@ def backends() -> dict[str, tuple[bool, str]]:
     checks = {"cuda": _cuda_backend, "flashinfer": _flashinfer_backend,
               "reference": lambda: (True, "PyTorch, any device and dtype")}
     found = {}
-    for name in kernels.AUTO_ORDER:
+    for name in kernels.BACKENDS:
         try:
             found[name] = checks[name]()
         except Exception as err:  # noqa: BLE001

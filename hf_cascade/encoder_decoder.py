@@ -8,8 +8,8 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   decoder sees a zero-stride placeholder of the expanded shape, which nothing reads);
 - ``cross_kv.CrossAttentionCache`` projects each decoder layer's cross K/V once per input, with the
   layer's own linears, storing only the input's real (unpadded) encoder tokens; its reorder is a no-op;
-- every cross-attention call runs as a cascade with one level (:func:`cross_attention`): the group of an
-  input's beams reads that input's encoder blocks once, through the same ``backend.attend(q, pool, plan,
+- every cross-attention call runs as a cascade with one level (:mod:`hf_cascade.cross_attention`): the group of an
+  input's beams reads that input's encoder blocks once, through the same ``backend.forward(q, pool, metadata,
   scale)`` as the decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty
   suffix); on the CPU with backend="auto", one sdpa per input (its beams stacked on the query axis) reads the
   input's K/V in place instead (the PyTorch backend would gather a copy of it every layer and step);
@@ -20,8 +20,9 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
 - what differs per model_type comes from its adapter (``seq2seq_models.family_of``).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
-directly and pass them to the attention function: those tensors are placeholders that carry a
-reference to their layer, which :func:`cross_layer_of` finds.
+directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a
+:class:`~hf_cascade.cross_attention.CrossContext` by which the attention finds the layer
+(:mod:`hf_cascade.cross_attention`).
 """
 from __future__ import annotations
 
@@ -31,12 +32,11 @@ import logging
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import kernels
+from . import cross_attention
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
-from .context import current as current_step
-from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, CrossLayer, KVCap, KVCapExceeded,
+from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded,
                        repeated_inputs)
 from .dense_cache import capped_dynamic_cache, self_attention_cache
 from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
@@ -46,41 +46,6 @@ from .seq2seq_models import (COMPOSITE, SUPPORTED, cross_projections, family_of,
 from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
-
-_ATTR = "_hf_cascade_cross"       # the placeholder K tensor's reference to its CrossLayer
-
-
-def cross_layer_of(key) -> CrossLayer | None:
-    """The CrossLayer whose placeholder ``key`` is (the attention function's cross-attention test)."""
-    ref = getattr(key, _ATTR, None)
-    return None if ref is None else ref()
-
-
-# ---- the attention of a cross-attention call --------------------------------------------------------
-def cross_attention(layer: CrossLayer, module, query, dropout, scaling, kwargs):
-    """``query`` [R, H, q, D] of R = B x n rows against their input's stored encoder K/V.
-    Returns ([R, q, H, D], None)."""
-    reasons = []
-    if dropout:
-        reasons.append("attention dropout (the model is in training mode; call model.eval())")
-    if kwargs.get("position_bias") is not None and getattr(module, "has_relative_attention_bias", False):
-        reasons.append("a relative position bias in cross-attention")
-    if reasons:   # T5's cross-attention bias is zeros (no relative bias in EncDecAttention): nothing to add
-        raise NotImplementedError(f"{type(module).__name__} cross-attention uses {', '.join(reasons)}, which the "
-                                  "cascade attention does not support. Load the model with attn_implementation='sdpa'.")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    cache = layer.cache
-    if layer.kv is not None and cache.cascade_config.backend == "auto" \
-            and query.shape[1] == layer.kv.shape[2] and query.shape[0] % cache.batch == 0:
-        return cache.sdpa_in_place(layer, query, scale), None
-    q = query.transpose(1, 2)                                          # [R, q, H, D]
-    plan = cache.plan(q.shape[0], q.shape[1])
-    backend = kernels.select(cache.cascade_config.backend, q, layer.pool, plan)
-    step = current_step()
-    if step is not None:       # the decoder's step: a graph runner checks that this backend can be captured too
-        step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
-    return backend.attend(q, layer.pool, plan, scale).contiguous(), None
-
 
 # ---- the generate entry -----------------------------------------------------------------------------
 def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -213,6 +178,7 @@ class EncoderSide:
                                         else self_attention_cache(states.device, self.generation_config, cap))
         both = CascadeEncoderDecoderCache(self_cache, cross)
         model_kwargs[self.key] = both
+        model_kwargs.update(cross_attention.forward_kwargs(both))
         # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
         encoder_outputs = model_kwargs["encoder_outputs"]
         if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy
@@ -270,4 +236,5 @@ def _prefill_decoder_prompt(model, cache, ids: torch.Tensor, mask: torch.Tensor 
             extra["decoder_position_ids"] = positions
     with torch.no_grad():
         model(decoder_input_ids=ids, encoder_outputs=(placeholder(states, ids.shape[0]),),
-              attention_mask=source_mask, use_cache=True, **extra, **{key: cache})
+              attention_mask=source_mask, use_cache=True, **extra, **{key: cache},
+              **cross_attention.forward_kwargs(cache))

@@ -265,7 +265,7 @@ class DecodeGraphRunner:
                 ctx.plan.on(layer.storage.device)
 
     def _step_done(self, ctx):
-        ctx.layers_written.update(range(len(self.cache.layers)))   # the next forward begins a new step
+        ctx.finish()                     # the next forward begins a new step
 
     # ---- capture --------------------------------------------------------------------------------------
     def _first_step(self, kwargs, key):
@@ -334,10 +334,9 @@ class DecodeGraphRunner:
 
     def _refusal(self, ctx) -> str | None:
         """Why the step just run cannot be replayed from a graph (None when it can)."""
-        if len(ctx.layers_written) != len(self.cache.layers):
+        if len(ctx.written) != len(self.cache.layers):
             return "not every layer wrote its K/V through the cascade cache"
-        unsafe = sorted({b.__name__.rsplit(".", 1)[-1] for b in ctx.backends.values()
-                         if not getattr(b, "GRAPH_SAFE", False)})
+        unsafe = sorted({b.name for b in ctx.backends.values() if not b.graph_safe})
         if unsafe:
             return f"the {', '.join(unsafe)} attention backend cannot be captured"
         if not ctx.backends:

@@ -60,7 +60,6 @@ class StepPlan:
     inner_q_limit: np.ndarray | None = None
     layout: "DecodeLayout | None" = None    # set for a static decode step: the call's fixed part of the plan
     _on_device: dict = field(default_factory=dict, repr=False)
-    scratch: dict = field(default_factory=dict, repr=False)   # per-step state of kernel backends (their own plans)
 
     @property
     def num_groups(self) -> int:
@@ -86,12 +85,6 @@ class StepPlan:
         if self.mid_len.size and self.inner_q_limit is not None:
             return shared + int(self.mid_len.sum()) + int(self.inner_q_limit[:, -1].sum()), per_row
         return shared + int(suffix.sum()), per_row
-
-    @property
-    def call_scratch(self) -> dict:
-        """State a backend may keep for as long as the plan's shapes and prefix are fixed: the layout's
-        (the whole generate call) for a static step, else this step's ``scratch``."""
-        return self.layout.state if self.layout is not None else self.scratch
 
     def on(self, device: torch.device) -> "DevicePlan":
         """The plan's tensors on ``device``, uploaded once per step and device (layers may sit on several).
@@ -336,8 +329,8 @@ class DecodeLayout:
     per step. ``suffix_width`` is the layout's capacity: room for the tokens rows hold plus a few more
     (:func:`decode_room`), never for the call's ``max_new_tokens`` up front; a row that outgrows it raises
     ``LayoutOutgrown(capacity=True)`` and the cache steps on to :meth:`widened` (which a captured graph is
-    re-captured for). Kernel backends keep their launch configuration in ``state`` (``StepPlan.call_scratch``)
-    for as long as the layout holds.
+    re-captured for). Kernel backends whose metadata holds for the layout (their launch configuration and
+    partial buffers) keep it in ``metadata`` for as long as the layout holds (the step context puts it there).
     """
 
     num_rows: int
@@ -353,7 +346,7 @@ class DecodeLayout:
     suffix_width: int
     inner_width: int                   # 0 without a middle level
     token_limit: int                   # the most tokens a row may hold on this layout (LayoutOutgrown past it)
-    state: dict = field(default_factory=dict, repr=False)
+    metadata: dict = field(default_factory=dict, repr=False)
     _buffers: dict = field(default_factory=dict, repr=False)
     serial: int = field(default_factory=lambda: next(_LAYOUT_SERIALS))   # never reused (unlike id())
 
@@ -477,9 +470,9 @@ class DecodeLayout:
         return buffers.fill(plan)
 
     def release(self) -> None:
-        """Drop the device buffers and the backends' state (the layout's call is over)."""
+        """Drop the device buffers and the backends' metadata (the layout's call is over)."""
         self._buffers.clear()
-        self.state.clear()
+        self.metadata.clear()
 
 
 FIRST_ROOM = 64      # new tokens per row that a call's first decode layout makes room for

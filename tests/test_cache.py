@@ -252,7 +252,7 @@ def _plan_after(cascade, ids, mask, kw, config):
 
 def test_min_saved_tokens_skips_a_cascade_that_saves_too_little(pair, monkeypatch):
     """No prefix level when the groups together save fewer reads than the threshold; exact either way.
-    Unset, the threshold is the running backend's MIN_SAVED_TOKENS."""
+    Unset, the threshold is the one the layer shapes' backend declares (``min_saved_tokens``)."""
     stock, cascade = pair
     ids, mask = padded_batch(seed=1)
     kw = dict(num_beams=3, max_new_tokens=5, pad_token_id=0, return_dict_in_generate=True)
@@ -264,9 +264,47 @@ def test_min_saved_tokens_skips_a_cascade_that_saves_too_little(pair, monkeypatc
     for threshold, groups in ((saved, 2), (saved + 1, 0)):
         seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4, min_saved_tokens=threshold))
         assert torch.equal(seq, expected) and plan.num_groups == groups, threshold
-    monkeypatch.setattr(hf_cascade.kernels.reference, "MIN_SAVED_TOKENS", saved + 1)
+    monkeypatch.setattr(hf_cascade.kernels.reference.BACKEND, "min_saved_tokens", saved + 1)
     seq, plan = _plan_after(cascade, ids, mask, kw, CascadeConfig(block_size=4))
     assert torch.equal(seq, expected) and plan.num_groups == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="min_saved_tokens"):
             CascadeConfig(min_saved_tokens=bad)
+
+
+def test_the_step_context_reaches_the_attention_as_an_argument(pair, monkeypatch):
+    """transformers >= 5.24 hands Cache.update the attention kwargs: the step context travels in them and the
+    per-thread shim (older versions, modeling files that pass no kwargs) stays unused; below 5.24 the shim carries
+    it. Either way the cascade attention runs and gives stock's tokens."""
+    from hf_cascade import cache as cache_module, context
+    from hf_cascade.kernels import reference
+    stock, cascade = pair
+    shim, cascaded = [], []
+    real_set, real_forward = cache_module.set_context, reference.BACKEND.forward
+    monkeypatch.setattr(cache_module, "set_context", lambda ctx: shim.append(ctx) or real_set(ctx))
+    monkeypatch.setattr(reference.BACKEND, "forward", lambda *a, **kw: cascaded.append(1) or real_forward(*a, **kw))
+    ids, mask = padded_batch(seed=2)
+    kw = dict(num_beams=2, max_new_tokens=4, pad_token_id=0)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, hf_cascade_config=dict(cuda_graphs="eager"))
+    assert torch.equal(got, expected) and cascaded
+    assert (shim == []) == context.UPDATE_PASSES_KWARGS
+
+
+def test_kv_changed_between_update_and_attention_is_refused(pair):
+    """The cascade attention reads the K/V its cache stored: K/V the model reshaped after update (here: KV heads
+    repeated, as a model that expands them itself would) are refused, not silently ignored."""
+    from hf_cascade import attention, context
+    _, cascade = pair
+    cache = CascadeCache(cascade.config)
+    module = cascade.model.layers[0].self_attn
+    k = torch.randn(2, cascade.config.num_key_value_heads, 3, module.head_dim, dtype=torch.float64)
+    attention_kwargs = {}
+    cache.update(k, k.clone(), 0, kwargs=attention_kwargs)
+    if not context.UPDATE_PASSES_KWARGS:
+        attention_kwargs = {}                  # the shim carries it
+    q = torch.randn(2, cascade.config.num_attention_heads, 3, module.head_dim, dtype=torch.float64)
+    repeated = k.repeat_interleave(2, dim=1)
+    with pytest.raises(RuntimeError, match="changed the K/V between cache.update and the attention call"):
+        attention.cascade_attention(module, q, repeated, repeated, None, **attention_kwargs)
+    cache.reset()

@@ -64,17 +64,18 @@ class Steps:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = reference.attend
+        real = reference.BACKEND.forward
 
-        def attend(q, pool, plan, scale):
+        def forward(q, pool, metadata, scale, **quirks):
+            plan = metadata.plan
             if plan.static:
                 layout = plan.layout
                 rows = layout.row_prefix_blocks * layout.block_size + plan.q_limit[:, -1]
-                self.calls.append(dict(layout=layout, window=plan.window, device_plan=plan.on(pool.device),
+                self.calls.append(dict(layout=layout, window=quirks.get("window"), device_plan=metadata.device,
                                        longest=int(rows.max())))
-            return real(q, pool, plan, scale)
+            return real(q, pool, metadata, scale, **quirks)
 
-        monkeypatch.setattr(reference, "attend", attend)
+        monkeypatch.setattr(reference.BACKEND, "forward", forward)
 
     @property
     def layouts(self):

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from hf_cascade import CascadeCache, CascadeConfig, graphs
-from hf_cascade.context import LayerPlan, Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.plan import DecodeLayout
 from conftest import RunnerSpy, padded_batch
@@ -60,21 +59,30 @@ def test_prefix_setup_inside_a_capture_is_an_error_naming_it(capturing):
     assert lib.lib.calls == []
 
 
-def _launch(plan, lay):
-    q, pool = lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16)
+def _bf16(lay):
+    return lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16)
+
+
+def _build(plan, lay):
+    q, pool = _bf16(lay)
+    return cuda_backend.BACKEND.build(plan, q, pool, lib=_FakeLib())
+
+
+def _launch(state, lay):
+    q, pool = _bf16(lay)
     out = torch.zeros(q.shape, dtype=torch.float64)
-    cuda_backend._launch(_FakeLib(), 0, q, pool, LayerPlan(plan, Quirks()), lay.scale, out, kernels=Emulated())
+    cuda_backend._launch(_FakeLib(), 0, q, pool, state, lay.scale, out, kernels=Emulated())
     return out
 
 
 def test_cuda_launch_state_is_built_before_the_capture_and_only_reused_inside(capturing):
     lay = random_layout(3, groups=((4, 40), (3, 24)), suffix=(1, 9), D=64)
-    plan = step_plan(lay)
-    eager = _launch(plan, lay)                  # the warm-up: builds the launch state, uploads, sets up
+    state = _build(step_plan(lay), lay)          # the warm-up: builds the launch state, uploads, sets up
+    eager = _launch(state, lay)
     capturing.on = True
-    assert torch.equal(_launch(plan, lay), eager)          # the captured step: the same state, launches only
+    assert torch.equal(_launch(state, lay), eager)         # the captured step: the same state, launches only
     with pytest.raises(RuntimeError, match="during CUDA graph capture: a new cuda-backend launch state"):
-        _launch(step_plan(lay), lay)            # a state the warm-up did not build
+        _build(step_plan(lay), lay)              # a state the warm-up did not build
 
 
 # ---- the plan's upload -----------------------------------------------------------------------------------------

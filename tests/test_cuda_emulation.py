@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_cascade.context import LayerPlan, Quirks
+from hf_cascade.kernels.base import Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_tuning
 from hf_cascade.kernels import ops, reference
@@ -284,16 +284,16 @@ def _small_pieces(monkeypatch):
 
 def run(lay, plan, *, softcap=None, window=None, sinks=None):
     """The emulated cuda backend and the float64 reference on the same (bf16) inputs; returns both and the
-    emulation (its list of the keys taken)."""
+    emulation (its list of the keys taken, and ``state``: the launch state it ran on)."""
     q = lay.q.to(torch.bfloat16)
     pool = lay.pool.to(torch.bfloat16)
     quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
     emu = Emulated()
     out = torch.zeros(q.shape, dtype=torch.float64)
-    cuda_backend._launch(_FakeLib(), 0, q, pool, LayerPlan(plan, quirks), lay.scale, out, kernels=emu)
-    ref = reference.attend(q.double(), pool.double(), LayerPlan(plan, Quirks(softcap=softcap, window=window,
-                                                                            sinks=None if sinks is None else
-                                                                            sinks.double())), lay.scale)
+    emu.state = cuda_backend.BACKEND.build(plan, q, pool, quirks, lib=_FakeLib())
+    cuda_backend._launch(_FakeLib(), 0, q, pool, emu.state, lay.scale, out, kernels=emu, **quirks.kwargs())
+    ref = reference.attend(q.double(), pool.double(), plan, lay.scale,
+                           Quirks(softcap=softcap, window=window, sinks=None if sinks is None else sinks.double()))
     return out, ref, emu
 
 
@@ -315,7 +315,7 @@ def test_two_levels_with_variants(D, ratio, Lq, window, softcap):
     plan = step_plan(lay)
     out, ref, emu = run(lay, plan, softcap=softcap, window=window)
     check(out, ref, emu)
-    st = next(iter(plan.scratch.values()))
+    st = emu.state
     assert st.max_chunks > 1 and st.nsplit > 1
     if window is not None and window < 100:
         # tiles and chunks before the window are never read: a query takes at most `window` keys
@@ -347,7 +347,7 @@ def test_three_levels(ratio, Lq, softcap):
     sinks = torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(2))
     out, ref, emu = run(lay, plan, softcap=softcap, sinks=sinks)
     check(out, ref, emu)
-    st = next(iter(plan.scratch.values()))
+    st = emu.state
     assert st.three and st.mid.has and st.row_nmid is not None
     # the middle level was read once per subgroup by the prefix kernel, not per row by the suffix kernel
     mid_rows = set(plan.mid_group_rows[plan.mid_group_rows >= 0].tolist())
@@ -365,7 +365,7 @@ def test_three_levels_chunked(window, softcap):
     plan = step_plan(lay)
     out, ref, emu = run(lay, plan, softcap=softcap, window=window)
     check(out, ref, emu)
-    st = next(iter(plan.scratch.values()))
+    st = emu.state
     assert st.three == (window is None)
     if st.three:
         assert st.max_chunks > 1 and st.mid.max_chunks > 1

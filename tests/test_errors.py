@@ -214,7 +214,7 @@ def test_cli_env_reports_versions_and_backends(capsys):
     assert "reference: yes" in text and "HF_CASCADE_CACHE" in text
     assert cli.main(["env", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert list(report["backends"]) == list(kernels.AUTO_ORDER)
+    assert list(report["backends"]) == list(kernels.BACKENDS)
     for name, (ok, reason) in report["backends"].items():
         assert isinstance(ok, bool) and reason, name
     if not torch.cuda.is_available():
@@ -226,7 +226,7 @@ def test_cli_env_reports_versions_and_backends(capsys):
 
 def _select_with(monkeypatch, caplog, device: str, cuda_reason: str, calls: int = 3, dtype=torch.bfloat16):
     monkeypatch.setattr(kernels, "_logged", set())
-    monkeypatch.setitem(kernels._loaded, "cuda", types.SimpleNamespace(unsupported_reason=lambda q, p, s: cuda_reason))
+    monkeypatch.setitem(kernels._loaded, "cuda", types.SimpleNamespace(unsupported_reason=lambda *args: cuda_reason))
     monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("kernel backend 'flashinfer' is unavailable: "
                                                                    "flashinfer is not installed"))
     q = types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 1, 2, 64))
@@ -263,8 +263,8 @@ def test_routine_choices_stay_at_info(monkeypatch, caplog):
 def test_the_cuda_backend_reason_is_the_one_the_warning_looks_for():
     """The WARNING keys on the cuda backend's wording for a library that cannot build or load."""
     import inspect
-    cuda = kernels.load("cuda")
-    assert f'f"{kernels.FIXABLE_PREFIX}: ' in inspect.getsource(cuda.unsupported_reason)
+    cuda = kernels.module("cuda")
+    assert f'f"{kernels.FIXABLE_PREFIX}: ' in inspect.getsource(cuda._unsupported)
 
 
 def test_env_names_what_is_missing_for_the_cuda_kernels(monkeypatch):
@@ -276,6 +276,7 @@ def test_env_names_what_is_missing_for_the_cuda_kernels(monkeypatch):
                                  library=lambda device: loaded.append(device) or types.SimpleNamespace(
                                      path="/pkg/libhfc.so", prefix_kernel="v2"))
     monkeypatch.setitem(kernels._loaded, "cuda", fake)
+    monkeypatch.setattr(kernels, "module", lambda name: fake)       # the backend's module: its library, nvcc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     ok, reason = diagnostics._cuda_backend()

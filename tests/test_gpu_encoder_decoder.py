@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import hf_cascade
-from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
+from hf_cascade import cross_attention, cross_kv, seq2seq_models
 from hf_cascade.config import CascadeConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -66,8 +67,9 @@ def test_cross_attention_matches_dense(backend, heads, head_dim, lengths, beams,
     for name in (backend, "reference"):
         cache = cross_kv.CrossAttentionCache(1, CascadeConfig(backend=name))
         cache.fill([seq2seq_models.SUPPORTED["bart"].cross_projection(module)], states, mask)
+        context = cross_attention.CrossContext(EncoderDecoderCache(DynamicCache(), cache))
         try:
-            outs[name], _ = encoder_decoder.cross_attention(cache.layers[0], module, q, 0.0, scale, {})
+            outs[name], _ = cross_attention.cross_attention(context, cache.layers[0], module, q, 0.0, scale, {})
         except NotImplementedError as err:     # a backend may refuse a plan with no suffix (backend="auto" moves on)
             assert name == "flashinfer" and "cannot run this step" in str(err)
             pytest.skip(str(err))

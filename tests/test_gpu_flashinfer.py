@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from hf_cascade import kernels
+from hf_cascade.context import StepContext
 from hf_cascade.kernels import reference
 from hf_cascade.plan import build_step_plan
 from kernel_helpers import random_layout
@@ -74,6 +75,24 @@ def make_case(seed, *, groups, prefixes, suffix, bs, Lq, Hq, Hkv, D, dtype, devi
 
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+_contexts: dict = {}
+
+
+def step_of(plan) -> StepContext:
+    """The step context the attention would hold for ``plan``: layers of one step share its backend metadata."""
+    entry = _contexts.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
+    return entry[1]
+
+
+def attend(module, q, pool, plan, scale):
+    """One layer on the FlashInfer backend of ``module`` as the attention runs it: the step's metadata (its planned
+    wrappers, shared by the step's layers), then the layer's forward."""
+    metadata = step_of(plan).backend_metadata(module.BACKEND, q, pool, kernels.NO_QUIRKS)
+    return module.BACKEND.forward(q, pool, metadata, scale)
 
 
 def reference_out(q, pool, plan, scale):
@@ -236,7 +255,7 @@ def test_plumbing_against_reference_with_torch_flashinfer(fake_backend, monkeypa
     scale = D ** -0.5
     ref = reference_out(q, pool, plan, scale)
     fi = sys.modules["flashinfer"]
-    out = fake_backend.attend(q, pool, plan, scale)
+    out = attend(fake_backend, q, pool, plan, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_err(out, ref) < 1e-2
     plans = [c for c in fi.calls if c[0].endswith(".plan")]
@@ -248,7 +267,7 @@ def test_plumbing_against_reference_with_torch_flashinfer(fake_backend, monkeypa
         assert any(c[0] == "prefill.plan" and c[1] is False for c in plans) == bool(plan.num_groups)
     # a second layer reuses the step's wrappers: no new plan() calls
     n_plans = len(plans)
-    out2 = fake_backend.attend(q * 0.5, pool, plan, scale)
+    out2 = attend(fake_backend, q * 0.5, pool, plan, scale)
     assert len([c for c in fi.calls if c[0].endswith(".plan")]) == n_plans
     assert rel_err(out2, reference_out(q * 0.5, pool, plan, scale)) < 1e-2
 
@@ -260,25 +279,25 @@ def test_interleaved_plans_replan(fake_backend):
     qa, pa, plan_a = make_case(11, **kw)
     qb, pb, plan_b = make_case(12, **kw)
     for q, pool, plan in [(qa, pa, plan_a), (qb, pb, plan_b), (qa, pa, plan_a), (qb, pb, plan_b)]:
-        assert rel_err(fake_backend.attend(q, pool, plan, 0.125), reference_out(q, pool, plan, 0.125)) < 1e-2
+        assert rel_err(attend(fake_backend, q, pool, plan, 0.125), reference_out(q, pool, plan, 0.125)) < 1e-2
 
 
 def test_unsupported_reasons(fake_backend):
     kw = dict(groups=[2, 1], prefixes=[20, 9], suffix=(1, 5), bs=8, Lq=1, Hkv=2, device="cpu")
     q, pool, plan = make_case(0, Hq=4, D=64, dtype=torch.bfloat16, **kw)
-    assert "CUDA" in fake_backend.unsupported_reason(q, pool, plan)
+    assert "CUDA" in fake_backend.BACKEND.unsupported_reason(q, pool, plan)
     q32, pool32, plan32 = make_case(0, Hq=4, D=64, dtype=torch.float32, **kw)
-    assert "float32" in fake_backend.unsupported_reason(q32, pool32, plan32)
+    assert "float32" in fake_backend.BACKEND.unsupported_reason(q32, pool32, plan32)
     q96, pool96, plan96 = make_case(0, Hq=4, D=96, dtype=torch.float16, **kw)
-    assert "head_dim 96" in fake_backend.unsupported_reason(q96, pool96, plan96)
+    assert "head_dim 96" in fake_backend.BACKEND.unsupported_reason(q96, pool96, plan96)
     q6, pool6, plan6 = make_case(0, Hq=6, D=64, dtype=torch.float16, groups=[2, 1], prefixes=[20, 9], suffix=(1, 5),
                                  bs=8, Lq=1, Hkv=4, device="cpu")
-    assert "multiple" in fake_backend.unsupported_reason(q6, pool6, plan6)
+    assert "multiple" in fake_backend.BACKEND.unsupported_reason(q6, pool6, plan6)
     mask = np.ones((3, 3), dtype=bool)
     mask[1, 0] = False                                     # a left pad among the step's new tokens
     qp, poolp, planp = make_case(0, Hq=4, D=64, dtype=torch.bfloat16, groups=[2, 1], prefixes=[20, 9],
                                  suffix=(3, 5), bs=8, Lq=3, Hkv=2, device="cpu", new_mask=mask)
-    assert "padding" in fake_backend.unsupported_reason(qp, poolp, planp)
+    assert "padding" in fake_backend.BACKEND.unsupported_reason(qp, poolp, planp)
 
 
 def test_version_gate_and_missing_package(monkeypatch):
@@ -305,11 +324,11 @@ def _flashinfer_lines(caplog):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_auto_falls_through_for_cpu_and_float32(fake_backend, fresh_selection, dtype):
     """FlashInfer importable (stand-in) but the step is CPU / float32: auto picks the reference, one log line."""
-    kernels._loaded["flashinfer"] = fake_backend
+    kernels._loaded["flashinfer"] = fake_backend.BACKEND
     q, pool, plan = make_case(1, groups=[2, 1], prefixes=[20, 9], suffix=(1, 5), bs=8, Lq=1, Hq=4, Hkv=2, D=64,
                               dtype=dtype, device="cpu")
     for _ in range(3):   # one line, not one per layer/step
-        assert kernels.select("auto", q, pool, plan) is reference
+        assert kernels.select("auto", q, pool, plan) is reference.BACKEND
     lines = _flashinfer_lines(fresh_selection)
     assert len(lines) == 1, lines
     assert ("float32" if dtype == torch.float32 else "CUDA") in lines[0]
@@ -323,7 +342,7 @@ def test_auto_falls_through_when_flashinfer_missing(monkeypatch, fresh_selection
     q, pool, plan = make_case(1, groups=[2, 1], prefixes=[20, 9], suffix=(1, 5), bs=8, Lq=1, Hq=4, Hkv=2, D=64,
                               dtype=torch.bfloat16, device="cpu")
     for _ in range(3):
-        assert kernels.select("auto", q, pool, plan) is reference
+        assert kernels.select("auto", q, pool, plan) is reference.BACKEND
     lines = _flashinfer_lines(fresh_selection)
     assert len(lines) == 1 and "unavailable" in lines[0], lines
 
@@ -356,20 +375,20 @@ LAYOUTS = {
 
 
 def _check_against_reference(fib, q, pool, plan, scale, label):
-    assert fib.unsupported_reason(q, pool, plan) is None
+    assert fib.BACKEND.unsupported_reason(q, pool, plan) is None
     ref = reference_out(q, pool, plan, scale)
-    out = fib.attend(q, pool, plan, scale)
+    out = attend(fib, q, pool, plan, scale)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == q.dtype
     assert not torch.isnan(out).any()
     err = rel_err(out, ref)
     assert err < 1e-2, f"{label}: relative error {err:.2e}"
     # the next layer of the step: same plan, other queries and pool; the wrappers are not re-planned
-    key = next(k for k in plan.scratch if k[0] == "flashinfer" and k[1] != "plan_reason")
-    step = plan.scratch[key]
+    metadata, = step_of(plan).metadata.values()
+    planned = dict(metadata.steps)
     q2, pool2 = q * 0.7, pool * -0.5
-    out2 = fib.attend(q2, pool2, plan, scale)
-    assert plan.scratch[key] is step
+    out2 = attend(fib, q2, pool2, plan, scale)
+    assert list(step_of(plan).metadata.values()) == [metadata] and metadata.steps == planned
     assert rel_err(out2, reference_out(q2, pool2, plan, scale)) < 1e-2
 
 
@@ -408,7 +427,7 @@ def test_flashinfer_nan_garbage_in_unused_slots(fib):
     """Unused slots of partially filled blocks (torch.empty pools) may hold NaN: never read into the output."""
     q, pool, plan = make_case(5, groups=[3, 2, 1], prefixes=[1000, 50, 20], suffix=(1, 40), bs=16, Lq=1, Hq=32,
                               Hkv=8, D=128, dtype=BF, device="cuda", garbage=float("nan"))
-    out = fib.attend(q, pool, plan, 128 ** -0.5)
+    out = attend(fib, q, pool, plan, 128 ** -0.5)
     assert not torch.isnan(out).any()
     assert rel_err(out, reference_out(q, pool, plan, 128 ** -0.5)) < 1e-2
 
@@ -420,12 +439,12 @@ def test_flashinfer_interleaved_plans(fib):
     qa, pa, plan_a = make_case(21, **kw)
     qb, pb, plan_b = make_case(22, **kw)
     for q, pool, plan in [(qa, pa, plan_a), (qb, pb, plan_b), (qa, pa, plan_a)]:
-        assert rel_err(fib.attend(q, pool, plan, 0.1), reference_out(q, pool, plan, 0.1)) < 1e-2
+        assert rel_err(attend(fib, q, pool, plan, 0.1), reference_out(q, pool, plan, 0.1)) < 1e-2
 
 
 @pytest.mark.gpu
 def test_auto_prefers_cuda_then_flashinfer_on_cuda_bf16(fib, monkeypatch):
-    """AUTO_ORDER is fastest first as measured: our CUDA kernels, then FlashInfer, then the reference."""
+    """The registry is fastest first as measured: our CUDA kernels, then FlashInfer, then the reference."""
     monkeypatch.setattr(kernels, "_logged", set())
     q, pool, plan = make_case(3, groups=[2, 1], prefixes=[64, 9], suffix=(1, 5), bs=16, Lq=1, Hq=8, Hkv=2, D=128,
                               dtype=BF, device="cuda")
@@ -437,7 +456,7 @@ def test_auto_prefers_cuda_then_flashinfer_on_cuda_bf16(fib, monkeypatch):
     if cuda_ok:
         assert kernels.select("auto", q, pool, plan) is cuda_backend
     monkeypatch.setitem(kernels._loaded, "cuda", ImportError("cuda backend disabled for this test"))
-    assert kernels.select("auto", q, pool, plan) is fib
+    assert kernels.select("auto", q, pool, plan) is fib.BACKEND
     q32, pool32, plan32 = make_case(3, groups=[2, 1], prefixes=[64, 9], suffix=(1, 5), bs=16, Lq=1, Hq=8, Hkv=2,
                                     D=128, dtype=torch.float32, device="cuda")
-    assert kernels.select("auto", q32, pool32, plan32) is not fib
+    assert kernels.select("auto", q32, pool32, plan32) is not fib.BACKEND

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.context import LayerPlan, Quirks
+from hf_cascade.context import Quirks, StepContext
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
@@ -41,8 +41,30 @@ def make_case(seed, *, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((3, 100),
     return lay.q, lay.pool, lay.plan(), lay.scale
 
 
+_contexts: dict = {}
+
+
+def context_of(plan) -> StepContext:
+    """The step context the attention would hold for ``plan``: layers of one step share its backend metadata."""
+    entry = _contexts.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
+    return entry[1]
+
+
+def states(plan) -> list:
+    """The cuda backend's launch states built for ``plan``'s layers so far (one per layer shape and kind)."""
+    return list(context_of(plan).metadata.values())
+
+
+def cuda_attend(q, pool, plan, scale, quirks: Quirks = Quirks()):
+    """One layer on the cuda backend as the attention runs it: the step's metadata, then the layer's forward."""
+    metadata = context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
+    return cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs())
+
+
 def check_case(q, pool, plan, scale, *, tol=1e-2, row_tol=2e-2):
-    out = cuda_backend.attend(q, pool, plan, scale)
+    out = cuda_attend(q, pool, plan, scale)
     torch.cuda.synchronize()
     ref = reference.attend(q.float(), pool.float(), plan, scale)
     return compare(out, ref, q, tol=tol, row_tol=row_tol)
@@ -50,12 +72,12 @@ def check_case(q, pool, plan, scale, *, tol=1e-2, row_tol=2e-2):
 
 def check_variants(q, pool, plan, scale, *, softcap=None, window=None, sinks=None, tol=1e-2, row_tol=2e-2):
     """The cuda backend with a layer's variants vs the float32 reference with the same ones; returns both."""
-    layer = LayerPlan(plan, Quirks(softcap=softcap, window=window, sinks=sinks))
-    assert kernels.select("cuda", q, pool, layer) is cuda_backend      # the backend declares them (QUIRKS)
-    out = cuda_backend.attend(q, pool, layer, scale)
+    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
+    assert kernels.select("cuda", q, pool, plan, quirks) is cuda_backend.BACKEND    # the backend declares them
+    out = cuda_attend(q, pool, plan, scale, quirks)
     torch.cuda.synchronize()
-    ref = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(
-        softcap=softcap, window=window, sinks=None if sinks is None else sinks.float())), scale)
+    ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(
+        softcap=softcap, window=window, sinks=None if sinks is None else sinks.float()))
     compare(out, ref, q, tol=tol, row_tol=row_tol)
     return out, ref
 
@@ -86,7 +108,7 @@ def _debug_sync(monkeypatch):
 
 def test_unsupported_reason_cpu():
     lay = random_layout(0, D=64, dtype=BF)
-    reason = cuda_backend.unsupported_reason(lay.q, lay.pool, lay.plan())
+    reason = cuda_backend.BACKEND.unsupported_reason(lay.q, lay.pool, lay.plan())
     assert isinstance(reason, str) and "CUDA" in reason
 
 
@@ -124,7 +146,7 @@ def test_shape_grid(dtype, D, ratio, bs, Lq):
     seed = D + 10 * ratio + bs + Lq + (dtype == FP)
     case = make_case(seed, dtype=dtype, D=D, Hkv=Hkv, ratio=ratio, bs=bs, Lq=Lq, random_limits=Lq > 1,
                      groups=((8, 2 * bs * 7 + 5), (3, 17), (2, 0), (5, 3 * bs + 1)), lone_rows=2, suffix=(1, 3 * bs))
-    assert cuda_backend.unsupported_reason(case[0], case[1], case[2]) is None
+    assert cuda_backend.BACKEND.unsupported_reason(case[0], case[1], case[2]) is None
     check_case(*case)
 
 
@@ -136,7 +158,7 @@ def test_multi_query_steps(Lq, random_limits):
                      groups=((8, 700), (2, 33), (3, 0)), lone_rows=2, suffix=(1, 60),
                      random_limits=random_limits, empty_suffix_rows=1)
     check_case(*case)
-    state = next(iter(case[2].scratch.values()))
+    state = states(case[2])[0]
     assert state.row_tiles > 1
 
 
@@ -154,7 +176,7 @@ def test_long_prefix_is_chunked(plen, bs):
     case = make_case(400 + bs, dtype=BF, D=128, Hkv=2, ratio=4, bs=bs,
                      groups=((4, plen), (2, plen // 3)), lone_rows=1, suffix=(1, 64))
     check_case(*case)
-    state = next(iter(case[2].scratch.values()))
+    state = states(case[2])[0]
     assert state.max_chunks > 1
 
 
@@ -172,7 +194,7 @@ def test_no_groups_long_suffix_split():
     case = make_case(600, dtype=FP, D=128, Hkv=2, ratio=4, bs=16, groups=(), lone_rows=6,
                      suffix=(1500, 5000))
     check_case(*case)
-    state = next(iter(case[2].scratch.values()))
+    state = states(case[2])[0]
     assert not state.has_prefix and state.nsplit > 1
 
 
@@ -197,7 +219,7 @@ def test_layers_reuse_the_step_state_and_views():
     pool2 = torch.randn_like(pool, dtype=torch.float32).to(pool.dtype)
     q2 = torch.randn_like(q, dtype=torch.float32).to(q.dtype)
     check_case(q2, pool2, plan, scale)
-    assert len(plan.scratch) == 1
+    assert len(states(plan)) == 1
 
 
 @pytest.mark.gpu
@@ -207,7 +229,7 @@ def test_rejects_bad_plans_loudly():
     plan.suffix_table[0, 0] = pool.shape[0] + 5
     with pytest.raises(ValueError):
         cuda_backend.attend(q, pool, plan, scale)
-    assert "dtype" in cuda_backend.unsupported_reason(q.float(), pool.float(), plan)
+    assert "dtype" in cuda_backend.BACKEND.unsupported_reason(q.float(), pool.float(), plan)
 
 
 # ------------------------------------------------------------------------- the Hopper prefix kernel (GPU)
@@ -233,7 +255,7 @@ def test_hopper_prefix_kernel(dtype, groups, Lq, bs):
         q, pool, plan, scale = make_case(5, dtype=dtype, D=128, Hkv=2, ratio=8, bs=bs, groups=groups, Lq=Lq,
                                          suffix=(Lq, 60))
         check_case(q, pool, plan, scale)
-        st = next(iter(plan.scratch.values()))
+        st = states(plan)[0]
         assert st.tune == cuda_tuning.HOPPER_KERNEL and st.m_tile == 64   # the kernel ran
     finally:
         cuda_backend.set_prefix_tune(None)
@@ -275,7 +297,7 @@ def test_variant_grid(dtype, D, ratio):
     # one state for all variants of the step: the launch shapes do not depend on them (head_dim 128: plain layers
     # may run the production tuning variant or the Hopper kernel, layers with softcap / window the default kernel:
     # two states)
-    assert len(plan.scratch) == (2 if D == 128 else 1)
+    assert len(states(plan)) == (2 if D == 128 else 1)
 
 
 @pytest.mark.gpu
@@ -285,7 +307,7 @@ def test_window_skips_long_prefix_chunks(window):
     q, pool, plan, scale = make_case(1100 + window, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
                                      groups=((4, 8192 + 5), (3, 2000)), lone_rows=1, suffix=(1, 100))
     check_variants(q, pool, plan, scale, window=window, softcap=50.0)
-    assert next(iter(plan.scratch.values())).max_chunks > 2
+    assert states(plan)[0].max_chunks > 2
 
 
 @pytest.mark.gpu
@@ -295,19 +317,19 @@ def test_window_in_a_cuda_graph_follows_the_device_lengths(monkeypatch):
     # change (as a static decode layout's buffers do between steps), with the same launch shapes
     q, pool, plan, scale = make_case(1200, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
                                      groups=((4, 700), (3, 90)), lone_rows=1, suffix=(40, 120))
-    layer = LayerPlan(plan, Quirks(window=64, softcap=20.0))
-    cuda_backend.attend(q, pool, layer, scale)           # the prefix kernel's one-time setup, the step state
+    quirks = Quirks(window=64, softcap=20.0)
+    cuda_attend(q, pool, plan, scale, quirks)            # the prefix kernel's one-time setup, the step state
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cuda_backend.attend(q, pool, layer, scale)
+        out = cuda_attend(q, pool, plan, scale, quirks)
     dp = plan.on(q.device)
     for cut in (0, 30):
         plan.q_limit[:] = np.maximum(plan.q_limit - cut, 0)   # fewer suffix tokens: the window moves back
         dp.q_limit.copy_(torch.from_numpy(plan.q_limit))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(window=64, softcap=20.0)), scale)
+        ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(window=64, softcap=20.0))
         compare(out, ref, q)
 
 
@@ -325,12 +347,12 @@ def test_three_level_plans(ratio, Lq, D, dtype):
     sinks = lay.sinks.cuda()
     for softcap, s in ((None, None), (SOFTCAP, None), (None, sinks), (SOFTCAP, sinks)):
         check_variants(q, pool, plan, lay.scale, softcap=softcap, sinks=s)
-    st = next(iter(plan.scratch.values()))
+    st = states(plan)[0]
     assert st.three and st.mid.has and st.mid.max_chunks >= 1
     # a layer with a window reads the same plan as two levels (the reference's semantics), next to the others
     check_variants(q, pool, plan, lay.scale, window=20, sinks=sinks)
     # head_dim 128: plain layers may run the production tuning variant or the Hopper kernel: a state of their own
-    assert len(plan.scratch) == (3 if D == 128 else 2)
+    assert len(states(plan)) == (3 if D == 128 else 2)
 
 
 @pytest.mark.gpu
@@ -343,6 +365,6 @@ def test_three_levels_long(D, ratio):
     q, pool = lay.q.to("cuda", BF), lay.pool.to("cuda", BF)
     plan = step_plan(lay)
     check_variants(q, pool, plan, lay.scale, softcap=50.0)
-    st = next(iter(plan.scratch.values()))
+    st = states(plan)[0]
     assert st.three and st.max_chunks >= 1 and st.mid.max_chunks >= 1
     assert (st.row_nmid.cpu().numpy() > 0).sum() == 16

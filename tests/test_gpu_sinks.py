@@ -1,6 +1,6 @@
 """Attention sinks (GPT-OSS ``s_aux``) in the GPU backends, against the reference backend in float32.
 
-A GPU backend takes layers with sinks once it lists "sinks" in its ``QUIRKS``; until then these tests skip
+A GPU backend takes layers with sinks once it lists "sinks" in its ``quirks``; until then these tests skip
 for it (``select`` sends such layers to the reference). Each case runs the backend in bf16/fp16 and the
 reference in float32 on the same inputs, NaN garbage in unused slots, and asks for no NaN and a relative
 error below 1e-2 overall (2e-2 per row and query), as tests/test_gpu_kernels.py does.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.context import LayerPlan, Quirks
+from hf_cascade.kernels.base import Quirks
 from hf_cascade.kernels import reference
 from kernel_helpers import step_plan
 from test_reference_kernels import make_layout, make_three_level
@@ -27,19 +27,19 @@ GPU_BACKENDS = ("cuda", "flashinfer")
 @pytest.fixture(params=GPU_BACKENDS)
 def backend(request):
     try:
-        module = kernels.load(request.param)
+        backend = kernels.load(request.param)
     except ImportError as err:
         pytest.skip(str(err))
-    if "sinks" not in getattr(module, "QUIRKS", ()):
-        pytest.skip(f"backend {request.param!r} does not declare attention sinks (QUIRKS) yet")
-    return module
+    if "sinks" not in backend.quirks:
+        pytest.skip(f"backend {request.param!r} does not declare attention sinks (its quirks) yet")
+    return backend
 
 
-def check_against_reference(module, q, pool, plan, scale, sinks, *, tol=1e-2, row_tol=2e-2, **quirks):
-    """module.attend with the sinks (and other quirks) vs the float32 reference on the same inputs."""
-    out = module.attend(q, pool, LayerPlan(plan, Quirks(sinks=sinks, **quirks)), scale)
+def check_against_reference(backend, q, pool, plan, scale, sinks, *, tol=1e-2, row_tol=2e-2, **quirks):
+    """The backend with the sinks (and other quirks) vs the float32 reference on the same inputs."""
+    out = backend.attend(q, pool, plan, scale, Quirks(sinks=sinks, **quirks))
     torch.cuda.synchronize()
-    ref = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(sinks=sinks.float(), **quirks)), scale)
+    ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(sinks=sinks.float(), **quirks))
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out.float()).all()
     o = out.float()
     assert (o - ref).norm() / ref.norm().clamp_min(1e-30) < tol
@@ -48,7 +48,7 @@ def check_against_reference(module, q, pool, plan, scale, sinks, *, tol=1e-2, ro
     if (size > 0).any():
         assert (diff[size > 0] / size[size > 0]).max() < row_tol
     # the sinks changed the result, so the comparison above checks them
-    plain = reference.attend(q.float(), pool.float(), LayerPlan(plan, Quirks(**quirks)), scale)
+    plain = reference.attend(q.float(), pool.float(), plan, scale, Quirks(**quirks))
     assert not torch.allclose(plain, ref, atol=1e-2)
 
 
@@ -80,9 +80,9 @@ def test_three_levels(backend, ratio, Lq):
 def test_with_other_quirks(backend, window, softcap):
     """Sinks together with a sliding window (GPT-OSS's sliding layers) and/or a softcap, where declared."""
     quirks = {name: value for name, value in (("window", window), ("softcap", softcap)) if value is not None}
-    lacking = [name for name in quirks if name not in backend.QUIRKS]
+    lacking = [name for name in quirks if name not in backend.quirks]
     if lacking:
-        pytest.skip(f"{backend.__name__} does not declare {', '.join(lacking)}")
+        pytest.skip(f"{backend.name} does not declare {', '.join(lacking)}")
     lay = make_layout(80 + (window or 0), Lq=1, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32, garbage=math.nan)
     lay.sinks = 3.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(5))
     q, pool, sinks = _on_gpu(lay, torch.bfloat16)

@@ -217,8 +217,8 @@ def _real_case(dtype=torch.bfloat16, D=128):
     from test_gpu_kernels import make_case
     q, pool, plan, scale = make_case(31, dtype=dtype, D=D, Hkv=2, ratio=4, bs=16, groups=((4, 700), (3, 40)),
                                      lone_rows=1, suffix=(1, 300))
-    eager = cuda_backend.attend(q, pool, plan, scale)
-    st = next(iter(plan.call_scratch.values()))
+    st = cuda_backend.BACKEND.build(plan, q, pool)
+    eager = cuda_backend.BACKEND.forward(q, pool, st, scale)
     dp = st.dp
     a = dict(q=q, pool=pool, group_rows=dp.group_rows, prefix_table=dp.prefix_table, prefix_len=dp.prefix_len,
              suffix_table=dp.suffix_table, q_limit=dp.q_limit, row_nchunks=st.row_nchunks,
@@ -261,16 +261,18 @@ def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
     from test_gpu_kernels import make_case
     q, pool, plan, scale = make_case(41, dtype=torch.bfloat16, D=128, Hkv=2, ratio=4, bs=16,
                                      groups=((4, 700), (3, 40)), lone_rows=1, suffix=(1, 300))
-    cuda_backend.attend(q, pool, plan, scale)
+    backend = cuda_backend.BACKEND
+    st = backend.build(plan, q, pool)          # the launch state: before the capture
+    backend.forward(q, pool, st, scale)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cuda_backend.attend(q, pool, plan, scale)
+        out = backend.forward(q, pool, st, scale)
     for seed in (1, 2):
         q.copy_(torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, cuda_backend.attend(q.clone(), pool, plan, scale))
+        assert torch.equal(out, backend.forward(q.clone(), pool, st, scale))
 
 
 @gpu

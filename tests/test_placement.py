@@ -178,12 +178,12 @@ def test_layer_refuses_kv_with_other_head_count():
     cache = CascadeCache()
     k = torch.randn(2, 2, 3, 8, dtype=torch.float64)
     cache.update(k, k.clone(), 0)
-    hf_cascade.context.take_pending(0)
+    cache.step.unread.discard(0)          # what the attention of layer 0 would do: it read the K/V
     assert cache.layers[0].pool.shape[-2:] == (2, 8)
     k1 = torch.randn(2, 1, 3, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match="heads"):
         cache.update(k1, k1.clone(), 0)
-    hf_cascade.context.take_pending(0)
+    cache.step.unread.discard(0)          # what the attention of layer 0 would do: it read the K/V
     cache.reset()
 
 
@@ -192,7 +192,7 @@ def test_plan_on_returns_one_device_plan_per_device():
     cache = CascadeCache()
     k = torch.randn(3, 2, 5, 8, dtype=torch.float64)
     cache.update(k, k.clone(), 0)
-    hf_cascade.context.take_pending(0)
+    cache.step.unread.discard(0)          # what the attention of layer 0 would do: it read the K/V
     plan = cache.plan
     first = plan.on(torch.device("cpu"))
     assert plan.on("cpu") is first and plan.on(torch.device("cpu")) is first
@@ -204,7 +204,7 @@ def test_plan_on_returns_one_device_plan_per_device():
     # the next step plans anew
     k2 = torch.randn(3, 2, 1, 8, dtype=torch.float64)
     cache.update(k2, k2.clone(), 0)
-    hf_cascade.context.take_pending(0)
+    cache.step.unread.discard(0)          # what the attention of layer 0 would do: it read the K/V
     assert cache.plan is not plan and cache.plan.on("cpu") is not first
     cache.reset()
 

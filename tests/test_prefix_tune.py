@@ -191,5 +191,5 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     if variant == "auto":        # the production tuning on these plain 24-query-row groups; with knobs, the default
         variant = "n64w8" if cuda_backend.prefix_tune() == cuda_backend.PrefixTune() else "default"
     code, m_tiles = (SM90_CODE, (64,)) if hopper else cuda_backend.PREFIX_VARIANTS[variant]
-    st = next(iter(plan.scratch.values()))
+    st = emu.state
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}

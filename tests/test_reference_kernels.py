@@ -352,52 +352,55 @@ def test_softcap_and_window_against_dense(softcap, window, Lq):
         assert not torch.allclose(o, _dense_quirks(lay, None, None))
 
 
-def test_attend_reads_quirks_from_the_plan():
+def test_attend_applies_the_layer_quirks():
 
     from hf_cascade.kernels import reference
+    from hf_cascade.kernels.base import Quirks
 
     lay = make_layout(5, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
     dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
                                                  "q_limit")})
-    plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5)
-    o = reference.attend(lay.q, lay.pool, plan, lay.scale)
+    plan = SimpleNamespace(on=lambda device: dp)
+    o = reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(softcap=1.5, window=5))
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
     sinks = torch.linspace(-2.0, 3.0, lay.q.shape[2], dtype=torch.float64)
-    plan = SimpleNamespace(on=lambda device: dp, softcap=1.5, window=5, sinks=sinks)
-    o = reference.attend(lay.q, lay.pool, plan, lay.scale)
+    o = reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(softcap=1.5, window=5, sinks=sinks))
     check(o, _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, 1.5, 5, sinks), torch.float64)
 
 
 def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
-    """A backend that does not list softcap/window/sinks in QUIRKS is never chosen for such a layer."""
+    """A backend that does not declare softcap/window/sinks in its ``quirks`` is never chosen for such a layer."""
     import types
     from hf_cascade import kernels
-    from hf_cascade.context import LayerPlan, Quirks
     from hf_cascade.kernels import reference as reference_backend
-    plain = types.SimpleNamespace(unsupported_reason=lambda q, pool, plan: None)
+    from hf_cascade.kernels.base import Backend, Quirks
+    plain = Backend()           # takes everything, implements no quirk
     monkeypatch.setitem(kernels._loaded, "cuda", plain)
     monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("absent"))
     q, pool, plan = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 1, 8), types.SimpleNamespace(src_index=None)
     assert kernels.select("auto", q, pool, plan) is plain
     for quirk in ({"softcap": 30.0}, {"window": 4}, {"sinks": torch.zeros(2)}):
-        assert kernels.select("auto", q, pool, LayerPlan(plan, Quirks(**quirk))) is reference_backend
+        assert kernels.select("auto", q, pool, plan, Quirks(**quirk)) is reference_backend.BACKEND
         with pytest.raises(NotImplementedError, match="not implemented in this backend"):
-            kernels.select("cuda", q, pool, LayerPlan(plan, Quirks(**quirk)))
+            kernels.select("cuda", q, pool, plan, Quirks(**quirk))
 
 
 
 def test_quirk_sets_tell_layers_sinks_apart():
     """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
-    layers with equal-valued sinks still get plans of their own, and a layer gets the same one every time."""
+    layers with equal-valued sinks still get backend choices of their own, and a layer gets the same one every
+    time."""
     from hf_cascade.context import Quirks, StepContext
     a, b = torch.zeros(4), torch.zeros(4)
     assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
     assert Quirks(sinks=a) != Quirks(sinks=b) and Quirks(sinks=a) != Quirks()
     assert Quirks(softcap=2.0, window=4) == Quirks(softcap=2.0, window=4)
-    ctx = StepContext(cache=None, plan=SimpleNamespace(), step_id=0)
-    assert ctx.layer_plan(Quirks(sinks=a)).sinks is a and ctx.layer_plan(Quirks(sinks=b)).sinks is b
-    assert ctx.layer_plan(Quirks(sinks=a)) is ctx.layer_plan(Quirks(sinks=a))
-    assert ctx.layer_plan(Quirks()).sinks is None
+    ctx = StepContext(cache=None, plan=SimpleNamespace(src_index=None), step_id=0)
+    q, pool = torch.zeros(1, 1, 4, 8), torch.zeros(1, 2, 4, 2, 8)
+    for quirks in (Quirks(sinks=a), Quirks(sinks=b), Quirks(sinks=a), Quirks()):
+        ctx.backend("reference", q, pool, quirks)
+    assert [key[0] for key in ctx.backends] == [Quirks(sinks=a), Quirks(sinks=b), Quirks()]
+    assert next(iter(ctx.backends))[0].sinks is a
 
 # --------------------------------------------------------------------------- attention sinks
 
@@ -537,12 +540,13 @@ def test_sinks_enter_once_with_three_levels(ratio, Lq, bs, dtype):
     check(three, expected, dtype)
     check(two, expected, dtype)
     assert (three[9] == 0).all()         # no key at all: the whole weight goes to the sink (value 0)
-    # attend() takes the three-level path for such a plan and reads the sinks from it
+    # attend() takes the three-level path for such a plan and applies the layer's sinks
+    from hf_cascade.kernels.base import Quirks
     dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
                                                  "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table",
                                                  "inner_q_limit")})
-    plan = SimpleNamespace(on=lambda device: dp, sinks=lay.sinks)
-    check(reference.attend(lay.q, lay.pool, plan, lay.scale), expected, dtype)
+    plan = SimpleNamespace(on=lambda device: dp)
+    check(reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(sinks=lay.sinks)), expected, dtype)
     # what the test tells apart: no sinks, and a sink merged into every level's partial state
     without = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
                                     lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,

@@ -85,7 +85,7 @@ def test_static_buffers_keep_their_addresses_and_take_each_step():
         assert np.array_equal(dp.suffix_table.numpy(), plan.suffix_table)
         assert np.array_equal(dp.q_limit.numpy(), plan.q_limit)
         assert np.array_equal(dp.write_offset.numpy(), plan.write_offset)
-        assert plan.call_scratch is layout.state
+        assert plan.layout is layout and plan.static
     assert len(set(seen)) == 1
 
 
@@ -170,13 +170,13 @@ def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window,
 
     expected = run(stock)
     windows = []                      # the window each decode attention call was given
-    real_attend = reference.attend
+    real_forward = reference.BACKEND.forward
 
-    def attend(q, pool, plan, scale):
-        windows.append((plan.static, plan.window))
-        return real_attend(q, pool, plan, scale)
+    def forward(q, pool, metadata, scale, **quirks):
+        windows.append((metadata.plan.static, quirks.get("window")))
+        return real_forward(q, pool, metadata, scale, **quirks)
 
-    monkeypatch.setattr(reference, "attend", attend)
+    monkeypatch.setattr(reference.BACKEND, "forward", forward)
     spy = RunnerSpy(monkeypatch)
     # greedy shares nothing and would run on stock's own path: a cache of our own keeps it on the cascade
     extra = cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager"))) \
@@ -219,9 +219,9 @@ def test_runner_gives_stock_tokens(case, shared, llama_pair, monkeypatch):
 
 @pytest.mark.parametrize("case", ["greedy", "sampling"])
 def test_solo_rows_give_stock_tokens(case, llama_pair, monkeypatch):
-    """A backend that reads lone rows through its prefix kernel (the cuda backend's SOLO_PREFIX)."""
+    """A backend that reads lone rows through its prefix kernel (the cuda backend's ``solo_prefix``)."""
     stock, cascade = llama_pair
-    monkeypatch.setattr(reference, "SOLO_PREFIX", True, raising=False)
+    monkeypatch.setattr(reference.BACKEND, "solo_prefix", True)
     ids, mask = padded_batch(seed=6, lengths=(37, 21))
     kw = dict(max_new_tokens=9, pad_token_id=0, **CASES[case])
     torch.manual_seed(3)

@@ -1,18 +1,9 @@
-"""Attention kernel backends behind one small interface.
+"""Attention kernel backends behind one interface, and the registry that chooses one.
 
-A backend is a module with:
-
-- ``unsupported_reason(q, pool, plan) -> str | None``: why it cannot take this step (dtype, head_dim,
-  device, missing package ...), or None;
-- optionally ``QUIRKS``: the per-layer attention variants it implements, read from the plan as
-  ``plan.softcap`` / ``plan.window`` / ``plan.sinks`` (see :class:`hf_cascade.context.LayerPlan`); none if
-  absent.
-  :func:`select` refuses a backend for a layer that needs a variant it lacks.
-- ``attend(q, pool, plan, scale) -> o``: the cascade attention of one layer for one step.
-  ``q`` [R, Lq, Hq, D] (may be a non-contiguous view), ``pool`` the layer's KV pool
-  ``[num_blocks, 2, block_size, Hkv, D]``, ``plan`` the step's :class:`~hf_cascade.plan.StepPlan`
-  (``plan.on(device)`` gives its index tensors; ``plan.scratch`` holds a backend's own per-step
-  state, built by the first layer and reused by the others). Returns o [R, Lq, Hq, D] in q's dtype.
+A backend is an instance of :class:`~hf_cascade.kernels.base.Backend` (each backend module's ``BACKEND``): declared
+capabilities, ``unsupported_reason``, a per-step ``build(plan, ...) -> metadata`` and ``forward(q, pool, metadata,
+scale, *, softcap, window, sinks)``. :data:`REGISTRY` names them in ``backend="auto"``'s order; :func:`select`
+chooses one for a layer shape (the step context calls it once per step and shape).
 
 :mod:`hf_cascade.kernels.reference` documents the semantics; every backend must match it.
 
@@ -33,16 +24,19 @@ from types import ModuleType
 
 import torch
 
+from .base import NO_QUIRKS, QUIRK_NAMES, Backend, Quirks  # noqa: F401  (re-exported)
+
 logger = logging.getLogger("hf_cascade")
 
 # Preference order for backend="auto", fastest first as measured on the H200 (benchmarks/RESULTS.md:
 # our kernels 321 µs vs FlashInfer 494 µs per 8B layer at 16k x 8 beams, 26 vs 45 ms per 8B step).
 # A backend that cannot load or take a shape falls through to the next with one logged line.
-AUTO_ORDER = ("cuda", "flashinfer", "reference")
-BACKENDS = AUTO_ORDER
-# a backend's module, or why it cannot load here (a string: an exception would keep, through its traceback, the frames
+# The registry: backend name -> its module under hf_cascade.kernels (which defines BACKEND), in "auto"'s order.
+REGISTRY = {"cuda": "cuda", "flashinfer": "flashinfer", "reference": "reference"}
+BACKENDS = tuple(REGISTRY)
+# a backend's instance, or why it cannot load here (a string: an exception would keep, through its traceback, the frames
 # of the first generate call that loaded it, and so that call's model, alive for the whole process)
-_loaded: dict[str, ModuleType | str | Exception] = {}
+_loaded: dict[str, Backend | str | Exception] = {}
 _logged: set = set()
 _lock = threading.RLock()      # generate may run in several threads: one import per backend, each line logged once
 
@@ -65,9 +59,9 @@ def refuse_in_capture(what: str) -> None:
                            "the capture: in the eager warm-up step or the step's plan upload)")
 
 
-def load(name: str) -> ModuleType:
-    """Import backend ``name`` (raises ImportError with the reason if it cannot load here)."""
-    if name not in BACKENDS:
+def load(name: str) -> Backend:
+    """Backend ``name`` (its module imported once; raises ImportError with the reason if it cannot load here)."""
+    if name not in REGISTRY:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS} or 'auto'")
     found = _loaded.get(name)
     if found is None:
@@ -75,13 +69,18 @@ def load(name: str) -> ModuleType:
             found = _loaded.get(name)
             if found is None:
                 try:
-                    found = importlib.import_module(f"{__name__}.{name}")
+                    found = module(name).BACKEND
                 except Exception as err:  # noqa: BLE001 — an optional backend missing here is expected
                     found = str(err) or type(err).__name__
                 _loaded[name] = found
     if isinstance(found, (str, Exception)):     # (tests set an exception)
         raise ImportError(f"kernel backend {name!r} is unavailable: {found}")
     return found
+
+
+def module(name: str) -> ModuleType:
+    """The module of backend ``name`` (its library loading and diagnostics); raises as importing it does."""
+    return importlib.import_module(f"{__name__}.{REGISTRY[name]}")
 
 
 # What to do when a fast backend is missing on a GPU (the WARNING says it once per process).
@@ -109,39 +108,29 @@ def _warn_fixable(name: str, reason: str, q) -> None:
         return
     _log_once(("fixable", name), "the %s attention kernels are off (%s); the next backend in %s "
               "runs instead. To use them: %s. `python -m hf_cascade env` lists each backend's status.",
-              name, reason, AUTO_ORDER, FIXES.get(name, "see the reason"), level=logging.WARNING)
+              name, reason, BACKENDS, FIXES.get(name, "see the reason"), level=logging.WARNING)
 
 
-QUIRK_NAMES = {"softcap": "attention logit softcapping", "window": "a sliding window shorter than the sequence",
-               "sinks": "attention sinks (s_aux)"}
-
-
-def _reason(backend: ModuleType, q, pool, plan) -> str | None:
-    lacking = [QUIRK_NAMES[quirk] for quirk in QUIRK_NAMES
-               if getattr(plan, quirk, None) is not None and quirk not in getattr(backend, "QUIRKS", ())]
-    if lacking:
-        return f"{' and '.join(lacking)} not implemented in this backend"
-    return backend.unsupported_reason(q, pool, plan)
-
-
-def select(name: str, q, pool, plan) -> ModuleType:
-    """The backend that runs this step: ``name``, or for "auto" the first in AUTO_ORDER that can."""
+def select(name: str, q, pool, plan=None, quirks: Quirks = NO_QUIRKS) -> Backend:
+    """The backend that runs a layer with queries ``q`` over ``pool`` with ``quirks`` in the step of ``plan`` (None:
+    any step): ``name``, or for "auto" the first in the registry that can."""
     if name != "auto":
         backend = load(name)
-        reason = _reason(backend, q, pool, plan)
+        reason = backend.unsupported_reason(q, pool, plan, quirks)
         if reason is not None:
             raise NotImplementedError(f"kernel backend {name!r} cannot run this step: {reason}. "
                                       "Use CascadeConfig(backend='auto') or 'reference'.")
         return backend
-    key = (q.device.type, q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], plan.src_index is None)
-    for candidate in AUTO_ORDER:
+    padded = plan is not None and plan.src_index is not None
+    key = (q.device.type, q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], not padded)
+    for candidate in BACKENDS:
         try:
             backend = load(candidate)
         except ImportError as err:   # logged as text: a record holding the error would hold this call's frames
             _log_once((candidate, "import"), "%s", str(err))
             _warn_fixable(candidate, str(err), q)
             continue
-        reason = _reason(backend, q, pool, plan)
+        reason = backend.unsupported_reason(q, pool, plan, quirks)
         if reason is None:
             _log_once((candidate, key), "attention backend %r for %s", candidate, key)
             return backend

@@ -13,7 +13,7 @@ A three-level plan (a system prompt shared by a batch, each prompt's rest shared
 runs the prefix kernel twice, for the group prefix and for the middle level (its partials in the slots after the
 group prefix's), and the suffix kernel on the inner suffix; the merge reads the three ranges of slots of each row.
 
-Per-layer variants (``QUIRKS``), runtime scalars of the launches (a CUDA graph bakes them; the plain path's code is
+Per-layer variants (``CudaBackend.quirks``), runtime scalars of the launches (a CUDA graph bakes them; the plain path's code is
 unchanged, the kernels take a compiled-in variant branch only when one is on): a logit softcap and a sliding window
 in the prefix and suffix kernels, attention sinks as one more partial in the merge. The window is applied in the
 kernels from the device-side lengths (``prefix_len``, ``q_limit``): they skip whole chunks and K/V tiles before a
@@ -32,11 +32,13 @@ This module is the backend (the step state, the launches of one layer); below it
   eager calls go straight through ctypes (the operator dispatch costs more than the launch).
 
 The chunking (chunk length in tokens, chunks per group, suffix splits) and the partial-output buffers are
-derived from the plan's host arrays and kept in ``plan.call_scratch``: once per step, or once per generate
-call on a static decode layout (then the suffix split follows the tables' capacity); every layer reuses them.
+the backend's metadata (:class:`_StepState`, from :meth:`CudaBackend.build`), derived from the plan's host arrays:
+once per step, or once per generate call on a static decode layout (then the suffix split follows the tables'
+capacity; the layout keeps it); every layer reuses them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 
 from . import ops, refuse_in_capture
+from .base import NO_QUIRKS, Backend, Quirks
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
                            _SuffixParams)
 from .cuda_library import (PREBUILT, RETIRED_PREFIX_KERNEL_ENV, _check_retired_choice,  # noqa: F401 (re-exported)
@@ -57,27 +60,13 @@ from .cuda_tuning import PrefixLevel as _PrefixLevel  # noqa: F401 (the step sta
 from .cuda_tuning import prefix_level as _prefix_level
 from .ops import DTYPE_CODES, HEAD_DIMS
 
-__all__ = ["unsupported_reason", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
-           "choose_suffix_split", "MIN_SAVED_TOKENS", "PrefixTune", "parse_prefix_tune", "prefix_tune",
+__all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
+           "choose_suffix_split", "PrefixTune", "parse_prefix_tune", "prefix_tune",
            "set_prefix_tune", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS"]
 
 logger = logging.getLogger("hf_cascade")
 
 LOG2E = 1.0 / math.log(2.0)
-# a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens);
-# below, every row reads its whole table (H200, benchmarks/RESULTS.md, kernels_gpu.py --threshold)
-MIN_SAVED_TOKENS = 8192
-# every launch's grid and scalars depend only on shapes and the call's fixed prefix, lengths are read from device
-# memory, no host sync: a decode step on a static layout can be captured in a CUDA graph (hf_cascade.graphs)
-GRAPH_SAFE = True
-# a row that shares no prefix still reads its full blocks through the prefix kernel on a static decode layout:
-# the prefix kernel splits a long context over the whole GPU (H200, greedy 8B 4k: the suffix kernel read the 4k
-# context at ~1/8 of the roofline, benchmarks/RESULTS.md)
-SOLO_PREFIX = True
-
-# per-layer variants the kernels implement (hf_cascade.kernels.select): softcap and a sliding window in the prefix
-# and suffix kernels, attention sinks in the merge
-QUIRKS = ("softcap", "window", "sinks")
 
 
 @dataclass
@@ -155,21 +144,13 @@ def _sm_count(dev) -> int:
 
 def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: bool = False, plain: bool = True
                 ) -> _StepState:
+    """The launch state of ``plan`` for layers of ``q``'s shape: ``three``: the plan's middle level runs as one
+    (layers with a window read two levels: see CudaBackend.forward); ``plain``: no softcap / window, which matters
+    only where a tuning variant may run (it serves only those: bf16, head_dim 128 in production)."""
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
     tune = prefix_tune()
-    # three: the plan's middle level runs as one (layers with a window read two levels: see attend); plain: no
-    # softcap / window, which matters only where a tuning variant may run (it serves only those: bf16, head_dim 128
-    # in production); the tuning (default: PrefixTune(), "auto")
-    # not the pool's size: a pool that grows between a graph's warm-up and its capture (VMM maps ahead in the
-    # background) must not make a new state, whose uploads would break the capture; indices only stay valid as it grows
-    key = ("cuda", str(dev), R, Lq, Hq, Hkv, D, bs, q.dtype, three,
-           plain and tune.splits_by_plainness(q.dtype, D), tune)
-    scratch = plan.call_scratch         # a static decode layout keeps one state (and its buffers) for the call
-    state = scratch.get(key)
-    if state is not None:
-        return state
     # a new state uploads from pageable host memory (row_nchunks) and may set up a prefix variant: a captured step
     # must find the state its warm-up built
     refuse_in_capture(f"a new cuda-backend launch state (host-to-device uploads, prefix setup) for R={R} Lq={Lq} "
@@ -188,7 +169,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
     split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
-    state = _StepState(
+    return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
         max_chunks=pre.max_chunks, split_tokens=split_tokens, nsplit=nsplit, slots=slots,
         row_nchunks=torch.from_numpy(pre.row_nchunks).to(dev),
@@ -196,27 +177,24 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
         part_lse=torch.empty(slots * R * Lq * Hq, dtype=torch.float32, device=dev),
         dp=plan.on(dev), three=three, mid=mid,
         row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None, tune=pre.tune)
-    scratch[key] = state
-    return state
 
 
-# --------------------------------------------------------------------------------------- interface
+# --------------------------------------------------------------------------------------- the backend
 
-def unsupported_reason(q, pool, plan):
-    """Why this backend cannot take the step, or None."""
-    if not (isinstance(q, torch.Tensor) and q.is_cuda):
-        return "needs CUDA tensors"
-    if not (isinstance(pool, torch.Tensor) and pool.device == q.device):
+def _unsupported(q, pool):
+    """Beyond the declared dtypes, head dims and device: why this backend cannot take a layer of ``q`` over
+    ``pool``, or None."""
+    if q.device.type != "cuda":
+        return "needs CUDA tensors"           # before any question to the device
+    if pool.device != q.device:
         return "the KV pool is not on the queries' device"
-    if q.dtype not in DTYPE_CODES:
-        return f"dtype {q.dtype} (needs bfloat16 or float16)"
     if pool.dtype != q.dtype:
         return f"pool dtype {pool.dtype} differs from the queries' {q.dtype}"
-    if q.dim() != 4 or pool.dim() != 5 or pool.shape[1] != 2:
+    if len(q.shape) != 4 or pool.dim() != 5 or pool.shape[1] != 2:
         return f"unexpected shapes q {tuple(q.shape)}, pool {tuple(pool.shape)}"
     D = q.shape[-1]
-    if D not in HEAD_DIMS or pool.shape[-1] != D:
-        return f"head_dim {D} (supported: {HEAD_DIMS})"
+    if pool.shape[-1] != D:
+        return f"KV head_dim {pool.shape[-1]} differs from the queries' {D}"
     if pool.shape[3] < 1 or q.shape[2] % pool.shape[3]:
         return f"{q.shape[2]} query heads are not a multiple of {pool.shape[3]} KV heads"
     if not pool.is_contiguous() or pool.data_ptr() % 16:
@@ -230,39 +208,92 @@ def unsupported_reason(q, pool, plan):
     return None
 
 
-def attend(q, pool, plan, scale):
-    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
-    if q.dtype not in DTYPE_CODES or pool.dtype != q.dtype or not q.is_cuda or pool.device != q.device:
-        raise TypeError(f"cuda backend: q {q.dtype} on {q.device}, pool {pool.dtype} on {pool.device}")
-    if q.dim() != 4 or pool.dim() != 5 or q.shape[-1] != pool.shape[-1] or q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"cuda backend: bad shapes q {tuple(q.shape)}, pool {tuple(pool.shape)}")
-    if not pool.is_contiguous():
-        raise ValueError("cuda backend: the KV pool must be contiguous")
-    q = q.contiguous()
-    if q.data_ptr() % 16:
-        q = q.clone()
-    R, Lq, Hq, D = q.shape
-    if Lq != plan.q_len:
-        raise ValueError(f"cuda backend: q has {Lq} tokens per row, the plan {plan.q_len}")
-    out = torch.empty_like(q)
-    if out.numel() == 0:
+class CudaBackend(Backend):
+    """The bundled kernels of ``csrc/`` (bfloat16/float16, the compiled head dims, compute capability 8.0 up)."""
+
+    name = "cuda"
+    dtypes = tuple(DTYPE_CODES)
+    head_dims = HEAD_DIMS
+    devices = ("cuda",)
+    # softcap and a sliding window in the prefix and suffix kernels, attention sinks in the merge
+    quirks = ("softcap", "window", "sinks")
+    # every launch's grid and scalars depend only on shapes and the call's fixed prefix, lengths are read from device
+    # memory, no host sync: a decode step on a static layout can be captured in a CUDA graph (hf_cascade.graphs)
+    graph_safe = True
+    layout_metadata = True
+    # a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens);
+    # below, every row reads its whole table (H200, benchmarks/RESULTS.md, kernels_gpu.py --threshold)
+    min_saved_tokens = 8192
+    # a row that shares no prefix still reads its full blocks through the prefix kernel on a static decode layout:
+    # the prefix kernel splits a long context over the whole GPU (H200, greedy 8B 4k: the suffix kernel read the 4k
+    # context at ~1/8 of the roofline, benchmarks/RESULTS.md)
+    solo_prefix = True
+
+    def _unsupported(self, q, pool, plan):
+        return _unsupported(q, pool)
+
+    def metadata_key(self, q, pool, quirks: Quirks):
+        # not the pool's size: a pool that grows between a graph's warm-up and its capture (VMM maps ahead in the
+        # background) must not make a new state, whose uploads would break the capture; indices stay valid as it grows
+        R, Lq, Hq, D = q.shape
+        tune = prefix_tune()
+        plain = quirks.softcap is None and quirks.window is None
+        return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, quirks.window is None,
+                plain and tune.splits_by_plainness(q.dtype, D), tune)
+
+    def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:
+        """The launch state of ``plan`` for layers like ``q`` with ``quirks`` (``lib``: the kernels' library, by
+        default the one of q's device)."""
+        # like the reference, a layer with a window reads two levels (its window start is defined over the group
+        # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
+        three = quirks.window is None and _has_middle(plan)
+        plain = quirks.softcap is None and quirks.window is None
+        # on q's device: the prefix variants' one-time setup applies to the current device
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
+
+    def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
+        if q.dtype not in DTYPE_CODES or pool.dtype != q.dtype or not q.is_cuda or pool.device != q.device:
+            raise TypeError(f"cuda backend: q {q.dtype} on {q.device}, pool {pool.dtype} on {pool.device}")
+        if q.dim() != 4 or pool.dim() != 5 or q.shape[-1] != pool.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+            raise ValueError(f"cuda backend: bad shapes q {tuple(q.shape)}, pool {tuple(pool.shape)}")
+        if not pool.is_contiguous():
+            raise ValueError("cuda backend: the KV pool must be contiguous")
+        q = q.contiguous()
+        if q.data_ptr() % 16:
+            q = q.clone()
+        R, Lq, Hq, D = q.shape
+        if Lq != metadata.dp.q_limit.shape[1]:
+            raise ValueError(f"cuda backend: q has {Lq} tokens per row, the plan {metadata.dp.q_limit.shape[1]}")
+        out = torch.empty_like(q)
+        if out.numel() == 0:
+            return out
+        with torch.cuda.device(q.device):
+            lib = library(q.device)
+            _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, metadata, scale, out,
+                    softcap=softcap, window=window, sinks=sinks)
         return out
-    with torch.cuda.device(q.device):
-        lib = library(q.device)
-        _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, plan, scale, out)
-    return out
 
 
-def _launch(lib, stream: int, q, pool, plan, scale, out, kernels=ops) -> None:
+BACKEND = CudaBackend()
+
+
+def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
+    """One layer's cascade attention for one step (build, then forward)."""
+    return BACKEND.attend(q, pool, plan, scale, quirks)
+
+
+def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=None, window=None, sinks=None,
+            kernels=ops) -> None:
     """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
     scale_log2 = float(scale) * LOG2E
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
     # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
-    softcap, window, sinks = _quirks(plan, q)
-    # like the reference, a layer with a window reads two levels (its window start is defined over the group
-    # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
-    three = window == 0 and _has_middle(plan)
-    st = _step_state(lib, q, pool, plan, three, plain=softcap == 0.0 and window == 0)
+    softcap, window, sinks = _quirks(softcap, window, sinks, q)
+    if st.three and window:
+        raise ValueError("cuda backend: a layer with a sliding window reads two levels; its state was built for three "
+                         "(build it with the layer's quirks)")
+    three = st.three
     dp = st.dp
     if st.has_prefix:
         kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
@@ -280,12 +311,9 @@ def _launch(lib, stream: int, q, pool, plan, scale, out, kernels=ops) -> None:
                   st.row_nmid if three else None, st.max_chunks, sinks)
 
 
-def _quirks(plan, q) -> tuple[float, int, torch.Tensor | None]:
+def _quirks(softcap, window, sinks, q) -> tuple[float, int, torch.Tensor | None]:
     """(softcap, window, sinks) of the layer as the kernels take them: 0 for off, the sinks float32 [Hq] on q's
     device."""
-    softcap = getattr(plan, "softcap", None)
-    window = getattr(plan, "window", None)
-    sinks = getattr(plan, "sinks", None)
     if softcap is not None and not float(softcap) > 0.0:
         raise ValueError(f"cuda backend: softcap {softcap} must be > 0 (None: off)")
     if window is not None and int(window) < 1:

@@ -11,9 +11,9 @@ partial states are merged with ``merge_state_in_place`` (fp32 LSE, base 2).
 ``MODE = "multilevel"`` uses FlashInfer's ``MultiLevelCascadeAttentionWrapper(2, ...)`` instead,
 for steps where every row belongs to a prefix group (other steps use the two wrappers).
 
-The wrappers are planned once per step (by the first layer) from the plan's host arrays and kept in
-``plan.scratch``; every layer then only calls ``run``. Wrapper objects and the 128 MB float workspace
-are created once per device and reused across steps.
+The wrappers are planned once per step (by the first layer) from the plan's host arrays and kept in the
+step's metadata (:class:`FlashInferMetadata`, which the step context holds); every layer then only calls
+``run``. Wrapper objects and the 128 MB float workspace are created once per device and reused across steps.
 
 Importing this module imports FlashInfer; an ImportError here makes ``backend="auto"`` fall
 through to the next backend with one log line.
@@ -24,6 +24,9 @@ import inspect
 
 import numpy as np
 import torch
+
+# absolute: tests load this file alone, under another name, with a stand-in flashinfer
+from hf_cascade.kernels.base import NO_QUIRKS, Backend
 
 try:
     import flashinfer as _fi
@@ -51,16 +54,11 @@ if _version_tuple(VERSION) < _version_tuple(MIN_VERSION):
                       f"(plan/run wrappers, base-2 LSE; tested with {TESTED_VERSION}). "
                       "Upgrade with: pip install 'hf_cascade[flashinfer]'")
 
-__all__ = ["unsupported_reason", "attend", "MODE", "WORKSPACE_BYTES", "HEAD_DIMS"]
+__all__ = ["FlashInferBackend", "BACKEND", "MODE", "WORKSPACE_BYTES", "HEAD_DIMS"]
 
 # "two_wrappers": level 0 and level 1 as separate wrappers + merge_state_in_place (default).
 # "multilevel": FlashInfer's MultiLevelCascadeAttentionWrapper(2, ...) when every row is in a group.
 MODE = "two_wrappers"
-# a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens):
-# FlashInfer's full-table tensor-core decode beat its two-wrapper cascade at every prefix up to 1k
-# tokens, 8 prompts x 16 beams (123k saved) included, and lost to it at 16k, 8 x 8 (917k); H200,
-# benchmarks/RESULTS.md
-MIN_SAVED_TOKENS = 262144
 WORKSPACE_BYTES = 128 * 1024 * 1024
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -118,49 +116,38 @@ _DECODE_LSE = _decode_returns_lse() if hasattr(_fi, "BatchDecodeWithPagedKVCache
 # --------------------------------------------------------------------------- support check
 
 def _plan_reason(plan) -> str | None:
-    """Why the step's plan cannot run here (computed once per step, on the host)."""
-    key = ("flashinfer", "plan_reason")
-    if key in plan.scratch:
-        return plan.scratch[key]
-    reason = None
+    """Why the step's plan cannot run here (on the host; the step context asks once per step and layer shape)."""
     if plan.src_index is not None:
-        reason = ("padding among this step's new tokens (q_limit is not plain bottom-right causal, "
-                  "which is the only causal mask FlashInfer's paged wrappers take here)")
-    else:
-        lim = np.asarray(plan.q_limit, dtype=np.int64)
-        if lim.ndim != 2 or lim.shape[1] != plan.q_len:
-            reason = f"q_limit of shape {lim.shape} does not match q_len {plan.q_len}"
-        elif lim.size:
-            last = lim[:, -1:]
-            expected = last - np.arange(plan.q_len - 1, -1, -1, dtype=np.int64)[None, :]
-            if (lim[:, 0] < 1).any() or not np.array_equal(lim, expected):
-                reason = "q_limit is not bottom-right causal with every query seeing its own token"
-    plan.scratch[key] = reason
-    return reason
+        return ("padding among this step's new tokens (q_limit is not plain bottom-right causal, "
+                "which is the only causal mask FlashInfer's paged wrappers take here)")
+    lim = np.asarray(plan.q_limit, dtype=np.int64)
+    if lim.ndim != 2 or lim.shape[1] != plan.q_len:
+        return f"q_limit of shape {lim.shape} does not match q_len {plan.q_len}"
+    if lim.size:
+        last = lim[:, -1:]
+        expected = last - np.arange(plan.q_len - 1, -1, -1, dtype=np.int64)[None, :]
+        if (lim[:, 0] < 1).any() or not np.array_equal(lim, expected):
+            return "q_limit is not bottom-right causal with every query seeing its own token"
+    return None
 
 
-def unsupported_reason(q, pool, plan):
-    """None when FlashInfer can run this step; otherwise why not (dtype, head_dim, GQA, padding, device)."""
-    if q.dtype not in DTYPES:
-        return f"FlashInfer backend takes float16/bfloat16 queries, not {q.dtype}"
+def _unsupported(q, pool, plan):
+    """Beyond the declared dtypes, head dims and device: None when FlashInfer can run this step; otherwise why not
+    (pool, GQA, padding)."""
     if pool.dtype != q.dtype:
         return f"KV pool dtype {pool.dtype} differs from the query dtype {q.dtype}"
-    if q.dim() != 4 or pool.dim() != 5 or pool.shape[1] != 2:
+    if len(q.shape) != 4 or len(pool.shape) != 5 or pool.shape[1] != 2:
         return (f"unexpected shapes q {tuple(q.shape)} / pool {tuple(pool.shape)} "
                 "(want [R, Lq, Hq, D] / [num_blocks, 2, block_size, Hkv, D])")
     D = q.shape[-1]
-    if D not in HEAD_DIMS:
-        return f"head_dim {D} is not one of {HEAD_DIMS}"
     if pool.shape[-1] != D:
         return f"KV head_dim {pool.shape[-1]} differs from the query head_dim {D}"
     Hq, Hkv = q.shape[2], pool.shape[3]
     if Hkv == 0 or Hq % Hkv:
         return f"num query heads {Hq} is not a multiple of num KV heads {Hkv}"
-    reason = _plan_reason(plan)
+    reason = None if plan is None else _plan_reason(plan)
     if reason is not None:
         return reason
-    if q.device.type != "cuda":
-        return f"FlashInfer needs CUDA tensors, not {q.device.type}"
     if pool.device != q.device:
         return f"KV pool on {pool.device} but queries on {q.device}"
     if pool.stride(-1) != 1 or pool.stride(-2) != D:
@@ -282,40 +269,74 @@ def _build(q, pool, plan, scale, config) -> _Step:
     return step
 
 
-# --------------------------------------------------------------------------- per layer
+# --------------------------------------------------------------------------- the backend
 
-def attend(q, pool, plan, scale):
-    """One layer's cascade attention for one step: q [R, Lq, Hq, D] -> o [R, Lq, Hq, D] (q.dtype)."""
-    R, Lq, Hq, D = q.shape
-    N, _, bs, Hkv, _ = pool.shape
-    if R * Lq == 0:
-        return q.new_zeros(R, Lq, Hq, D)
-    scale = float(scale)
-    config = (str(q.device), q.dtype, Hq, Hkv, D, bs)
-    key = ("flashinfer",) + config + (Lq, scale, MODE)
-    step = plan.scratch.get(key)
-    if step is None or not step.valid():    # first layer of the step (or another plan re-planned the wrappers)
-        step = plan.scratch[key] = _build(q, pool, plan, scale, config)
+class FlashInferMetadata:
+    """One step's planned wrappers for layers of one shape: the plan's host arrays, and a :class:`_Step` per
+    (query tokens, scale), planned by the first layer that needs it."""
 
-    qf = q.reshape(R * Lq, Hq, D).contiguous()
+    def __init__(self, plan):
+        self.plan = plan
+        self.steps: dict = {}
 
-    if step.kind == "multi":
-        if step.tok is None:
-            return step.multi.wrapper.run(qf, pool).view(R, Lq, Hq, D)
-        out = step.multi.wrapper.run(qf.index_select(0, step.tok), pool)
-        o = torch.empty_like(qf)
-        o.index_copy_(0, step.tok, out)
-        return o.view(R, Lq, Hq, D)
 
-    o1, lse1 = step.suffix.wrapper.run(qf, pool, return_lse=True)
-    if step.prefix is not None:
-        q0 = qf if step.tok is None else qf.index_select(0, step.tok)
-        o0, lse0 = step.prefix.wrapper.run(q0, pool, return_lse=True)
-        if step.tok is None:
-            _fi.merge_state_in_place(o1, lse1, o0, lse0)
-        else:   # merge only the grouped rows' tokens: never merges an empty segment
-            o1s = o1.index_select(0, step.tok)
-            l1s = lse1.index_select(0, step.tok)
-            _fi.merge_state_in_place(o1s, l1s, o0, lse0)
-            o1.index_copy_(0, step.tok, o1s)
-    return o1.view(R, Lq, Hq, D)
+class FlashInferBackend(Backend):
+    """FlashInfer's paged wrappers (float16/bfloat16, head_dim 64/128/256, CUDA; no quirks; planned on the host
+    every step, so not graph-safe)."""
+
+    name = "flashinfer"
+    dtypes = DTYPES
+    head_dims = HEAD_DIMS
+    devices = ("cuda",)
+    # a cascade pays once it saves this many token reads per layer (sum of (rows - 1) x prefix tokens):
+    # FlashInfer's full-table tensor-core decode beat its two-wrapper cascade at every prefix up to 1k
+    # tokens, 8 prompts x 16 beams (123k saved) included, and lost to it at 16k, 8 x 8 (917k); H200,
+    # benchmarks/RESULTS.md
+    min_saved_tokens = 262144
+
+    def _unsupported(self, q, pool, plan):
+        return _unsupported(q, pool, plan)
+
+    def build(self, plan, q, pool, quirks=NO_QUIRKS) -> FlashInferMetadata:
+        return FlashInferMetadata(plan)
+
+    def forward(self, q, pool, metadata: FlashInferMetadata, scale, *, softcap=None, window=None, sinks=None):
+        """One layer's cascade attention for one step: q [R, Lq, Hq, D] -> o [R, Lq, Hq, D] (q.dtype)."""
+        if softcap is not None or window is not None or sinks is not None:
+            raise NotImplementedError("the flashinfer backend implements no attention quirks")
+        R, Lq, Hq, D = q.shape
+        N, _, bs, Hkv, _ = pool.shape
+        if R * Lq == 0:
+            return q.new_zeros(R, Lq, Hq, D)
+        scale = float(scale)
+        config = (str(q.device), q.dtype, Hq, Hkv, D, bs)
+        key = config + (Lq, scale, MODE)
+        step = metadata.steps.get(key)
+        if step is None or not step.valid():    # first layer of the step (or another plan re-planned the wrappers)
+            step = metadata.steps[key] = _build(q, pool, metadata.plan, scale, config)
+
+        qf = q.reshape(R * Lq, Hq, D).contiguous()
+
+        if step.kind == "multi":
+            if step.tok is None:
+                return step.multi.wrapper.run(qf, pool).view(R, Lq, Hq, D)
+            out = step.multi.wrapper.run(qf.index_select(0, step.tok), pool)
+            o = torch.empty_like(qf)
+            o.index_copy_(0, step.tok, out)
+            return o.view(R, Lq, Hq, D)
+
+        o1, lse1 = step.suffix.wrapper.run(qf, pool, return_lse=True)
+        if step.prefix is not None:
+            q0 = qf if step.tok is None else qf.index_select(0, step.tok)
+            o0, lse0 = step.prefix.wrapper.run(q0, pool, return_lse=True)
+            if step.tok is None:
+                _fi.merge_state_in_place(o1, lse1, o0, lse0)
+            else:   # merge only the grouped rows' tokens: never merges an empty segment
+                o1s = o1.index_select(0, step.tok)
+                l1s = lse1.index_select(0, step.tok)
+                _fi.merge_state_in_place(o1s, l1s, o0, lse0)
+                o1.index_copy_(0, step.tok, o1s)
+        return o1.view(R, Lq, Hq, D)
+
+
+BACKEND = FlashInferBackend()

@@ -28,18 +28,24 @@ Conventions
   extra key with score ``sinks[h]`` and value 0.  Merging is associative over disjoint key sets, so the
   sink is exact as one more state (o = 0, lse = sinks * log2 e) merged once per query after the levels
   (:func:`merge_sink`); giving it to every level would count it once per level.
-  ``attend`` reads them from ``plan.softcap``, ``plan.window`` and ``plan.sinks`` (absent or None: off).
+  :class:`ReferenceBackend` takes them as ``forward``'s keywords (None: off).
+
+:data:`BACKEND` is these functions as a kernel backend (:mod:`hf_cascade.kernels.base`); :func:`attend` runs it on
+one layer.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .base import NO_QUIRKS, Backend, Quirks
+
 __all__ = ["prefix_attention", "suffix_attention", "merge_state", "merge_sink", "cascade_attention",
-           "three_level_attention", "window_key_start", "attend", "unsupported_reason"]
+           "three_level_attention", "window_key_start", "attend", "ReferenceBackend", "BACKEND"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -226,18 +232,6 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
     return o
 
 
-MIN_SAVED_TOKENS = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
-QUIRKS = ("softcap", "window", "sinks")     # per-layer variants this backend implements (hf_cascade.kernels)
-# no host sync, shapes from the plan's tables, windows applied from the device lengths: a static decode step
-# can be captured (hf_cascade.graphs)
-GRAPH_SAFE = True
-
-
-def unsupported_reason(q, pool, plan):
-    """The reference takes every shape, dtype and device."""
-    return None
-
-
 def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table,
                           mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None, sinks=None):
     """Group prefix (e.g. a batch's system prompt) + subgroup prefix (each prompt's rest, shared by its
@@ -254,14 +248,42 @@ def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_
     return o
 
 
-def attend(q, pool, plan, scale):
-    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels`)."""
-    dp = plan.on(pool.device)
-    window = getattr(plan, "window", None)
-    softcap, sinks = getattr(plan, "softcap", None), getattr(plan, "sinks", None)
-    if window is None and dp.mid_group_rows.shape[0]:
-        return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                                     dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
-                                     dp.inner_q_limit, scale, softcap=softcap, sinks=sinks)
-    return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                             dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks)
+class ReferenceMetadata(NamedTuple):
+    """A step's metadata on the reference backend: the plan and its tensors on the pool's device."""
+
+    plan: object
+    device: object
+
+
+class ReferenceBackend(Backend):
+    """The functions above as a kernel backend: any device, dtype and head_dim, every quirk."""
+
+    name = "reference"
+    quirks = ("softcap", "window", "sinks")
+    # no host sync, shapes from the plan's tables, windows applied from the device lengths: a static decode step
+    # can be captured (hf_cascade.graphs)
+    graph_safe = True
+    min_saved_tokens = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
+
+    def metadata_key(self, q, pool, quirks):
+        return (str(pool.device),)          # the plan's tensors on the pool's device: one per device
+
+    def build(self, plan, q, pool, quirks=NO_QUIRKS) -> ReferenceMetadata:
+        return ReferenceMetadata(plan, plan.on(pool.device))
+
+    def forward(self, q, pool, metadata: ReferenceMetadata, scale, *, softcap=None, window=None, sinks=None):
+        dp = metadata.device
+        if window is None and dp.mid_group_rows.shape[0]:
+            return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                                         dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
+                                         dp.inner_q_limit, scale, softcap=softcap, sinks=sinks)
+        return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
+                                 dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks)
+
+
+BACKEND = ReferenceBackend()
+
+
+def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
+    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels.base`)."""
+    return BACKEND.attend(q, pool, plan, scale, quirks)
