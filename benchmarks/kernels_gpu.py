@@ -161,13 +161,14 @@ def main(argv=None) -> int:
             results.append(row)
             continue
         try:
-            out = backend.attend(q, pool, plan, scale)
+            meta = backend.build(plan, q, pool)      # once, as a step does for all its layers: only forward is timed
+            out = backend.forward(q, pool, meta, scale)
             torch.cuda.synchronize()
             if name != "reference" and "reference" in backends:   # float32 reference, once per shape
                 if ref_out is None:
                     ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
                 row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
-            med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, plan, scale), args.reps, args.warmup,
+            med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, scale), args.reps, args.warmup,
                                              flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             row.update(error=f"{type(err).__name__}: {err}")
@@ -177,8 +178,8 @@ def main(argv=None) -> int:
         roofline = row["cascade_bytes"] / bw * 1e6
         row.update(median_us=med, min_us=best, roofline_us=roofline, fraction_of_roofline=roofline / med,
                    achieved_tb_s=row["bytes"] / (med * 1e-6) / 1e12)
-        if name == "cuda" and getattr(cascade, "scratch", None):     # the cuda backend's launch, where it keeps one
-            st = next(v for k, v in cascade.scratch.items() if k[0] == "cuda")
+        if name == "cuda":     # the cuda backend's launch state (its metadata)
+            st = meta
             row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
                                     m_tile=st.m_tile, suffix_splits=st.nsplit)
         results.append(row)

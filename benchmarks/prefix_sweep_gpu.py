@@ -71,9 +71,8 @@ def split_tune(text: str) -> tuple[dict, dict]:
     return kernel, chunk
 
 
-def launch_of(plan, tune, lib) -> dict:
-    """The prefix launch the cuda backend used for ``plan`` under ``tune`` (from the plan's cached step state)."""
-    st = next(v for k, v in plan.call_scratch.items() if k[0] == "cuda" and k[-1] == tune)
+def launch_of(st, lib) -> dict:
+    """The prefix launch of the cuda backend's launch state ``st`` (its metadata for one plan and tune)."""
     code = int(st.tune)
     found = lib._info.get((cuda_backend.DTYPE_CODES[DTYPE], HEAD_DIM, st.m_tile, torch.cuda.current_device(),
                            code))
@@ -83,29 +82,29 @@ def launch_of(plan, tune, lib) -> dict:
 
 
 def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> list[dict]:
-    tune = cuda_backend.set_prefix_tune(text)
+    cuda_backend.set_prefix_tune(text)
     rows = []
     for shape, (q, pool, cascade, _full) in zip(SHAPES, steps):
         row = dict(candidate=text, shape=shape_name(shape), **shape)
         scale = 1.0 / math.sqrt(HEAD_DIM)
         try:
-            out = backend.attend(q, pool, cascade, scale)
+            meta = backend.build(cascade, q, pool)       # once per candidate and shape: only forward is timed
+            out = backend.forward(q, pool, meta, scale)
             torch.cuda.synchronize()
-            row["launch"] = launch_of(cascade, tune, lib)
+            row["launch"] = launch_of(meta, lib)
             ref = refs[shape_name(shape)]
             err = float((out.float() - ref).norm() / ref.norm())
             row["rel_err"] = err
             if not (torch.isfinite(out).all() and err < MAX_REL_ERR):
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
-                med, best = harness.cuda_time_us(lambda: backend.attend(q, pool, cascade, scale), args.reps,
+                med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, scale), args.reps,
                                                  args.warmup, flush)
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
             row["failed"] = f"{type(err).__name__}: {err}"[:300]
-        for key in [k for k in cascade.call_scratch if k[0] == "cuda" and k[-1] == tune]:
-            del cascade.call_scratch[key]          # this candidate's partial buffers: keep memory flat
+        meta = None                                # this candidate's partial buffers: keep memory flat
         rows.append(row)
         mark = f"{row['median_us']:.1f} µs ({100 * row['fraction_of_roofline']:.0f}%)" if "median_us" in row \
             else f"[red]FAILED[/red] {row['failed'][:80]}"
