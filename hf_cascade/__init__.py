@@ -21,9 +21,9 @@ from .blocks import PoolExhausted
 from .cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
+from ._version import __version__  # noqa: F401 (the package version)
 from .session import release
 
-__version__ = "0.1.0"
 __all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register",
            "release"]
 

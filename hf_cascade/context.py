@@ -32,7 +32,6 @@ from . import kernels
 from .kernels.base import Quirks  # noqa: F401  (re-exported: the attention builds quirk sets from here)
 
 if TYPE_CHECKING:
-    from .cache import CascadeCache, CascadeLayer
     from .kernels.base import Backend
     from .plan import StepPlan
 
@@ -60,17 +59,17 @@ class StepContext:
       ``update`` begins a new step.
     """
 
-    def __init__(self, cache: "CascadeCache", plan: "StepPlan", step_id: int):
+    def __init__(self, cache, plan: "StepPlan", step_id: int):      # cache: the CascadeCache of the step
         self._cache = weakref.ref(cache) if cache is not None else _no_cache
         self.plan, self.step_id = plan, step_id
-        self.written: dict[int, tuple[CascadeLayer, Any]] = {}
+        self.written: dict[int, tuple[Any, Any]] = {}     # layer_idx -> (its CascadeLayer, the K shape it stored)
         self.unread: set[int] = set()
         self.backends: dict = {}
         self.metadata: dict = {}
         self.finished = False
 
     @property
-    def cache(self) -> "CascadeCache | None":
+    def cache(self):        # the CascadeCache, or None once it is gone
         return self._cache()
 
     @property

@@ -33,7 +33,7 @@ def _version(dist: str) -> str | None:
 def versions() -> dict:
     import transformers
 
-    from . import __version__
+    from ._version import __version__
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

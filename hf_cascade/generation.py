@@ -22,7 +22,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import encoder_decoder, graphs
+from . import encoder_decoder, graphs, seq2seq_models
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -62,8 +62,8 @@ def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
     if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
-        reason = encoder_decoder.unsupported_reason(model)
-        if reason is None and config.model_type in encoder_decoder.COMPOSITE:
+        reason = seq2seq_models.unsupported_reason(model)
+        if reason is None and config.model_type in seq2seq_models.COMPOSITE:
             # stock's path, but the "cascade" mask reaches every part: each must take it through the interface
             for part in (model.get_encoder(), model.get_decoder()):
                 if not routes_attention(part):
@@ -91,7 +91,7 @@ def check_model_supported(model) -> None:
     reason = unsupported_reason(model)
     if reason is not None:
         # a composite model (VisionEncoderDecoderModel, ...): what its decoder has (TrOCR: eager only)
-        part = model.get_decoder() if model.config.model_type in encoder_decoder.COMPOSITE else model
+        part = model.get_decoder() if model.config.model_type in seq2seq_models.COMPOSITE else model
         raise NotImplementedError(
             f"attn_implementation='cascade' cannot serve this model: {reason}. "
             f"Load it with attn_implementation='{stock_attention(part)}' instead.")

@@ -32,7 +32,7 @@ import torch
 
 from .blocks import PoolExhausted
 from .config import MEMORY_POLICIES
-from .kernels import capture_underway, refuse_in_capture
+from .kernels.capture import capture_underway, refuse_in_capture
 
 logger = logging.getLogger("hf_cascade")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .kernels import refuse_in_capture
+from .kernels.capture import refuse_in_capture
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hf_cascade.context import StepContext
 from hf_cascade.plan import StepPlan
 
 
@@ -212,3 +213,15 @@ def random_three_level(seed, *, sys_tokens, prompts, beams, own_tokens, suffix, 
         inner_suffix_table=t(padded(own_blocks, max(map(len, own_blocks)) + 1)), inner_q_limit=t(causal),
         suffix_table=t(padded(two_level, max(map(len, two_level)) + 1)), q_limit=t(q_limit),
         scale=1.0 / math.sqrt(D), lone_rows=lone)
+
+
+_contexts: dict = {}
+
+
+def step_context_of(plan: StepPlan) -> StepContext:
+    """The step context the attention would hold for ``plan`` (one per plan): layers of one step share its backend
+    metadata."""
+    entry = _contexts.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
+    return entry[1]

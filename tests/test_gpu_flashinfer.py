@@ -32,10 +32,9 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.context import StepContext
 from hf_cascade.kernels import reference
 from hf_cascade.plan import build_step_plan
-from kernel_helpers import random_layout
+from kernel_helpers import random_layout, step_context_of
 
 FI_PATH = Path(kernels.__file__).with_name("flashinfer.py")
 LN2 = math.log(2.0)
@@ -77,21 +76,11 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-_contexts: dict = {}
-
-
-def step_of(plan) -> StepContext:
-    """The step context the attention would hold for ``plan``: layers of one step share its backend metadata."""
-    entry = _contexts.get(id(plan))
-    if entry is None or entry[0] is not plan:
-        entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
-    return entry[1]
-
 
 def attend(module, q, pool, plan, scale):
     """One layer on the FlashInfer backend of ``module`` as the attention runs it: the step's metadata (its planned
     wrappers, shared by the step's layers), then the layer's forward."""
-    metadata = step_of(plan).backend_metadata(module.BACKEND, q, pool, kernels.NO_QUIRKS)
+    metadata = step_context_of(plan).backend_metadata(module.BACKEND, q, pool, kernels.NO_QUIRKS)
     return module.BACKEND.forward(q, pool, metadata, scale)
 
 
@@ -384,11 +373,11 @@ def _check_against_reference(fib, q, pool, plan, scale, label):
     err = rel_err(out, ref)
     assert err < 1e-2, f"{label}: relative error {err:.2e}"
     # the next layer of the step: same plan, other queries and pool; the wrappers are not re-planned
-    metadata, = step_of(plan).metadata.values()
+    metadata, = step_context_of(plan).metadata.values()
     planned = dict(metadata.steps)
     q2, pool2 = q * 0.7, pool * -0.5
     out2 = attend(fib, q2, pool2, plan, scale)
-    assert list(step_of(plan).metadata.values()) == [metadata] and metadata.steps == planned
+    assert list(step_context_of(plan).metadata.values()) == [metadata] and metadata.steps == planned
     assert rel_err(out2, reference_out(q2, pool2, plan, scale)) < 1e-2
 
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.context import Quirks, StepContext
+from hf_cascade.context import Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
-from kernel_helpers import random_layout, random_three_level, step_plan
+from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
 
 BF, FP = torch.bfloat16, torch.float16
 
@@ -41,25 +41,14 @@ def make_case(seed, *, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((3, 100),
     return lay.q, lay.pool, lay.plan(), lay.scale
 
 
-_contexts: dict = {}
-
-
-def context_of(plan) -> StepContext:
-    """The step context the attention would hold for ``plan``: layers of one step share its backend metadata."""
-    entry = _contexts.get(id(plan))
-    if entry is None or entry[0] is not plan:
-        entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
-    return entry[1]
-
-
 def states(plan) -> list:
     """The cuda backend's launch states built for ``plan``'s layers so far (one per layer shape and kind)."""
-    return list(context_of(plan).metadata.values())
+    return list(step_context_of(plan).metadata.values())
 
 
 def cuda_attend(q, pool, plan, scale, quirks: Quirks = Quirks()):
     """One layer on the cuda backend as the attention runs it: the step's metadata, then the layer's forward."""
-    metadata = context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
+    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
     return cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs())
 
 

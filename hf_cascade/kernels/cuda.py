@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import ops, refuse_in_capture
+from . import ops
+from .capture import refuse_in_capture
 from .base import NO_QUIRKS, Backend, Quirks
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
                            _SuffixParams)

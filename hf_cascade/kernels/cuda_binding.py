@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import refuse_in_capture
+from .capture import refuse_in_capture
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
 
