@@ -98,7 +98,7 @@ class StepContext:
         On a static decode step a backend whose metadata holds for the layout keeps it in the layout (the call)."""
         plan = self.plan
         store = plan.layout.metadata if plan.layout is not None and backend.layout_metadata else self.metadata
-        key = (backend.name,) + backend.metadata_key(q, pool, quirks)
+        key = (backend.name,) + backend.metadata_key(q, pool, quirks, plan)
         found = store.get(key)
         if found is None or not backend.reusable(found):
             found = store[key] = backend.build(plan, q, pool, quirks)

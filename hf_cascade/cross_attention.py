@@ -45,7 +45,7 @@ class CrossContext:
         return found
 
     def backend_metadata(self, backend, plan, q, pool):
-        key = (id(plan), backend.name) + backend.metadata_key(q, pool, NO_QUIRKS)
+        key = (id(plan), backend.name) + backend.metadata_key(q, pool, NO_QUIRKS, plan)
         entry = self.metadata.get(key)     # (plan, metadata): the plan kept alive, so its id names only it
         if entry is None or entry[0] is not plan or not backend.reusable(entry[1]):
             entry = self.metadata[key] = (plan, backend.build(plan, q, pool, NO_QUIRKS))

@@ -65,15 +65,15 @@ def _greedy(model, ids, mask, backend, new):
 
 
 def _count_cuda_layers(monkeypatch) -> list:
-    """Every attend call the cuda backend serves, with its layer's (window, softcap)."""
+    """Every layer the cuda backend serves, with its (window, softcap)."""
     from hf_cascade.kernels import cuda as cuda_backend
-    calls, real = [], cuda_backend.attend
+    calls, real = [], cuda_backend.CudaBackend.forward
 
-    def counted(q, pool, plan, scale):
-        calls.append((getattr(plan, "window", None), getattr(plan, "softcap", None)))
-        return real(q, pool, plan, scale)
+    def counted(self, q, pool, metadata, scale, *, softcap=None, window=None, sinks=None):
+        calls.append((window, softcap))
+        return real(self, q, pool, metadata, scale, softcap=softcap, window=window, sinks=sinks)
 
-    monkeypatch.setattr(cuda_backend, "attend", counted)
+    monkeypatch.setattr(cuda_backend.CudaBackend, "forward", counted)
     return calls
 
 

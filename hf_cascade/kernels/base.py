@@ -102,8 +102,8 @@ class Backend:
         device is checked after it."""
         return None
 
-    def metadata_key(self, q, pool, quirks: Quirks) -> tuple:
-        """Which layers of a step share one metadata: those with equal keys (the layer shape, by default)."""
+    def metadata_key(self, q, pool, quirks: Quirks, plan=None) -> tuple:
+        """Which layers of ``plan``'s step share one metadata: those with equal keys (the layer shape, by default)."""
         return (str(q.device), q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], pool.shape[3])
 
     def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS):

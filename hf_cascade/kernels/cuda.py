@@ -233,13 +233,15 @@ class CudaBackend(Backend):
     def _unsupported(self, q, pool, plan):
         return _unsupported(q, pool)
 
-    def metadata_key(self, q, pool, quirks: Quirks):
+    def metadata_key(self, q, pool, quirks: Quirks, plan=None):
         # not the pool's size: a pool that grows between a graph's warm-up and its capture (VMM maps ahead in the
         # background) must not make a new state, whose uploads would break the capture; indices stay valid as it grows
         R, Lq, Hq, D = q.shape
         tune = prefix_tune()
         plain = quirks.softcap is None and quirks.window is None
-        return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, quirks.window is None,
+        # a layer with a window reads a three-level plan as two levels (build): its own state only then
+        three = quirks.window is None and plan is not None and _has_middle(plan)
+        return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, three,
                 plain and tune.splits_by_plainness(q.dtype, D), tune)
 
     def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:

@@ -265,7 +265,7 @@ class ReferenceBackend(Backend):
     graph_safe = True
     min_saved_tokens = 0   # the PyTorch path always gains from reading a shared prefix once (CPU: 1k tokens up)
 
-    def metadata_key(self, q, pool, quirks):
+    def metadata_key(self, q, pool, quirks, plan=None):
         return (str(pool.device),)          # the plan's tensors on the pool's device: one per device
 
     def build(self, plan, q, pool, quirks=NO_QUIRKS) -> ReferenceMetadata:
