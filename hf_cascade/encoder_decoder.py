@@ -36,6 +36,7 @@ from . import cross_attention
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .logs import log_once
 from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded,
                        repeated_inputs)
 from .dense_cache import capped_dynamic_cache, self_attention_cache
@@ -69,16 +70,10 @@ def _dense(decode, model, input_ids, logits_processor, stopping_criteria, genera
                   synced_gpus=synced_gpus, **model_kwargs)
 
 
-_composite_logged = False
-
-
 def _log_composite(model) -> None:
-    global _composite_logged
-    if not _composite_logged:
-        _composite_logged = True
-        logger.info("%s runs generate on stock's dense path (the cascade's encoder-decoder path serves "
-                    "%s, not a pairing of any encoder and decoder); load its decoder alone for the decoder-only "
-                    "cascade (logged once).", type(model).__name__, ", ".join(sorted(SUPPORTED)))
+    log_once("composite", logging.INFO, "%s runs generate on stock's dense path (the cascade's encoder-decoder path "
+             "serves %s, not a pairing of any encoder and decoder); load its decoder alone for the decoder-only "
+             "cascade (logged once).", type(model).__name__, ", ".join(sorted(SUPPORTED)))
 
 
 def _without_cache(result):

@@ -26,6 +26,7 @@ from . import encoder_decoder, graphs, seq2seq_models
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .logs import log_once
 from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
@@ -323,15 +324,9 @@ def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | No
     return None
 
 
-_stock_path_logged = False
-
-
 def _log_stock_path(reason: str) -> None:
-    global _stock_path_logged
-    if not _stock_path_logged:
-        _stock_path_logged = True
-        logger.info("generate runs on stock's dense path where %s; pass a CascadeCache to generate "
-                    "to run the cascade anyway (logged once).", reason)
+    log_once("stock path", logging.INFO, "generate runs on stock's dense path where %s; pass a CascadeCache to "
+             "generate to run the cascade anyway (logged once).", reason)
 
 
 def _check_continuation(cache: CascadeCache, past: int, prompts: int, width: int) -> None:
@@ -510,7 +505,7 @@ def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
         return
     reason = graphs.unsupported_reason(model, cascade_config)
     if reason is not None:
-        graphs.log_once(("compile unused", reason), logging.WARNING,
+        log_once(("compile unused", reason), logging.WARNING,
                          "CascadeConfig(compile=True) is ignored: it compiles the decode step replayed as a CUDA "
                          "graph, and decode steps run without graphs here (%s).", reason)
 

@@ -42,10 +42,10 @@ import torch
 
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .logs import log_once
 
 logger = logging.getLogger("hf_cascade")
-_logged: set = set()
-# generate may run in several threads: guards the forward dispatchers, _logged and _side_streams
+# generate may run in several threads: guards the forward dispatchers and _side_streams
 _lock = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
@@ -55,15 +55,6 @@ _CACHE_KWARGS = ("past_key_values", "cache")
 # the call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
             "inputs_embeds": "decoder_inputs_embeds"}
-
-
-def log_once(key, level, message, *args):
-    # keyed with the level: a message first logged at INFO still shows once at WARNING
-    with _lock:
-        if (key, level) in _logged:
-            return
-        _logged.add((key, level))
-    logger.log(level, message, *args)
 
 
 def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:

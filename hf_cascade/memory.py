@@ -32,6 +32,7 @@ import torch
 
 from .blocks import PoolExhausted
 from .config import MEMORY_POLICIES
+from .logs import log_once
 from .kernels.capture import capture_underway, refuse_in_capture
 
 logger = logging.getLogger("hf_cascade")
@@ -225,7 +226,6 @@ _primary_ctx: dict[int, object] = {}
 _mapped_bytes: dict[int, int] = {}        # device index -> bytes mapped by all VMM storages
 # the counters here change from generate's threads and the mapping worker: read-modify-writes under this lock
 _counts_lock = threading.Lock()
-_logged: set = set()
 
 
 def _device_index(device) -> int:
@@ -637,11 +637,8 @@ def resolve_policy(policy: str, device) -> str:
         return policy
     reason = vmm_unavailable_reason(device)
     chosen = "grow" if reason else "vmm"
-    key = (str(torch.device(device)), chosen)
-    if key not in _logged:
-        _logged.add(key)
-        logger.info("memory='auto' on %s: %s", device,
-                    f"'grow' ({reason})" if reason else "'vmm' (CUDA virtual memory: the KV pool grows in place)")
+    log_once(("memory auto", str(torch.device(device)), chosen), logging.INFO, "memory='auto' on %s: %s", device,
+             f"'grow' ({reason})" if reason else "'vmm' (CUDA virtual memory: the KV pool grows in place)")
     return chosen
 
 

@@ -34,6 +34,7 @@ import torch
 from . import graphs, memory
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .logs import log_once
 
 # guards _kept and _in_use (generate may run in several threads)
 _lock = threading.Lock()
@@ -273,10 +274,10 @@ class DecodeSession:
         reason = graphs.unsupported_reason(self.model, self.cache.cascade_config)
         if reason is not None:
             if mode is not False:
-                graphs.log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
+                log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
                                 "decode steps run without CUDA graphs: %s", reason)
             return None
-        graphs.log_once(("on", mode), logging.INFO, "decode steps run as %s",
+        log_once(("on", mode), logging.INFO, "decode steps run as %s",
                         "the graph runner's static path without capture" if mode == "eager"
                         else "a replayed CUDA graph")
         runner = self._kept_runner

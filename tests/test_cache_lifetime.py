@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hf_cascade
-from hf_cascade import CascadeCache, context, graphs, kernels, session
+from hf_cascade import CascadeCache, context, kernels, logs, session
 
 from conftest import cache_kw, model_pair, padded_batch, returned_cache
 
@@ -48,7 +48,7 @@ def test_a_model_that_ran_generate_is_freed(config, kw, monkeypatch, caplog):
     # backends load (and fail to load) inside this test's first call, as in a fresh process; its log records kept
     monkeypatch.setattr(kernels, "_loaded", {})
     monkeypatch.setattr(kernels, "_logged", set())
-    monkeypatch.setattr(graphs, "_logged", set())
+    monkeypatch.setattr(logs, "_logged", set())
     caplog.set_level(logging.DEBUG, logger="hf_cascade")
     _, cascade = model_pair("llama")
     ids, mask = padded_batch(seed=2)

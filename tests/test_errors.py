@@ -14,7 +14,7 @@ import torch
 import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig, PoolExhausted, kernels
 from hf_cascade import __main__ as cli
-from hf_cascade import generation, graphs
+from hf_cascade import generation, logs
 from hf_cascade.config import MAX_BLOCK_SIZE, ConfigTypeError
 from hf_cascade.memory import PoolAllocationError, make_storage
 from conftest import cache_kw, model_pair, padded_batch, returned_cache, tiny_config
@@ -485,7 +485,7 @@ def test_a_model_switched_to_cascade_after_loading():
 # ----------------------------------------------------------------------------------------- log lines
 
 def test_compile_without_graphs_is_warned_once(llama_pair, caplog, monkeypatch):
-    monkeypatch.setattr(graphs, "_logged", set())
+    monkeypatch.setattr(logs, "_logged", set())
     _, cascade = llama_pair
     ids, mask = padded_batch()
     with caplog.at_level(logging.WARNING, logger="hf_cascade"):
@@ -499,7 +499,7 @@ def test_compile_without_graphs_is_warned_once(llama_pair, caplog, monkeypatch):
 def test_a_line_logged_once_at_info_still_shows_at_warning(llama_pair, caplog, monkeypatch):
     """cuda_graphs=None logs 'decode steps run without CUDA graphs' at INFO; a later cuda_graphs=True asks for a
     WARNING, which must show even though the same line was logged at INFO (and only once)."""
-    monkeypatch.setattr(graphs, "_logged", set())
+    monkeypatch.setattr(logs, "_logged", set())
     _, cascade = llama_pair
     ids, mask = padded_batch()
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
@@ -518,9 +518,9 @@ def test_kernels_log_once_keys_by_level(monkeypatch, caplog):
 
 
 def test_log_lines_do_not_repeat_the_logger_name(llama_pair, caplog, monkeypatch):
-    monkeypatch.setattr(graphs, "_logged", set())
+    monkeypatch.setattr(logs, "_logged", set())
     monkeypatch.setattr(kernels, "_logged", set())
-    monkeypatch.setattr(generation, "_stock_path_logged", False)
+    monkeypatch.setattr(logs, "_logged", set())
     _, cascade = llama_pair
     ids, mask = padded_batch()
     with caplog.at_level(logging.INFO, logger="hf_cascade"):

@@ -15,7 +15,7 @@ import torch
 
 import hf_cascade.memory as memory
 from conftest import model_pair, padded_batch, returned_cache
-from hf_cascade import CascadeConfig
+from hf_cascade import CascadeConfig, logs
 from hf_cascade.memory import GrowStorage, PoolAllocationError, StaticStorage, make_fixed_storage, make_storage
 
 SHAPE = (2, 4, 2, 8)          # K+V, block 4, 2 KV heads, head_dim 8
@@ -113,7 +113,7 @@ def test_fixed_storage_the_device_cannot_allocate_names_what_to_lower(kv_runs):
 
 # ---- factory and config -----------------------------------------------------------------------------
 def test_auto_on_cpu_is_grow_and_logged_once(caplog):
-    memory._logged.clear()
+    logs._logged.clear()
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
         assert isinstance(make_storage(SHAPE, torch.float32, "cpu"), GrowStorage)
         assert isinstance(make_storage(SHAPE, torch.float32, "cpu", "auto"), GrowStorage)

@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GPT2Config, StoppingCriteria, StoppingCriteriaList
 
-from hf_cascade import CascadeCache, CascadeConfig, generation
+from hf_cascade import CascadeCache, CascadeConfig, generation, logs
 from conftest import VOCAB, FirstForwardRows, cache_kw, model_pair, padded_batch, returned_cache
 
 NEW = 6
@@ -228,7 +228,7 @@ def test_empty_prompt_in_left_padded_batch(unpadded_embedding_pair, mode, explic
 
 def test_nothing_to_share_runs_on_stock_path_logged_once(llama_pair, caplog, monkeypatch):
     stock, cascade = llama_pair
-    monkeypatch.setattr(generation, "_stock_path_logged", False)
+    monkeypatch.setattr(logs, "_logged", set())
     ids, mask = padded_batch(seed=13)
     seen = FirstForwardRows(cascade)
     try:

@@ -15,7 +15,7 @@ import torch
 import transformers as T
 
 import hf_cascade
-from hf_cascade import CascadeCache, encoder_decoder, generation
+from hf_cascade import CascadeCache, generation, logs
 from conftest import FirstForwardRows, cache_kw, padded_batch
 
 V = 96
@@ -147,7 +147,7 @@ COMPOSITES = {
 def test_composite_models_run_on_stock_path(name, mode, caplog, monkeypatch):
     make, inputs = COMPOSITES[name]
     stock, cascade = pair(make)
-    monkeypatch.setattr(encoder_decoder, "_composite_logged", False)
+    monkeypatch.setattr(logs, "_logged", set())
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
         want, got = both(stock, cascade, **inputs(), **MODES[mode])
     assert_same(want, got)
