@@ -91,7 +91,9 @@ def _wrap(original):
         extra = arguments.pop("kwargs", {})
         user_cache = extra.get("cache", extra.get("past_key_values"))
         if not _is_cascade(self):
-            if isinstance(user_cache, CascadeCache) or "hf_cascade_config" in extra:
+            # a custom decoding method of the caller's (hub/hf-cascade-generate among them) takes these itself
+            if arguments.get("custom_generate") is None and (isinstance(user_cache, CascadeCache)
+                                                             or "hf_cascade_config" in extra):
                 what = "A CascadeCache" if isinstance(user_cache, CascadeCache) else "hf_cascade_config"
                 raise ValueError(f"{what} applies only to models loaded with attn_implementation='cascade' (after "
                                  "`import hf_cascade`); this model uses "
