@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import padded_batch, tiny_config
+from test_encoder_decoder import FAMILIES as SEQ2SEQ_FAMILIES, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = str(ROOT / "hub" / "hf-cascade-generate")
@@ -52,12 +55,13 @@ class ForwardSpy:
     """Per forward: the attention implementation the model's config named and the type of cache it got."""
 
     def __init__(self, model):
-        self.model, self.seen = model, []
+        self.model, self.seen, self.caches = model, [], []
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self.seen.append((self.model.config._attn_implementation, type(cache).__name__))
+        self.caches.append(cache)
 
     def __enter__(self):
         return self
@@ -111,15 +115,15 @@ def test_tokens_equal_stock(model, mode):
     assert attention_choices(model) == before and model.config._attn_implementation == "sdpa"
 
 
-def test_second_call_and_config_left_as_it_was(model):
+def test_second_call_settings_and_config_left_as_it_was(model):
     ids, mask = padded_batch(seed=2)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, num_beams=3)
     config = model.config.to_dict()
     expected = model.generate(**kw)
-    for _ in range(2):
+    for block_size in (4, 8):
         with ForwardSpy(model) as spy:
-            assert torch.equal(model.generate(**kw, **HUB), expected)
-        assert spy.ran_cascade()
+            assert torch.equal(model.generate(**kw, hf_cascade_config={"block_size": block_size}, **HUB), expected)
+        assert spy.ran_cascade() and spy.caches[0].cascade_config.block_size == block_size
         assert model.config.to_dict() == config and model.config._attn_implementation == "sdpa"
 
 
@@ -152,6 +156,29 @@ def test_decoding_the_cascade_does_not_take_runs_stock(model):
     with pytest.raises(ValueError, match="max_kv_bytes cannot be enforced on stock's path"):
         model.generate(**kw, hf_cascade_config={"max_kv_bytes": 2 ** 30}, **HUB)
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_encoder_decoder(family, caplog):
+    """Encoder-decoder models run the cascade too. transformers 5.17's set_attn_implementation does not reach T5's
+    decoder stack (it keeps a config of its own): there the call runs stock generate, warned, and says why."""
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(SEQ2SEQ_FAMILIES[family](), attn_implementation="sdpa",
+                                              dtype=torch.float64).eval()
+    ids, mask = sources()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=4,
+              num_return_sequences=2)
+    before = attention_choices(model)
+    expected = model.generate(**kw)
+    with ForwardSpy(model) as spy:
+        got = model.generate(**kw, **HUB)
+    assert torch.equal(expected, got)
+    assert attention_choices(model) == before
+    if family == "t5" and Version(transformers.__version__) < Version("5.24"):
+        assert spy.ran_stock() or spy.seen[0] == ("cascade", "CascadeEncoderDecoderCache"), spy.seen
+        assert spy.seen[0][0] == "cascade" or "its decoder (T5Stack) kept 'sdpa' attention" in caplog.text
+    else:
+        assert {seen for seen in spy.seen} == {("cascade", "CascadeEncoderDecoderCache")}, spy.seen
 
 
 SCRIPT = r"""
