@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from conftest import padded_batch, tiny_config
 from test_encoder_decoder import FAMILIES as SEQ2SEQ_FAMILIES, sources
+from test_families import FAMILIES as DECODER_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = str(ROOT / "hub" / "hf-cascade-generate")
@@ -73,7 +74,8 @@ class ForwardSpy:
         return bool(self.seen) and all(seen == ("cascade", "CascadeCache") for seen in self.seen)
 
     def ran_stock(self) -> bool:
-        return bool(self.seen) and all(attention == "sdpa" for attention, _ in self.seen)
+        return bool(self.seen) and all(attention != "cascade" and cache != "CascadeCache"
+                                       for attention, cache in self.seen)
 
 
 def attention_choices(model) -> list:
@@ -156,6 +158,22 @@ def test_decoding_the_cascade_does_not_take_runs_stock(model):
     with pytest.raises(ValueError, match="max_kv_bytes cannot be enforced on stock's path"):
         model.generate(**kw, hf_cascade_config={"max_kv_bytes": 2 ** 30}, **HUB)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_the_cascade_cannot_serve_runs_stock(caplog):
+    """Bloom computes attention in its own code (not through AttentionInterface): stock generate, warned."""
+    torch.manual_seed(0)
+    config = DECODER_FAMILIES["Bloom"].make()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    attention = model.config._attn_implementation
+    ids, mask = padded_batch(seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, num_beams=2)
+    expected = model.generate(**kw)
+    with ForwardSpy(model) as spy:
+        assert torch.equal(model.generate(**kw, **HUB), expected)
+    assert spy.ran_stock(), spy.seen
+    assert "hf_cascade cannot serve this model" in caplog.text and "computes attention in its own code" in caplog.text
+    assert model.config._attn_implementation == attention
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
