@@ -29,8 +29,6 @@ from hf_cascade.generation import SUPPORTED_MODES, unsupported_reason
 from hf_cascade.logs import log_once
 from transformers import GenerationMixin, PreTrainedConfig
 
-logger = logging.getLogger("hf_cascade")
-
 CASCADE = "cascade"
 _ATTRIBUTE = "_attn_implementation_internal"      # what config._attn_implementation reads and writes
 _MISSING = object()
@@ -52,7 +50,7 @@ def generate(model, *args, **kwargs):
                 return type(model).generate(model, *args, **kwargs)
     log_once(("hub stock path", reason), logging.WARNING,
              "custom_generate hf-cascade-generate runs stock generate: %s.", reason)
-    return type(model).generate(model, *args, **_stock_arguments(kwargs))
+    return type(model).generate(model, *args, **_stock_arguments(kwargs, reason))
 
 
 def stock_reason(model, kwargs: dict) -> str | None:
@@ -69,14 +67,14 @@ def stock_reason(model, kwargs: dict) -> str | None:
     return None
 
 
-def _stock_arguments(kwargs: dict) -> dict:
+def _stock_arguments(kwargs: dict, reason: str) -> dict:
     """``kwargs`` without hf_cascade's settings, which stock generate refuses; a KV cap cannot hold there."""
     kwargs = dict(kwargs)
     settings = kwargs.pop("hf_cascade_config", None)
     if settings is not None and CascadeConfig.coerce(settings).max_kv_bytes is not None:
-        raise ValueError("CascadeConfig.max_kv_bytes cannot be enforced on stock's path, whose cache is not capped "
-                         "(see the warning above for why this call runs there). Unset max_kv_bytes, or change the "
-                         "call so that the cascade takes it.")
+        raise ValueError(f"CascadeConfig.max_kv_bytes cannot be enforced on stock's path, whose cache is not capped; "
+                         f"this call runs there because {reason}. Unset max_kv_bytes, or change the call so that the "
+                         "cascade takes it.")
     return kwargs
 
 
