@@ -216,6 +216,27 @@ def test_beam_sampling_sorts_the_sampled_candidates_as_transformers_does():
                 top_k=10, temperature=0.9)
 
 
+def test_beam_sampling_with_eos_ranks_the_sampled_candidates_by_score():
+    # the sampled candidates' order decides which eos hits rank within the first num_beams
+    ids, mask = prompts((6,), seed=0)
+    compare(make_model(eos_bias=1.0, seed=0), ids, mask, seed=0, do_sample=True, num_beams=2, top_k=8,
+            max_new_tokens=12)
+
+
+@pytest.mark.parametrize("early_stopping", ["never", False])
+def test_beam_search_never_bounds_by_max_length_once_the_store_is_full(early_stopping):
+    # with a full store of finished hypotheses, "never" (length_penalty > 0) keeps searching where False stops
+    ids, mask = prompts((5, 3), seed=0)
+    compare(make_model(eos_bias=2.0, seed=0), ids, mask, num_beams=2, early_stopping=early_stopping,
+            length_penalty=1.5, max_new_tokens=14)
+
+
+def test_beam_search_early_stopping_true_ends_once_every_slot_is_finished():
+    ids, mask = prompts((5, 3), seed=4)
+    compare(make_model(eos_bias=2.0, seed=4), ids, mask, seed=4, num_beams=3, early_stopping=True,
+            length_penalty=-1.0, max_new_tokens=14)
+
+
 @pytest.mark.parametrize("processors", [
     dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=1),
     dict(min_new_tokens=6), dict(min_length=10),
@@ -239,7 +260,7 @@ def _state_for(sequences, cur_len, prompt_length, mask=None, **config):
     return state
 
 
-@pytest.mark.parametrize("cur_len", [1, 2, 3, 5, 9, 12])
+@pytest.mark.parametrize("cur_len", range(4, 13))
 def test_each_processor_equals_transformers_at_every_length(cur_len):
     generator = torch.Generator().manual_seed(cur_len)
     rows, width, prompt_length = 5, 12, 4
@@ -263,8 +284,6 @@ def test_each_processor_equals_transformers_at_every_length(cur_len):
         (dict(do_sample=True, top_p=0.7), hf_processors.TopPLogitsWarper(0.7)),
         (dict(do_sample=True, min_p=0.2), hf_processors.MinPLogitsWarper(0.2)),
     ]
-    if cur_len < prompt_length:
-        return                      # a prompt is never shorter than its own width
     for config, processor in cases:
         state = _state_for(sequences, cur_len, prompt_length, mask, **config)
         expected = processor(input_ids, scores.clone())
