@@ -19,8 +19,14 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
+import transformers
 
 NEG_INF_SCORE = -1.0e9      # transformers' "cannot be chosen" score in beam search (added, so such scores tie)
+
+
+# transformers 5.24 changed two rules (release notes of 5.17..5.24 read in shared/reference/device_beam_search.md):
+# beam sampling re-sorts its sampled candidates by score, and the repetition penalty skips left padding.
+_TRANSFORMERS_5_24 = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24)
 
 
 class UnsupportedSelection(ValueError):
@@ -172,7 +178,7 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
     device = input_ids.device
     sequences = torch.full((rows, config.max_length), _fill_value(config), dtype=torch.int64, device=device)
     sequences[:, :prompt_length] = input_ids
-    if attention_mask is None:
+    if attention_mask is None or not _TRANSFORMERS_5_24:
         prompt_start = torch.zeros(rows, dtype=torch.int64, device=device)
     else:                       # transformers' ``prompt_ignore_length`` (5.24): the left padding
         prompt_start = (attention_mask != 0).int().argmax(dim=1).to(torch.int64)
@@ -234,7 +240,7 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     scores = process_logits(state, logits.to(copy=True, dtype=torch.float32))
     if config.do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
-        tokens = torch.multinomial(probs, num_samples=1, generator=state.generator).squeeze(1)
+        tokens = _multinomial(probs, 1, state.generator).squeeze(1)
     else:
         tokens = torch.argmax(scores, dim=-1)
     if config.eos_token_ids:    # finished rows repeat the pad token
@@ -260,11 +266,11 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
 
     # top-K continuations over beams x vocab (transformers' _get_top_k_continuations)
     if config.do_sample:
-        top_indices = torch.multinomial(torch.nn.functional.softmax(log_probs, dim=-1), num_samples=candidates,
-                                        generator=state.generator)
+        top_indices = _multinomial(torch.nn.functional.softmax(log_probs, dim=-1), candidates, state.generator)
         top_log_probs = torch.gather(input=log_probs, dim=1, index=top_indices)
-        top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
-        top_indices = top_indices.gather(dim=-1, index=order)
+        if _TRANSFORMERS_5_24:
+            top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
+            top_indices = top_indices.gather(dim=-1, index=order)
     else:
         top_log_probs, top_indices = torch.topk(log_probs, k=candidates)
     top_parents = top_indices // vocab                              # [B, K] beam within the prompt
@@ -419,6 +425,16 @@ def _stopping_hits(state: SelectionState, tokens: torch.Tensor, new_len: torch.T
     if state.config.eos_token_ids:
         hits = hits | (tokens[..., None] == state.eos_ids).any(dim=-1)
     return hits
+
+
+def _multinomial(probs: torch.Tensor, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``torch.multinomial(probs, num_samples)`` (without replacement) as ATen computes it, drawing the same random
+    numbers: the top ``num_samples`` of ``probs / q`` with ``q ~ Exp(1)``. ATen first checks the probabilities
+    with a host read, which this leaves out (a bad distribution gives some token instead of an error)."""
+    draws = probs / torch.empty_like(probs).exponential_(1, generator=generator)
+    if num_samples == 1:
+        return torch.argmax(draws, dim=-1, keepdim=True)
+    return torch.topk(draws, num_samples)[1]
 
 
 def _fill_value(config: SelectionConfig) -> int:
