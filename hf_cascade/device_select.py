@@ -24,8 +24,8 @@ import transformers
 NEG_INF_SCORE = -1.0e9      # transformers' "cannot be chosen" score in beam search (added, so such scores tie)
 
 
-# transformers 5.24 changed two rules (release notes of 5.17..5.24 read in shared/reference/device_beam_search.md):
-# beam sampling re-sorts its sampled candidates by score, and the repetition penalty skips left padding.
+# transformers 5.24 differs from 5.17 in two rules (shared/reference/device_beam_search.md; 5.18-5.23 not checked for
+# the second): beam sampling re-sorts its sampled candidates by score, and the repetition penalty skips left padding.
 _TRANSFORMERS_5_24 = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24)
 
 
@@ -100,19 +100,63 @@ class SelectionConfig:
             value = getattr(gc, name, off)
             if not (value is None or value is False or value == off):
                 raise UnsupportedSelection(f"device selection off: {name}={value!r} is not supported")
-        eos = gc.eos_token_id
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
-        pad = gc.pad_token_id
+        # the special tokens as generate prepared them for its loop (pad falls back to eos[0] there)
+        eos = getattr(gc, "_eos_token_tensor", None)
+        eos = () if eos is None else tuple(int(e) for e in eos.reshape(-1))
+        pad = getattr(gc, "_pad_token_tensor", None)
+        pad = None if pad is None else int(pad)
         return cls(
             batch_size=batch_size, prompt_length=prompt_length, max_length=gc.max_length,
             do_sample=bool(gc.do_sample), num_beams=gc.num_beams or 1,
-            num_return_sequences=gc.num_return_sequences or 1, eos_token_ids=eos, pad_token_id=None if pad is None else int(pad),
+            num_return_sequences=gc.num_return_sequences or 1, eos_token_ids=eos, pad_token_id=pad,
             temperature=gc.temperature if gc.temperature is not None else 1.0, top_k=gc.top_k,
             top_p=gc.top_p if gc.top_p is not None else 1.0, min_p=gc.min_p,
             repetition_penalty=gc.repetition_penalty if gc.repetition_penalty is not None else 1.0,
             no_repeat_ngram_size=gc.no_repeat_ngram_size or 0, min_length=gc.min_length or 0,
             min_new_tokens=gc.min_new_tokens or 0, length_penalty=gc.length_penalty,
             early_stopping=gc.early_stopping)
+
+    def check_against(self, logits_processor, stopping_criteria) -> None:
+        """Raise UnsupportedSelection unless transformers' prepared lists are exactly what this config reproduces:
+        the same processor and criterion types (exact types: a subclass may compute anything) with the same
+        parameters (a user's object replaces the default one of its type)."""
+        from transformers.generation import logits_process, stopping_criteria as criteria_module
+        names = tuple(type(p).__name__ for p in logits_processor)
+        if names != self.processor_names():
+            raise UnsupportedSelection(f"device selection off: processors {names} (reproduced: "
+                                       f"{self.processor_names()})")
+        for processor in logits_processor:
+            if type(processor) is not getattr(logits_process, type(processor).__name__):
+                raise UnsupportedSelection(f"device selection off: {type(processor).__qualname__} not supported")
+            expected = self._parameters_of(type(processor).__name__)
+            found = {key: _plain(getattr(processor, key, None)) for key in expected}
+            if found != expected:
+                raise UnsupportedSelection(f"device selection off: {type(processor).__name__} {found} differs from "
+                                           f"the generation config's {expected}")
+        for criterion in stopping_criteria:
+            name = type(criterion).__name__
+            if name not in ("MaxLengthCriteria", "EosTokenCriteria") or type(criterion) is not getattr(
+                    criteria_module, name):
+                raise UnsupportedSelection(f"device selection off: {type(criterion).__qualname__} not supported")
+            found = (criterion.max_length if name == "MaxLengthCriteria" else _plain(criterion.eos_token_id))
+            expected = self.max_length if name == "MaxLengthCriteria" else self.eos_token_ids
+            if found != expected:
+                raise UnsupportedSelection(f"device selection off: {name} {found} differs from {expected}")
+
+    def _parameters_of(self, processor_name: str) -> dict:
+        keep = self.min_tokens_to_keep
+        return {
+            "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty},
+            "NoRepeatNGramLogitsProcessor": {"ngram_size": self.no_repeat_ngram_size},
+            "MinLengthLogitsProcessor": {"min_length": self.min_length, "eos_token_id": self.eos_token_ids},
+            "MinNewTokensLengthLogitsProcessor": {"prompt_length_to_skip": self.prompt_length,
+                                                  "min_new_tokens": self.min_new_tokens,
+                                                  "eos_token_id": self.eos_token_ids},
+            "TemperatureLogitsWarper": {"temperature": self.temperature},
+            "TopKLogitsWarper": {"top_k": max(self.top_k or 0, keep), "filter_value": -math.inf},
+            "TopPLogitsWarper": {"top_p": self.top_p, "min_tokens_to_keep": keep, "filter_value": -math.inf},
+            "MinPLogitsWarper": {"min_p": self.min_p, "min_tokens_to_keep": keep, "filter_value": -math.inf},
+        }[processor_name]
 
     def processor_names(self) -> tuple[str, ...]:
         """The transformers processors this config applies, in transformers' order (``_get_logits_processor``)."""
@@ -425,6 +469,15 @@ def _stopping_hits(state: SelectionState, tokens: torch.Tensor, new_len: torch.T
     if state.config.eos_token_ids:
         hits = hits | (tokens[..., None] == state.eos_ids).any(dim=-1)
     return hits
+
+
+def _plain(value):
+    """A processor's parameter as a comparable Python value (eos ids as a tuple)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(int(v) for v in value.reshape(-1))
+    if isinstance(value, list):
+        return tuple(value)
+    return value
 
 
 def _multinomial(probs: torch.Tensor, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:

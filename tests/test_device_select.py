@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.generation import logits_process as hf_processors
 from transformers.modeling_outputs import CausalLMOutput
 
 from hf_cascade import device_select
 from hf_cascade.device_select import SelectionConfig, UnsupportedSelection, finalize, new_state, step
+from conftest import tiny_config
 
 EOS, PAD, VOCAB = 3, 0, 48
 
@@ -25,7 +26,21 @@ class ReplayConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-class ReplayLM(PreTrainedModel, GenerationMixin):
+class RecordsDecoding:
+    """Records the generation config, processors and criteria generate hands its decoding loop in ``self.seen``."""
+
+    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        self.seen.append((generation_config, logits_processor, stopping_criteria))
+        return GenerationMixin._beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                            **kwargs)
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        self.seen.append((generation_config, logits_processor, stopping_criteria))
+        return GenerationMixin._sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       **kwargs)
+
+
+class ReplayLM(RecordsDecoding, PreTrainedModel, GenerationMixin):
     """Logits of the last position = 3 · tanh(Σ 0.6^age · embed[token]) @ head, masked positions left out, plus
     ``eos_bias`` on eos so that hypotheses end early. No cache: generate runs with ``use_cache=False``."""
     config_class = ReplayConfig
@@ -52,15 +67,6 @@ class ReplayLM(PreTrainedModel, GenerationMixin):
         for eos in _as_list(self.config.eos_token_id):
             logits[:, eos] += self.config.eos_bias
         return CausalLMOutput(logits=logits[:, None, :])
-
-    # record what generate hands its decoding loop
-    def _beam_search(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-        self.seen.append((generation_config, logits_processor, stopping_criteria))
-        return super()._beam_search(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
-
-    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-        self.seen.append((generation_config, logits_processor, stopping_criteria))
-        return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
 
 
 def _as_list(ids):
@@ -108,8 +114,7 @@ def compare(model, ids, mask, seed=0, **generate_kwargs):
     forwards = model.forwards
     generation_config, processors, criteria = model.seen[-1]
     config = SelectionConfig.from_generation_config(generation_config, ids.shape[0], ids.shape[1])
-    assert config.processor_names() == tuple(type(p).__name__ for p in processors)
-    assert {type(c).__name__ for c in criteria} <= {"MaxLengthCriteria", "EosTokenCriteria"}
+    config.check_against(processors, criteria)
     torch.manual_seed(seed)
     model.forwards = 0
     state = device_loop(model, config, ids, mask)
@@ -366,3 +371,55 @@ def test_settings_without_a_device_variant_are_refused_by_name(setting):
     model.generate(ids, attention_mask=mask, use_cache=False, max_new_tokens=2, **setting)
     with pytest.raises(UnsupportedSelection, match=next(iter(setting))):
         SelectionConfig.from_generation_config(model.seen[-1][0], 1, ids.shape[1])
+
+
+class OwnTopK(hf_processors.TopKLogitsWarper):
+    pass
+
+
+class OwnStop:
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("passed, refused", [
+    (dict(logits_processor=[hf_processors.TopKLogitsWarper(5)]), "TopKLogitsWarper"),   # replaces top_k=50
+    (dict(logits_processor=[OwnTopK(50)]), "OwnTopK"),
+    (dict(logits_processor=[hf_processors.TypicalLogitsWarper(0.5)]), "TypicalLogitsWarper"),
+    (dict(stopping_criteria=[OwnStop()]), "OwnStop"),
+])
+def test_a_users_own_processor_or_criterion_is_refused(passed, refused):
+    model = make_model()
+    ids, mask = prompts((4,))
+    model.generate(ids, attention_mask=mask, use_cache=False, max_new_tokens=2, do_sample=True, **passed)
+    generation_config, processors, criteria = model.seen[-1]
+    config = SelectionConfig.from_generation_config(generation_config, 1, ids.shape[1])
+    with pytest.raises(UnsupportedSelection, match=refused):
+        config.check_against(processors, criteria)
+
+
+# --- a real architecture ------------------------------------------------------------------------------------
+
+def recording_llama():
+    """A tiny random Llama in float64 that records, like ReplayLM, what generate hands its loop."""
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, eos_token_id=EOS),
+                                             attn_implementation="sdpa", dtype=torch.float64).eval()
+    stock = type(model)
+
+    class Recording(RecordsDecoding, stock):
+        def forward(self, *args, **kwargs):
+            self.forwards += 1
+            return super().forward(*args, **kwargs)
+
+    model.__class__ = Recording
+    model.seen, model.forwards = [], 0
+    return model
+
+
+@pytest.mark.parametrize("generate_kwargs", [
+    dict(), dict(num_beams=3, num_return_sequences=2, length_penalty=0.8, no_repeat_ngram_size=2),
+    dict(do_sample=True, top_p=0.9, num_return_sequences=2, repetition_penalty=1.3),
+])
+def test_a_tiny_llama_in_float64(generate_kwargs):
+    ids, mask = prompts((6, 4), seed=15)
+    compare(recording_llama(), ids, mask, seed=3, max_new_tokens=8, **generate_kwargs)
