@@ -505,8 +505,11 @@ def _column_mask(state: SelectionState, position: torch.Tensor) -> torch.Tensor:
 
 def _write_column(sequences: torch.Tensor, position: torch.Tensor, tokens: torch.Tensor,
                   active: torch.Tensor) -> None:
-    column = (torch.arange(sequences.shape[1], device=sequences.device) == position) & active
-    sequences.copy_(torch.where(column[None, :], tokens[:, None], sequences))
+    """``sequences[:, position] = tokens`` while ``active``; otherwise rewrites what is there (the position is
+    clamped: it can only reach max_length once the call is done)."""
+    column = position.clamp(max=sequences.shape[1] - 1).expand(sequences.shape[0], 1)
+    current = sequences.gather(1, column).squeeze(1)
+    sequences.scatter_(1, column, torch.where(active, tokens, current)[:, None])
 
 
 def _assign(target: torch.Tensor, value: torch.Tensor, active: torch.Tensor) -> None:

@@ -423,3 +423,22 @@ def recording_llama():
 def test_a_tiny_llama_in_float64(generate_kwargs):
     ids, mask = prompts((6, 4), seed=15)
     compare(recording_llama(), ids, mask, seed=3, max_new_tokens=8, **generate_kwargs)
+
+
+@pytest.mark.parametrize("generate_kwargs", [
+    dict(num_beams=3, num_return_sequences=2, repetition_penalty=1.2, no_repeat_ngram_size=2, min_new_tokens=2,
+         length_penalty=1.3),
+    dict(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, num_return_sequences=2),
+])
+def test_step_traces_as_one_graph_for_the_whole_call(generate_kwargs):
+    # fullgraph=True fails on any host read or Python branch on a tensor; one graph means no retrace per step
+    model = make_model()
+    ids, mask = prompts((5, 3), seed=16)
+    reference, _ = compare(model, ids, mask, seed=5, max_new_tokens=6, **generate_kwargs)
+    config = SelectionConfig.from_generation_config(model.seen[-1][0], ids.shape[0], ids.shape[1])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(5)
+    state = device_loop(model, config, ids, mask, step=torch.compile(step, backend="eager", fullgraph=True))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert torch.equal(finalize(state).sequences, reference.sequences)
