@@ -206,6 +206,7 @@ class SelectionState:
     batch_offsets: torch.Tensor | None = None       # [B, 1] int64: first row of each prompt
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The state's buffers by name (what a captured graph must keep alive and in place)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
 
@@ -305,7 +306,7 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     log_probs = torch.nn.functional.log_softmax(logits.to(copy=True, dtype=torch.float32), dim=-1)
     log_probs = process_logits(state, log_probs)            # beam search processes log-probs, not logits
     vocab = log_probs.shape[-1]
-    log_probs = log_probs.view(batch, beams, vocab) + state.beam_scores[:, :, None]
+    log_probs = log_probs.reshape(batch, beams, vocab) + state.beam_scores[:, :, None]
     log_probs = torch.reshape(log_probs, (batch, -1))
 
     # top-K continuations over beams x vocab (transformers' _get_top_k_continuations)

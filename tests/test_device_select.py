@@ -90,14 +90,19 @@ def prompts(lengths=(6,), seed=0):
 
 
 def device_loop(model, config: SelectionConfig, ids, mask, step=step):
-    """generate's loop with the selection of device_select: forward the filled part, step, until done."""
+    """generate's loop with the selection of device_select: forward the filled part, step, until done; checks
+    that step's (tokens, parents) describe the new sequences."""
     expand = config.num_beams if config.is_beam else config.num_return_sequences
     ids, mask = ids.repeat_interleave(expand, 0), mask.repeat_interleave(expand, 0)
     state = new_state(config, ids, mask)
     length = ids.shape[1]
     while True:
         logits = model(state.sequences[:, :length], attention_mask=mask).logits[:, -1]
-        step(state, logits)
+        before = state.sequences.clone()
+        tokens, parents = step(state, logits)
+        # the contract a cache relies on: each row continues its parent's sequence with its token
+        assert torch.equal(state.sequences[:, :length], before[parents, :length])
+        assert torch.equal(state.sequences[:, length], tokens)
         if bool(state.done):
             break
         length += 1
