@@ -89,12 +89,12 @@ def prompts(lengths=(6,), seed=0):
     return ids, mask
 
 
-def device_loop(model, config: SelectionConfig, ids, mask, step=step):
+def device_loop(model, config: SelectionConfig, ids, mask, step=step, generator=None):
     """generate's loop with the selection of device_select: forward the filled part, step, until done; checks
     that step's (tokens, parents) describe the new sequences."""
     expand = config.num_beams if config.is_beam else config.num_return_sequences
     ids, mask = ids.repeat_interleave(expand, 0), mask.repeat_interleave(expand, 0)
-    state = new_state(config, ids, mask)
+    state = new_state(config, ids, mask, generator=generator)
     length = ids.shape[1]
     while True:
         logits = model(state.sequences[:, :length], attention_mask=mask).logits[:, -1]
@@ -157,6 +157,16 @@ def test_sampling_equals_transformers_with_the_same_seed(seed):
     reference, _ = compare(make_model(eos_bias=1.0), ids, mask, seed=seed, do_sample=True, max_new_tokens=10,
                            num_return_sequences=3)
     assert reference.sequences.shape[0] == 6
+
+
+def test_sampling_from_a_generator_of_its_own():
+    # a call may draw from its own generator (a graph needs one registered with it); seeded alike, it draws alike
+    model, (ids, mask) = make_model(eos_bias=1.0), prompts((6, 3), seed=2)
+    reference, _ = compare(model, ids, mask, seed=7, do_sample=True, max_new_tokens=10, num_return_sequences=2)
+    config = SelectionConfig.from_generation_config(model.seen[-1][0], ids.shape[0], ids.shape[1])
+    torch.manual_seed(123)      # the global generator is not the one drawn from
+    state = device_loop(model, config, ids, mask, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(finalize(state).sequences, reference.sequences)
 
 
 @pytest.mark.parametrize("warpers", [
