@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import logging
 import numbers
+import sys
 
 import torch
 from transformers import GenerationMixin
@@ -59,6 +60,17 @@ def routes_attention(model) -> bool:
     return False
 
 
+def uses_alibi(model) -> bool:
+    """Whether ``model`` adds ALiBi biases to its attention scores: its config's flag where the family has one
+    (Falcon ``alibi``, MPT ``attn_config.alibi``), else whether its modeling file builds them (Bloom: always)."""
+    text = _text_config(model)
+    for flag in (getattr(text, "alibi", None), getattr(getattr(text, "attn_config", None), "alibi", None)):
+        if flag is not None:
+            return bool(flag)
+    modeling = sys.modules.get(type(model).__module__)
+    return any("alibi" in name.lower() and callable(obj) for name, obj in (vars(modeling) if modeling else {}).items())
+
+
 def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
@@ -75,6 +87,9 @@ def unsupported_reason(model) -> str | None:
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
     if not routes_attention(model):
+        if uses_alibi(model):
+            return (f"{type(model).__name__} adds ALiBi position biases to its attention scores, and the cascade "
+                    "kernels have no ALiBi bias (a model with rotary or learned positions is served)")
         return (f"{type(model).__name__} computes attention in its own code: no module of it calls transformers' "
                 "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so the cascade attention would never run")
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):

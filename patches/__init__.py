@@ -6,11 +6,14 @@ under it (tests/test_patches.py).
 
 - ``generate``: cascade models run hf_cascade's decoding entry with no extra argument.
 - ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables.
+- ``families``: a "cascade" entry in such a table where we can serve the family (Falcon with rotary positions).
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401
+from .families import apply as apply_families_patch, is_applied as families_patch_applied  # noqa: F401
 
 
 def apply() -> None:
     apply_generate_patch()
     apply_loading_patch()
+    apply_families_patch()

@@ -74,9 +74,20 @@ def _spread_sinks(model):
 
 
 # transformers before ~5.2x picks GPT-J's attention class from its own table: refused when built with "cascade"
-_GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*sdpa")
+_GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*'eager'")
          if hasattr(importlib.import_module("transformers.models.gptj.modeling_gptj"), "GPTJ_ATTENTION_CLASSES")
          else {})
+# transformers before ~5.2x computes CodeGen's attention in its own code: refused when generating
+_CODEGEN_MODELING = importlib.import_module("transformers.models.codegen.modeling_codegen")
+_CODEGEN = ({} if "ALL_ATTENTION_FUNCTIONS" in vars(_CODEGEN_MODELING)
+            else dict(status="refused", error="computes attention in its own code"))
+
+
+def _falcon(**overrides):
+    return _cfg(T.FalconConfig, **{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "alibi": False, "max_position_embeddings": 256, **overrides})
+
+
 FAMILIES: dict[str, Family] = {
     "Llama": Family(_llama_like(T.LlamaConfig), quirks="GQA 4/2, RoPE"),
     "Mistral": Family(_llama_like(T.MistralConfig, sliding_window=12),
@@ -109,13 +120,22 @@ FAMILIES: dict[str, Family] = {
     "GPT-NeoX": Family(_cfg(T.GPTNeoXConfig, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256),
                        quirks="partial RoPE, parallel residual"),
-    "Falcon": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          multi_query=True, new_decoder_architecture=False, alibi=False),
-                     status="load error", error_type=NotImplementedError, error="table of its own.*sdpa",
-                     quirks="own attention-class table (FALCON_ATTENTION_CLASSES): refused at load"),
-    "Falcon (ALiBi)": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  alibi=True), status="load error", error_type=NotImplementedError,
-                             error="table of its own.*sdpa", quirks="ALiBi; own attention-class table: refused at load"),
+    "Falcon": Family(_falcon(multi_query=True, new_decoder_architecture=False),
+                     quirks="old architecture, MQA, parallel attention/MLP, RoPE; served through patches/families.py "
+                            "(its own attention-class table and attention code)"),
+    "Falcon (multi-head)": Family(_falcon(multi_query=False, new_decoder_architecture=False, parallel_attn=False),
+                                  quirks="old architecture, MHA, sequential attention/MLP, RoPE (patches/families.py)"),
+    "Falcon (new architecture)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=2),
+                                        quirks="new decoder architecture, GQA 4/2 (stock caches K/V broadcast to "
+                                               "every head; we store the 2), two layer norms (patches/families.py)"),
+    "Falcon (new architecture, MQA)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=1,
+                                                     num_ln_in_parallel_attn=1),
+                                             quirks="new decoder architecture, MQA, one layer norm "
+                                                    "(patches/families.py)"),
+    "Falcon (ALiBi)": Family(_falcon(alibi=True), status="load error", error_type=NotImplementedError,
+                             error="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'",
+                             quirks="ALiBi: the cascade kernels have no ALiBi bias; refused at load, told to load sdpa "
+                                    "(or a RoPE Falcon)"),
     "StableLM": Family(_llama_like(T.StableLmConfig, partial_rotary_factor=0.25, use_qkv_bias=True),
                        quirks="partial RoPE, qkv bias; AttentionInterface without transformers' "
                               "_supports_attention_backend flag"),
@@ -128,7 +148,9 @@ FAMILIES: dict[str, Family] = {
                        partial_rotary_factor=0.5, qk_layernorm=True, max_position_embeddings=256),
                   quirks="partial RoPE, q/k layernorm"),
     "GPT-J": Family(_cfg(T.GPTJConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
-                    **{"quirks": "interleaved partial RoPE", **_GPTJ}),
+                    **{"quirks": "interleaved partial RoPE (transformers 5.17: own attention-class table, "
+                                 "refused at load)",
+                       **_GPTJ}),
     "OLMo": Family(_llama_like(T.OlmoConfig, clip_qkv=0.5), quirks="clipped qkv"),
     "Starcoder2": Family(_cfg(T.Starcoder2Config, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
@@ -153,8 +175,27 @@ FAMILIES: dict[str, Family] = {
     "Mamba": Family(_cfg(T.MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4), status="refused",
                     error="no attention layers", quirks="state-space model: no attention, told to load eager"),
     "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
-                    error="computes attention in its own code",
-                    quirks="ALiBi, own attention code (not AttentionInterface)"),
+                    error="ALiBi.*no ALiBi bias",
+                    quirks="ALiBi (the cascade kernels have no ALiBi bias), own attention code: told to load eager"),
+    "MPT": Family(_cfg(T.MptConfig, d_model=64, n_layers=2, n_heads=4, max_seq_len=256), status="refused",
+                  error="ALiBi.*no ALiBi bias",
+                  quirks="ALiBi (the cascade kernels have no ALiBi bias), own attention code: told to load eager"),
+    "CodeGen": Family(_cfg(T.CodeGenConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256, n_ctx=256),
+                      **{"quirks": "interleaved partial RoPE, fused qkv (transformers 5.17: own attention code, "
+                                   "refused)",
+                         **_CODEGEN}),
+    "GPT-Neo": Family(_cfg(T.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4, window_size=16,
+                           attention_types=[[["global", "local"], 1]], max_position_embeddings=256),
+                      status="load error", error_type=NotImplementedError, error="table of its own.*'eager'",
+                      quirks="own attention-class table and attention code (unscaled scores computed in float32, "
+                             "local layers): refused at load, told to load eager"),
+    "XGLM": Family(_cfg(T.XGLMConfig, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96,
+                        max_position_embeddings=256, decoder_start_token_id=1), status="refused",
+                   error="computes attention in its own code", quirks="own attention code: told to load eager"),
+    "GPT-NeoX-Japanese": Family(_cfg(T.GPTNeoXJapaneseConfig, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_multiple_size=2, max_position_embeddings=256),
+                                status="refused", error="computes attention in its own code",
+                                quirks="own attention code: told to load eager"),
 }
 
 

@@ -110,15 +110,86 @@ def test_from_pretrained_with_cascade(tmp_path):
 
 
 def test_own_attention_table_gives_clear_error_at_load():
-    """Falcon indexes its own attention-class table while it is built: refused with the reason, not a KeyError."""
-    from transformers import AutoModelForCausalLM, FalconConfig
+    """GPT-Neo indexes its own attention-class table while it is built: refused with the reason, not a KeyError."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
     from hf_cascade import patches
     assert patches.loading_patch_applied()
-    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(NotImplementedError, match="table of its own.*attn_implementation='sdpa'"):
-        AutoModelForCausalLM.from_config(config, attn_implementation="cascade")
-    AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                                  num_attention_heads=2), attn_implementation="sdpa")
+
+    def config():
+        return GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, attention_types=[[["global"], 1]])
+
+    with pytest.raises(NotImplementedError, match="table of its own.*attn_implementation='eager'"):   # it has no sdpa
+        AutoModelForCausalLM.from_config(config(), attn_implementation="cascade")
+    AutoModelForCausalLM.from_config(config(), attn_implementation="eager")
+
+
+def _falcon_config(**overrides):
+    from transformers import FalconConfig
+    return FalconConfig(**{"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                           "alibi": False, "pad_token_id": 0, "eos_token_id": None, **overrides})
+
+
+def test_falcon_patch_fits_installed_transformers():
+    """Falcon still builds its attention from FALCON_ATTENTION_CLASSES, with the forward signature, head split and
+    RoPE our FalconCascadeAttention relies on; the table's "cascade" entry builds it."""
+    from transformers.models.falcon import modeling_falcon
+    from hf_cascade import patches
+    from hf_cascade.patches.families import SUPPORTED, falcon_unchanged_reason
+    from packaging.version import Version
+    assert SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]
+    assert patches.families_patch_applied()
+    assert falcon_unchanged_reason() is None
+    assert "FALCON_ATTENTION_CLASSES[" in inspect.getsource(modeling_falcon.FalconDecoderLayer.__init__)
+    # stock's new architecture broadcasts its K/V heads to every query head (we store them once, unbroadcast)
+    assert "broadcast_to(key, query.shape)" in inspect.getsource(modeling_falcon.FalconAttention._split_heads)
+    attention = modeling_falcon.FALCON_ATTENTION_CLASSES["cascade"](_falcon_config(), 0)
+    assert isinstance(attention, modeling_falcon.FalconAttention) and attention.num_key_value_groups == 4
+    patches.apply()                                  # idempotent
+    assert modeling_falcon.FALCON_ATTENTION_CLASSES["cascade"] is not None
+
+
+def test_falcon_new_architecture_stores_each_kv_head_once():
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                             attn_implementation="cascade", dtype=torch.float64).eval()
+    ids, mask = padded_batch(seed=0)
+    cache = hf_cascade.CascadeCache(model.config)
+    hf_cascade.prefill(model, cache, ids % 64, mask)
+    assert cache.layers[0].storage.block_shape[2] == 2          # (K/V, block, kv heads, head_dim)
+
+
+def test_falcon_dense_forward_and_attention_weights_are_stock():
+    """Without our cache (a loss pass) and with output_attentions, the cascade Falcon computes what stock does
+    (stock eager: stock sdpa's output_attentions branch adds its boolean mask to the scores)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                             attn_implementation="eager", dtype=torch.float64).eval()
+    cascade = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                               attn_implementation="cascade", dtype=torch.float64).eval()
+    cascade.load_state_dict(stock.state_dict())
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        dense = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()             # a padding position attends to nothing: eager and sdpa fill it differently
+    assert torch.allclose(expected.logits[real], dense[real], atol=1e-12)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
+def test_alibi_is_refused_with_the_reason():
+    """ALiBi Falcons are refused at load, Bloom at generate: the cascade kernels add no ALiBi bias."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'"):
+        AutoModelForCausalLM.from_config(_falcon_config(alibi=True), attn_implementation="cascade")
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2),
+                                             attn_implementation="cascade").eval()
+    ids, mask = padded_batch(seed=0)
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='eager'"):
+        bloom.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
 
 
 def test_upstream_encoder_expansion_hook_still_exists():

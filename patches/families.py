@@ -1,0 +1,135 @@
+"""Families whose modeling code does not route attention through transformers' AttentionInterface, served
+by an attention module of our own that does.
+
+Falcon picks its attention class from ``FALCON_ATTENTION_CLASSES[config._attn_implementation]`` while it is
+built and calls ``torch.nn.functional.scaled_dot_product_attention`` itself. A "cascade" entry is added to
+that table: ``FalconCascadeAttention`` keeps stock's projections, head split and RoPE, stores the K/V heads
+once (the new decoder architecture broadcasts its K/V heads to every query head before caching them; we
+store the ``num_kv_heads`` heads and let the attention group the queries), and calls the "cascade"
+attention function. ALiBi Falcons are refused at load: the cascade kernels add no ALiBi bias.
+
+Guarded by the transformers versions it was checked on and by what it relies on (the table, the attention
+class's forward signature); each reliance has a test in tests/test_patches.py. Outside them nothing is
+patched and Falcon is refused at load as before (patches/loading.py).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+
+import transformers
+from packaging.version import Version
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # a global name: routes_attention reads it
+
+logger = logging.getLogger("hf_cascade")
+
+SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
+# the parameters FalconAttention.forward takes from FalconDecoderLayer (ours takes the same)
+FALCON_FORWARD = ("self", "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache",
+                  "output_attentions", "position_embeddings", "kwargs")
+ALIBI_REASON = ("the cascade kernels have no ALiBi bias (they apply no additive position bias), so "
+                "attn_implementation='cascade' cannot serve it")
+_applied: list = []
+
+
+def is_applied() -> bool:
+    return bool(_applied)
+
+
+def _falcon_module():
+    from transformers.models.falcon import modeling_falcon
+    return modeling_falcon
+
+
+def falcon_unchanged_reason() -> str | None:
+    """Why the Falcon patch would not fit the installed transformers (None when it fits)."""
+    modeling = _falcon_module()
+    if not isinstance(getattr(modeling, "FALCON_ATTENTION_CLASSES", None), dict):
+        return "modeling_falcon has no FALCON_ATTENTION_CLASSES table"
+    attention = getattr(modeling, "FalconAttention", None)
+    if attention is None or not callable(getattr(attention, "_split_heads", None)):
+        return "modeling_falcon has no FalconAttention._split_heads"
+    params = tuple(inspect.signature(attention.forward).parameters)
+    if params != FALCON_FORWARD:
+        return f"FalconAttention.forward takes {params}, not {FALCON_FORWARD}"
+    if not callable(getattr(modeling, "apply_rotary_pos_emb", None)):
+        return "modeling_falcon has no apply_rotary_pos_emb"
+    return None
+
+
+def _falcon_classes():
+    """(FalconCascadeAttention, the factory registered as the table's "cascade" entry), built against the
+    installed modeling_falcon."""
+    from hf_cascade.attention import CascadeMask
+    from hf_cascade.context import UPDATE_PASSES_KWARGS
+
+    modeling = _falcon_module()
+
+    class FalconCascadeAttention(modeling.FalconAttention):
+        """FalconAttention whose attention runs through AttentionInterface (``config._attn_implementation``)."""
+
+        def __init__(self, config, layer_idx=None):
+            super().__init__(config, layer_idx)
+            # the dense path (sdpa_attention_forward) groups the queries per K/V head with this
+            self.num_key_value_groups = self.num_heads // self.num_kv_heads
+
+        def _split_kv_heads(self, fused_qkv):
+            """query [B, H, L, D], key and value [B, kv, L, D]: stock's split, without broadcasting the new
+            architecture's K/V heads to every query head."""
+            batch, length, _ = fused_qkv.shape
+            if self.new_decoder_architecture:
+                qkv = fused_qkv.view(batch, length, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+                query, key, value = qkv[:, :, :, :-2].flatten(2, 3), qkv[:, :, :, -2], qkv[:, :, :, -1]
+            else:
+                query, key, value = self._split_heads(fused_qkv)
+            return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+        def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None, use_cache=False,
+                    output_attentions=False, position_embeddings=None, **kwargs):
+            implementation = self.config._attn_implementation
+            if alibi is not None or output_attentions or implementation in ("eager", "sdpa"):
+                # stock's own code: its eager branch returns the attention weights; ALiBi never loads as cascade
+                if isinstance(attention_mask, CascadeMask):     # the "cascade" mask function defers it
+                    attention_mask = attention_mask.eager()
+                return super().forward(hidden_states, alibi, attention_mask, position_ids=position_ids,
+                                       layer_past=layer_past, use_cache=use_cache,
+                                       output_attentions=output_attentions,
+                                       position_embeddings=position_embeddings, **kwargs)
+            batch, length, _ = hidden_states.shape
+            query, key, value = self._split_kv_heads(self.query_key_value(hidden_states))
+            cos, sin = position_embeddings
+            query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+            attention_kwargs: dict = {}
+            if layer_past is not None:
+                # from 5.24 the cache hands the step's state to the attention through this dict (as Llama's does)
+                extra = {"kwargs": attention_kwargs} if UPDATE_PASSES_KWARGS else {}
+                key, value = layer_past.update(key, value, self.layer_idx, **extra)
+            attend = ALL_ATTENTION_FUNCTIONS[implementation]
+            output, _ = attend(self, query, key, value, attention_mask, dropout=0.0, scaling=self.inv_norm_factor,
+                               **attention_kwargs)
+            return self.dense(output.reshape(batch, length, self.num_heads * self.head_dim)), None
+
+    def cascade_entry(config, layer_idx=None):
+        if config.alibi:
+            raise NotImplementedError(
+                f"Falcon with ALiBi (config.alibi=True): {ALIBI_REASON}. Load it with attn_implementation='sdpa' "
+                "instead (Falcons with rotary positions, alibi=False, are served by 'cascade').")
+        return FalconCascadeAttention(config, layer_idx)
+
+    return FalconCascadeAttention, cascade_entry
+
+
+def apply() -> None:
+    """Add the "cascade" entry to Falcon's attention table once (idempotent); outside the checked versions, or
+    where modeling_falcon changed under the patch, log and skip (Falcon is then refused at load)."""
+    if _applied:
+        return
+    version = Version(Version(transformers.__version__).base_version)
+    reason = (f"transformers {version} is outside the checked range [{SUPPORTED[0]}, {SUPPORTED[1]})"
+              if not SUPPORTED[0] <= version < SUPPORTED[1] else falcon_unchanged_reason())
+    if reason is not None:
+        logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
+        return
+    attention, entry = _falcon_classes()
+    _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
+    _applied.append(attention)
