@@ -45,7 +45,8 @@ def routes_attention(model) -> bool:
     transformers' ``ALL_ATTENTION_FUNCTIONS`` (else "cascade" would never run and its cache would mislead them).
     transformers' ``_supports_attention_backend`` says so for most models, but not for all that do: the
     decoders of BART, mBART, Marian and Whisper used alone (``*ForCausalLM``) route it but lack the flag. So
-    read the code: some module's ``forward`` names ``ALL_ATTENTION_FUNCTIONS``."""
+    read the code: some module's ``forward`` (or ``_attn``, where hf_cascade.patches routes GPT-J's and CodeGen's
+    attention of transformers < 5.2x) names ``ALL_ATTENTION_FUNCTIONS``."""
     if getattr(model, "_supports_attention_backend", False):
         return True
     seen = set()
@@ -54,9 +55,10 @@ def routes_attention(model) -> bool:
         if cls in seen:
             continue
         seen.add(cls)
-        code = getattr(inspect.unwrap(cls.forward), "__code__", None)    # under decorators (deprecate_kwarg, ...)
-        if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
-            return True
+        for method in (cls.forward, getattr(cls, "_attn", None)):
+            code = getattr(inspect.unwrap(method), "__code__", None) if method else None   # under decorators
+            if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+                return True
     return False
 
 

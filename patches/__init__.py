@@ -6,7 +6,8 @@ under it (tests/test_patches.py).
 
 - ``generate``: cascade models run hf_cascade's decoding entry with no extra argument.
 - ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables.
-- ``families``: a "cascade" entry in such a table where we can serve the family (Falcon with rotary positions).
+- ``families``: attention modules that route through AttentionInterface for families whose own code does not:
+  Falcon with rotary positions (a "cascade" entry in its table); GPT-J and CodeGen before transformers routed them.
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401

@@ -8,15 +8,23 @@ once (the new decoder architecture broadcasts its K/V heads to every query head 
 store the ``num_kv_heads`` heads and let the attention group the queries), and calls the "cascade"
 attention function. ALiBi Falcons are refused at load: the cascade kernels add no ALiBi bias.
 
+GPT-J and CodeGen before transformers routed them through AttentionInterface (5.17 – 5.2x) compute their
+attention in ``_attn(query, key, value, attention_mask)`` after stock's projections, RoPE and cache update:
+GPT-J's table gets a "cascade" entry and CodeGen's blocks of a cascade model get the subclass, whose
+``_attn`` calls the "cascade" attention function (stock's ``_attn`` where stock's math is asked for:
+attention weights, or an eager model).
+
 Guarded by the transformers versions it was checked on and by what it relies on (the table, the attention
 class's forward signature); each reliance has a test in tests/test_patches.py. Outside them nothing is
 patched and Falcon is refused at load as before (patches/loading.py).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # a global name: routes_attention reads it
@@ -119,6 +127,68 @@ def _falcon_classes():
     return FalconCascadeAttention, cascade_entry
 
 
+def _routed_attn_class(base):
+    """``base`` (GPT-J's or CodeGen's attention before 5.2x) with its ``_attn`` through AttentionInterface."""
+    from hf_cascade.attention import CascadeMask
+
+    class Routed(base):
+        def forward(self, hidden_states, layer_past=None, attention_mask=None, position_ids=None, use_cache=False,
+                    output_attentions=False, **kwargs):
+            if output_attentions and isinstance(attention_mask, CascadeMask):
+                attention_mask = attention_mask.eager()      # the weights are stock's math: its eager mask
+            return super().forward(hidden_states, layer_past=layer_past, attention_mask=attention_mask,
+                                   position_ids=position_ids, use_cache=use_cache,
+                                   output_attentions=output_attentions, **kwargs)
+
+        def _attn(self, query, key, value, attention_mask=None):
+            """query/key/value [B, H, L, D] (key/value as the cache returned them); returns ([B, H, q, D], None)."""
+            implementation = self.config._attn_implementation
+            if implementation == "eager" or isinstance(attention_mask, torch.Tensor):
+                return super()._attn(query, key, value, attention_mask)
+            output, _ = ALL_ATTENTION_FUNCTIONS[implementation](self, query, key, value, attention_mask, dropout=0.0,
+                                                               scaling=1.0 / self.scale_attn)
+            return output.transpose(1, 2), None
+
+    Routed.__name__ = Routed.__qualname__ = base.__name__.replace("Attention", "CascadeAttention")
+    return Routed
+
+
+def _unrouted(module_name: str, attention: str):
+    """The modeling module and its attention class if they predate AttentionInterface and keep stock's ``_attn``
+    signature, else None."""
+    import importlib
+    modeling = importlib.import_module(module_name)
+    base = getattr(modeling, attention, None)
+    if "ALL_ATTENTION_FUNCTIONS" in vars(modeling) or base is None or not hasattr(base, "_attn"):
+        return None
+    if tuple(inspect.signature(base._attn).parameters) != ("self", "query", "key", "value", "attention_mask"):
+        return None
+    return modeling, base
+
+
+def _apply_gptj_codegen() -> None:
+    found = _unrouted("transformers.models.gptj.modeling_gptj", "GPTJAttention")
+    if found is not None and isinstance(getattr(found[0], "GPTJ_ATTENTION_CLASSES", None), dict):
+        found[0].GPTJ_ATTENTION_CLASSES["cascade"] = _routed_attn_class(found[1])
+        _applied.append(found[0].GPTJ_ATTENTION_CLASSES["cascade"])
+    found = _unrouted("transformers.models.codegen.modeling_codegen", "CodeGenAttention")
+    if found is not None:
+        modeling, base = found
+        routed = _routed_attn_class(base)
+        original_init = modeling.CodeGenBlock.__init__
+
+        @functools.wraps(original_init)
+        def block_init(self, config, layer_idx=None):
+            original_init(self, config, layer_idx)
+            if config._attn_implementation == "cascade" and type(self.attn) is base:
+                self.attn.__class__ = routed        # same parameters and buffers: only _attn changes
+                self.attn.config = config           # (GPT-J's attention keeps it; CodeGen's does not)
+
+        block_init.__hf_cascade_original__ = original_init
+        modeling.CodeGenBlock.__init__ = block_init
+        _applied.append(routed)
+
+
 def apply() -> None:
     """Add the "cascade" entry to Falcon's attention table once (idempotent); outside the checked versions, or
     where modeling_falcon changed under the patch, log and skip (Falcon is then refused at load)."""
@@ -133,3 +203,4 @@ def apply() -> None:
     attention, entry = _falcon_classes()
     _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
     _applied.append(attention)
+    _apply_gptj_codegen()

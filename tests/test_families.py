@@ -73,14 +73,13 @@ def _spread_sinks(model):
         layer.self_attn.sinks.normal_(0.0, 2.0)
 
 
-# transformers before ~5.2x picks GPT-J's attention class from its own table: refused when built with "cascade"
-_GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*'eager'")
-         if hasattr(importlib.import_module("transformers.models.gptj.modeling_gptj"), "GPTJ_ATTENTION_CLASSES")
-         else {})
-# transformers before ~5.2x computes CodeGen's attention in its own code: refused when generating
+# transformers before ~5.2x computes GPT-J's and CodeGen's attention in their own code (patches/families.py routes it),
+# with the scores in float32 whatever the model's dtype: compared in float32 there
+_UNROUTED = dict(dtype=torch.float32)
+_GPTJ = ({} if "ALL_ATTENTION_FUNCTIONS" in vars(importlib.import_module("transformers.models.gptj.modeling_gptj"))
+         else _UNROUTED)
 _CODEGEN_MODELING = importlib.import_module("transformers.models.codegen.modeling_codegen")
-_CODEGEN = ({} if "ALL_ATTENTION_FUNCTIONS" in vars(_CODEGEN_MODELING)
-            else dict(status="refused", error="computes attention in its own code"))
+_CODEGEN = {} if "ALL_ATTENTION_FUNCTIONS" in vars(_CODEGEN_MODELING) else _UNROUTED
 
 
 def _falcon(**overrides):
@@ -148,9 +147,8 @@ FAMILIES: dict[str, Family] = {
                        partial_rotary_factor=0.5, qk_layernorm=True, max_position_embeddings=256),
                   quirks="partial RoPE, q/k layernorm"),
     "GPT-J": Family(_cfg(T.GPTJConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
-                    **{"quirks": "interleaved partial RoPE (transformers 5.17: own attention-class table, "
-                                 "refused at load)",
-                       **_GPTJ}),
+                    **{"quirks": "interleaved partial RoPE (transformers 5.17: own attention-class table and "
+                                 "attention code, routed by patches/families.py; float32 there)", **_GPTJ}),
     "OLMo": Family(_llama_like(T.OlmoConfig, clip_qkv=0.5), quirks="clipped qkv"),
     "Starcoder2": Family(_cfg(T.Starcoder2Config, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
@@ -182,8 +180,7 @@ FAMILIES: dict[str, Family] = {
                   quirks="ALiBi (the cascade kernels have no ALiBi bias), own attention code: told to load eager"),
     "CodeGen": Family(_cfg(T.CodeGenConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256, n_ctx=256),
                       **{"quirks": "interleaved partial RoPE, fused qkv (transformers 5.17: own attention code, "
-                                   "refused)",
-                         **_CODEGEN}),
+                                   "routed by patches/families.py; float32 there)", **_CODEGEN}),
     "GPT-Neo": Family(_cfg(T.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4, window_size=16,
                            attention_types=[[["global", "local"], 1]], max_position_embeddings=256),
                       status="load error", error_type=NotImplementedError, error="table of its own.*'eager'",

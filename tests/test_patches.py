@@ -180,6 +180,43 @@ def test_falcon_dense_forward_and_attention_weights_are_stock():
     assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
 
 
+@pytest.mark.parametrize("name", ["gptj", "codegen"])
+def test_gptj_and_codegen_attention_is_routed(name):
+    """transformers from ~5.2x routes GPT-J's and CodeGen's attention through AttentionInterface itself; before,
+    patches/families.py routes their ``_attn(query, key, value, attention_mask)``, whose weights (output_attentions)
+    stay stock eager's."""
+    import importlib
+    from transformers import AutoModelForCausalLM, CodeGenConfig, GPTJConfig
+    from hf_cascade.generation import routes_attention
+    from hf_cascade.patches.families import _unrouted
+    module = f"transformers.models.{name}.modeling_{name}"
+    attention = {"gptj": "GPTJAttention", "codegen": "CodeGenAttention"}[name]
+    config = {"gptj": GPTJConfig, "codegen": CodeGenConfig}[name]
+
+    def make():
+        return config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager", dtype=torch.float32).eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade", dtype=torch.float32).eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert routes_attention(cascade)
+    if "ALL_ATTENTION_FUNCTIONS" in vars(importlib.import_module(module)):
+        assert _unrouted(module, attention) is None          # routed upstream: nothing to patch
+        return
+    assert _unrouted(module, attention) is not None          # stock's _attn(query, key, value, attention_mask)
+    assert not routes_attention(stock)
+    layer = cascade.transformer.h[0].attn
+    assert type(layer).__name__.endswith("CascadeAttention")
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
 def test_alibi_is_refused_with_the_reason():
     """ALiBi Falcons are refused at load, Bloom at generate: the cascade kernels add no ALiBi bias."""
     from transformers import AutoModelForCausalLM, BloomConfig
