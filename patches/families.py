@@ -14,9 +14,10 @@ GPT-J's table gets a "cascade" entry and CodeGen's blocks of a cascade model get
 ``_attn`` calls the "cascade" attention function (stock's ``_attn`` where stock's math is asked for:
 attention weights, or an eager model).
 
-Guarded by the transformers versions it was checked on and by what it relies on (the table, the attention
-class's forward signature); each reliance has a test in tests/test_patches.py. Outside them nothing is
-patched and Falcon is refused at load as before (patches/loading.py).
+Guarded by the transformers versions it was checked on and by what it relies on (the tables, the attention
+classes' forward / ``_attn`` signatures); each reliance has a test in tests/test_patches.py. Outside them
+nothing is patched and these families are refused with the reason as before (patches/loading.py at load,
+hf_cascade.generation.unsupported_reason at generate).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ FALCON_FORWARD = ("self", "hidden_states", "alibi", "attention_mask", "position_
                   "output_attentions", "position_embeddings", "kwargs")
 ALIBI_REASON = ("the cascade kernels have no ALiBi bias (they apply no additive position bias), so "
                 "attn_implementation='cascade' cannot serve it")
-_applied: list = []
+_applied: list = []     # the attention classes installed
+_checked: list = []     # apply() ran
 
 
 def is_applied() -> bool:
@@ -190,17 +192,22 @@ def _apply_gptj_codegen() -> None:
 
 
 def apply() -> None:
-    """Add the "cascade" entry to Falcon's attention table once (idempotent); outside the checked versions, or
-    where modeling_falcon changed under the patch, log and skip (Falcon is then refused at load)."""
-    if _applied:
+    """Route the families above once (idempotent); outside the checked versions, or where modeling_falcon changed
+    under the patch, log and leave it (Falcon is then refused at load, patches/loading.py)."""
+    if _checked:
         return
+    _checked.append(True)
     version = Version(Version(transformers.__version__).base_version)
-    reason = (f"transformers {version} is outside the checked range [{SUPPORTED[0]}, {SUPPORTED[1]})"
-              if not SUPPORTED[0] <= version < SUPPORTED[1] else falcon_unchanged_reason())
-    if reason is not None:
-        logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        logger.warning("transformers %s is outside the checked range [%s, %s): Falcon, and GPT-J and CodeGen where "
+                       "they compute attention in their own code, are not served by attn_implementation='cascade'.",
+                       version, *SUPPORTED)
         return
-    attention, entry = _falcon_classes()
-    _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
-    _applied.append(attention)
+    reason = falcon_unchanged_reason()
+    if reason is None:
+        attention, entry = _falcon_classes()
+        _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
+        _applied.append(attention)
+    else:
+        logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
     _apply_gptj_codegen()
