@@ -8,11 +8,12 @@ once (the new decoder architecture broadcasts its K/V heads to every query head 
 store the ``num_kv_heads`` heads and let the attention group the queries), and calls the "cascade"
 attention function. ALiBi Falcons are refused at load: the cascade kernels add no ALiBi bias.
 
-GPT-J and CodeGen before transformers routed them through AttentionInterface (5.17 – 5.2x) compute their
-attention in ``_attn(query, key, value, attention_mask)`` after stock's projections, RoPE and cache update:
-GPT-J's table gets a "cascade" entry and CodeGen's blocks of a cascade model get the subclass, whose
-``_attn`` calls the "cascade" attention function (stock's ``_attn`` where stock's math is asked for:
-attention weights, or an eager model).
+GPT-Neo, and GPT-J and CodeGen before transformers routed them through AttentionInterface (5.17 – 5.2x),
+compute their attention in ``_attn(query, key, value, attention_mask)`` after stock's projections, RoPE and
+cache update: GPT-Neo's and GPT-J's tables get a "cascade" entry and CodeGen's blocks of a cascade model get
+the subclass, whose ``_attn`` calls the "cascade" attention function (stock's ``_attn`` where stock's math is
+asked for: attention weights, or an eager model). GPT-Neo's local layers pass their window as
+``sliding_window`` (stock masks it from a buffer inside ``_attn``).
 
 Guarded by the transformers versions it was checked on and by what it relies on (the tables, the attention
 classes' forward / ``_attn`` signatures); each reliance has a test in tests/test_patches.py. Outside them
@@ -22,6 +23,7 @@ hf_cascade.generation.unsupported_reason at generate).
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 
@@ -130,35 +132,69 @@ def _falcon_classes():
 
 
 def _routed_attn_class(base):
-    """``base`` (GPT-J's or CodeGen's attention before 5.2x) with its ``_attn`` through AttentionInterface."""
+    """``base`` (an attention class whose ``_attn(query, key, value, attention_mask)`` computes the attention: GPT-J's
+    and CodeGen's before 5.2x, GPT-Neo's) with that ``_attn`` through AttentionInterface."""
     from hf_cascade.attention import CascadeMask
 
     class Routed(base):
-        def forward(self, hidden_states, layer_past=None, attention_mask=None, position_ids=None, use_cache=False,
-                    output_attentions=False, **kwargs):
+        def forward(self, hidden_states, *args, output_attentions=False, **kwargs):
+            attention_mask = kwargs.get("attention_mask")
             if output_attentions and isinstance(attention_mask, CascadeMask):
-                attention_mask = attention_mask.eager()      # the weights are stock's math: its eager mask
-            return super().forward(hidden_states, layer_past=layer_past, attention_mask=attention_mask,
-                                   position_ids=position_ids, use_cache=use_cache,
-                                   output_attentions=output_attentions, **kwargs)
+                kwargs["attention_mask"] = attention_mask.eager()   # the weights are stock's math: its eager mask
+            return super().forward(hidden_states, *args, output_attentions=output_attentions, **kwargs)
+
+        def _attention_arguments(self, attention_mask):
+            """(mask, scaling, extra attention kwargs) for the attention function."""
+            return attention_mask, 1.0 / self.scale_attn, {}
 
         def _attn(self, query, key, value, attention_mask=None):
             """query/key/value [B, H, L, D] (key/value as the cache returned them); returns ([B, H, q, D], None)."""
             implementation = self.config._attn_implementation
             if implementation == "eager" or isinstance(attention_mask, torch.Tensor):
                 return super()._attn(query, key, value, attention_mask)
+            attention_mask, scaling, extra = self._attention_arguments(attention_mask)
             output, _ = ALL_ATTENTION_FUNCTIONS[implementation](self, query, key, value, attention_mask, dropout=0.0,
-                                                               scaling=1.0 / self.scale_attn)
+                                                               scaling=scaling, **extra)
             return output.transpose(1, 2), None
 
     Routed.__name__ = Routed.__qualname__ = base.__name__.replace("Attention", "CascadeAttention")
     return Routed
 
 
+def _gpt_neo_class(base):
+    """GPT-Neo's self-attention through AttentionInterface: unscaled scores; a local layer's window of
+    ``config.window_size`` keys (stock masks it in ``_attn`` from a buffer) goes to the attention function as
+    ``sliding_window`` and into the deferred dense mask (``kv_idx > q_idx - window``, stock's band)."""
+    from transformers.masking_utils import and_masks, sliding_window_overlay
+
+    from hf_cascade.attention import CascadeMask
+
+    class GPTNeoCascadeSelfAttention(_routed_attn_class(base)):
+        def __init__(self, config, attention_type, layer_id=None):
+            super().__init__(config, attention_type, layer_id)
+            self.layer_idx = layer_id           # the cache's and the cascade attention's name for it
+            self.window = config.window_size if attention_type == "local" else None
+
+        def _attention_arguments(self, attention_mask):
+            if self.window is None:
+                return attention_mask, 1.0, {}
+            if isinstance(attention_mask, CascadeMask):
+                # one windowed mask per forward, shared by its local layers (the mask is built once per forward)
+                windowed = getattr(attention_mask, "_hf_cascade_windowed", None)
+                if windowed is None:
+                    kwargs = attention_mask.mask_kwargs
+                    function = and_masks(kwargs["mask_function"], sliding_window_overlay(self.window))
+                    windowed = CascadeMask(**{**kwargs, "mask_function": function})
+                    attention_mask._hf_cascade_windowed = windowed
+                attention_mask = windowed
+            return attention_mask, 1.0, {"sliding_window": self.window}
+
+    return GPTNeoCascadeSelfAttention
+
+
 def _unrouted(module_name: str, attention: str):
     """The modeling module and its attention class if they predate AttentionInterface and keep stock's ``_attn``
     signature, else None."""
-    import importlib
     modeling = importlib.import_module(module_name)
     base = getattr(modeling, attention, None)
     if "ALL_ATTENTION_FUNCTIONS" in vars(modeling) or base is None or not hasattr(base, "_attn"):
@@ -166,6 +202,17 @@ def _unrouted(module_name: str, attention: str):
     if tuple(inspect.signature(base._attn).parameters) != ("self", "query", "key", "value", "attention_mask"):
         return None
     return modeling, base
+
+
+def _apply_gpt_neo() -> None:
+    modeling = importlib.import_module("transformers.models.gpt_neo.modeling_gpt_neo")
+    base = getattr(modeling, "GPTNeoSelfAttention", None)
+    if (base is None or not isinstance(getattr(modeling, "GPT_NEO_ATTENTION_CLASSES", None), dict)
+            or tuple(inspect.signature(base._attn).parameters) != ("self", "query", "key", "value", "attention_mask")):
+        logger.warning("modeling_gpt_neo changed: GPT-Neo is not served by attn_implementation='cascade'.")
+        return
+    modeling.GPT_NEO_ATTENTION_CLASSES["cascade"] = _gpt_neo_class(base)
+    _applied.append(modeling.GPT_NEO_ATTENTION_CLASSES["cascade"])
 
 
 def _apply_gptj_codegen() -> None:
@@ -199,8 +246,9 @@ def apply() -> None:
     _checked.append(True)
     version = Version(Version(transformers.__version__).base_version)
     if not SUPPORTED[0] <= version < SUPPORTED[1]:
-        logger.warning("transformers %s is outside the checked range [%s, %s): Falcon, and GPT-J and CodeGen where "
-                       "they compute attention in their own code, are not served by attn_implementation='cascade'.",
+        logger.warning("transformers %s is outside the checked range [%s, %s): Falcon, GPT-Neo, and GPT-J and CodeGen "
+                       "where they compute attention in their own code, are not served by "
+                       "attn_implementation='cascade'.",
                        version, *SUPPORTED)
         return
     reason = falcon_unchanged_reason()
@@ -211,3 +259,4 @@ def apply() -> None:
     else:
         logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
     _apply_gptj_codegen()
+    _apply_gpt_neo()

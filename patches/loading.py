@@ -1,5 +1,6 @@
-"""A clear error when a model that picks its attention class from a table of its own (GPT-Neo, GPT-J
-on older transformers; Falcon where patches/families.py does not apply) is built with attn_implementation="cascade".
+"""A clear error when a model that picks its attention class from a table of its own with no "cascade" entry
+(Falcon, GPT-Neo, GPT-J on older transformers, where patches/families.py does not apply) is built with
+attn_implementation="cascade".
 
 Such models index a per-model dict with ``config._attn_implementation`` while they are built and
 fail with a bare ``KeyError: 'cascade'``; ``from_pretrained`` / ``from_config`` now turn that into an

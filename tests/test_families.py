@@ -181,11 +181,14 @@ FAMILIES: dict[str, Family] = {
     "CodeGen": Family(_cfg(T.CodeGenConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256, n_ctx=256),
                       **{"quirks": "interleaved partial RoPE, fused qkv (transformers 5.17: own attention code, "
                                    "routed by patches/families.py; float32 there)", **_CODEGEN}),
-    "GPT-Neo": Family(_cfg(T.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4, window_size=16,
-                           attention_types=[[["global", "local"], 1]], max_position_embeddings=256),
-                      status="load error", error_type=NotImplementedError, error="table of its own.*'eager'",
-                      quirks="own attention-class table and attention code (unscaled scores computed in float32, "
-                             "local layers): refused at load, told to load eager"),
+    "GPT-Neo": Family(_cfg(T.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4, window_size=12,
+                           attention_types=[[["global", "local"], 1]], max_position_embeddings=256,
+                           initializer_range=0.2),
+                      dtype=torch.float32,
+                      quirks="unscaled scores (weights spread to std 0.2), local layers with window 12, shorter than "
+                             "the sequences; own "
+                             "attention-class table and attention code, routed by patches/families.py (stock: eager, "
+                             "as it has no sdpa; float32, as stock computes the scores in float32)"),
     "XGLM": Family(_cfg(T.XGLMConfig, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96,
                         max_position_embeddings=256, decoder_start_token_id=1), status="refused",
                    error="computes attention in its own code", quirks="own attention code: told to load eager"),

@@ -109,11 +109,14 @@ def test_from_pretrained_with_cascade(tmp_path):
                        loaded.generate(input_ids=ids, attention_mask=mask, **kw))
 
 
-def test_own_attention_table_gives_clear_error_at_load():
-    """GPT-Neo indexes its own attention-class table while it is built: refused with the reason, not a KeyError."""
+def test_own_attention_table_gives_clear_error_at_load(monkeypatch):
+    """A model that indexes its own attention-class table while it is built, where that table has no "cascade" entry
+    (GPT-Neo without the entry patches/families.py adds): refused with the reason, not a KeyError."""
     from transformers import AutoModelForCausalLM, GPTNeoConfig
+    from transformers.models.gpt_neo import modeling_gpt_neo
     from hf_cascade import patches
     assert patches.loading_patch_applied()
+    monkeypatch.delitem(modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES, "cascade")
 
     def config():
         return GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, attention_types=[[["global"], 1]])
@@ -209,6 +212,36 @@ def test_gptj_and_codegen_attention_is_routed(name):
     assert not routes_attention(stock)
     layer = cascade.transformer.h[0].attn
     assert type(layer).__name__.endswith("CascadeAttention")
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
+def test_gpt_neo_patch_fits_and_keeps_stock_weights():
+    """GPT-Neo still builds its self-attention from GPT_NEO_ATTENTION_CLASSES and masks its local window in
+    ``_attn(query, key, value, attention_mask)`` from the ``bias`` buffer (what the cascade entry replaces); with
+    output_attentions the cascade model gives stock eager's weights, and its local layers pass their window."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+    from transformers.models.gpt_neo import modeling_gpt_neo
+    from hf_cascade.generation import routes_attention
+    base = modeling_gpt_neo.GPTNeoSelfAttention
+    assert "GPT_NEO_ATTENTION_CLASSES[" in inspect.getsource(modeling_gpt_neo.GPTNeoAttention.__init__)
+    assert tuple(inspect.signature(base._attn).parameters) == ("self", "query", "key", "value", "attention_mask")
+    assert "self.bias[" in inspect.getsource(base._attn)
+
+    def make():
+        return GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                            attention_types=[[["global", "local"], 1]], max_position_embeddings=64, pad_token_id=0)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert routes_attention(cascade) and not routes_attention(stock)
+    assert [layer.attn.attention.window for layer in cascade.transformer.h] == [None, 4]
     ids, mask = padded_batch(seed=1)
     with torch.no_grad():
         expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
