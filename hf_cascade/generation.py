@@ -193,10 +193,17 @@ def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tens
     return shared if shared >= min_tokens else 0
 
 
+def _sliding_window(model) -> int | None:
+    text = _text_config(model)
+    window = getattr(text, "sliding_window", None)
+    if not window and "local" in (getattr(text, "attention_layers", None) or []):    # GPT-Neo's local layers
+        window = getattr(text, "window_size", None)
+    return window
+
+
 def _has_sliding_window(model) -> bool:
     text = _text_config(model)
-    return bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None)
-                                                                                 or [])
+    return bool(_sliding_window(model)) or "sliding_attention" in (getattr(text, "layer_types", None) or [])
 
 
 def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: dict) -> int:
@@ -331,7 +338,7 @@ def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | No
     mask = model_kwargs.get("attention_mask")
     if mask is None or mask.dim() != 2 or not _has_sliding_window(model):
         return None
-    window = getattr(_text_config(model), "sliding_window", None)
+    window = _sliding_window(model)
     if window is not None and (generation_config.max_length or 0) <= window:
         return None
     if bool((mask[:, 1:] < mask[:, :-1]).any()):      # a pad after a real token: not left padding

@@ -250,6 +250,38 @@ def test_gpt_neo_patch_fits_and_keeps_stock_weights():
     assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
 
 
+def test_gpt_neo_window_with_a_shared_system_prompt_and_right_padding():
+    """GPT-Neo's window (config.window_size on its "local" layers, no config.sliding_window) counts as a sliding
+    window for generate: a system prompt common to the batch is not stored once across prompts (stock's window
+    counts the other prompts' pad columns) and right padding runs stock's path; both give stock's tokens."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    def make():
+        return GPTNeoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, window_size=8,
+                            initializer_range=0.2, attention_types=[[["global", "local"], 1]],
+                            max_position_embeddings=256, pad_token_id=0)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(2, 64, (40,), generator=g)
+    prompts = [torch.cat([system, torch.randint(2, 64, (n,), generator=g)]) for n in (9, 3)]
+    width = len(prompts[0])
+    for side in ("left", "right"):
+        ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            where = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
+            ids[row, where], mask[row, where] = prompt, 1
+        for extra in (dict(num_beams=4, num_return_sequences=2), dict(do_sample=True, num_return_sequences=3)):
+            torch.manual_seed(1)
+            expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **extra)
+            torch.manual_seed(1)
+            got = cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **extra)
+            assert torch.equal(expected, got), (side, extra)
+
+
 def test_alibi_is_refused_with_the_reason():
     """ALiBi Falcons are refused at load, Bloom at generate: the cascade kernels add no ALiBi bias."""
     from transformers import AutoModelForCausalLM, BloomConfig
