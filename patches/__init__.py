@@ -8,8 +8,8 @@ under it (tests/test_patches.py).
 - ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables
   that ``families`` does not serve.
 - ``families``: attention modules that route through AttentionInterface for families whose own code does not:
-  Falcon with rotary positions and GPT-Neo (a "cascade" entry in their tables); GPT-J and CodeGen before
-  transformers routed them.
+  Falcon with rotary positions and GPT-Neo (a "cascade" entry in their tables), XGLM's self-attention; GPT-J
+  and CodeGen before transformers routed them.
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401

@@ -15,6 +15,9 @@ the subclass, whose ``_attn`` calls the "cascade" attention function (stock's ``
 asked for: attention weights, or an eager model). GPT-Neo's local layers pass their window as
 ``sliding_window`` (stock masks it from a buffer inside ``_attn``).
 
+XGLM computes its attention inside ``XGLMAttention.forward`` (shared by self- and cross-attention): the
+self-attention of a cascade model's decoder layers gets a subclass that routes it.
+
 Guarded by the transformers versions it was checked on and by what it relies on (the tables, the attention
 classes' forward / ``_attn`` signatures); each reliance has a test in tests/test_patches.py. Outside them
 nothing is patched and these families are refused with the reason as before (patches/loading.py at load,
@@ -204,6 +207,57 @@ def _unrouted(module_name: str, attention: str):
     return modeling, base
 
 
+def _xglm_class(base):
+    """XGLM's self-attention through AttentionInterface: stock's projections (the query scaled before the product,
+    as stock does), then the attention function with scaling 1. Cross-attention stays stock's code."""
+    from hf_cascade.context import UPDATE_PASSES_KWARGS
+
+    cache_name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"   # < 5.24
+
+    class XGLMCascadeAttention(base):
+        def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
+            cache = kwargs.pop("cache", None)
+            cache = kwargs.pop("past_key_values", None) if cache is None else cache     # its name before 5.24
+            implementation = self.config._attn_implementation
+            if key_value_states is not None or implementation in ("eager", "sdpa"):
+                return super().forward(hidden_states, key_value_states, attention_mask=attention_mask,
+                                       **{cache_name: cache}, **kwargs)
+            batch, length, _ = hidden_states.shape
+            query = (self.q_proj(hidden_states) * self.scaling).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            key = self.k_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            value = self.v_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            attention_kwargs: dict = {}
+            if cache is not None:
+                cache = getattr(cache, "self_attention_cache", cache)       # an EncoderDecoderCache's own part
+                extra = {"kwargs": attention_kwargs} if UPDATE_PASSES_KWARGS else {}
+                key, value = cache.update(key, value, self.layer_idx, **extra)
+            output, _ = ALL_ATTENTION_FUNCTIONS[implementation](self, query, key, value, attention_mask, dropout=0.0,
+                                                               scaling=1.0, **attention_kwargs)
+            return self.out_proj(output.reshape(batch, length, self.embed_dim)), None
+
+    return XGLMCascadeAttention
+
+
+def _apply_xglm() -> None:
+    modeling = importlib.import_module("transformers.models.xglm.modeling_xglm")
+    base = getattr(modeling, "XGLMAttention", None)
+    if "ALL_ATTENTION_FUNCTIONS" in vars(modeling) or base is None:
+        return                                    # routed upstream (or gone): nothing to patch
+    routed = _xglm_class(base)
+    original_init = modeling.XGLMDecoderLayer.__init__
+
+    @functools.wraps(original_init)
+    def layer_init(self, config, layer_idx=None):
+        original_init(self, config, layer_idx)
+        if config._attn_implementation == "cascade" and type(self.self_attn) is base:
+            self.self_attn.__class__ = routed       # same parameters: only the self-attention's forward changes
+            self.self_attn.config = config          # (XGLM's attention keeps no config)
+
+    layer_init.__hf_cascade_original__ = original_init
+    modeling.XGLMDecoderLayer.__init__ = layer_init
+    _applied.append(routed)
+
+
 def _apply_gpt_neo() -> None:
     modeling = importlib.import_module("transformers.models.gpt_neo.modeling_gpt_neo")
     base = getattr(modeling, "GPTNeoSelfAttention", None)
@@ -260,3 +314,4 @@ def apply() -> None:
         logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
     _apply_gptj_codegen()
     _apply_gpt_neo()
+    _apply_xglm()

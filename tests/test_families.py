@@ -190,8 +190,9 @@ FAMILIES: dict[str, Family] = {
                              "attention-class table and attention code, routed by patches/families.py (stock: eager, "
                              "as it has no sdpa; float32, as stock computes the scores in float32)"),
     "XGLM": Family(_cfg(T.XGLMConfig, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96,
-                        max_position_embeddings=256, decoder_start_token_id=1), status="refused",
-                   error="computes attention in its own code", quirks="own attention code: told to load eager"),
+                        max_position_embeddings=256, decoder_start_token_id=1), dtype=torch.float32,
+                   quirks="sinusoidal positions (from the padding mask), query scaled before the product; own "
+                          "attention code, routed by patches/families.py (float32: stock's masking fails in float64)"),
     "GPT-NeoX-Japanese": Family(_cfg(T.GPTNeoXJapaneseConfig, hidden_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_multiple_size=2, max_position_embeddings=256),
                                 status="refused", error="computes attention in its own code",

@@ -282,6 +282,37 @@ def test_gpt_neo_window_with_a_shared_system_prompt_and_right_padding():
             assert torch.equal(expected, got), (side, extra)
 
 
+def test_xglm_patch_fits_and_routes_only_cascade_self_attention():
+    """XGLM's decoder layer still builds its self-attention as XGLMAttention, whose forward takes the cache and
+    computes the attention itself; a cascade model's self-attention gets the routed subclass (a stock model's
+    keeps stock's class) and a dense forward gives stock's logits."""
+    from transformers import AutoModelForCausalLM, XGLMConfig
+    from transformers.models.xglm import modeling_xglm
+    from hf_cascade.generation import routes_attention
+    assert "self.self_attn = XGLMAttention(" in inspect.getsource(
+        modeling_xglm.XGLMDecoderLayer.__init__.__hf_cascade_original__)
+    params = inspect.signature(inspect.unwrap(modeling_xglm.XGLMAttention.forward)).parameters
+    assert {"hidden_states", "key_value_states", "attention_mask"} <= set(params)
+    assert {"cache", "past_key_values"} & set(params)
+
+    def make():
+        return XGLMConfig(vocab_size=64, d_model=32, num_layers=1, attention_heads=4, ffn_dim=48,
+                          max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=1)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert type(stock.model.layers[0].self_attn) is modeling_xglm.XGLMAttention and not routes_attention(stock)
+    assert type(cascade.model.layers[0].self_attn).__name__ == "XGLMCascadeAttention" and routes_attention(cascade)
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    assert torch.allclose(expected[real], got[real], atol=1e-5)
+
+
 def test_alibi_is_refused_with_the_reason():
     """ALiBi Falcons are refused at load, Bloom at generate: the cascade kernels add no ALiBi bias."""
     from transformers import AutoModelForCausalLM, BloomConfig
