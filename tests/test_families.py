@@ -262,6 +262,33 @@ def test_family(name, mode):
     assert torch.equal(expected, got), f"{name} {mode}: cascade tokens differ from stock"
 
 
+# families served through patches/families.py's attention modules on this transformers (GPT-J and CodeGen: 5.17)
+_ROUTED_UPSTREAM = {"GPT-J": not _GPTJ, "CodeGen": not _CODEGEN}
+PATCHED = [name for name, family in FAMILIES.items()
+           if family.status == "exact" and "patches/families.py" in family.quirks and not _ROUTED_UPSTREAM.get(name)]
+
+
+@pytest.mark.parametrize("name", PATCHED)
+def test_patched_family_on_the_graph_runner(name, monkeypatch):
+    """On the GPU decode steps are replayed from a captured graph: the runner's static path (cuda_graphs="eager": the
+    same fixed inputs and buffers, replayed without capture) gives stock's beams for these modules too."""
+    from hf_cascade import graphs
+    runners = []
+    call = graphs.DecodeGraphRunner.__call__
+
+    def spy(self, *args, **kwargs):
+        runners.append(self)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.DecodeGraphRunner, "__call__", spy)
+    stock, cascade = model_pair(name)
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    expected = run(stock, "beam", ids, mask)
+    got = run(cascade, "beam", ids, mask, hf_cascade_config=dict(cuda_graphs="eager"))
+    assert torch.equal(expected, got)
+    assert runners and runners[-1].replays > 0
+
+
 def test_table_is_consistent():
     for name, family in FAMILIES.items():
         assert family.status in ("exact", "refused", "load error"), name
