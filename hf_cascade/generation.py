@@ -45,8 +45,8 @@ def routes_attention(model) -> bool:
     transformers' ``ALL_ATTENTION_FUNCTIONS`` (else "cascade" would never run and its cache would mislead them).
     transformers' ``_supports_attention_backend`` says so for most models, but not for all that do: the
     decoders of BART, mBART, Marian and Whisper used alone (``*ForCausalLM``) route it but lack the flag. So
-    read the code: some module's ``forward`` (or ``_attn``, where hf_cascade.patches routes GPT-J's and CodeGen's
-    attention of transformers < 5.2x) names ``ALL_ATTENTION_FUNCTIONS``."""
+    read the code: some module's ``forward`` (or ``_attn``, where hf_cascade.patches routes GPT-Neo's attention,
+    and GPT-J's and CodeGen's of transformers < 5.2x) names ``ALL_ATTENTION_FUNCTIONS``."""
     if getattr(model, "_supports_attention_backend", False):
         return True
     seen = set()
@@ -70,7 +70,8 @@ def uses_alibi(model) -> bool:
         if flag is not None:
             return bool(flag)
     modeling = sys.modules.get(type(model).__module__)
-    return any("alibi" in name.lower() and callable(obj) for name, obj in (vars(modeling) if modeling else {}).items())
+    names = vars(modeling).items() if modeling is not None else ()
+    return any("alibi" in name.lower() and callable(obj) for name, obj in names)
 
 
 def unsupported_reason(model) -> str | None:
