@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import logging
 import numbers
+import sys
 
 import torch
 from transformers import GenerationMixin
@@ -44,7 +45,8 @@ def routes_attention(model) -> bool:
     transformers' ``ALL_ATTENTION_FUNCTIONS`` (else "cascade" would never run and its cache would mislead them).
     transformers' ``_supports_attention_backend`` says so for most models, but not for all that do: the
     decoders of BART, mBART, Marian and Whisper used alone (``*ForCausalLM``) route it but lack the flag. So
-    read the code: some module's ``forward`` names ``ALL_ATTENTION_FUNCTIONS``."""
+    read the code: some module's ``forward`` (or ``_attn``, where hf_cascade.patches routes GPT-Neo's attention,
+    and GPT-J's and CodeGen's of transformers < 5.2x) names ``ALL_ATTENTION_FUNCTIONS``."""
     if getattr(model, "_supports_attention_backend", False):
         return True
     seen = set()
@@ -53,10 +55,23 @@ def routes_attention(model) -> bool:
         if cls in seen:
             continue
         seen.add(cls)
-        code = getattr(inspect.unwrap(cls.forward), "__code__", None)    # under decorators (deprecate_kwarg, ...)
-        if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
-            return True
+        for method in (cls.forward, getattr(cls, "_attn", None)):
+            code = getattr(inspect.unwrap(method), "__code__", None) if method else None   # under decorators
+            if code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+                return True
     return False
+
+
+def uses_alibi(model) -> bool:
+    """Whether ``model`` adds ALiBi biases to its attention scores: its config's flag where the family has one
+    (Falcon ``alibi``, MPT ``attn_config.alibi``), else whether its modeling file builds them (Bloom: always)."""
+    text = _text_config(model)
+    for flag in (getattr(text, "alibi", None), getattr(getattr(text, "attn_config", None), "alibi", None)):
+        if flag is not None:
+            return bool(flag)
+    modeling = sys.modules.get(type(model).__module__)
+    names = vars(modeling).items() if modeling is not None else ()
+    return any("alibi" in name.lower() and callable(obj) for name, obj in names)
 
 
 def unsupported_reason(model) -> str | None:
@@ -75,6 +90,9 @@ def unsupported_reason(model) -> str | None:
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
     if not routes_attention(model):
+        if uses_alibi(model):
+            return (f"{type(model).__name__} adds ALiBi position biases to its attention scores, and the cascade "
+                    "kernels have no ALiBi bias (a model with rotary or learned positions is served)")
         return (f"{type(model).__name__} computes attention in its own code: no module of it calls transformers' "
                 "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so the cascade attention would never run")
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
@@ -176,10 +194,17 @@ def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tens
     return shared if shared >= min_tokens else 0
 
 
+def _sliding_window(model) -> int | None:
+    text = _text_config(model)
+    window = getattr(text, "sliding_window", None)
+    if not window and "local" in (getattr(text, "attention_layers", None) or []):    # GPT-Neo's local layers
+        window = getattr(text, "window_size", None)
+    return window
+
+
 def _has_sliding_window(model) -> bool:
     text = _text_config(model)
-    return bool(getattr(text, "sliding_window", None)) or "sliding_attention" in (getattr(text, "layer_types", None)
-                                                                                 or [])
+    return bool(_sliding_window(model)) or "sliding_attention" in (getattr(text, "layer_types", None) or [])
 
 
 def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: dict) -> int:
@@ -314,7 +339,7 @@ def input_stock_reason(model, model_kwargs: dict, generation_config) -> str | No
     mask = model_kwargs.get("attention_mask")
     if mask is None or mask.dim() != 2 or not _has_sliding_window(model):
         return None
-    window = getattr(_text_config(model), "sliding_window", None)
+    window = _sliding_window(model)
     if window is not None and (generation_config.max_length or 0) <= window:
         return None
     if bool((mask[:, 1:] < mask[:, :-1]).any()):      # a pad after a real token: not left padding

@@ -5,12 +5,18 @@ whose ``config._attn_implementation`` is "cascade"; each has a test that fails i
 under it (tests/test_patches.py).
 
 - ``generate``: cascade models run hf_cascade's decoding entry with no extra argument.
-- ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables.
+- ``loading``: a clear error instead of ``KeyError: 'cascade'`` for models with their own attention tables
+  that ``families`` does not serve.
+- ``families``: attention modules that route through AttentionInterface for families whose own code does not:
+  Falcon with rotary positions and GPT-Neo (a "cascade" entry in their tables), XGLM's self-attention; GPT-J
+  and CodeGen before transformers routed them.
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401
+from .families import apply as apply_families_patch, is_applied as families_patch_applied  # noqa: F401
 
 
 def apply() -> None:
     apply_generate_patch()
     apply_loading_patch()
+    apply_families_patch()

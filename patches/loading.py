@@ -1,5 +1,6 @@
-"""A clear error when a model that picks its attention class from a table of its own (Falcon, GPT-J
-on older transformers) is built with attn_implementation="cascade".
+"""A clear error when a model that picks its attention class from a table of its own with no "cascade" entry
+(Falcon, GPT-Neo, GPT-J on older transformers, where patches/families.py does not apply) is built with
+attn_implementation="cascade".
 
 Such models index a per-model dict with ``config._attn_implementation`` while they are built and
 fail with a bare ``KeyError: 'cascade'``; ``from_pretrained`` / ``from_config`` now turn that into an
@@ -23,10 +24,11 @@ def _wrap(name: str):
             return original(cls, *args, **kwargs)
         except KeyError as err:
             if err.args and err.args[0] == "cascade":
+                stock = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"   # GPT-Neo has no sdpa
                 raise NotImplementedError(
                     f"{cls.__name__} chooses its attention class from a table of its own, which has no 'cascade' "
                     "entry, so attn_implementation='cascade' cannot serve it. Load it with "
-                    "attn_implementation='sdpa' instead.") from err
+                    f"attn_implementation='{stock}' instead.") from err
             raise
 
     loader.__hf_cascade_original__ = original

@@ -73,10 +73,20 @@ def _spread_sinks(model):
         layer.self_attn.sinks.normal_(0.0, 2.0)
 
 
-# transformers before ~5.2x picks GPT-J's attention class from its own table: refused when built with "cascade"
-_GPTJ = (dict(status="load error", error_type=NotImplementedError, error="table of its own.*sdpa")
-         if hasattr(importlib.import_module("transformers.models.gptj.modeling_gptj"), "GPTJ_ATTENTION_CLASSES")
-         else {})
+# transformers before ~5.2x computes GPT-J's and CodeGen's attention in their own code (patches/families.py routes it),
+# with the scores in float32 whatever the model's dtype: compared in float32 there
+_UNROUTED = dict(dtype=torch.float32)
+_GPTJ = ({} if "ALL_ATTENTION_FUNCTIONS" in vars(importlib.import_module("transformers.models.gptj.modeling_gptj"))
+         else _UNROUTED)
+_CODEGEN_MODELING = importlib.import_module("transformers.models.codegen.modeling_codegen")
+_CODEGEN = {} if "ALL_ATTENTION_FUNCTIONS" in vars(_CODEGEN_MODELING) else _UNROUTED
+
+
+def _falcon(**overrides):
+    return _cfg(T.FalconConfig, **{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "alibi": False, "max_position_embeddings": 256, **overrides})
+
+
 FAMILIES: dict[str, Family] = {
     "Llama": Family(_llama_like(T.LlamaConfig), quirks="GQA 4/2, RoPE"),
     "Mistral": Family(_llama_like(T.MistralConfig, sliding_window=12),
@@ -109,13 +119,22 @@ FAMILIES: dict[str, Family] = {
     "GPT-NeoX": Family(_cfg(T.GPTNeoXConfig, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256),
                        quirks="partial RoPE, parallel residual"),
-    "Falcon": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                          multi_query=True, new_decoder_architecture=False, alibi=False),
-                     status="load error", error_type=NotImplementedError, error="table of its own.*sdpa",
-                     quirks="own attention-class table (FALCON_ATTENTION_CLASSES): refused at load"),
-    "Falcon (ALiBi)": Family(_cfg(T.FalconConfig, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  alibi=True), status="load error", error_type=NotImplementedError,
-                             error="table of its own.*sdpa", quirks="ALiBi; own attention-class table: refused at load"),
+    "Falcon": Family(_falcon(multi_query=True, new_decoder_architecture=False),
+                     quirks="old architecture, MQA, parallel attention/MLP, RoPE; served through patches/families.py "
+                            "(its own attention-class table and attention code)"),
+    "Falcon (multi-head)": Family(_falcon(multi_query=False, new_decoder_architecture=False, parallel_attn=False),
+                                  quirks="old architecture, MHA, sequential attention/MLP, RoPE (patches/families.py)"),
+    "Falcon (new architecture)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=2),
+                                        quirks="new decoder architecture, GQA 4/2 (stock caches K/V broadcast to "
+                                               "every head; we store the 2), two layer norms (patches/families.py)"),
+    "Falcon (new architecture, MQA)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=1,
+                                                     num_ln_in_parallel_attn=1),
+                                             quirks="new decoder architecture, MQA, one layer norm "
+                                                    "(patches/families.py)"),
+    "Falcon (ALiBi)": Family(_falcon(alibi=True), status="load error", error_type=NotImplementedError,
+                             error="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'",
+                             quirks="ALiBi: the cascade kernels have no ALiBi bias; refused at load, told to load sdpa "
+                                    "(or a RoPE Falcon)"),
     "StableLM": Family(_llama_like(T.StableLmConfig, partial_rotary_factor=0.25, use_qkv_bias=True),
                        quirks="partial RoPE, qkv bias; AttentionInterface without transformers' "
                               "_supports_attention_backend flag"),
@@ -128,7 +147,8 @@ FAMILIES: dict[str, Family] = {
                        partial_rotary_factor=0.5, qk_layernorm=True, max_position_embeddings=256),
                   quirks="partial RoPE, q/k layernorm"),
     "GPT-J": Family(_cfg(T.GPTJConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256),
-                    **{"quirks": "interleaved partial RoPE", **_GPTJ}),
+                    **{"quirks": "interleaved partial RoPE (transformers 5.17: own attention-class table and "
+                                 "attention code, routed by patches/families.py; float32 there)", **_GPTJ}),
     "OLMo": Family(_llama_like(T.OlmoConfig, clip_qkv=0.5), quirks="clipped qkv"),
     "Starcoder2": Family(_cfg(T.Starcoder2Config, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, sliding_window=16,
@@ -153,8 +173,30 @@ FAMILIES: dict[str, Family] = {
     "Mamba": Family(_cfg(T.MambaConfig, hidden_size=32, num_hidden_layers=2, state_size=4), status="refused",
                     error="no attention layers", quirks="state-space model: no attention, told to load eager"),
     "Bloom": Family(_cfg(T.BloomConfig, hidden_size=64, n_layer=2, n_head=4), status="refused",
-                    error="computes attention in its own code",
-                    quirks="ALiBi, own attention code (not AttentionInterface)"),
+                    error="ALiBi.*no ALiBi bias",
+                    quirks="ALiBi (the cascade kernels have no ALiBi bias), own attention code: told to load eager"),
+    "MPT": Family(_cfg(T.MptConfig, d_model=64, n_layers=2, n_heads=4, max_seq_len=256), status="refused",
+                  error="ALiBi.*no ALiBi bias",
+                  quirks="ALiBi (the cascade kernels have no ALiBi bias), own attention code: told to load eager"),
+    "CodeGen": Family(_cfg(T.CodeGenConfig, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256, n_ctx=256),
+                      **{"quirks": "interleaved partial RoPE, fused qkv (transformers 5.17: own attention code, "
+                                   "routed by patches/families.py; float32 there)", **_CODEGEN}),
+    "GPT-Neo": Family(_cfg(T.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4, window_size=12,
+                           attention_types=[[["global", "local"], 1]], max_position_embeddings=256,
+                           initializer_range=0.2),
+                      dtype=torch.float32,
+                      quirks="unscaled scores (weights spread to std 0.2), local layers with window 12, shorter than "
+                             "the sequences; own "
+                             "attention-class table and attention code, routed by patches/families.py (stock: eager, "
+                             "as it has no sdpa; float32, as stock computes the scores in float32)"),
+    "XGLM": Family(_cfg(T.XGLMConfig, d_model=64, num_layers=2, attention_heads=4, ffn_dim=96,
+                        max_position_embeddings=256, decoder_start_token_id=1), dtype=torch.float32,
+                   quirks="sinusoidal positions (from the padding mask), query scaled before the product; own "
+                          "attention code, routed by patches/families.py (float32: stock's masking fails in float64)"),
+    "GPT-NeoX-Japanese": Family(_cfg(T.GPTNeoXJapaneseConfig, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_multiple_size=2, max_position_embeddings=256),
+                                status="refused", error="computes attention in its own code",
+                                quirks="own attention code: told to load eager"),
 }
 
 
@@ -218,6 +260,33 @@ def test_family(name, mode):
     got = run(cascade, mode, ids, mask, **family.extra, **forced)
     assert expected.shape == got.shape
     assert torch.equal(expected, got), f"{name} {mode}: cascade tokens differ from stock"
+
+
+# families served through patches/families.py's attention modules on this transformers (GPT-J and CodeGen: 5.17)
+_ROUTED_UPSTREAM = {"GPT-J": not _GPTJ, "CodeGen": not _CODEGEN}
+PATCHED = [name for name, family in FAMILIES.items()
+           if family.status == "exact" and "patches/families.py" in family.quirks and not _ROUTED_UPSTREAM.get(name)]
+
+
+@pytest.mark.parametrize("name", PATCHED)
+def test_patched_family_on_the_graph_runner(name, monkeypatch):
+    """On the GPU decode steps are replayed from a captured graph: the runner's static path (cuda_graphs="eager": the
+    same fixed inputs and buffers, replayed without capture) gives stock's beams for these modules too."""
+    from hf_cascade import graphs
+    runners = []
+    call = graphs.DecodeGraphRunner.__call__
+
+    def spy(self, *args, **kwargs):
+        runners.append(self)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(graphs.DecodeGraphRunner, "__call__", spy)
+    stock, cascade = model_pair(name)
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    expected = run(stock, "beam", ids, mask)
+    got = run(cascade, "beam", ids, mask, hf_cascade_config=dict(cuda_graphs="eager"))
+    assert torch.equal(expected, got)
+    assert runners and runners[-1].replays > 0
 
 
 def test_table_is_consistent():

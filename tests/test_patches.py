@@ -109,16 +109,220 @@ def test_from_pretrained_with_cascade(tmp_path):
                        loaded.generate(input_ids=ids, attention_mask=mask, **kw))
 
 
-def test_own_attention_table_gives_clear_error_at_load():
-    """Falcon indexes its own attention-class table while it is built: refused with the reason, not a KeyError."""
-    from transformers import AutoModelForCausalLM, FalconConfig
+def test_own_attention_table_gives_clear_error_at_load(monkeypatch):
+    """A model that indexes its own attention-class table while it is built, where that table has no "cascade" entry
+    (GPT-Neo without the entry patches/families.py adds): refused with the reason, not a KeyError."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+    from transformers.models.gpt_neo import modeling_gpt_neo
     from hf_cascade import patches
     assert patches.loading_patch_applied()
-    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(NotImplementedError, match="table of its own.*attn_implementation='sdpa'"):
-        AutoModelForCausalLM.from_config(config, attn_implementation="cascade")
-    AutoModelForCausalLM.from_config(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                                  num_attention_heads=2), attn_implementation="sdpa")
+    monkeypatch.delitem(modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES, "cascade")
+
+    def config():
+        return GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, attention_types=[[["global"], 1]])
+
+    with pytest.raises(NotImplementedError, match="table of its own.*attn_implementation='eager'"):   # it has no sdpa
+        AutoModelForCausalLM.from_config(config(), attn_implementation="cascade")
+    AutoModelForCausalLM.from_config(config(), attn_implementation="eager")
+
+
+def _falcon_config(**overrides):
+    from transformers import FalconConfig
+    return FalconConfig(**{"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                           "alibi": False, "pad_token_id": 0, "eos_token_id": None, **overrides})
+
+
+def test_falcon_patch_fits_installed_transformers():
+    """Falcon still builds its attention from FALCON_ATTENTION_CLASSES, with the forward signature, head split and
+    RoPE our FalconCascadeAttention relies on; the table's "cascade" entry builds it."""
+    from transformers.models.falcon import modeling_falcon
+    from hf_cascade import patches
+    from hf_cascade.patches.families import SUPPORTED, falcon_unchanged_reason
+    from packaging.version import Version
+    assert SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]
+    assert patches.families_patch_applied()
+    assert falcon_unchanged_reason() is None
+    assert "FALCON_ATTENTION_CLASSES[" in inspect.getsource(modeling_falcon.FalconDecoderLayer.__init__)
+    # stock's new architecture broadcasts its K/V heads to every query head (we store them once, unbroadcast)
+    assert "broadcast_to(key, query.shape)" in inspect.getsource(modeling_falcon.FalconAttention._split_heads)
+    attention = modeling_falcon.FALCON_ATTENTION_CLASSES["cascade"](_falcon_config(), 0)
+    assert isinstance(attention, modeling_falcon.FalconAttention) and attention.num_key_value_groups == 4
+    patches.apply()                                  # idempotent
+    assert modeling_falcon.FALCON_ATTENTION_CLASSES["cascade"] is not None
+
+
+def test_falcon_new_architecture_stores_each_kv_head_once():
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                             attn_implementation="cascade", dtype=torch.float64).eval()
+    ids, mask = padded_batch(seed=0)
+    cache = hf_cascade.CascadeCache(model.config)
+    hf_cascade.prefill(model, cache, ids % 64, mask)
+    assert cache.layers[0].storage.block_shape[2] == 2          # (K/V, block, kv heads, head_dim)
+
+
+def test_falcon_dense_forward_and_attention_weights_are_stock():
+    """Without our cache (a loss pass) and with output_attentions, the cascade Falcon computes what stock does
+    (stock eager: stock sdpa's output_attentions branch adds its boolean mask to the scores)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                             attn_implementation="eager", dtype=torch.float64).eval()
+    cascade = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                               attn_implementation="cascade", dtype=torch.float64).eval()
+    cascade.load_state_dict(stock.state_dict())
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        dense = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()             # a padding position attends to nothing: eager and sdpa fill it differently
+    assert torch.allclose(expected.logits[real], dense[real], atol=1e-12)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
+@pytest.mark.parametrize("name", ["gptj", "codegen"])
+def test_gptj_and_codegen_attention_is_routed(name):
+    """transformers from ~5.2x routes GPT-J's and CodeGen's attention through AttentionInterface itself; before,
+    patches/families.py routes their ``_attn(query, key, value, attention_mask)``, whose weights (output_attentions)
+    stay stock eager's."""
+    import importlib
+    from transformers import AutoModelForCausalLM, CodeGenConfig, GPTJConfig
+    from hf_cascade.generation import routes_attention
+    from hf_cascade.patches.families import _unrouted
+    module = f"transformers.models.{name}.modeling_{name}"
+    attention = {"gptj": "GPTJAttention", "codegen": "CodeGenAttention"}[name]
+    config = {"gptj": GPTJConfig, "codegen": CodeGenConfig}[name]
+
+    def make():
+        return config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager", dtype=torch.float32).eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade", dtype=torch.float32).eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert routes_attention(cascade)
+    if "ALL_ATTENTION_FUNCTIONS" in vars(importlib.import_module(module)):
+        assert _unrouted(module, attention) is None          # routed upstream: nothing to patch
+        return
+    assert _unrouted(module, attention) is not None          # stock's _attn(query, key, value, attention_mask)
+    assert not routes_attention(stock)
+    layer = cascade.transformer.h[0].attn
+    assert type(layer).__name__.endswith("CascadeAttention")
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
+def test_gpt_neo_patch_fits_and_keeps_stock_weights():
+    """GPT-Neo still builds its self-attention from GPT_NEO_ATTENTION_CLASSES and masks its local window in
+    ``_attn(query, key, value, attention_mask)`` from the ``bias`` buffer (what the cascade entry replaces); with
+    output_attentions the cascade model gives stock eager's weights, and its local layers pass their window."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+    from transformers.models.gpt_neo import modeling_gpt_neo
+    from hf_cascade.generation import routes_attention
+    base = modeling_gpt_neo.GPTNeoSelfAttention
+    assert "GPT_NEO_ATTENTION_CLASSES[" in inspect.getsource(modeling_gpt_neo.GPTNeoAttention.__init__)
+    assert tuple(inspect.signature(base._attn).parameters) == ("self", "query", "key", "value", "attention_mask")
+    assert "self.bias[" in inspect.getsource(base._attn)
+
+    def make():
+        return GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                            attention_types=[[["global", "local"], 1]], max_position_embeddings=64, pad_token_id=0)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert routes_attention(cascade) and not routes_attention(stock)
+    assert [layer.attn.attention.window for layer in cascade.transformer.h] == [None, 4]
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
+def test_gpt_neo_window_with_a_shared_system_prompt_and_right_padding():
+    """GPT-Neo's window (config.window_size on its "local" layers, no config.sliding_window) counts as a sliding
+    window for generate: a system prompt common to the batch is not stored once across prompts (stock's window
+    counts the other prompts' pad columns) and right padding runs stock's path; both give stock's tokens."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    def make():
+        return GPTNeoConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, window_size=8,
+                            initializer_range=0.2, attention_types=[[["global", "local"], 1]],
+                            max_position_embeddings=256, pad_token_id=0)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(2, 64, (40,), generator=g)
+    prompts = [torch.cat([system, torch.randint(2, 64, (n,), generator=g)]) for n in (9, 3)]
+    width = len(prompts[0])
+    for side in ("left", "right"):
+        ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            where = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
+            ids[row, where], mask[row, where] = prompt, 1
+        for extra in (dict(num_beams=4, num_return_sequences=2), dict(do_sample=True, num_return_sequences=3)):
+            torch.manual_seed(1)
+            expected = stock.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **extra)
+            torch.manual_seed(1)
+            got = cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **extra)
+            assert torch.equal(expected, got), (side, extra)
+
+
+def test_xglm_patch_fits_and_routes_only_cascade_self_attention():
+    """XGLM's decoder layer still builds its self-attention as XGLMAttention, whose forward takes the cache and
+    computes the attention itself; a cascade model's self-attention gets the routed subclass (a stock model's
+    keeps stock's class) and a dense forward gives stock's logits."""
+    from transformers import AutoModelForCausalLM, XGLMConfig
+    from transformers.models.xglm import modeling_xglm
+    from hf_cascade.generation import routes_attention
+    assert "self.self_attn = XGLMAttention(" in inspect.getsource(
+        modeling_xglm.XGLMDecoderLayer.__init__.__hf_cascade_original__)
+    params = inspect.signature(inspect.unwrap(modeling_xglm.XGLMAttention.forward)).parameters
+    assert {"hidden_states", "key_value_states", "attention_mask"} <= set(params)
+    assert {"cache", "past_key_values"} & set(params)
+
+    def make():
+        return XGLMConfig(vocab_size=64, d_model=32, num_layers=1, attention_heads=4, ffn_dim=48,
+                          max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=1)
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation="eager").eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade").eval()
+    cascade.load_state_dict(stock.state_dict())
+    assert type(stock.model.layers[0].self_attn) is modeling_xglm.XGLMAttention and not routes_attention(stock)
+    assert type(cascade.model.layers[0].self_attn).__name__ == "XGLMCascadeAttention" and routes_attention(cascade)
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    assert torch.allclose(expected[real], got[real], atol=1e-5)
+
+
+def test_alibi_is_refused_with_the_reason():
+    """ALiBi Falcons are refused at load, Bloom at generate: the cascade kernels add no ALiBi bias."""
+    from transformers import AutoModelForCausalLM, BloomConfig
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'"):
+        AutoModelForCausalLM.from_config(_falcon_config(alibi=True), attn_implementation="cascade")
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2),
+                                             attn_implementation="cascade").eval()
+    ids, mask = padded_batch(seed=0)
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='eager'"):
+        bloom.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
 
 
 def test_upstream_encoder_expansion_hook_still_exists():
