@@ -238,23 +238,31 @@ def _xglm_class(base):
     return XGLMCascadeAttention
 
 
+def _route_on_init(owner: type, attr: str, base: type, routed: type) -> None:
+    """Wrap ``owner.__init__``: in a cascade model, its ``attr`` module of class ``base`` becomes a ``routed`` one (same
+    parameters and buffers: only the attention's forward changes) and keeps the config, which XGLM's and CodeGen's
+    attention modules do not keep themselves (GPT-J's does)."""
+    original_init = owner.__init__
+
+    @functools.wraps(original_init)
+    def init(self, config, layer_idx=None):
+        original_init(self, config, layer_idx)
+        module = getattr(self, attr)
+        if config._attn_implementation == "cascade" and type(module) is base:
+            module.__class__ = routed
+            module.config = config
+
+    init.__hf_cascade_original__ = original_init
+    owner.__init__ = init
+
+
 def _apply_xglm() -> None:
     modeling = importlib.import_module("transformers.models.xglm.modeling_xglm")
     base = getattr(modeling, "XGLMAttention", None)
     if "ALL_ATTENTION_FUNCTIONS" in vars(modeling) or base is None:
         return                                    # routed upstream (or gone): nothing to patch
     routed = _xglm_class(base)
-    original_init = modeling.XGLMDecoderLayer.__init__
-
-    @functools.wraps(original_init)
-    def layer_init(self, config, layer_idx=None):
-        original_init(self, config, layer_idx)
-        if config._attn_implementation == "cascade" and type(self.self_attn) is base:
-            self.self_attn.__class__ = routed       # same parameters: only the self-attention's forward changes
-            self.self_attn.config = config          # (XGLM's attention keeps no config)
-
-    layer_init.__hf_cascade_original__ = original_init
-    modeling.XGLMDecoderLayer.__init__ = layer_init
+    _route_on_init(modeling.XGLMDecoderLayer, "self_attn", base, routed)     # cross-attention stays stock's
     _applied.append(routed)
 
 
@@ -278,17 +286,7 @@ def _apply_gptj_codegen() -> None:
     if found is not None:
         modeling, base = found
         routed = _routed_attn_class(base)
-        original_init = modeling.CodeGenBlock.__init__
-
-        @functools.wraps(original_init)
-        def block_init(self, config, layer_idx=None):
-            original_init(self, config, layer_idx)
-            if config._attn_implementation == "cascade" and type(self.attn) is base:
-                self.attn.__class__ = routed        # same parameters and buffers: only _attn changes
-                self.attn.config = config           # (GPT-J's attention keeps it; CodeGen's does not)
-
-        block_init.__hf_cascade_original__ = original_init
-        modeling.CodeGenBlock.__init__ = block_init
+        _route_on_init(modeling.CodeGenBlock, "attn", base, routed)
         _applied.append(routed)
 
 

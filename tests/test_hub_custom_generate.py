@@ -161,7 +161,7 @@ def test_decoding_the_cascade_does_not_take_runs_stock(model):
 
 
 def test_a_model_the_cascade_cannot_serve_runs_stock(caplog):
-    """Bloom computes attention in its own code (not through AttentionInterface): stock generate, warned."""
+    """Bloom (ALiBi, which the cascade kernels do not add): stock generate, warned with the reason."""
     torch.manual_seed(0)
     config = DECODER_FAMILIES["Bloom"].make()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
@@ -172,7 +172,7 @@ def test_a_model_the_cascade_cannot_serve_runs_stock(caplog):
     with ForwardSpy(model) as spy:
         assert torch.equal(model.generate(**kw, **HUB), expected)
     assert spy.ran_stock(), spy.seen
-    assert "hf_cascade cannot serve this model" in caplog.text and "computes attention in its own code" in caplog.text
+    assert "hf_cascade cannot serve this model" in caplog.text and "no ALiBi bias" in caplog.text
     assert model.config._attn_implementation == attention
 
 

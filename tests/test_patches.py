@@ -183,6 +183,16 @@ def test_falcon_dense_forward_and_attention_weights_are_stock():
     assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
 
 
+def _assert_same_forward(stock, cascade) -> None:
+    """A forward without a cache (the dense path, attention weights returned) equals stock's exactly."""
+    ids, mask = padded_batch(seed=1)
+    with torch.no_grad():
+        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
+    assert torch.equal(expected.logits, got.logits)
+    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+
+
 @pytest.mark.parametrize("name", ["gptj", "codegen"])
 def test_gptj_and_codegen_attention_is_routed(name):
     """transformers from ~5.2x routes GPT-J's and CodeGen's attention through AttentionInterface itself; before,
@@ -212,12 +222,7 @@ def test_gptj_and_codegen_attention_is_routed(name):
     assert not routes_attention(stock)
     layer = cascade.transformer.h[0].attn
     assert type(layer).__name__.endswith("CascadeAttention")
-    ids, mask = padded_batch(seed=1)
-    with torch.no_grad():
-        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
-        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
-    assert torch.equal(expected.logits, got.logits)
-    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+    _assert_same_forward(stock, cascade)
 
 
 def test_gpt_neo_patch_fits_and_keeps_stock_weights():
@@ -242,12 +247,7 @@ def test_gpt_neo_patch_fits_and_keeps_stock_weights():
     cascade.load_state_dict(stock.state_dict())
     assert routes_attention(cascade) and not routes_attention(stock)
     assert [layer.attn.attention.window for layer in cascade.transformer.h] == [None, 4]
-    ids, mask = padded_batch(seed=1)
-    with torch.no_grad():
-        expected = stock(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
-        got = cascade(input_ids=ids % 64, attention_mask=mask, use_cache=False, output_attentions=True)
-    assert torch.equal(expected.logits, got.logits)
-    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+    _assert_same_forward(stock, cascade)
 
 
 def test_gpt_neo_window_with_a_shared_system_prompt_and_right_padding():
