@@ -215,10 +215,10 @@ def append(state: DeviceBlocks) -> DeviceStep:
     scratch = torch.full_like(new_lengths, pool)
     write_block = torch.where(ok, new_tables.gather(1, col[:, None]).squeeze(1).long(), scratch)
     write_offset = torch.where(ok, offset, 0)
-    first = torch.argmax(cow.to(torch.int32))
+    first = torch.argmax(cow.to(torch.int32)).view(1)     # the first copying row (a gather: no index read)
     any_cow = cow.any()
-    fill_src = torch.where(any_cow, last[first], write_block[0])
-    fill_dst = torch.where(any_cow, ids[first], fill_src)
+    fill_src = torch.where(any_cow, last.gather(0, first), write_block[:1])[0]
+    fill_dst = torch.where(any_cow, ids.gather(0, first), fill_src)
     slot = torch.where(cow, torch.cumsum(cow, 0) - 1, R)
     copy_src = fill_src.expand(R + 1).clone().scatter_(0, slot, last)[:R]
     copy_dst = fill_dst.expand(R + 1).clone().scatter_(0, slot, ids)[:R]

@@ -177,3 +177,27 @@ def test_pool_size_is_fixed_and_covers_the_host_ids():
         db.DeviceBlocks.from_host(m, layout)
     with pytest.raises(ValueError, match="pool holds"):
         db.DeviceBlocks.from_host(m, layout, pool_blocks=m.capacity - 1)
+
+
+def test_a_step_traces_as_one_graph_and_computes_the_same():
+    # dynamo with fullgraph=True refuses any graph break (a host read, a data-dependent shape or branch): the
+    # step is fit for capture; the eager backend keeps the check fast and the values those of plain torch
+    def step(state, parents):
+        db.reorder(state, parents)
+        return db.append(state)
+
+    states = []
+    for _ in range(2):
+        m = _prefilled(2, 3, [3, 4], 3)
+        m.max_blocks = m.capacity + 30
+        layout = DecodeLayout.freeze(m.tables(), m.lengths, 2, 16, min_group_rows=2)
+        states.append(db.DeviceBlocks.from_host(m, layout))
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        parents = torch.as_tensor(_parents(rng, 2, 3, False))
+        want, got = step(states[0], parents), compiled(states[1], parents)
+        for name in ("suffix_table", "q_limit", "inner_suffix_table", "write_block", "write_offset", "copy_src",
+                     "copy_dst"):
+            assert torch.equal(getattr(want, name), getattr(got, name)), name
+    assert torch.equal(states[0].tables, states[1].tables) and int(states[1].steps) == 4
