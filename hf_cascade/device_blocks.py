@@ -9,8 +9,8 @@ the step can run inside a captured CUDA graph. It is built once from the host st
 (:meth:`DeviceBlocks.from_host`) and owns nothing else: no model, kernel or cache knowledge.
 
 Free pool: the block ids ``[0, pool_blocks)`` whose reference count is 0. A step takes the lowest free ids, in
-row order, exactly as the host's min-heap does (so K/V land in the same blocks as on the host path); a
-cumulative sum over the pool and one ``searchsorted`` find them, a few microseconds for 10^5 blocks. A stack of
+row order, exactly as the host's min-heap does (so K/V land in the same blocks as on the host path); one
+cumulative sum over the pool and one ``searchsorted`` find them (O(pool) per step, not measured on a GPU). A stack of
 free ids would allocate in another order and make the two paths write different blocks.
 
 Overflow contract. A step never raises; it sets one bit of ``flags`` (a sticky int32 scalar on the device):
@@ -24,10 +24,12 @@ Precedence is the host's: the pool first, then the levels, then the capacity. Mo
 cannot happen (at most one per row when each row appends one token), so it has no flag. The step that sets a
 flag and every step after it leave the state as it was after that step's :func:`reorder` (tables, lengths,
 reference counts, ``steps``): their write slots and copy pairs all name ``scratch_block`` (= ``pool_blocks``;
-the K/V storage holds one block more), so the forward of a failed step writes nothing live. The host reads
+the K/V storage must hold one block more), so the forward of a failed step writes nothing live. The host reads
 :func:`read_flags` once every N steps (its only host read); when it is not 0, ``steps`` appends were applied,
-the tokens of later steps are discarded, and the host re-plans from the state (a widened layout, a new freeze)
-or raises ``PoolExhausted``.
+the tokens of later steps are discarded, and the host re-plans from :func:`host_state` (a widened layout, a new
+freeze) or raises ``PoolExhausted``. The host can make the capacity flag impossible between two checks (every row
+grows by one token a step, so it knows when ``token_limit`` comes) and the pool flag too (a step takes at most R
+blocks: N steps need at most N x R free), leaving only a parent from another prompt to discover late.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 __all__ = ["POOL_EXHAUSTED", "LEFT_LEVELS", "OUTGROWN", "DeviceBlocks", "DeviceStep", "reorder", "append",
-           "read_flags"]
+           "read_flags", "host_state"]
 
 POOL_EXHAUSTED = 1
 LEFT_LEVELS = 2
@@ -244,6 +246,13 @@ def _suffix(state: DeviceBlocks, prefix_blocks: torch.Tensor, width: int):
     table = torch.where(held, state.tables.gather(1, cols), -1).to(torch.int32)
     q_limit = (state.lengths - prefix_blocks * bs)[:, None].to(torch.int32)
     return table, q_limit
+
+
+def host_state(state: DeviceBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tables [R, W] int32, lengths [R] int64, refcount [pool_blocks] int32)`` on the host: what a re-plan
+    after a flag starts from (a read: only after :func:`read_flags` said so, never inside a step)."""
+    return (state.tables.cpu().numpy().copy(), state.lengths.cpu().numpy().copy(),
+            state.refcount[: state.pool_blocks].cpu().numpy().copy())
 
 
 def read_flags(state: DeviceBlocks) -> int:

@@ -118,6 +118,10 @@ def _drive(bs, system_len, prompt_lens, beams, room, spare, cross_rate, solo_row
                 assert (t == state.scratch_block).all()
             if host_flag == db.POOL_EXHAUSTED:      # the host's append refused before changing anything too
                 _assert_state_equal(state, m)
+                tables, lengths, refcount = db.host_state(state)
+                np.testing.assert_array_equal(tables, m.tables(tables.shape[1]))
+                np.testing.assert_array_equal(lengths, m.lengths)
+                np.testing.assert_array_equal(refcount[: m.capacity], m.refcount)
             db.reorder(state, torch.as_tensor(_parents(rng, len(prompt_lens), beams, False)))
             db.append(state)                        # later steps are no-ops until the host re-plans
             for old, new in zip(before, _snapshot(state)):
