@@ -19,7 +19,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from . import cross_attention
-from .context import STEP_KWARG, Quirks, get_context
+from .context import STEP_KWARG, get_context
+from .kernels.base import Quirks
 
 NAME = "cascade"
 

@@ -29,7 +29,7 @@ import transformers
 from packaging.version import Version
 
 from . import kernels
-from .kernels.base import Quirks  # noqa: F401  (re-exported: the attention builds quirk sets from here)
+from .kernels.base import Quirks
 
 if TYPE_CHECKING:
     from .kernels.base import Backend

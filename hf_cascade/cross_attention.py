@@ -6,11 +6,11 @@ arguments down to every attention call, so the attention function registered as 
 holds the call's ``EncoderDecoderCache``: a cross-attention call is one whose module's ``layer_idx`` names a layer of
 its cross-attention cache and whose K/V are that layer's (the model reads them from the cache and passes them on:
 placeholders of stock's shape, the real K/V sit in the layer's paged pool). The context also keeps, for the call,
-the kernel backend chosen per layer shape and its metadata per plan (a cross plan is fixed for the call).
+one :class:`~hf_cascade.context.StepContext` per cross plan: the backend per layer shape and its metadata.
 """
 from __future__ import annotations
 
-from . import kernels
+from .context import StepContext
 from .kernels.base import NO_QUIRKS
 
 # the forward (and so attention) keyword argument that carries the CrossContext
@@ -19,12 +19,12 @@ CROSS_KWARG = "cascade_cross"
 
 class CrossContext:
     """One generate call's cross-attention: ``cache`` (the EncoderDecoderCache whose ``cross_attention_cache``
-    holds the K/V), the backend per layer shape and the backends' metadata per plan."""
+    holds the K/V) and a step context per cross plan (a cross plan is fixed for the call), which chooses the backend
+    per layer shape and builds its metadata once, as for a decoder step."""
 
     def __init__(self, cache):
         self.cache = cache
-        self.backends: dict = {}
-        self.metadata: dict = {}
+        self.steps: dict = {}
 
     def layer(self, module, key):
         """The cross-attention cache layer this attention call reads, or None (a self-attention call)."""
@@ -35,21 +35,12 @@ class CrossContext:
         layer = cross.layers[layer_idx]
         return layer if key is layer.keys else None
 
-    def backend(self, layer, q, plan):
-        """The kernel backend for cross-attention layers of this shape (chosen once per call and shape)."""
-        pool = layer.pool
-        key = (q.device, q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], pool.shape[3])
-        found = self.backends.get(key)
-        if found is None:
-            found = self.backends[key] = kernels.select(layer.cache.cascade_config.backend, q, pool, plan)
-        return found
-
-    def backend_metadata(self, backend, plan, q, pool):
-        key = (id(plan), backend.name) + backend.metadata_key(q, pool, NO_QUIRKS, plan)
-        entry = self.metadata.get(key)     # (plan, metadata): the plan kept alive, so its id names only it
-        if entry is None or entry[0] is not plan or not backend.reusable(entry[1]):
-            entry = self.metadata[key] = (plan, backend.build(plan, q, pool, NO_QUIRKS))
-        return entry[1]
+    def step(self, plan) -> StepContext:
+        """The step context of ``plan`` (kept with the plan: its id names only it)."""
+        entry = self.steps.get(id(plan))
+        if entry is None or entry.plan is not plan:
+            entry = self.steps[id(plan)] = StepContext(None, plan, 0)
+        return entry
 
 
 def forward_kwargs(cache) -> dict:
@@ -85,9 +76,10 @@ def cross_attention(context: CrossContext, layer, module, query, dropout, scalin
         return cache.sdpa_in_place(layer, query, scale), None
     q = query.transpose(1, 2)                                          # [R, q, H, D]
     plan = cache.plan(q.shape[0], q.shape[1])
-    backend = context.backend(layer, q, plan)
-    step = getattr(getattr(context.cache, "self_attention_cache", None), "step", None)
-    if step is not None:       # the decoder's step: a graph runner checks that this backend can be captured too
-        step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
-    metadata = context.backend_metadata(backend, plan, q, layer.pool)
+    step = context.step(plan)
+    backend = step.backend(cache.cascade_config.backend, q, layer.pool, NO_QUIRKS)
+    decoder_step = getattr(getattr(context.cache, "self_attention_cache", None), "step", None)
+    if decoder_step is not None:   # the decoder's step: a graph runner checks that this backend can be captured too
+        decoder_step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
+    metadata = step.backend_metadata(backend, q, layer.pool, NO_QUIRKS)
     return backend.forward(q, layer.pool, metadata, scale).contiguous(), None

@@ -531,8 +531,8 @@ def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
     reason = graphs.unsupported_reason(model, cascade_config)
     if reason is not None:
         log_once(("compile unused", reason), logging.WARNING,
-                         "CascadeConfig(compile=True) is ignored: it compiles the decode step replayed as a CUDA "
-                         "graph, and decode steps run without graphs here (%s).", reason)
+                 "CascadeConfig(compile=True) is ignored: it compiles the decode step replayed as a CUDA "
+                 "graph, and decode steps run without graphs here (%s).", reason)
 
 
 def _run(model, cache: CascadeCache | None, cascade_config: CascadeConfig, input_ids, generation_config,

@@ -275,11 +275,10 @@ class DecodeSession:
         if reason is not None:
             if mode is not False:
                 log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
-                                "decode steps run without CUDA graphs: %s", reason)
+                         "decode steps run without CUDA graphs: %s", reason)
             return None
         log_once(("on", mode), logging.INFO, "decode steps run as %s",
-                        "the graph runner's static path without capture" if mode == "eager"
-                        else "a replayed CUDA graph")
+                 "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
         runner = self._kept_runner
         if runner is None:
             runner = graphs.DecodeGraphRunner(self.model, self.cache, capture_guard.capturing,

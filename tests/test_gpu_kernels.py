@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.context import Quirks
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
+from hf_cascade.kernels.base import Quirks
 from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
 
 BF, FP = torch.bfloat16, torch.float16

@@ -390,7 +390,8 @@ def test_quirk_sets_tell_layers_sinks_apart():
     """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
     layers with equal-valued sinks still get backend choices of their own, and a layer gets the same one every
     time."""
-    from hf_cascade.context import Quirks, StepContext
+    from hf_cascade.context import StepContext
+    from hf_cascade.kernels.base import Quirks
     a, b = torch.zeros(4), torch.zeros(4)
     assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
     assert Quirks(sinks=a) != Quirks(sinks=b) and Quirks(sinks=a) != Quirks()
