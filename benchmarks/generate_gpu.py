@@ -136,8 +136,10 @@ def run_one(model, ids, beams, new_tokens, variant):
 WHOLE_VARIANTS = {
     "stock": None,
     "eager": dict(backend="cuda", cuda_graphs=False),
-    "graph": dict(backend="cuda", cuda_graphs=True),
-    "compile": dict(backend="cuda", cuda_graphs=True, compile=True),
+    "graph": dict(backend="cuda", cuda_graphs=True, whole_step=False),     # transformers' loop, forward replayed
+    "whole": dict(backend="cuda", cuda_graphs=True, whole_step=True),      # the whole step on the device
+    "compile": dict(backend="cuda", cuda_graphs=True, whole_step=False, compile=True),
+    "whole-compile": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True),
 }
 
 
@@ -204,7 +206,8 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     runner = runners[0] if runners else None
     if runner is not None:
         info.update(captures=getattr(runner, "captures", None), capture_s=getattr(runner, "capture_seconds", None),
-                    replays=getattr(runner, "replays", None), graph_disabled=getattr(runner, "disabled", None))
+                    replays=getattr(runner, "replays", None), graph_disabled=getattr(runner, "disabled", None),
+                    device_steps=getattr(runner, "device_steps", None))
     return {"wall": wall, "peak": peak}
 
 
@@ -271,7 +274,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--whole-step", action="store_true",
                         help="whole-generate step per new token, stock vs eager vs graph, interleaved")
-    parser.add_argument("--variants", nargs="+", default=["stock", "eager", "graph"],
+    parser.add_argument("--variants", nargs="+", default=["stock", "eager", "graph", "whole"],
                         help=f"with --whole-step: some of {', '.join(WHOLE_VARIANTS)} (compile: graph + torch.compile)")
     parser.add_argument("--rounds", type=int, default=3, help="with --whole-step: timed rounds after the warm-up")
     parser.add_argument("--configs", nargs="+", default=["1b:4096:8", "8b:16384:8"],

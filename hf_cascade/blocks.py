@@ -319,6 +319,26 @@ class BlockManager:
         self._tables = self._tables[index]
         self._lengths = self._lengths[index]
 
+    def restore(self, tables: np.ndarray, lengths: np.ndarray, refcount: np.ndarray) -> None:
+        """Take the state that a device copy of this manager reached (:mod:`hf_cascade.device_blocks`): tables
+        ``[num_rows, W]`` (-1 padded), lengths ``[num_rows]`` and the reference count of every id below
+        ``refcount.size``. Ids whose count is 0 become free; capacity covers every id handed out."""
+        tables = np.asarray(tables, dtype=np.int32)
+        lengths = _as_int_vector(lengths, "lengths", tables.shape[0])
+        refcount = np.asarray(refcount, dtype=np.int32)
+        used = tables[tables >= 0]
+        if used.size and used.max() >= refcount.size:
+            raise ValueError(f"a table holds block {int(used.max())}, the reference counts cover {refcount.size}")
+        if (np.bincount(used, minlength=refcount.size) != refcount).any():
+            raise ValueError("the reference counts do not match the tables")
+        capacity = max(self._capacity, int(used.max()) + 1 if used.size else 0)
+        rc = np.zeros(max(16, 2 * capacity), dtype=np.int32)
+        rc[: min(capacity, refcount.size)] = refcount[:capacity]
+        self._rc, self._capacity = rc, capacity
+        self._free = np.flatnonzero(rc[:capacity] == 0).tolist()     # sorted: a valid min-heap
+        self._tables = np.ascontiguousarray(tables)
+        self._lengths = lengths.copy()
+
     def truncate(self, counts) -> None:
         """Remove ``counts[r]`` tokens from the end of row r; emptied blocks are released."""
         counts = _as_int_vector(counts, "counts", self.num_rows)

@@ -407,6 +407,25 @@ class CascadeCache(Cache):
         replay); the forward's layers then write into this step."""
         return self._begin_step_shape(num_rows, q_len)
 
+    def begin_planned_step(self, device: torch.device) -> StepContext:
+        """Begin a static decode step whose block bookkeeping and plan the device computed
+        (:mod:`hf_cascade.whole_step`): the layers read the layout's buffers as the device wrote them. Neither the
+        block manager nor ``logical_length`` change here: the caller owns the device state (and hands it back with
+        :meth:`restore_blocks`) and counts the steps."""
+        if self._layout is None:
+            raise RuntimeError("begin_planned_step needs the static decode layout of a decode in progress")
+        self._end_step()
+        self._step_id += 1
+        self._context = StepContext(self, self._layout.planned_step(device), self._step_id)
+        return self._context
+
+    def restore_blocks(self, tables, lengths, refcount, logical_length: int, peak_blocks: int = 0) -> None:
+        """Take back the block state that device steps reached (see :meth:`begin_planned_step`)."""
+        self._end_step()
+        self.blocks.restore(tables, lengths, refcount)
+        self.logical_length = int(logical_length)
+        self._peak_blocks = max(self._peak_blocks, int(peak_blocks), self.blocks.blocks_in_use)
+
     def rewind_step(self) -> None:
         """Let the current step's layers write again (a capture re-runs the step just run: same slots,
         same values)."""

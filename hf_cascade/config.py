@@ -68,6 +68,12 @@ class CascadeConfig:
             shape compiles (tens of seconds for an 8B model); off by default.
         static_decode: inside generate, plan decode steps on a layout fixed for the call
             (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
+        whole_step: where decode steps run on the graph runner, run generate's decode loop with the token choice
+            (processors, beam scores, finished hypotheses) and the block bookkeeping on the device, the whole step
+            captured as one CUDA graph (:mod:`hf_cascade.whole_step`), with the same tokens as transformers' loop.
+            Calls it does not serve (a processor or criterion of the user's own, a streamer,
+            ``return_dict_in_generate``, ...) keep transformers' loop, the reason logged once. ``False``: always
+            transformers' loop.
     """
 
     backend: str = "auto"
@@ -81,6 +87,7 @@ class CascadeConfig:
     cuda_graphs: bool | str | None = None
     static_decode: bool = True
     compile: bool = False
+    whole_step: bool = True
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
@@ -89,6 +96,8 @@ class CascadeConfig:
                         f"got {self.cuda_graphs!r}.")
         if not isinstance(self.compile, bool):
             raise ConfigTypeError(f"CascadeConfig.compile must be a bool, got {self.compile!r}.")
+        if not isinstance(self.whole_step, bool):
+            raise ConfigTypeError(f"CascadeConfig.whole_step must be a bool, got {self.whole_step!r}.")
         if not isinstance(self.static_decode, bool):
             raise ConfigTypeError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)

@@ -163,8 +163,10 @@ def reorder(state: DeviceBlocks, parents: torch.Tensor) -> None:
     state.lengths.copy_(torch.where(live, state.lengths[parents], state.lengths))
 
 
-def append(state: DeviceBlocks) -> DeviceStep:
-    """One token per row: the step's plan, and the state advanced past it (module docstring for overflow)."""
+def append(state: DeviceBlocks, active: torch.Tensor | None = None) -> DeviceStep:
+    """One token per row: the step's plan, and the state advanced past it (module docstring for overflow).
+    ``active``: a bool scalar tensor; where False (the call has finished), the step changes nothing and sets no
+    flag: its writes and copies name the scratch block, as a failed step's do."""
     bs, pool = state.block_size, state.pool_blocks
     tables, lengths, refcount = state.tables, state.lengths, state.refcount
     R, W = tables.shape
@@ -204,7 +206,11 @@ def append(state: DeviceBlocks) -> DeviceStep:
         outgrown = outgrown | (_suffix_blocks(new_lengths, state.row_inner_blocks, bs).max() > state.inner_width)
     flag = torch.where(pool_short, POOL_EXHAUSTED,
                        torch.where(left, LEFT_LEVELS, torch.where(outgrown, OUTGROWN, 0))).to(torch.int32)
+    if active is not None:
+        flag = torch.where(active, flag, 0).to(torch.int32)
     ok = (state.flags == 0) & (flag == 0)
+    if active is not None:
+        ok = ok & active
     state.flags.copy_(torch.where(state.flags == 0, flag, state.flags))
     state.steps.add_(ok.long())
     state.tables.copy_(torch.where(ok, new_tables, tables))

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import encoder_decoder, graphs, seq2seq_models
+from . import encoder_decoder, graphs, seq2seq_models, whole_step
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -435,8 +435,12 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=synced_gpus, **model_kwargs)
 
+    def decode_loop(session):
+        return whole_step.decode(session, input_ids, logits_processor, stopping_criteria, generation_config,
+                                 model_kwargs, synced_gpus, stock)
+
     if explicit:
-        return _run(model, existing, hf_cascade_config, input_ids, generation_config, model_kwargs, key, stock)
+        return _run(model, existing, hf_cascade_config, input_ids, generation_config, model_kwargs, key, decode_loop)
     if existing is not None and generation_config.cache_implementation not in (None, "dynamic"):
         raise ValueError(f"cache_implementation={generation_config.cache_implementation!r} conflicts with "
                          "attn_implementation='cascade', which brings its own cache. Unset it, or use "
@@ -470,7 +474,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     if reason is not None:
         _log_stock_path(reason)
         return stock()
-    return _run(model, None, hf_cascade_config, input_ids, generation_config, model_kwargs, key, stock)
+    return _run(model, None, hf_cascade_config, input_ids, generation_config, model_kwargs, key, decode_loop)
 
 
 def _uncapped(what: str, fix: str) -> str:
@@ -536,14 +540,15 @@ def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:
 
 
 def _run(model, cache: CascadeCache | None, cascade_config: CascadeConfig, input_ids, generation_config,
-         model_kwargs: dict, key: str, decode):
-    """Fill the cache (the caller's; None: one the call owns) with the prompts' new tokens, then stock decoding (a
-    captured graph where it can run), in one :class:`~hf_cascade.session.DecodeSession`."""
+         model_kwargs: dict, key: str, decode_loop):
+    """Fill the cache (the caller's; None: one the call owns) with the prompts' new tokens, then
+    ``decode_loop(session)`` (the whole step on the device, or transformers' loop with a captured graph where it can
+    run), in one :class:`~hf_cascade.session.DecodeSession`."""
     strategy = PromptPrefill(model, input_ids, generation_config, model_kwargs, key)
     call = DecodeSession(model, strategy, generation_config, rows=input_ids.shape[0], prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config, cache=cache, keep=cache is None,
                          hands_out=bool(generation_config.return_dict_in_generate))
-    return call.run(decode)
+    return call.run(lambda: decode_loop(call))
 
 
 class PromptPrefill:

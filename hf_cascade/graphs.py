@@ -141,6 +141,7 @@ class DecodeGraphRunner:
     def begin_call(self) -> None:
         """Counters of one generate call (a kept runner serves several)."""
         self.captures, self.capture_seconds, self.replays, self.eager_calls, self.first_steps = 0, 0.0, 0, 0, 0
+        self.device_steps = 0       # steps of hf_cascade.whole_step's loop (planned and chosen on the device)
         self.disabled = None
 
     # ---- installing ---------------------------------------------------------------------------------

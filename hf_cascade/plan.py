@@ -463,11 +463,33 @@ class DecodeLayout:
 
     def upload(self, plan: StepPlan, device: torch.device) -> "DevicePlan":
         """Write ``plan``'s per-step arrays into this layout's persistent buffers on ``device``."""
-        key = str(device)
+        self.device_plan(device)
+        return self._buffers[str(torch.device(device))].fill(plan)
+
+    def planned_step(self, device: torch.device) -> StepPlan:
+        """The plan of a decode step whose per-step tensors were written into this layout's buffers on ``device``
+        by the device itself (:mod:`hf_cascade.whole_step`): the layers read the buffers as they are, nothing is
+        uploaded. Its host arrays of per-step values are zeros of the right shapes (only their shapes are read:
+        the backends' layout metadata was built at the layout's first step, on the host plan)."""
+        R, W, W2 = self.num_rows, self.suffix_width, self.inner_width
+        zeros = np.zeros(R, dtype=np.int64)
+        plan = StepPlan(
+            fresh=False, q_len=1, src_index=None, write_block=zeros, write_offset=zeros, copy_src=zeros,
+            copy_dst=zeros, group_rows=self.group_rows, prefix_table=self.prefix_table, prefix_len=self.prefix_len,
+            suffix_table=np.full((R, W), -1, dtype=np.int32), q_limit=np.zeros((R, 1), dtype=np.int32),
+            mid_group_rows=self.mid_group_rows, mid_table=self.mid_table, mid_len=self.mid_len,
+            inner_suffix_table=np.full((R, W2), -1, dtype=np.int32) if W2 else None,
+            inner_q_limit=np.zeros((R, 1), dtype=np.int32) if W2 else None, layout=self)
+        plan._on_device[str(torch.device(device))] = self.device_plan(device)
+        return plan
+
+    def device_plan(self, device: torch.device) -> "DevicePlan":
+        """This layout's persistent plan tensors on ``device`` (made on first use), as the last step left them."""
+        key = str(torch.device(device))
         buffers = self._buffers.get(key)
         if buffers is None:
             buffers = self._buffers[key] = _StaticBuffers(self, torch.device(device))
-        return buffers.fill(plan)
+        return buffers.plan
 
     def release(self) -> None:
         """Drop the device buffers and the backends' metadata (the layout's call is over)."""

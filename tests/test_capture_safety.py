@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import types
 
 import numpy as np
@@ -159,11 +160,32 @@ def test_the_captured_forward_only_launches_and_runs_without_the_collector(case,
     gc.enable()
     cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **case,
                      hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
-                                                     backend="reference"))
+                                                     backend="reference", whole_step=False))
     runner, = spy.runners
     assert runner.disabled is None, runner.disabled
     assert runner.captures == 1 and runner.replays >= 3
     assert emulated_capture.gc_enabled == [False], "the garbage collector could run inside the capture"
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("case", [dict(num_beams=3, eos_token_id=[5, 6, 7], early_stopping=True),
+                                  dict(do_sample=True, num_return_sequences=2)], ids=["beam-eos", "sample"])
+def test_the_captured_whole_step_only_launches(case, llama_pair, monkeypatch, emulated_capture, caplog):
+    """hf_cascade.whole_step's capture (block bookkeeping, forward, token choice): nothing inside it builds, uploads
+    or grows (every guarded call would raise, and the loop would log that it runs eagerly), and no cyclic collection
+    runs in it. (The emulated replay does nothing, so the tokens are not compared here: tests/test_gpu_whole_step.py.)"""
+    _, cascade = llama_pair
+    ids, mask = padded_batch(seed=4, lengths=(27, 19, 23))
+    spy = RunnerSpy(monkeypatch)
+    gc.enable()
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **case,
+                         hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
+                                                         backend="reference"))
+    runner, = spy.runners
+    assert runner.captures >= 1 and runner.device_steps >= 1
+    assert not [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert emulated_capture.gc_enabled and not any(emulated_capture.gc_enabled)
     assert gc.isenabled()
 
 
@@ -182,7 +204,7 @@ def test_a_guarded_call_inside_the_capture_is_reported_by_name(llama_pair, monke
     spy = RunnerSpy(monkeypatch)
     cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=3,
                      hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
-                                                     backend="reference"))
+                                                     backend="reference", whole_step=False))
     runner, = spy.runners
     assert runner.disabled is not None and runner.disabled.startswith(
         "capture failed (RuntimeError: hf_cascade: not capture safe, during CUDA graph capture: the step plan's upload "

@@ -205,3 +205,50 @@ def test_a_step_traces_as_one_graph_and_computes_the_same():
                      "copy_dst"):
             assert torch.equal(getattr(want, name), getattr(got, name)), name
     assert torch.equal(states[0].tables, states[1].tables) and int(states[1].steps) == 4
+
+
+def test_an_inactive_step_changes_nothing_and_flags_nothing():
+    """A step queued after the call finished (``active`` False) leaves the state and writes into the scratch block,
+    even where it would overflow; the host's state then restores into a BlockManager as it was."""
+    m = _prefilled(2, 3, [3, 4], 2)
+    layout = DecodeLayout.freeze(m.tables(), m.lengths, 2, 1)
+    state = db.DeviceBlocks.from_host(m, layout, pool_blocks=m.capacity + 8)
+    before = _snapshot(state)
+    for _ in range(3):                 # a live step would outgrow the layout's room of one token
+        db.reorder(state, torch.arange(state.num_rows))
+        step = db.append(state, active=torch.tensor(False))
+        assert (step.write_block == state.scratch_block).all() and (step.copy_dst == state.scratch_block).all()
+    assert int(state.flags) == 0
+    for a, b in zip(before, _snapshot(state)):
+        assert torch.equal(a, b)
+    db.append(state, active=torch.tensor(True))        # the layout's one token of room
+    assert int(state.flags) == 0 and int(state.steps) == 1
+    db.append(state, active=torch.tensor(True))
+    assert int(state.flags) == db.OUTGROWN and int(state.steps) == 1
+
+
+def test_host_state_restores_into_a_block_manager():
+    """BlockManager.restore takes what device steps reached: the same tables, lengths, counts and free ids (the
+    next host append takes the ids the device path would)."""
+    m = _prefilled(2, 3, [3, 5], 3)
+    layout = DecodeLayout.freeze(m.tables(), m.lengths, 2, 12)
+    state = db.DeviceBlocks.from_host(m, layout, pool_blocks=m.capacity + 40)
+    rng = np.random.default_rng(0)
+    host = _prefilled(2, 3, [3, 5], 3)
+    for i in range(6):
+        parents = _parents(rng, 2, 3, cross=False)
+        if i:
+            db.reorder(state, torch.as_tensor(parents))
+            host.select(parents)
+        db.append(state)
+        host.append(np.ones(host.num_rows, dtype=np.int64))
+    restored = _prefilled(2, 3, [3, 5], 3)
+    restored.restore(*db.host_state(state))
+    np.testing.assert_array_equal(restored.tables(), host.tables())
+    np.testing.assert_array_equal(restored.lengths, host.lengths)
+    np.testing.assert_array_equal(restored.refcount[: host.capacity], host.refcount)
+    plan_a, plan_b = restored.append(np.ones(6, dtype=np.int64)), host.append(np.ones(6, dtype=np.int64))
+    np.testing.assert_array_equal(plan_a.write_block, plan_b.write_block)
+    np.testing.assert_array_equal(plan_a.copy_dst, plan_b.copy_dst)
+    with pytest.raises(ValueError, match="reference counts"):
+        restored.restore(restored.tables(), restored.lengths, np.zeros(restored.capacity, dtype=np.int32))

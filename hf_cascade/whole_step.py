@@ -1,0 +1,312 @@
+"""Generate's decode loop with the whole step on the device: block bookkeeping, forward and token choice.
+
+Where a decoder-only call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling
+and beam search with the processors and criteria transformers uses by default and the common ones; see
+:func:`refusal`), the session runs :func:`decode` instead of transformers' ``_sample`` / ``_beam_search``. One step:
+
+1. block bookkeeping (:mod:`hf_cascade.device_blocks`): the beam reorder by the last step's parents, one token
+   appended per row (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and
+   copies written into the static decode layout's plan buffers;
+2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
+3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
+
+On CUDA the three are captured as one graph per decode layout and replayed (``cuda_graphs="eager"``: the same step
+runs eagerly, on any device). The host replays and reads two scalars every :data:`CHECK_EVERY` steps (has the call
+finished? did a step overflow?); it does no block bookkeeping and never waits on the device in between.
+
+The first step of a layout runs on the host path: the block manager's append and ``DecodeLayout.step``, the host
+beam reorder and the eager forward, which builds the kernel backends' layout metadata that a capture needs. The device
+then holds the block state (``DeviceBlocks.from_host``) while the layout has room; when its capacity is reached the
+host takes the state back (``CascadeCache.restore_blocks``) and the next host step widens the layout. Steps queued
+after the call finished change nothing (their writes go to a scratch block, the selection state stays): at most
+``CHECK_EVERY - 1`` forwards are wasted at the end.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from . import device_blocks, device_select, graphs
+from .blocks import PoolExhausted
+from .logs import log_once
+
+logger = logging.getLogger("hf_cascade")
+
+# steps between two host reads of the finished and overflow flags: each read waits for the device to drain, and up
+# to CHECK_EVERY - 1 steps after the end are wasted (benchmarks/generate_gpu.py --whole-step measures the choice)
+CHECK_EVERY = 8
+
+_ADVANCED = ("input_ids", "position_ids", "cache_position")   # the decode inputs a step advances on the device
+# not an input of a static step: its attention reads each row's stored tokens (pads are never stored) and takes
+# positions from position_ids (the graph runner leaves it out too)
+_DROPPED = ("attention_mask",)
+
+
+def refusal(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+            synced_gpus: bool) -> str | None:
+    """Why this call keeps transformers' decode loop (None: :func:`decode` serves it). Runs before any step."""
+    model, cache = session.model, session.cache
+    if not cache.cascade_config.whole_step:
+        return "CascadeConfig(whole_step=False)"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (its decode loop stays transformers')"
+    if cache.blocks.max_blocks is not None:
+        return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
+    if generation_config.return_dict_in_generate:
+        return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
+    if model_kwargs.get("streamer") is not None:
+        return "a streamer (it takes every token as it is chosen)"
+    if synced_gpus:
+        return "synced_gpus"
+    if getattr(generation_config, "prefill_chunk_size", None) is not None:
+        return "prefill_chunk_size"
+    if model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds"
+    try:
+        config = _selection_config(input_ids, generation_config)
+        config.check_against(logits_processor, stopping_criteria)
+    except device_select.UnsupportedSelection as err:
+        return str(err).replace("device selection off: ", "")
+    return None
+
+
+def _selection_config(input_ids, generation_config) -> device_select.SelectionConfig:
+    per_prompt = generation_config.num_beams if generation_config.num_beams > 1 else (
+        generation_config.num_return_sequences or 1)
+    return device_select.SelectionConfig.from_generation_config(generation_config, input_ids.shape[0] // per_prompt,
+                                                                input_ids.shape[1])
+
+
+def decode(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict,
+           synced_gpus: bool, stock):
+    """The decode loop of ``session``'s call: on the device where :func:`refusal` allows, else ``stock()``
+    (transformers' loop, with the session's graph runner as today; the reason logged once)."""
+    if session.cache is None or session.runner is None:
+        return stock()              # no static decode step to build on (the runner's reason was logged)
+    reason = refusal(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                     synced_gpus)
+    inputs = None
+    if reason is None:
+        inputs, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs)
+    if reason is not None:
+        log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
+                 "choice on the host): %s", reason)
+        return stock()
+    loop = WholeStepLoop(session, _selection_config(input_ids, generation_config), input_ids,
+                         model_kwargs.get("attention_mask"), inputs)
+    return loop.run()
+
+
+def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, str | None]:
+    """The first decode step's forward arguments, as transformers' first iteration makes them, or the reason the
+    loop cannot advance them on the device."""
+    past = cache.get_seq_length()
+    inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=input_ids.shape[1] - past,
+                                                 is_first_iteration=True, **model_kwargs)
+    unknown = sorted(k for k, v in inputs.items()
+                     if isinstance(v, torch.Tensor) and k not in _ADVANCED + _DROPPED)
+    if unknown:
+        return None, f"the decode forward takes {', '.join(unknown)}, which the device loop does not advance"
+    ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+    if not (isinstance(ids, torch.Tensor) and ids.shape == (input_ids.shape[0], 1)):
+        return None, "the first decode step is not one token per row"
+    if not (isinstance(positions, torch.Tensor) and positions.shape == ids.shape):
+        return None, "the decoder's positions are not an input of the step (computed on the host)"
+    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if k not in _DROPPED}
+    return {**inputs, "return_dict": True}, None
+
+
+class WholeStepLoop:
+    """One call's decode loop (see the module docstring). ``inputs``: the first step's forward arguments; their
+    tensors are the loop's static inputs, advanced in place by every step."""
+
+    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict):
+        self.model, self.cache, self.runner = session.model, session.cache, session.runner
+        self.state = device_select.new_state(config, input_ids, attention_mask)
+        self.inputs = inputs
+        self.device = input_ids.device
+        self.parents = self.state.row_ids.clone()      # the rows the next step continues (beam reorder)
+        self.beam = config.is_beam
+        self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
+        self.max_length = config.max_length
+        self.blocks: device_blocks.DeviceBlocks | None = None   # set while the device holds the block state
+        self.graph = None
+        self.capture = self.runner.capture_enabled
+        self.forward = self.runner.forward_fn
+        self.room = 0
+        self.base_length = 0
+        self.peak = None
+        self.device_ok = True       # False: a layer's step cannot be planned on the device (see _unplannable)
+        self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def run(self) -> torch.Tensor:
+        try:
+            self._host_step(first=True)
+            finished = bool(self.state.done)
+            while not finished:
+                if self.blocks is None and self.device_ok and self.host_planned:
+                    self._hold_on_device()
+                if self.blocks is None:
+                    self._host_step()
+                    finished = bool(self.state.done)
+                else:
+                    finished = self._chunk(max(1, min(CHECK_EVERY, self.room, self.max_length - self.made)))
+        except BaseException:
+            self.blocks = None          # the session empties the cache: nothing to take back
+            raise
+        self._take_back()
+        return device_select.finalize(self.state).sequences
+
+    def _host_step(self, first: bool = False) -> None:
+        """One step on the host path (the block manager plans it; a layout that is outgrown widens here)."""
+        self._take_back()
+        if self.beam and not first:
+            self.cache.reorder_cache(self.parents)
+        out = self.runner.original(**self.inputs)
+        self.runner.eager_calls += 1
+        self._choose(out.logits)
+        self.made += 1
+        self.host_planned = True
+
+    def _hold_on_device(self) -> None:
+        """Hand the block state to the device where the layout in force has room for another step."""
+        cache, layout = self.cache, self.cache.layout
+        reason = self._unplannable(cache.step)
+        if reason is not None:
+            self.device_ok = False
+            log_once(("whole step host", reason), logging.INFO, "decode steps are planned on the host: %s", reason)
+            return
+        manager = cache.blocks
+        lengths = manager.lengths
+        bs = layout.block_size
+        room = layout.token_limit - int(lengths.max(initial=0))
+        room = min(room, int(((layout.row_prefix_blocks + layout.suffix_width) * bs - lengths).min(initial=room)))
+        if layout.has_mid:
+            room = min(room, int(((layout.row_inner_blocks + layout.inner_width) * bs - lengths).min(initial=room)))
+        if room < 1:
+            return
+        # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
+        # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
+        R = manager.num_rows
+        pool_blocks = max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
+        for layer in cache.layers:
+            if layer.storage is not None:
+                layer.storage.ensure(pool_blocks + 1)     # + the scratch block
+        self.blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=self.device)
+        self.device_plan = layout.device_plan(self.device)
+        self.room, self.base_length = room, cache.logical_length
+        self.peak = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.graph = None
+
+    def _unplannable(self, ctx) -> str | None:
+        """Why the steps of the layout the last host step ran on cannot be planned on the device (None: they can):
+        the device writes the plan into the layout's buffers, so every layer must read its plan from there."""
+        layout = self.cache.layout
+        if ctx is None or layout is None or ctx.plan.layout is not layout:
+            return "the step was not planned on a static decode layout"
+        if len(ctx.written) != len(self.cache.layers):
+            return "not every layer wrote its K/V through the cascade cache"
+        if not ctx.backends:
+            return "no layer ran the cascade attention"
+        unsafe = sorted({b.name for b in ctx.backends.values() if not b.graph_safe})
+        if unsafe:
+            return f"the {', '.join(unsafe)} attention backend reads the step's plan on the host"
+        return None
+
+    def _chunk(self, steps: int) -> bool:
+        """``steps`` device steps, then one read of the flags; returns whether the call has finished."""
+        for _ in range(steps):
+            self.cache.logical_length += 1
+            if self.graph is not None:
+                self.graph.replay()
+                self.runner.replays += 1
+            elif self.capture:
+                self._warm_up_and_capture()
+            else:
+                self._device_step()
+                self.runner.eager_calls += 1
+        self.room -= steps
+        self.made += steps
+        self.host_planned = False
+        self.runner.device_steps += steps
+        flags, done = torch.stack((self.blocks.flags.long(), self.state.done.long())).tolist()   # the one read
+        if flags & device_blocks.POOL_EXHAUSTED:
+            raise PoolExhausted("KV block pool exhausted in a decode step on the device")
+        if flags:
+            raise RuntimeError(f"hf_cascade internal error: a device decode step left its layout (flags {flags}) "
+                               "although the host bounded the steps by the layout's room; please report it")
+        if self.room == 0:
+            self._take_back()
+        return bool(done)
+
+    def _take_back(self) -> None:
+        """The host takes the block state back from the device (the end of a layout's room, or of the call)."""
+        if self.blocks is None:
+            return
+        blocks, self.blocks, self.graph = self.blocks, None, None
+        tables, lengths, refcount = device_blocks.host_state(blocks)
+        self.cache.restore_blocks(tables, lengths, refcount, self.base_length + int(blocks.steps), int(self.peak))
+
+    # ---- one device step ------------------------------------------------------------------------------------
+    def _device_step(self) -> None:
+        self._advance_blocks()
+        self._choose(self._forward())
+
+    def _advance_blocks(self) -> None:
+        blocks, dp = self.blocks, self.device_plan
+        device_blocks.reorder(blocks, self.parents)
+        step = device_blocks.append(blocks, active=~self.state.done)
+        dp.suffix_table.copy_(step.suffix_table)
+        dp.q_limit.copy_(step.q_limit)
+        if dp.inner_suffix_table is not None:
+            dp.inner_suffix_table.copy_(step.inner_suffix_table)
+            dp.inner_q_limit.copy_(step.inner_q_limit)
+        for name in ("write_block", "write_offset", "copy_src", "copy_dst"):
+            getattr(dp, name).copy_(getattr(step, name))
+        torch.maximum(self.peak, (blocks.refcount > 0).sum(), out=self.peak)
+
+    def _forward(self) -> torch.Tensor:
+        self.cache.begin_planned_step(self.device)
+        try:
+            return self.forward(**self.inputs).logits
+        finally:
+            self.cache.end_step()
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        """Token choice on the last position's logits; the next step's inputs and parents, in place."""
+        tokens, parents = device_select.step(self.state, logits[:, -1])
+        self.parents.copy_(parents)
+        self.inputs["input_ids"].copy_(tokens[:, None])
+        for name in ("position_ids", "cache_position"):
+            if isinstance(self.inputs.get(name), torch.Tensor):
+                self.inputs[name].add_(1)
+
+    def _warm_up_and_capture(self) -> None:
+        """This step eagerly (a side stream, as the capture runs on one), then the same step captured."""
+        with self.runner.capture_guard():
+            side = graphs._side_stream(torch.cuda.current_device())
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._device_step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.runner.eager_calls += 1
+            started = time.perf_counter()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with graphs._gc_paused(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
+                                                    capture_error_mode="thread_local"):
+                    self._device_step()
+            except Exception as err:  # noqa: BLE001 — e.g. a host sync in the model's forward: run eagerly
+                graphs._end_failed_capture()
+                self.capture = False
+                log_once(("whole step capture", type(err).__name__), logging.WARNING,
+                         "the whole decode step could not be captured (%s: %s); it runs eagerly",
+                         type(err).__name__, str(err)[:200])
+                return
+            self.graph = graph
+            self.runner.captures += 1
+            self.runner.capture_seconds += time.perf_counter() - started

@@ -1,0 +1,207 @@
+"""The decode loop with the whole step on the device (hf_cascade/whole_step.py) against stock transformers.
+
+On the CPU the loop runs with ``cuda_graphs="eager"``: the same step (device block bookkeeping, the forward on the
+static layout's buffers, device token choice) that a GPU captures, run eagerly. Every test checks that the device
+steps really ran (``runner.device_steps``), so a silent fallback to transformers' loop cannot pass for the loop.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from hf_cascade import CascadeCache, device_select, whole_step
+from conftest import VOCAB, cache_kw, model_pair, padded_batch
+
+import test_families
+
+EAGER = dict(cuda_graphs="eager")
+EOS = 3
+
+
+def _generate(model, ids, mask, config=EAGER, seed=123, **kwargs):
+    torch.manual_seed(seed)
+    extra = {} if config is None else dict(hf_cascade_config=config)
+    return model.generate(input_ids=ids, attention_mask=mask, **extra, **kwargs)
+
+
+def _device_steps(runner_spy) -> int:
+    return sum(r.device_steps for r in runner_spy.runners if r is not None)
+
+
+# ---- processors and criteria, on a tiny Llama in float64 ---------------------------------------------------------
+SETTINGS = {
+    "greedy": dict(do_sample=False),
+    "greedy-eos": dict(do_sample=False, eos_token_id=EOS, pad_token_id=0),
+    "greedy-penalties": dict(do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=5,
+                             eos_token_id=EOS, pad_token_id=0),
+    "sample": dict(do_sample=True, num_return_sequences=3),
+    "sample-warpers": dict(do_sample=True, num_return_sequences=2, temperature=0.7, top_k=12, top_p=0.9,
+                           eos_token_id=EOS, pad_token_id=0),
+    "sample-min-p": dict(do_sample=True, num_return_sequences=2, min_p=0.05, repetition_penalty=1.2),
+    "beam": dict(num_beams=4),
+    "beam-returned": dict(num_beams=4, num_return_sequences=3, eos_token_id=EOS, pad_token_id=0),
+    "beam-length-penalty": dict(num_beams=3, length_penalty=2.0, no_repeat_ngram_size=3, min_length=12,
+                                eos_token_id=EOS, pad_token_id=0),
+    "beam-early-stopping": dict(num_beams=4, early_stopping=True, length_penalty=0.5, eos_token_id=EOS,
+                                pad_token_id=0),
+    "beam-never": dict(num_beams=3, early_stopping="never", eos_token_id=EOS, pad_token_id=0),
+    "beam-sample": dict(num_beams=3, do_sample=True, top_k=20, eos_token_id=EOS, pad_token_id=0),
+}
+
+
+@pytest.fixture(scope="module")
+def eos_llama():
+    """A tiny Llama whose eos logit is raised, so that rows and hypotheses end at different steps."""
+    stock, cascade = model_pair("llama")
+    with torch.no_grad():
+        for model in (stock, cascade):
+            model.lm_head.weight[EOS] += 0.35 * model.lm_head.weight.norm(dim=1).mean()
+    return stock, cascade
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_settings_equal_stock(name, eos_llama, runner_spy):
+    stock, cascade = eos_llama
+    ids, mask = padded_batch(seed=5, lengths=(23, 17))
+    kwargs = dict(max_new_tokens=40, **SETTINGS[name])
+    expected = _generate(stock, ids, mask, config=None, **kwargs)
+    got = _generate(cascade, ids, mask, **kwargs)
+    assert _device_steps(runner_spy) > 0
+    assert expected.shape == got.shape and torch.equal(expected, got), name
+
+
+def test_layout_widens_on_the_host_between_device_chunks(llama_pair, runner_spy, caplog):
+    """Past the first layout's room (64 new tokens) the host takes the block state back, widens the layout, and the
+    device goes on: 150 new tokens cross two widenings."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=2)
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        got = _generate(cascade, ids, mask, max_new_tokens=150, num_beams=3)
+    assert torch.equal(_generate(stock, ids, mask, config=None, max_new_tokens=150, num_beams=3), got)
+    assert sum("decode layout widened" in r.getMessage() for r in caplog.records) >= 2
+    assert _device_steps(runner_spy) > 140
+
+
+def test_shared_system_prompt_three_levels(llama_pair, runner_spy):
+    """Prompts that share a system prompt and then their own text: the layout has a middle level."""
+    stock, cascade = llama_pair
+    g = torch.Generator().manual_seed(9)
+    system = torch.randint(4, VOCAB, (40,), generator=g)
+    ids = torch.stack([torch.cat([system, torch.randint(4, VOCAB, (20,), generator=g)]) for _ in range(3)])
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=30, num_beams=3)
+    assert torch.equal(_generate(stock, ids, mask, config=None, **kwargs), _generate(cascade, ids, mask, **kwargs))
+    assert _device_steps(runner_spy) > 0
+
+
+def test_caller_cache_continues_after_device_steps(llama_pair, runner_spy):
+    """The host takes the block state back at the end: a greedy call's cache holds what stock's does and the next
+    turn continues from it with stock's tokens."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=4)
+    cache = CascadeCache(cascade.config, EAGER)
+    first = _generate(cascade, ids, mask, config=None, max_new_tokens=20, **cache_kw(cascade, cache))
+    assert _device_steps(runner_spy) > 0
+    assert torch.equal(first, _generate(stock, ids, mask, config=None, max_new_tokens=20))
+    assert cache.get_seq_length() == first.shape[1] - 1          # the last token is never fed, as in stock
+    more = torch.randint(4, VOCAB, (first.shape[0], 3), generator=torch.Generator().manual_seed(1))
+    ids2 = torch.cat([first, more], dim=1)
+    mask2 = torch.cat([mask, torch.ones(mask.shape[0], 20 + 3, dtype=mask.dtype)], dim=1)
+    got = _generate(cascade, ids2, mask2, config=None, max_new_tokens=10, **cache_kw(cascade, cache))
+    assert torch.equal(got, _generate(stock, ids2, mask2, config=None, max_new_tokens=10))
+
+
+class _BanToken(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(1, torch.tensor([7]), float("-inf"))
+
+
+@pytest.mark.parametrize("kind", ["processor", "return_dict", "whole_step_off"])
+def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, runner_spy, caplog):
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=6)
+    kwargs = dict(max_new_tokens=12, num_beams=3)
+    config = EAGER
+    if kind == "processor":
+        kwargs["logits_processor"] = LogitsProcessorList([_BanToken()])
+    elif kind == "return_dict":
+        kwargs["return_dict_in_generate"] = True
+    else:
+        config = dict(EAGER, whole_step=False)
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        got = _generate(cascade, ids, mask, config=config, **kwargs)
+    expected = _generate(stock, ids, mask, config=None, **kwargs)
+    if kind == "return_dict":
+        got, expected = got.sequences, expected.sequences
+    assert torch.equal(expected, got)
+    assert _device_steps(runner_spy) == 0
+    assert any(r.replays + r.eager_calls > 0 for r in runner_spy.runners if r is not None)   # the runner served
+    if kind != "whole_step_off":
+        assert any("decode loop stays transformers'" in r.getMessage() for r in caplog.records)
+
+
+def test_interrupt_leaves_model_and_cache_usable(llama_pair, runner_spy, monkeypatch):
+    """Ctrl-C in a device step: the model's forward is restored and the caller's cache is empty and reusable."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=7)
+    real, calls = device_select.step, []
+
+    def interrupted(state, logits):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(state, logits)
+
+    monkeypatch.setattr(device_select, "step", interrupted)
+    cache = CascadeCache(cascade.config, EAGER)
+    with pytest.raises(KeyboardInterrupt):
+        _generate(cascade, ids, mask, config=None, max_new_tokens=20, num_beams=2, **cache_kw(cascade, cache))
+    monkeypatch.setattr(device_select, "step", real)
+    assert "forward" not in cascade.__dict__
+    assert cache.get_seq_length() == 0 and cache.blocks.num_rows == 0
+    got = _generate(cascade, ids, mask, config=None, max_new_tokens=20, num_beams=2, **cache_kw(cascade, cache))
+    assert torch.equal(got, _generate(stock, ids, mask, config=None, max_new_tokens=20, num_beams=2))
+
+
+def test_finished_call_wastes_no_cache_tokens(eos_llama, runner_spy, monkeypatch):
+    """Steps queued after every row finished change nothing: with checks every 16 steps, a greedy call whose rows
+    all end early leaves the cache at stock's length."""
+    monkeypatch.setattr(whole_step, "CHECK_EVERY", 16)
+    stock, cascade = eos_llama
+    ids, mask = padded_batch(seed=5)
+    kwargs = dict(max_new_tokens=60, eos_token_id=EOS, pad_token_id=0)
+    cache = CascadeCache(cascade.config, EAGER)
+    got = _generate(cascade, ids, mask, config=None, **kwargs, **cache_kw(cascade, cache))
+    expected = _generate(stock, ids, mask, config=None, **kwargs)
+    assert torch.equal(expected, got)
+    assert got.shape[1] < ids.shape[1] + 60            # the rows ended early (the test would prove nothing else)
+    assert cache.get_seq_length() == got.shape[1] - 1
+    assert int(cache.blocks.lengths.max()) == got.shape[1] - 1
+
+
+EXACT = [name for name, family in test_families.FAMILIES.items() if family.status == "exact"]
+# families whose decode forward takes an input the device loop does not advance: transformers' loop, logged
+KEEPS_TRANSFORMERS_LOOP = {"GPT-2 (token types)": "token_type_ids"}
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("mode", ["beam", "sample"])
+def test_families_equal_stock(name, mode, runner_spy):
+    family = test_families.FAMILIES[name]
+    if mode not in family.modes:
+        pytest.skip(f"{name} does not run {mode}")
+    stock, cascade = test_families.model_pair(name)
+    ids, mask = padded_batch(seed=3, lengths=test_families.PROMPTS)
+    expected = test_families.run(stock, mode, ids, mask, **family.extra)
+    got = test_families.run(cascade, mode, ids, mask, **family.extra, hf_cascade_config=copy.deepcopy(EAGER))
+    assert torch.equal(expected, got), f"{name} {mode}"
+    if not any(r is not None for r in runner_spy.runners):
+        pytest.skip(f"{name}: the graph runner does not serve this family (its reason is logged)")
+    if name in KEEPS_TRANSFORMERS_LOOP:
+        assert _device_steps(runner_spy) == 0      # (the reason is logged once per process)
+    else:
+        assert _device_steps(runner_spy) > 0, f"{name} {mode}: the device loop did not run"
