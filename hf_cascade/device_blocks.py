@@ -147,7 +147,9 @@ def _counts(state: DeviceBlocks, tables: torch.Tensor) -> torch.Tensor:
     ids = tables.reshape(-1).long()
     ids = torch.where(ids >= 0, ids, state.pool_blocks)
     out = torch.zeros_like(state.refcount).scatter_add_(0, ids, torch.ones_like(ids, dtype=state.refcount.dtype))
-    out[state.pool_blocks] = 0                    # the -1 entries' count means nothing; keep the slot at 0
+    # the -1 entries' count means nothing; keep the slot at 0 (fill_ on a view: `out[i] = 0` copies a host scalar,
+    # which a CUDA graph capture refuses)
+    out.narrow(0, state.pool_blocks, 1).zero_()
     return out
 
 
@@ -215,7 +217,7 @@ def append(state: DeviceBlocks, active: torch.Tensor | None = None) -> DeviceSte
     state.steps.add_(ok.long())
     state.tables.copy_(torch.where(ok, new_tables, tables))
     state.refcount.copy_(torch.where(ok, new_refcount, refcount))
-    state.refcount[pool] = 0
+    state.refcount.narrow(0, pool, 1).zero_()
     state.lengths.copy_(torch.where(ok, new_lengths, lengths))
 
     # write slots and copy pairs; the host pads the pairs to R with its first pair (or, with none, the first

@@ -449,7 +449,7 @@ def _top_p(scores: torch.Tensor, top_p: float, min_tokens_to_keep: int) -> torch
     sorted_logits, sorted_indices = torch.sort(scores, descending=False)
     cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     sorted_to_remove = cumulative_probs <= (1 - top_p)
-    sorted_to_remove[..., -min_tokens_to_keep:] = 0
+    sorted_to_remove[..., -min_tokens_to_keep:].fill_(False)     # a view (no host scalar copied: capturable)
     to_remove = sorted_to_remove.scatter(1, sorted_indices, sorted_to_remove)
     return scores.masked_fill(to_remove, -float("inf"))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -303,9 +304,11 @@ class WholeStepLoop:
             except Exception as err:  # noqa: BLE001 — e.g. a host sync in the model's forward: run eagerly
                 graphs._end_failed_capture()
                 self.capture = False
+                where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                                    for f in reversed(traceback.extract_tb(err.__traceback__)[-4:]))
                 log_once(("whole step capture", type(err).__name__), logging.WARNING,
-                         "the whole decode step could not be captured (%s: %s); it runs eagerly",
-                         type(err).__name__, str(err)[:200])
+                         "the whole decode step could not be captured (%s: %s; at %s); it runs eagerly",
+                         type(err).__name__, str(err)[:200], where)
                 return
             self.graph = graph
             self.runner.captures += 1
