@@ -116,6 +116,7 @@ class DecodeGraphRunner:
         self.key = None
         self.disabled: str | None = None      # why graphs stopped for the rest of the call
         self._installed: list = []            # (model, thread) of each __enter__ not yet exited
+        self.whole_step_kept = None           # hf_cascade.whole_step's captured step, kept for the next call
         self.begin_call()
 
     @property
@@ -163,6 +164,7 @@ class DecodeGraphRunner:
         """Drop the graph, its memory pool and the static tensors."""
         self.graph, self.pool, self.static_kwargs, self.static_out, self.key = None, None, {}, None, None
         self._out_args = {}
+        self.whole_step_kept = None
 
     # ---- one forward --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

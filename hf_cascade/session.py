@@ -297,7 +297,8 @@ class DecodeSession:
             return
         if self.owned and not (ok and self.hands_out):
             # nobody else can reach an owned cache that is not handed out: every block goes back now
-            if self.keep and ok and runner is not None and runner.graph is not None:
+            if self.keep and ok and runner is not None and (runner.graph is not None
+                                                            or runner.whole_step_kept is not None):
                 cache.reset_for_reuse()
                 runner.detach()
                 kept = KeptCall(self.descriptor, cache, runner)

@@ -120,16 +120,43 @@ def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, s
     return {**inputs, "return_dict": True}, None
 
 
+class _Captured:
+    """A captured whole step and the tensors it reads and writes, kept on the graph runner for the model's next call:
+    a call of the same shape (same selection settings, inputs, decode layout, pools) fills the same tensors with its
+    own values and replays the graph without capturing. ``call_key`` covers the selection state, inputs and parents
+    (decided before the first step); ``step_key`` the block state, layout and pools (decided when the device takes
+    the blocks)."""
+
+    def __init__(self, call_key, state, inputs: dict, parents, peak):
+        self.call_key, self.state, self.inputs, self.parents, self.peak = call_key, state, inputs, parents, peak
+        self.step_key = self.blocks = self.graph = None
+
+
+def _fill(kept: dict, fresh: dict) -> None:
+    for name, tensor in fresh.items():
+        kept[name].copy_(tensor)
+
+
 class WholeStepLoop:
     """One call's decode loop (see the module docstring). ``inputs``: the first step's forward arguments; their
     tensors are the loop's static inputs, advanced in place by every step."""
 
     def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
-        self.state = device_select.new_state(config, input_ids, attention_mask)
-        self.inputs = inputs
+        state = device_select.new_state(config, input_ids, attention_mask)
+        call_key = (config, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
+        kept = self.runner.whole_step_kept
+        if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values
+            _fill(kept.state.tensors(), state.tensors())
+            _fill(kept.inputs, {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            kept.parents.copy_(state.row_ids)
+            kept.inputs.update({k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)})
+        else:
+            kept = _Captured(call_key, state, inputs, state.row_ids.clone(),
+                             torch.zeros((), dtype=torch.int64, device=input_ids.device))
+        self.runner.whole_step_kept = self.kept = kept
+        self.state, self.inputs, self.parents, self.peak = kept.state, kept.inputs, kept.parents, kept.peak
         self.device = input_ids.device
-        self.parents = self.state.row_ids.clone()      # the rows the next step continues (beam reorder)
         self.beam = config.is_beam
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
         self.max_length = config.max_length
@@ -139,7 +166,6 @@ class WholeStepLoop:
         self.forward = self.runner.forward_fn
         self.room = 0
         self.base_length = 0
-        self.peak = None
         self.device_ok = True       # False: a layer's step cannot be planned on the device (see _unplannable)
         self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
 
@@ -158,6 +184,7 @@ class WholeStepLoop:
                     finished = self._chunk(max(1, min(CHECK_EVERY, self.room, self.max_length - self.made)))
         except BaseException:
             self.blocks = None          # the session empties the cache: nothing to take back
+            self.runner.whole_step_kept = None      # a step may have stopped half way: keep nothing of it
             raise
         self._take_back()
         return device_select.finalize(self.state).sequences
@@ -197,11 +224,21 @@ class WholeStepLoop:
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
-        self.blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=self.device)
+        blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=self.device)
+        pools = tuple((view.data_ptr(), tuple(view.shape)) for view in
+                      (layer.storage.stable_view() for layer in cache.layers if layer.storage is not None))
+        scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width",
+                                                    "token_limit"))
+        step_key = (layout.serial, scalars, _signature(_block_tensors(blocks)), pools)
+        kept = self.kept
+        if kept.step_key == step_key:     # the captured step fits: this call's block state into its tensors
+            _fill(_block_tensors(kept.blocks), _block_tensors(blocks))
+        else:
+            kept.step_key, kept.blocks, kept.graph = step_key, blocks, None
+        self.blocks, self.graph = kept.blocks, kept.graph
         self.device_plan = layout.device_plan(self.device)
         self.room, self.base_length = room, cache.logical_length
-        self.peak = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.graph = None
+        self.peak.zero_()
 
     def _unplannable(self, ctx) -> str | None:
         """Why the steps of the layout the last host step ran on cannot be planned on the device (None: they can):
@@ -248,7 +285,7 @@ class WholeStepLoop:
         """The host takes the block state back from the device (the end of a layout's room, or of the call)."""
         if self.blocks is None:
             return
-        blocks, self.blocks, self.graph = self.blocks, None, None
+        blocks, self.blocks, self.graph = self.blocks, None, None     # (the graph stays in self.kept)
         tables, lengths, refcount = device_blocks.host_state(blocks)
         self.cache.restore_blocks(tables, lengths, refcount, self.base_length + int(blocks.steps), int(self.peak))
 
@@ -310,6 +347,20 @@ class WholeStepLoop:
                          "the whole decode step could not be captured (%s: %s; at %s); it runs eagerly",
                          type(err).__name__, str(err)[:200], where)
                 return
-            self.graph = graph
+            self.graph = self.kept.graph = graph
             self.runner.captures += 1
             self.runner.capture_seconds += time.perf_counter() - started
+
+
+def _signature(tensors: dict) -> tuple:
+    """What a captured graph bakes in of named arguments: tensors by shape, dtype and device; plain values as such;
+    other objects (the cache) by type."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), v.dtype, str(v.device)
+        return v if isinstance(v, (bool, int, float, str, type(None))) else type(v)
+    return tuple(sorted((k, one(v)) for k, v in tensors.items()))
+
+
+def _block_tensors(blocks: device_blocks.DeviceBlocks) -> dict:
+    return {name: value for name, value in vars(blocks).items() if isinstance(value, torch.Tensor)}

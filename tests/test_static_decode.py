@@ -147,16 +147,20 @@ def test_family_tokens_per_step_plans_and_runner(name, mode, monkeypatch):
     expected = run(stock)
     assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(static_decode=False)), expected)
     spy = RunnerSpy(monkeypatch)
-    assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(cuda_graphs="eager")), expected)
+    # the runner's replayed forward inside transformers' loop (tests/test_whole_step.py runs the families through the
+    # whole step on the device, the default)
+    config = CascadeConfig(cuda_graphs="eager", whole_step=False)
+    assert torch.equal(run(cascade, hf_cascade_config=config), expected)
     runner, = spy.runners
-    assert graphs.unsupported_reason(cascade, CascadeConfig(cuda_graphs="eager")) is None
+    assert graphs.unsupported_reason(cascade, config) is None
     assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
     assert "forward" not in cascade.__dict__            # the model's own forward is back
 
 
+@pytest.mark.parametrize("whole_step", [False, True], ids=["transformers' loop", "whole step"])
 @pytest.mark.parametrize("window", [24, 40], ids=["passed during the call", "never passed"])
 @pytest.mark.parametrize("mode", ["beam", "sample", "greedy"])
-def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window, monkeypatch):
+def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window, whole_step, monkeypatch):
     """Rows enter the call inside the window and pass it while the runner replays: the static step keeps the
     window from its first step on (a captured graph cannot change its mind on the host); stock's tokens. A call
     that never reaches its window runs plain causal attention (which more backends take)."""
@@ -179,11 +183,12 @@ def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window,
     monkeypatch.setattr(reference.BACKEND, "forward", forward)
     spy = RunnerSpy(monkeypatch)
     # greedy shares nothing and would run on stock's own path: a cache of our own keeps it on the cascade
-    extra = cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager"))) \
-        if mode == "greedy" else dict(hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
+    config = CascadeConfig(cuda_graphs="eager", whole_step=whole_step)
+    extra = cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, config)) \
+        if mode == "greedy" else dict(hf_cascade_config=config)
     assert torch.equal(run(cascade, **extra), expected)
     runner, = spy.runners
-    assert runner.disabled is None and runner.replays >= 6
+    assert runner.disabled is None and (runner.device_steps if whole_step else runner.replays) >= 6
     # every static step had the window, also those whose rows were all still inside it (what a graph bakes in)
     assert {w for static, w in windows if static} == {24 if window == 24 else None}
     assert sum(static for static, _ in windows) >= 7 * 2
@@ -196,9 +201,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("whole_step", [False, True], ids=["transformers' loop", "whole step"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("shared", [False, True], ids=["own prompts", "shared system prompt"])
-def test_runner_gives_stock_tokens(case, shared, llama_pair, monkeypatch):
+def test_runner_gives_stock_tokens(case, shared, whole_step, llama_pair, monkeypatch):
     """The runner's static path: padding, several prompts, a shared system prompt, eos, a pool that grows
     during decode (block size 2, grow policy)."""
     stock, cascade = llama_pair
@@ -211,10 +217,11 @@ def test_runner_gives_stock_tokens(case, shared, llama_pair, monkeypatch):
     spy = RunnerSpy(monkeypatch)
     torch.manual_seed(7)
     got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
-                           hf_cascade_config=CascadeConfig(cuda_graphs="eager", block_size=2, memory="grow"))
+                           hf_cascade_config=CascadeConfig(cuda_graphs="eager", block_size=2, memory="grow",
+                                                           whole_step=whole_step))
     assert torch.equal(expected, got)
     runner, = spy.runners
-    assert runner.replays >= 5 and runner.disabled is None
+    assert (runner.device_steps if whole_step else runner.replays) >= 5 and runner.disabled is None
 
 
 @pytest.mark.parametrize("case", ["greedy", "sampling"])
