@@ -27,7 +27,6 @@ import logging
 import time
 import traceback
 
-import numpy as np
 import torch
 
 from . import device_blocks, device_select, graphs

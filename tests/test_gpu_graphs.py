@@ -248,8 +248,19 @@ def test_a_failed_capture_leaves_sampling_and_random_ops_working(model, monkeypa
     monkeypatch.setattr(mlp, "forward", syncing)
     spy = RunnerSpy(monkeypatch)
     torch.manual_seed(5)
-    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True), **kw)
+    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True,
+                                                                                            whole_step=False), **kw)
     runner, = spy.runners
     assert runner.disabled is not None and "capture failed" in runner.disabled
+    assert torch.equal(got, expected)
+    assert torch.isfinite(torch.randn(4, device="cuda")).all()
+    # the whole step on the device: its capture fails the same way and its steps run eagerly with stock's tokens
+    # (beam search: the failed capture's random offsets are not a sampling call's), and random ops still work
+    beam = dict(max_new_tokens=12, pad_token_id=0, num_beams=2)
+    expected = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=False),
+                              **beam)
+    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True), **beam)
+    whole = spy.runners[-1]
+    assert whole.captures == 0 and whole.device_steps > 0
     assert torch.equal(got, expected)
     assert torch.isfinite(torch.randn(4, device="cuda")).all()

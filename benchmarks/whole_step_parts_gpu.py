@@ -1,0 +1,89 @@
+"""GPU time of the whole decode step's parts (hf_cascade/whole_step.py), each captured as its own CUDA graph and
+replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
+the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
+which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
+stopped.
+
+    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from rich.console import Console
+
+import harness
+import hf_cascade
+from hf_cascade import whole_step
+from generate_gpu import _mode_kwargs, _model_and_prompt
+
+
+class _Stop(Exception):
+    pass
+
+
+def _graph(fn):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_parts(loop, reps: int) -> dict:
+    logits = {}
+
+    def forward():
+        logits["out"] = loop._forward()
+
+    parts = {"blocks": _graph(loop._advance_blocks), "forward": _graph(forward)}
+    parts["choose"] = _graph(lambda: loop._choose(logits["out"]))
+    parts["whole"] = loop.graph
+    out = {}
+    for name, graph in parts.items():
+        median_us, min_us = harness.cuda_time_us(graph.replay, reps=reps, warmup=3)
+        out[name + "_us"] = median_us
+        out[name + "_min_us"] = min_us
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    models, results = {}, []
+    real_chunk = whole_step.WholeStepLoop._chunk
+    for entry in args.configs:
+        shape, prompt, mode = entry.split(":")
+        model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
+        model.set_attn_implementation("cascade")
+        found = {}
+
+        def chunk(self, steps):
+            done = real_chunk(self, steps)
+            if self.graph is not None and self.blocks is not None:
+                found.update(time_parts(self, args.reps))
+                raise _Stop
+            return done
+
+        whole_step.WholeStepLoop._chunk = chunk
+        try:
+            model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, pad_token_id=0,
+                           hf_cascade_config=hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True),
+                           **_mode_kwargs(mode))
+        except _Stop:
+            pass
+        finally:
+            whole_step.WholeStepLoop._chunk = real_chunk
+        results.append({"shape": shape, "prompt": prompt, "mode": mode, **found})
+    harness.table("whole step parts (µs, CUDA events, median)", ["shape", "prompt", "mode", "blocks_us", "forward_us",
+                                                                "choose_us", "whole_us"], results,
+                  console=Console(width=160))
+    harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),
+                       {**harness.run_record("whole_step_parts_gpu.py"), "results": results})
+
+
+if __name__ == "__main__":
+    main()
