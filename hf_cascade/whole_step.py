@@ -317,7 +317,9 @@ class WholeStepLoop:
         """Token choice on the last position's logits; the next step's inputs and parents, in place."""
         tokens, parents = device_select.step(self.state, logits[:, -1])
         self.parents.copy_(parents)
-        self.inputs["input_ids"].copy_(tokens[:, None])
+        # (after the end the fill token may be -1, which no embedding takes: the steps queued after it feed 0 and
+        # change nothing)
+        self.inputs["input_ids"].copy_(tokens.clamp(min=0)[:, None])
         for name in ("position_ids", "cache_position"):
             if isinstance(self.inputs.get(name), torch.Tensor):
                 self.inputs[name].add_(1)
