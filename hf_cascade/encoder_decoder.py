@@ -1,5 +1,5 @@
-"""Encoder-decoder models (T5, BART/mBART, Marian, M2M100/NLLB, Whisper) on the cascade path: the generate entry,
-and the attention of a cross-attention call.
+"""Encoder-decoder models (T5, BART/mBART/PLBart, Pegasus, Blenderbot, Marian, M2M100/NLLB, Whisper) on the cascade
+path: the generate entry, and the attention of a cross-attention call.
 
 Stock ``generate(num_beams=k)`` copies the encoder output k times, projects every decoder layer's
 cross-attention K/V from the k copies and copies that K/V again at every beam reorder. Here:
@@ -17,6 +17,10 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
   once) — ``seq2seq_models.paged_self_attention`` says where it stays dense (T5's relative position bias;
   one-token decoder prompts on the CPU): there on ``dense_cache``'s caches;
+- the decode steps' decoder positions are an input of the step (what a replayed graph needs): Whisper's
+  decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
+  length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
+  decoder read (``EncoderSide._positions_as_input``);
 - what differs per model_type comes from its adapter (``seq2seq_models.family_of``).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``

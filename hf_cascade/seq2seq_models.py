@@ -58,8 +58,9 @@ class CrossProjection:
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqFamily:
-    """The BART-style layout (BART/mBART, Marian, M2M100/NLLB, Whisper): ``decoder.layers[i].encoder_attn``
-    with ``k_proj``/``v_proj``. The flags are the family's rules where it departs from stock's defaults."""
+    """The BART-style layout (BART/mBART/PLBart, Pegasus, Blenderbot, Marian, M2M100/NLLB, Whisper):
+    ``decoder.layers[i].encoder_attn`` with ``k_proj``/``v_proj``. The flags are the family's rules where it departs
+    from stock's defaults."""
 
     # the self-attention bias is computed from the width of the K/V the cache returns: it stays dense
     relative_bias: bool = False

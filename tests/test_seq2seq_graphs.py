@@ -8,7 +8,7 @@ would still be right there: the tests freeze it (the decoder sees a stale cache 
 replayed graph) and still get stock's tokens, and a control shows that the same freeze changes the tokens where the
 positions come from the host. Every test checks that the runner served the steps (no "disabled" reason, replays).
 Tiny random models in float64 (stock sdpa and cascade, same weights); beam search with bart-large-cnn's processors
-(4 beams, no_repeat_ngram_size=3, length_penalty=2.0, min_length) and greedy, on padded sources.
+(4 beams, no_repeat_ngram_size=3, length_penalty=2.0, min_length), greedy and sampling, on padded sources.
 
 The ``gpu`` tests (run on the GPU machine: pytest -m gpu tests/test_seq2seq_graphs.py) capture BART and Marian decode
 steps on CUDA: the replayed graph equals the eager static step bitwise in bf16, and float32 equals stock.
@@ -134,7 +134,8 @@ def frozen_host_length(monkeypatch):
 
 
 # ---- what the patch relies on ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,decoder,embedding,kind", positions_patch.FAMILIES, ids=[f[0] for f in positions_patch.FAMILIES])
+@pytest.mark.parametrize("name,decoder,embedding,kind", positions_patch.FAMILIES,
+                         ids=[family[0] for family in positions_patch.FAMILIES])
 def test_the_patch_fits_every_family(name, decoder, embedding, kind):
     """Each family's decoder computes its positions from get_seq_length() through embed_positions, with the
     embedding forward the patch replaces; all of them are patched and registered on this transformers."""
@@ -168,6 +169,19 @@ def test_stock_tokens_on_the_static_path(family, mode, monkeypatch, frozen_host_
     spy = RunnerSpy(monkeypatch)
     got = generate(cascade, ids, mask, mode, hf_cascade_config=_STATIC)
     assert_same(want, got, mode)
+    assert_served(spy)
+
+
+@pytest.mark.parametrize("family", ["bart", "m2m_100"])
+def test_sampling_on_the_static_path(family, monkeypatch, frozen_host_length):
+    """Sampling, 3 sequences per source (fixed seed): stock's tokens, the steps served."""
+    stock, cascade = pair(family)
+    ids, mask = sources(pad=stock.config.pad_token_id)
+    kw = dict(do_sample=True, num_return_sequences=3, top_k=0)
+    want = generate(stock, ids, mask, "greedy", **kw)
+    spy = RunnerSpy(monkeypatch)
+    got = generate(cascade, ids, mask, "greedy", **kw, hf_cascade_config=_STATIC)
+    assert_same(want, got, "greedy")
     assert_served(spy)
 
 
