@@ -10,8 +10,12 @@ positions come from the host. Every test checks that the runner served the steps
 Tiny random models in float64 (stock sdpa and cascade, same weights); beam search with bart-large-cnn's processors
 (4 beams, no_repeat_ngram_size=3, length_penalty=2.0, min_length), greedy and sampling, on padded sources.
 
+Whisper (issue 21, item 3): best-of-n and temperature fallback run the encoder once per window on its distinct rows
+(hf_cascade.patches.whisper_encoder), with stock's tokens.
+
 The ``gpu`` tests (run on the GPU machine: pytest -m gpu tests/test_seq2seq_graphs.py) capture BART and Marian decode
-steps on CUDA: the replayed graph equals the eager static step bitwise in bf16, and float32 equals stock.
+steps on CUDA: the replayed graph equals the eager static step bitwise in bf16, and float32 equals stock; and Whisper's
+fallback with the encoder reused gives stock's tokens in float32.
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ import hf_cascade
 from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
 from hf_cascade.config import CascadeConfig
 
-from hf_cascade.patches import positions as positions_patch
+from hf_cascade.patches import positions as positions_patch, whisper_encoder as whisper_encoder_patch
 
 from conftest import RunnerSpy
+from test_encoder_decoder import _LONG, _LONG_MASK, _SHORT, WHISPER_CASES, whisper_pair
 
 VOCAB = 96
 NEW = 10
@@ -337,6 +342,59 @@ def test_positions_past_the_table_run_eagerly(monkeypatch, caplog):
     assert any("reaches past M2M100SinusoidalPositionalEmbedding" in r.getMessage() for r in caplog.records)
 
 
+# ---- item 3: Whisper's best-of-n and temperature fallback encode each window once -----------------------------
+WHISPER_ENCODER_CASES = {
+    "temperature_fallback": WHISPER_CASES["temperature_fallback"],
+    "long_form_fallback": WHISPER_CASES["long_form_fallback"],
+    "beams_returned": WHISPER_CASES["beams_returned"],
+    "best_of": (_SHORT, dict(do_sample=True, temperature=0.8, num_return_sequences=3)),
+    "best_of_fallback": (_SHORT, dict(do_sample=True, temperature=(0.2, 0.6, 1.0), num_return_sequences=3,
+                                      logprob_threshold=0.0, compression_ratio_threshold=1.2)),
+    "long_form_best_of_fallback": (_LONG, dict(attention_mask=_LONG_MASK, return_timestamps=True, do_sample=True,
+                                               temperature=(0.0, 0.5), num_return_sequences=2,
+                                               logprob_threshold=0.0)),
+}
+
+
+def test_the_whisper_encoder_patch_fits():
+    assert whisper_encoder_patch.unchanged_reason() is None and whisper_encoder_patch.is_applied()
+
+
+@pytest.mark.parametrize("case", list(WHISPER_ENCODER_CASES))
+def test_whisper_encodes_each_window_once(case, monkeypatch):
+    """Stock's tokens; the cascade model runs its encoder once per window (generate_with_fallback call), on the
+    window's distinct rows, where stock runs it once per returned sequence and again for every retry."""
+    stock, cascade = whisper_pair()
+    features, kwargs = WHISPER_ENCODER_CASES[case]
+    kwargs = {"language": "en", **kwargs}
+    windows, encoded = [], {id(stock): [], id(cascade): []}
+    mixin = whisper_encoder_patch._whisper_mixin()
+    real = mixin.generate_with_fallback
+
+    def counted(self, *args, **kw):
+        windows.append(self)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(mixin, "generate_with_fallback", counted)
+    hooks = [model.get_encoder().register_forward_hook(
+        lambda module, args, out, key=id(model): encoded[key].append(out.last_hidden_state.shape[0]))
+        for model in (stock, cascade)]
+    try:
+        outs = []
+        for model in (stock, cascade):
+            torch.manual_seed(5)
+            outs.append(model.generate(features, max_new_tokens=10, **kwargs))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    want, got = outs
+    assert want.shape == got.shape and torch.equal(want, got)
+    cascade_windows = sum(window is cascade for window in windows)
+    assert len(encoded[id(cascade)]) == cascade_windows
+    assert encoded[id(cascade)][0] <= features.shape[0]     # the first window: the inputs, each once
+    assert sum(encoded[id(stock)]) > sum(encoded[id(cascade)])
+
+
 # ---- on the GPU: captured and replayed ---------------------------------------------------------------------------
 def _gpu_pair(family, dtype):
     make = {"bart": lambda: T.BartConfig(vocab_size=1000, d_model=256, encoder_layers=2, decoder_layers=2,
@@ -405,3 +463,34 @@ def test_gpu_bf16_replay_equals_eager_bitwise(family, mode, monkeypatch):
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
         assert torch.equal(sa, sb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [dict(num_beams=2, temperature=(0.0, 0.4, 0.8), logprob_threshold=0.0,
+                                     compression_ratio_threshold=1.2),
+                                dict(do_sample=True, temperature=(0.2, 0.8), num_return_sequences=3,
+                                     logprob_threshold=0.0)], ids=["fallback", "best_of_fallback"])
+def test_gpu_whisper_fallback_encodes_once_float32(kw):
+    """Whisper's retries and best-of-n on the GPU take their rows' encoder output from the window's one encoder
+    run (batched differently from stock's runs): stock's tokens in float32."""
+    from test_gpu_encoder_decoder import _whisper
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    stock, cascade = _whisper("sdpa"), _whisper("cascade")
+    cascade.load_state_dict(stock.state_dict())
+    features = torch.randn(4, 80, 3000, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    rows = {id(stock): 0, id(cascade): 0}
+    hooks = [model.get_encoder().register_forward_hook(
+        lambda module, args, out, key=id(model): rows.__setitem__(key, rows[key] + out.last_hidden_state.shape[0]))
+        for model in (stock, cascade)]
+    try:
+        outs = []
+        for model in (stock, cascade):
+            torch.manual_seed(3)
+            outs.append(model.generate(features, language="en", max_new_tokens=24, **kw))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(*outs)
+    assert rows[id(stock)] > rows[id(cascade)], rows
