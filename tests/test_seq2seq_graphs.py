@@ -116,12 +116,15 @@ def assert_served(spy, min_replays=NEW - 3):
 def frozen_host_length(monkeypatch):
     """What a replayed graph does to a decoder that reads the cache length on the host: in every decode step
     (one token per row) the decoder's ``cache.get_seq_length()`` answers a stale length (0). generate's own calls,
-    outside the decoder, see the true length."""
-    inside = []
+    outside the decoder, see the true length. Yields the true lengths it hid, one per stale answer."""
+    inside, hidden = [], []
     real = cross_kv.CascadeEncoderDecoderCache.get_seq_length
 
     def stale(self, *args, **kwargs):
-        return 0 if inside and inside[-1] else real(self, *args, **kwargs)
+        if inside and inside[-1]:
+            hidden.append(real(self, *args, **kwargs))
+            return 0
+        return real(self, *args, **kwargs)
 
     monkeypatch.setattr(cross_kv.CascadeEncoderDecoderCache, "get_seq_length", stale)
     for _, decoder_cls in positions_patch._applied:
@@ -136,6 +139,7 @@ def frozen_host_length(monkeypatch):
                 inside.pop()
 
         monkeypatch.setattr(decoder_cls, "forward", step)
+    return hidden
 
 
 # ---- what the patch relies on ------------------------------------------------------------------------------------
@@ -175,6 +179,7 @@ def test_stock_tokens_on_the_static_path(family, mode, monkeypatch, frozen_host_
     got = generate(cascade, ids, mask, mode, hf_cascade_config=_STATIC)
     assert_same(want, got, mode)
     assert_served(spy)
+    assert max(frozen_host_length) >= NEW - 1          # the decode steps' decoder saw a stale cache length
 
 
 @pytest.mark.parametrize("family", ["bart", "m2m_100"])
@@ -188,6 +193,7 @@ def test_sampling_on_the_static_path(family, monkeypatch, frozen_host_length):
     got = generate(cascade, ids, mask, "greedy", **kw, hf_cascade_config=_STATIC)
     assert_same(want, got, "greedy")
     assert_served(spy)
+    assert frozen_host_length
 
 
 def test_frozen_host_length_changes_the_tokens_where_positions_come_from_the_host(monkeypatch, frozen_host_length):
@@ -230,6 +236,7 @@ def test_padded_decoder_prompt(family, side, monkeypatch, frozen_host_length):
     got = generate(cascade, ids, mask, "beam", **kw, hf_cascade_config=_STATIC)
     assert_same(want, got, "beam")
     assert_served(spy)
+    assert frozen_host_length
 
 
 def test_m2m100_left_padded_decoder_prompt_stays_dense(monkeypatch, caplog):
@@ -265,6 +272,7 @@ def test_greedy_rows_that_finished_feed_pads(monkeypatch, frozen_host_length):
         got = generate(cascade, ids, mask, "greedy", eos_token_id=eos, min_new_tokens=0, hf_cascade_config=_STATIC)
         assert_same(want, got, "greedy")
         assert_served(spy)
+    assert frozen_host_length
 
 
 def test_positions_come_from_the_static_input(monkeypatch):
