@@ -429,8 +429,8 @@ def _gpu_sources(pad):
 
 
 _GPU_MODES = {"beam": dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_size=3, length_penalty=2.0,
-                           min_length=20),
-              "greedy": dict()}
+                           min_length=24),
+              "greedy": dict(min_new_tokens=24)}
 
 
 @pytest.mark.gpu
@@ -446,7 +446,7 @@ def test_gpu_float32_captured_steps_match_stock(family, mode, monkeypatch):
     got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(want.sequences, got.sequences)
     runner, = spy.runners
-    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 20, \
+    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 18, \
         (runner.disabled, runner.captures, runner.replays)
 
 
@@ -465,8 +465,8 @@ def test_gpu_bf16_replay_equals_eager_bitwise(family, mode, monkeypatch):
                                      hf_cascade_config=CascadeConfig(backend="cuda", cuda_graphs=graphs),
                                      **_GPU_MODES[mode]))
     eager_run, graph_run = spy.runners
-    assert eager_run.disabled is None and eager_run.replays >= 20, eager_run.disabled
-    assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 20, graph_run.disabled
+    assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
+    assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
     a, b = outs
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
