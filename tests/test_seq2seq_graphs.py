@@ -27,10 +27,9 @@ import torch
 import transformers as T
 from transformers import AutoModelForSeq2SeqLM
 
-import hf_cascade
+import hf_cascade  # noqa: F401  registers "cascade", applies the patches
 from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
 from hf_cascade.config import CascadeConfig
-
 from hf_cascade.patches import positions as positions_patch, whisper_encoder as whisper_encoder_patch
 
 from conftest import RunnerSpy
