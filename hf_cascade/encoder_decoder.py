@@ -1,5 +1,5 @@
-"""Encoder-decoder models (T5, BART/mBART, Marian, M2M100/NLLB, Whisper) on the cascade path: the generate entry,
-and the attention of a cross-attention call.
+"""Encoder-decoder models (T5, BART/mBART/PLBart, Pegasus, Blenderbot, Marian, M2M100/NLLB, Whisper) on the cascade
+path: the generate entry, and the attention of a cross-attention call.
 
 Stock ``generate(num_beams=k)`` copies the encoder output k times, projects every decoder layer's
 cross-attention K/V from the k copies and copies that K/V again at every beam reorder. Here:
@@ -17,6 +17,10 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
   once) — ``seq2seq_models.paged_self_attention`` says where it stays dense (T5's relative position bias;
   one-token decoder prompts on the CPU): there on ``dense_cache``'s caches;
+- the decode steps' decoder positions are an input of the step (what a replayed graph needs): Whisper's
+  decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
+  length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
+  decoder read (``EncoderSide._positions_as_input``);
 - what differs per model_type comes from its adapter (``seq2seq_models.family_of``).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
@@ -32,7 +36,7 @@ import logging
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import cross_attention
+from . import cross_attention, graphs
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -42,8 +46,8 @@ from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, K
 from .dense_cache import capped_dynamic_cache, self_attention_cache
 from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
 # unsupported_reason and COMPOSITE: also generation's checks before it calls this entry
-from .seq2seq_models import (COMPOSITE, SUPPORTED, cross_projections, family_of, paged_self_attention,
-                             unsupported_reason)
+from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross_projections, device_positions_reason,
+                             family_of, paged_self_attention, unsupported_reason)
 from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
@@ -157,7 +161,7 @@ class EncoderSide:
         self.projections, self.states, self.source_mask, self.decoder_mask, self.n = (
             projections, states, source_mask, decoder_mask, n)
         self.cross = CrossAttentionCache(len(projections), cascade_config)
-        self.paged = paged_self_attention(model, input_ids, states.device, cascade_config)
+        self.paged = paged_self_attention(model, input_ids, states.device, cascade_config, decoder_mask)
         self.self_cache = None
 
     def prepare(self, cache: None) -> CascadeCache | None:
@@ -192,7 +196,25 @@ class EncoderSide:
                 model_kwargs["decoder_attention_mask"] = input_ids.new_ones(input_ids.shape)
         if padded and not bool(decoder_mask[:, -1].all()):
             self_cache.set_write_mask(decoder_mask[:, -1:])   # a last pad is not stored either
+        self._positions_as_input()
         return self_cache       # the decode steps on a static layout, as a captured graph where one can run
+
+    def _positions_as_input(self) -> None:
+        """A decoder that computes its positions from the cache length on the host (the BART family) gets them as
+        a step input where ``hf_cascade.patches.positions`` serves it: decoder_position_ids of stock's values (the
+        cache length, pads included; generate advances them on the device every step) and the keyword that makes
+        the patched decoder read them, so that its decode steps can be replayed. Not where no runner would replay
+        them, nor over a caller's own decoder_position_ids (the runner then says why its steps run eagerly)."""
+        model, model_kwargs, width = self.model, self.model_kwargs, self.input_ids.shape[1]
+        if family_of(model).positions_from_decoder_mask or "decoder_position_ids" in model_kwargs \
+                or graphs.unsupported_reason(model, self.cascade_config) is not None:
+            return
+        reason = device_positions_reason(model, self.generation_config.max_length or width + 1)
+        if reason is not None:
+            log_once(("positions", reason), logging.INFO, "decode steps run without CUDA graphs: %s", reason)
+            return
+        model_kwargs["decoder_position_ids"] = torch.arange(width, device=self.input_ids.device).unsqueeze(0)
+        model_kwargs[DEVICE_POSITIONS_KWARG] = True
 
     def decoded(self, cache) -> None:
         pass

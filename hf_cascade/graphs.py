@@ -43,6 +43,7 @@ import torch
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .logs import log_once
+from .seq2seq_models import step_positions_reason
 
 logger = logging.getLogger("hf_cascade")
 # generate may run in several threads: guards the forward dispatchers and _side_streams
@@ -201,13 +202,21 @@ class DecodeGraphRunner:
                   and ids.shape[1] == 1 and ids.shape[0] == self.cache.blocks.num_rows
                   and self.cache.logical_length > 0 and self._arg(kwargs, "inputs_embeds") is None
                   and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states"))
-        if shaped and not isinstance(self._arg(kwargs, "position_ids"), torch.Tensor):
-            # the model would compute its positions from the cache length on the host, which a graph freezes
-            self.disabled = "the decoder's positions are not an input of the step (computed on the host)"
+        if not shaped:
+            return False
+        # the model would compute its positions from the cache length on the host, which a graph freezes
+        if self.encoder_decoder:         # the BART family reads decoder_position_ids only through patches/positions
+            reason = step_positions_reason(self.model, kwargs)
+        elif not isinstance(self._arg(kwargs, "position_ids"), torch.Tensor):
+            reason = "the decoder's positions are not an input of the step (computed on the host)"
+        else:
+            reason = None
+        if reason is not None:
+            self.disabled = reason
             log_once(("disabled", self.disabled), logging.INFO, "decode steps run without CUDA graphs: "
                       "%s", self.disabled)
             return False
-        return shaped
+        return True
 
     def _key(self, kwargs):
         """What the captured graph baked in: input shapes and options, the layout, the pools' addresses."""

@@ -4,15 +4,23 @@ An adapter knows where a model's decoder and its cross-attention modules are, ho
 encoder states to K/V, and the family's rules (T5's relative position bias; Whisper's unmasked
 cross-attention and its decoder positions). The rest of the encoder-decoder path asks :func:`family_of`
 and never tests a model_type itself, so serving a new family means one entry in :data:`SUPPORTED` here
-(and its stock-token test in tests/test_encoder_decoder.py).
+(and its stock-token test in tests/test_encoder_decoder.py or tests/test_seq2seq_graphs.py).
+
+This module also owns where a decode step's decoder positions come from (:func:`step_positions_reason`): Whisper's
+decoder reads ``decoder_position_ids``; the BART family's computes them from the cache length on the host, which a
+replayed graph would freeze, unless ``hf_cascade.patches.positions`` registered its decoder class here
+(:func:`register_device_positions`) and the call's forwards carry :data:`DEVICE_POSITIONS_KWARG`.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Callable
 
 import torch
 
 from .config import CascadeConfig
+from .logs import log_once
 
 # Models that pair any encoder with any decoder: generate runs them on stock's dense path (their decoders'
 # cross-attention modules and an encoder-to-decoder projection differ per pairing), logged once.
@@ -50,16 +58,21 @@ class CrossProjection:
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqFamily:
-    """The BART-style layout (BART/mBART, Marian, M2M100/NLLB, Whisper): ``decoder.layers[i].encoder_attn``
-    with ``k_proj``/``v_proj``. The flags are the family's rules where it departs from stock's defaults."""
+    """The BART-style layout (BART/mBART/PLBart, Pegasus, Blenderbot, Marian, M2M100/NLLB, Whisper):
+    ``decoder.layers[i].encoder_attn`` with ``k_proj``/``v_proj``. The flags are the family's rules where it departs
+    from stock's defaults."""
 
     # the self-attention bias is computed from the width of the K/V the cache returns: it stays dense
     relative_bias: bool = False
     # False where the model's attention_mask is for the encoder only (Whisper: over mel frames)
     masked_cross_attention: bool = True
     # True where generate derives decoder positions from the decoder mask (Whisper's
-    # prepare_inputs_for_generation); elsewhere they follow the cache length, pads included
+    # prepare_inputs_for_generation) and the decoder reads them (decoder_position_ids); elsewhere they follow the
+    # cache length, pads included, computed by the decoder on the host
     positions_from_decoder_mask: bool = False
+    # True where a decoder prompt token's position counts only the real tokens before it (M2M100/NLLB: a pad keeps
+    # padding_idx), while a decode step's follows the cache length, pads included
+    positions_skip_pads: bool = False
 
     def decoder(self, model):
         decoder = model.get_decoder()
@@ -95,9 +108,12 @@ class T5Family(Seq2SeqFamily):
 
 
 _BART, _T5 = Seq2SeqFamily(), T5Family()
-# model_type -> adapter; every entry is tested token-exact against stock (tests/test_encoder_decoder.py)
+_M2M100 = Seq2SeqFamily(positions_skip_pads=True)
+# model_type -> adapter; every entry is tested token-exact against stock (tests/test_encoder_decoder.py; pegasus,
+# plbart and blenderbot(-small) in tests/test_seq2seq_graphs.py)
 SUPPORTED: dict[str, Seq2SeqFamily] = {
-    "bart": _BART, "mbart": _BART, "marian": _BART, "m2m_100": _BART,
+    "bart": _BART, "mbart": _BART, "marian": _BART, "m2m_100": _M2M100,
+    "pegasus": _BART, "plbart": _BART, "blenderbot": _BART, "blenderbot-small": _BART,
     "whisper": Seq2SeqFamily(masked_cross_attention=False, positions_from_decoder_mask=True),
     "t5": _T5, "mt5": _T5,
 }
@@ -135,10 +151,12 @@ def uses_relative_bias(model) -> bool:
     return family is not None and family.relative_bias
 
 
-def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device, config: CascadeConfig) -> bool:
+def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device, config: CascadeConfig,
+                         decoder_mask: torch.Tensor | None = None) -> bool:
     """Whether the decoder self-attention runs on a paged CascadeCache (else dense: ``dense_cache``).
 
     Not for relative-bias families (T5: the bias is computed from the width of the K/V the cache returns).
+    Not where a prefilled decoder prompt would move a position (:func:`prompt_positions_reason`).
     On a GPU, or with a backend chosen explicitly, always: no per-step reorder copy of the self K/V. On the
     CPU with backend="auto", only where the beams can share decoder prompt blocks (a prompt of at least
     one block, e.g. Whisper with prompt_ids): with a one-token decoder prompt there is nothing to share,
@@ -146,6 +164,68 @@ def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device,
     (bart-base, 8 beams: 10.5 vs 9.0 s; benchmarks/RESULTS.md)."""
     if uses_relative_bias(model):
         return False
+    reason = prompt_positions_reason(model, decoder_mask)
+    if reason is not None:
+        log_once(("dense positions", reason), logging.INFO, "the decoder self-attention stays dense: %s", reason)
+        return False
     if device.type != "cpu" or config.backend != "auto":
         return True
     return decoder_ids.shape[1] - 1 >= config.block_size
+
+
+def prompt_positions_reason(model, decoder_mask: torch.Tensor | None) -> str | None:
+    """Why the paged path, which prefills the decoder prompt but its last token and then feeds that token with the
+    cache length (pads included), would give that token another position than stock's one forward over the prompt
+    (None when it would not). M2M100/NLLB count only the real tokens before a prompt token: a row with pads before a
+    real last token would move."""
+    family = SUPPORTED.get(getattr(model.config, "model_type", None))
+    if family is None or not family.positions_skip_pads or decoder_mask is None:
+        return None
+    moved = (decoder_mask[:, -1] != 0) & ((decoder_mask != 0).sum(-1) < decoder_mask.shape[-1])
+    if not bool(moved.any()):
+        return None
+    return (f"{type(model).__name__} positions a decoder prompt token after the real tokens before it (pads not "
+            "counted): a padded decoder prompt ending in a real token runs on stock's dense cache")
+
+
+# ---- where a decode step's decoder positions come from ---------------------------------------------------------
+# The forward keyword by which a generate call tells a decoder that hf_cascade.patches.positions serves to take its
+# positions from the step's decoder_position_ids (a device tensor that generate advances every step) instead of the
+# cache length on the host. Only generate's cascade entry gives it, with positions of its own.
+DEVICE_POSITIONS_KWARG = "cascade_positions"
+# decoder class -> reason(decoder, max_length): why its positions cannot come from a device tensor for a call whose
+# decoder sequences reach max_length tokens (None: they can). Filled by the positions patch.
+_DEVICE_POSITIONS: dict[type, Callable] = {}
+
+
+def register_device_positions(decoder_class: type, reason: Callable) -> None:
+    """``decoder_class`` takes its positions from ``decoder_position_ids`` when a forward carries
+    :data:`DEVICE_POSITIONS_KWARG` (see the module docstring); ``reason(decoder, max_length)`` says when it cannot."""
+    _DEVICE_POSITIONS[decoder_class] = reason
+
+
+def device_positions_reason(model, max_length: int) -> str | None:
+    """Why ``model``'s decoder cannot take a call's positions (up to ``max_length`` tokens) from a device tensor
+    (None when it can: the call gives it decoder_position_ids and :data:`DEVICE_POSITIONS_KWARG`)."""
+    decoder = family_of(model).decoder(model)
+    reason = _DEVICE_POSITIONS.get(type(decoder))
+    if reason is None:
+        return (f"{type(decoder).__name__} computes its positions from the cache length on the host and no patch of "
+                "hf_cascade.patches.positions serves it (not a family it knows, or a transformers version it was not "
+                "checked on)")
+    return reason(decoder, max_length)
+
+
+def step_positions_reason(model, kwargs: dict) -> str | None:
+    """Why the positions of an encoder-decoder decode step (its forward's ``kwargs``) are not an input the decoder
+    reads from the device, which a replayed graph needs (None when they are)."""
+    positions = kwargs.get("decoder_position_ids")
+    if not isinstance(positions, torch.Tensor):
+        return "the decoder's positions are not an input of the step (computed on the host)"
+    family = SUPPORTED.get(getattr(model.config, "model_type", None))
+    if kwargs.get(DEVICE_POSITIONS_KWARG) or (family is not None and family.positions_from_decoder_mask):
+        return None
+    return (f"the caller's decoder_position_ids cannot be honoured on the static path: {type(model).__name__}'s "
+            "decoder computes its positions from the cache length on the host (hf_cascade.patches.positions "
+            "replaces that only with the positions generate's cascade entry gives itself); the decode steps run "
+            "the model's own forward, as stock")

@@ -14,9 +14,13 @@ under it (tests/test_patches.py).
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401
 from .families import apply as apply_families_patch, is_applied as families_patch_applied  # noqa: F401
+from .positions import apply as apply_positions_patch, is_applied as positions_patch_applied  # noqa: F401
+from .whisper_encoder import apply as apply_whisper_encoder_patch, is_applied as whisper_encoder_patch_applied  # noqa: F401,E501
 
 
 def apply() -> None:
     apply_generate_patch()
     apply_loading_patch()
     apply_families_patch()
+    apply_positions_patch()
+    apply_whisper_encoder_patch()
