@@ -9,6 +9,7 @@ stopped.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from rich.console import Console
@@ -44,6 +45,20 @@ def time_parts(loop, reps: int) -> dict:
         median_us, min_us = harness.cuda_time_us(graph.replay, reps=reps, warmup=3)
         out[name + "_us"] = median_us
         out[name + "_min_us"] = min_us
+    # the host's part of a step: what the loop does between two replays (the device is kept busy meanwhile)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(reps):
+        loop.cache.logical_length += 1
+        loop.graph.replay()
+        loop.runner.replays += 1
+    out["host_us_per_step"] = (time.perf_counter() - started) / reps * 1e6
+    torch.cuda.synchronize()
+    # the memory floor: every weight and every stored K/V byte read once at the H200's 4.8 TB/s
+    weights = sum(p.numel() * p.element_size() for p in loop.model.parameters())
+    kv = loop.cache.stats().kv_bytes_in_use
+    out["floor_us"] = (weights + kv) / 4.8e12 * 1e6
+    out["whole_vs_floor"] = out["whole_us"] / out["floor_us"]
     return out
 
 
@@ -79,7 +94,8 @@ def main():
             whole_step.WholeStepLoop._chunk = real_chunk
         results.append({"shape": shape, "prompt": prompt, "mode": mode, **found})
     harness.table("whole step parts (µs, CUDA events, median)", ["shape", "prompt", "mode", "blocks_us", "forward_us",
-                                                                "choose_us", "whole_us"], results,
+                                                                "choose_us", "whole_us", "host_us_per_step",
+                                                                "floor_us", "whole_vs_floor"], results,
                   console=Console(width=160))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),
                        {**harness.run_record("whole_step_parts_gpu.py"), "results": results})
