@@ -205,3 +205,23 @@ def test_families_equal_stock(name, mode, runner_spy):
         assert _device_steps(runner_spy) == 0      # (the reason is logged once per process)
     else:
         assert _device_steps(runner_spy) > 0, f"{name} {mode}: the device loop did not run"
+
+
+def test_a_second_call_of_the_same_shape_reuses_the_kept_step(llama_pair, runner_spy):
+    """The step's tensors (and on a GPU its graph) are kept with the cache for the model's next call of the same
+    shape; that call fills them with its own values and gives its own tokens. Another shape starts afresh."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=8)
+    kw = dict(max_new_tokens=20, num_beams=3)
+    first = _generate(cascade, ids, mask, **kw)
+    kept = runner_spy.runners[-1].whole_step_kept
+    assert kept is not None and kept.blocks is not None
+    blocks, sequences = kept.blocks, kept.state.sequences
+    other_ids = torch.randint(4, VOCAB, ids.shape, generator=torch.Generator().manual_seed(3)).masked_fill(mask == 0, 0)
+    second = _generate(cascade, other_ids, mask, **kw)
+    assert runner_spy.runners[-1].whole_step_kept is kept                  # same tensors, same step key
+    assert kept.blocks is blocks and kept.state.sequences is sequences
+    assert torch.equal(first, _generate(stock, ids, mask, config=None, **kw))
+    assert torch.equal(second, _generate(stock, other_ids, mask, config=None, **kw))
+    _generate(cascade, ids[:, 2:], mask[:, 2:], **kw)                          # another prompt width: new tensors
+    assert runner_spy.runners[-1].whole_step_kept is not kept
