@@ -279,3 +279,28 @@ def test_copies_keep_the_scales():
         assert torch.equal(a.pool.view(torch.uint8), b.pool.view(torch.uint8))
         assert kv_scale(b.pool) is b.storage.scale
     np.testing.assert_array_equal(cache.blocks.lengths, twin.blocks.lengths)
+
+
+def test_encoder_decoder_self_attention_in_fp8_cross_in_model_dtype(monkeypatch):
+    """BART: the decoder's self-attention pool is fp8, the cross-attention K/V stay in the model's dtype (stored once
+    per input); beam search agrees with the full-precision cache's tokens."""
+    from hf_cascade import cache as cache_module
+    from hf_cascade import cross_kv
+    from test_encoder_decoder import pair, sources
+    _, cascade = pair("bart", dtype=torch.float32)
+    ids, mask = sources()
+    pools = []        # (which, dtype) of every pool made
+    for module, name, which in ((cache_module, "make_storage", "self"), (cross_kv, "make_fixed_storage", "cross")):
+        made = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda shape, dtype, *a, _made=made, _which=which, **k:
+                            pools.append((_which, dtype)) or _made(shape, dtype, *a, **k))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=4)
+    full = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", block_size=4))
+    pools.clear()
+    fp8 = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", block_size=4,
+                                                                 kv_dtype="float8_e4m3fn"))
+    assert {dtype for which, dtype in pools if which == "self"} == {FP8}
+    assert {dtype for which, dtype in pools if which == "cross"} == {torch.float32}
+    agree = (full[:, -8:] == fp8[:, -8:]).float().mean().item()
+    print(f"\n[fp8 kv, bart] beam(4) token agreement {agree:.3f}")
+    assert agree >= 0.5
