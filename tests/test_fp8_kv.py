@@ -304,3 +304,26 @@ def test_encoder_decoder_self_attention_in_fp8_cross_in_model_dtype(monkeypatch)
     agree = (full[:, -8:] == fp8[:, -8:]).float().mean().item()
     print(f"\n[fp8 kv, bart] beam(4) token agreement {agree:.3f}")
     assert agree >= 0.5
+
+
+def test_kernel_operators_check_an_fp8_pool_and_its_scales():
+    """The CUDA operators' argument checks (run on the CPU: they look at shapes, dtypes and devices only)."""
+    from hf_cascade.kernels import ops
+    from hf_cascade.kernels.cuda_binding import KV_DTYPE_CODES, _kv_code
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    pool = torch.zeros(5, 2, 16, 2, 64, dtype=FP8)
+    table, limit = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, 1, dtype=torch.int32)
+    part_o, part_lse = torch.zeros(2 * 2 * 8 * 64), torch.zeros(2 * 2 * 8)
+    args = (q, pool, table, limit, part_o, part_lse, 16, 1, 0)
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        ops.check_suffix(*args)
+    with pytest.raises(ValueError, match=r"kv_scale has shape \(2, 3\), expected \(2, 2\)"):
+        ops.check_suffix(*args, kv_scale=torch.ones(2, 3))
+    with pytest.raises(TypeError, match="kv_scale must be torch.float32"):
+        ops.check_suffix(*args, kv_scale=torch.ones(2, 2, dtype=torch.float64))
+    ops.check_suffix(*args, kv_scale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="pool must be torch.bfloat16"):       # other dtypes stay refused
+        ops.check_suffix(q, pool.view(torch.uint8), *args[2:])
+    assert KV_DTYPE_CODES[FP8] == 1 and _kv_code(pool.view(torch.uint8), None) == (0, None)
+    with pytest.raises(ValueError, match="needs its kv_scale"):
+        _kv_code(pool, None)

@@ -236,5 +236,9 @@ def test_generate_with_fp8_cache_on_cuda_backend():
     gap = (full.logits[0].float().log_softmax(-1) - fp8.logits[0].float().log_softmax(-1)).abs().max().item()
     print(f"\n[fp8 kv, cuda] beam(4) token agreement {agree:.3f}, first-step max |log-prob gap| {gap:.2e}, "
           f"kv bytes in use {fp8_stats.kv_bytes_in_use} vs bf16 {full_stats.kv_bytes_in_use}")
-    assert fp8_stats.kv_bytes_in_use * 2 == full_stats.kv_bytes_in_use
+    # per block (beam search's parents, and so the blocks held, may differ where the tokens do)
+    assert fp8_stats.blocks_in_use > 0 and full_stats.blocks_in_use > 0
+    per_block = (fp8_stats.kv_bytes_in_use // fp8_stats.blocks_in_use, full_stats.kv_bytes_in_use //
+                 full_stats.blocks_in_use)
+    assert per_block[0] * 2 == per_block[1]
     assert gap < 0.25 and agree >= 0.5
