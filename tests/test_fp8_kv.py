@@ -327,3 +327,70 @@ def test_kernel_operators_check_an_fp8_pool_and_its_scales():
     assert KV_DTYPE_CODES[FP8] == 1 and _kv_code(pool.view(torch.uint8), None) == (0, None)
     with pytest.raises(ValueError, match="needs its kv_scale"):
         _kv_code(pool, None)
+
+
+# ---- the cuda backend's launches on an fp8 pool, with the kernels emulated on the CPU --------------------------------
+@pytest.mark.parametrize("three,window,softcap", [(False, None, None), (False, 40, 20.0), (True, None, None),
+                                                  (True, None, 10.0)])
+def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap):
+    """hf_cascade.kernels.cuda._launch for real on an fp8 pool, with tests/test_cuda_emulation.py's numpy kernels in
+    place of the CUDA ones, fed the pool dequantized by its scales: every prefix and suffix launch gets the pool's own
+    scales (the argument checks run on the fp8 pool), the prefix runs the default kernel even where the Hopper kernel
+    would run for bf16, and the result equals the float64 reference over the fp8 pool."""
+    import test_cuda_emulation as emulation
+    from hf_cascade.kernels import cuda as cuda_backend
+    from hf_cascade.kernels import cuda_tuning, ops
+    from test_reference_kernels import make_three_level
+    check_prefix, check_suffix = ops.check_prefix, ops.check_suffix
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)          # (as test_cuda_emulation's pieces)
+    monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
+                        lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split",
+                        lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+    monkeypatch.setattr(emulation._FakeLib, "sm90", True)     # where bf16 head_dim 128 runs the Hopper kernel
+    monkeypatch.setattr(ops, "check_prefix", lambda *a, **k: None)        # run below on the fp8 pool instead
+    monkeypatch.setattr(ops, "check_suffix", lambda *a, **k: None)
+
+    def dequantized(pool, scale):
+        return pool.double() * scale.double()[None, :, None, :, None]
+
+    class Fp8Kernels(emulation.Emulated):
+        def __init__(self):
+            super().__init__()
+            self.scales = []            # the kv_scale of every launch
+
+        def prefix(self, lib, stream, q, pool, *args, kv_scale=None):
+            (gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, _, q_limit, slot0, cap,
+             win, _) = args
+            check_prefix(q, pool, gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
+                         slot0, cap, win, kv_scale)
+            self.scales.append(kv_scale)
+            super().prefix(lib, stream, q, dequantized(pool, kv_scale), *args)
+
+        def suffix(self, lib, stream, q, pool, *args, kv_scale=None):
+            suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, _, cap, win = args
+            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, cap, win,
+                         kv_scale)
+            self.scales.append(kv_scale)
+            super().suffix(lib, stream, q, dequantized(pool, kv_scale), *args)
+
+    if three:
+        lay = make_three_level(61, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
+    else:
+        lay = random_layout(17, groups=((3, 700), (2, 90), (2, 0)), lone_rows=1, suffix=(1, 300), Hkv=2, ratio=4,
+                            D=128, bs=16, dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    pool8, _ = _quantize(lay.pool.double(), seed=3)
+    q = lay.q.to(torch.bfloat16)
+    quirks = Quirks(softcap=softcap, window=window)
+    emu = Fp8Kernels()
+    emu.state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=emulation._FakeLib())
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(emulation._FakeLib(), 0, q, pool8, emu.state, lay.scale, out, kernels=emu, **quirks.kwargs())
+    ref = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    emulation.check(out, ref, emu)
+    assert emu.state.three == three and emu.state.tune == 0 and set(emu.tunes) == {0}
+    assert len(emu.scales) == (3 if three else 2) and all(s is kv_scale(pool8) for s in emu.scales)
+    # the same layout in bf16 would take the Hopper kernel here (what an fp8 pool must not)
+    assert cuda_backend.BACKEND.build(plan, q, lay.pool.to(torch.bfloat16), lib=emulation._FakeLib()).tune == \
+        cuda_tuning.HOPPER_KERNEL
