@@ -394,3 +394,17 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
     # the same layout in bf16 would take the Hopper kernel here (what an fp8 pool must not)
     assert cuda_backend.BACKEND.build(plan, q, lay.pool.to(torch.bfloat16), lib=emulation._FakeLib()).tune == \
         cuda_tuning.HOPPER_KERNEL
+
+
+@pytest.mark.parametrize("memory", ["grow", "static"])
+def test_graph_runner_static_path_on_fp8_pool(memory):
+    """CascadeConfig(cuda_graphs="eager") runs the decode steps as a captured graph would (static layout, the
+    pool's stable view, fixed buffers): the same tokens as plain fp8 decoding."""
+    _, cascade = model_pair("llama", dtype=torch.float32, seed=8)
+    ids, mask = padded_batch(seed=9)
+    common = dict(block_size=4, kv_dtype="float8_e4m3fn", backend="reference", memory=memory,
+                  max_kv_bytes=1 << 20 if memory == "static" else None)
+    kw = dict(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=8, pad_token_id=0)
+    plain = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, static_decode=False))
+    runner = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, cuda_graphs="eager"))
+    assert torch.equal(plain, runner)
