@@ -23,6 +23,10 @@
 //     the whole chunk) belongs to warp column gs % WN. Each warp keeps its own online softmax over its
 //     sub-tiles; the WN partial states of a row are merged through shared memory at the end (the K/V
 //     ring is idle then). So 16- and 32-row tiles keep all 4 warps busy without splitting D.
+//   * an fp8 pool (F8, HFC_KV_FP8_E4M3): each thread loads its K/V chunks of the next tile as 8 bytes into registers
+//     before the current tile's math and converts them into the same T ring (exact) after it, so the loads stay in
+//     flight during the math as cp.async's do; the ring, the MMAs and the softmax are the 16-bit path's. K's scale of
+//     the CTA's KV head joins scale_log2, V's scales the output. Default configuration only (tune 0).
 // Not chosen here: TMA / cp.async.bulk (a paged gather of 256-byte rows needs one bulk copy per token and
 // block table: no gain over cp.async at these sizes). On Hopper, bf16/fp16 head_dim-128 layers with >= 16 query
 // rows per group run csrc/prefix_sm90.cu instead (wgmma on 64-row tiles fed by a producer warp): this kernel's
@@ -143,12 +147,14 @@ template <> struct Mma<__half> {
 
 // VAR: the per-layer variants (csrc/include/hfc/params.h) are compiled in; the plain instantiation (VAR false)
 // is the same code as before they existed. cap_out > 0: softcap, logit = cap_out x tanh(cap_in x q.k) (log2
-// domain); window > 0: query row sees the prefix tokens >= prefix_len + q_limit[row, lq] - window.
-template <typename T, int D, int M, bool VAR, int V = 0>
+// domain); window > 0: query row sees the prefix tokens >= prefix_len + q_limit[row, lq] - window. F8: the pool holds
+// float8_e4m3fn with kv_scale (see the header).
+template <typename T, int D, int M, bool VAR, int V = 0, bool F8 = false>
 __global__ void __launch_bounds__(PrefixCfg<D, M, V>::THREADS, PrefixCfg<D, M, V>::MIN_CTAS)
 prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
+  using KV = std::conditional_t<F8, uint8_t, T>;     // a pool element
   const T* __restrict__ q = static_cast<const T*>(p.q);
-  const T* __restrict__ pool = static_cast<const T*>(p.pool);
+  const KV* __restrict__ pool = static_cast<const KV*>(p.pool);
   const int* __restrict__ group_rows = p.group_rows;
   const int* __restrict__ prefix_table = p.prefix_table;
   const int* __restrict__ prefix_len = p.prefix_len;
@@ -158,12 +164,18 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   const int R = (int)p.R, Lq = (int)p.Lq, Hq = (int)p.Hq, Hkv = (int)p.Hkv, bs = (int)p.block_size;
   const int Rg = (int)p.Rg, Mp = (int)p.Mp, chunk_tokens = (int)p.chunk_tokens, row_tiles = (int)p.row_tiles;
   const int window = (int)p.window;
-  const float scale_log2 = p.scale_log2;
+  // F8: the stored K of KV head blockIdx.y times its scale is the real K (a scalar of the scores); V's scale is applied
+  // to the output
+  float scale_log2 = p.scale_log2, v_scale = 1.0f;
+  if constexpr (F8) {
+    scale_log2 *= __ldg(p.kv_scale + blockIdx.y);
+    v_scale = __ldg(p.kv_scale + p.Hkv + blockIdx.y);
+  }
   // softcap: cap x tanh(scale q.k / cap) in the log2 domain (in double, as the host did before)
   float cap_in = 0.0f, cap_out = 0.0f;
   if constexpr (VAR) {
     if (p.softcap > 0.0f) {
-      cap_in = (float)(p.scale_log2 * 0.6931471805599453 / p.softcap);
+      cap_in = (float)(scale_log2 * 0.6931471805599453 / p.softcap);
       cap_out = (float)(p.softcap * 1.4426950408889634);
     }
   }
@@ -245,7 +257,7 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   const int64_t slot_stride = (int64_t)Hkv * D;     // between token slots of a block
   const int64_t kv_stride = (int64_t)bs * Hkv * D;  // V after K inside a block
   const int* table = prefix_table + (int64_t)g * Mp;
-  const T* pool_h = pool + (int64_t)h * D;
+  const KV* pool_h = pool + (int64_t)h * D;
 
   // ---- queries of this row tile -> Q_s (swizzled; zero rows for padding), in the first cp.async group
   for (int i = tid; i < M * CH; i += C::THREADS) {
@@ -269,7 +281,7 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   // copies chunk ld_c of tokens ld_n0 + p * LD_TOK. Tokens past the chunk end or in a -1 block are
   // zero-filled (src-size 0: no global read; the address passed is the pool's base, never dereferenced).
   const int ld_c = tid % CH, ld_n0 = tid / CH;
-  auto load_tile = [&](int t0, int stage) {
+  auto load_tile = [&](int t0, int stage) {      // (the 16-bit pool's)
     T* Ks = KV_s + stage * C::TILE_ELEMS;
     T* Vs = Ks + N * D;
 #pragma unroll
@@ -278,8 +290,8 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       const int t = t0 + n;
       int blk = -1;
       if (t < t_end) blk = __ldg(table + t / bs);
-      const T* ksrc = pool;
-      const T* vsrc = pool;
+      const KV* ksrc = pool;
+      const KV* vsrc = pool;
       int bytes = 0;
       if (blk >= 0) {
         ksrc = pool_h + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + ld_c * 8;
@@ -291,12 +303,47 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       cp_async16_zfill(Vs + off, vsrc, bytes);
     }
   };
+  // F8: the same chunks as 8 fp8 bytes each, fetched into registers (zero for invalid tokens: nothing is read), then
+  // converted into ring slot `stage`
+  uint2 k8[F8 ? C::LD_PASSES : 1], v8[F8 ? C::LD_PASSES : 1];
+  auto fetch_tile = [&](int t0) {
+#pragma unroll
+    for (int p = 0; p < (F8 ? C::LD_PASSES : 1); ++p) {
+      const int t = t0 + ld_n0 + p * C::LD_TOK;
+      int blk = -1;
+      if (t < t_end) blk = __ldg(table + t / bs);
+      k8[p] = make_uint2(0u, 0u);
+      v8[p] = make_uint2(0u, 0u);
+      if (blk >= 0) {
+        const KV* src = pool_h + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + ld_c * 8;
+        k8[p] = __ldg(reinterpret_cast<const uint2*>(src));
+        v8[p] = __ldg(reinterpret_cast<const uint2*>(src + kv_stride));
+      }
+    }
+  };
+  auto store_tile = [&](int stage) {
+    T* Ks = KV_s + stage * C::TILE_ELEMS;
+    T* Vs = Ks + N * D;
+#pragma unroll
+    for (int p = 0; p < (F8 ? C::LD_PASSES : 1); ++p) {
+      const int off = swz<D>(ld_n0 + p * C::LD_TOK, ld_c);
+      *reinterpret_cast<uint4*>(Ks + off) = fp8x8_to<T>(k8[p]);
+      *reinterpret_cast<uint4*>(Vs + off) = fp8x8_to<T>(v8[p]);
+    }
+  };
 
   const int ntiles = (t_end - t_first + N - 1) / N;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) load_tile(t_first + s * N, s);
-    cp_async_commit();  // always commit (possibly empty): group k <-> tile k
+    if (s < ntiles) {
+      if constexpr (F8) {
+        fetch_tile(t_first + s * N);
+        store_tile(s);
+      } else {
+        load_tile(t_first + s * N, s);
+      }
+    }
+    cp_async_commit();  // always commit (possibly empty): group k <-> tile k (F8: only Q's is not empty)
   }
 
   const int wm = warp / C::WN, wn = warp % C::WN;
@@ -320,12 +367,19 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
     __syncthreads();              // everyone's have; everyone is done with tile it - 1 (its slot is free)
-    {
-      const int nx = it + STAGES - 1;
+    const int nx = it + STAGES - 1;
+    if constexpr (F8) {
+      if (nx < ntiles) fetch_tile(t_first + nx * N);   // into registers: stored after this tile's math
+    } else {
       if (nx < ntiles) load_tile(t_first + nx * N, nx % STAGES);
-      cp_async_commit();
     }
-    if (!active) continue;
+    cp_async_commit();
+    if (!active) {      // (F8: still stores its share of the next tile)
+      if constexpr (F8) {
+        if (nx < ntiles) store_tile(nx % STAGES);
+      }
+      continue;
+    }
     const T* Ks = KV_s + (it % STAGES) * C::TILE_ELEMS;
     const T* Vs = Ks + N * D;
 #pragma unroll
@@ -386,6 +440,10 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
           Mma<T>::run(o[2 * dp + 1], pf[jt], b[2], b[3]);
         }
     }
+    // F8: slot nx % STAGES held tile it - 1, which every warp finished before this iteration's barrier
+    if constexpr (F8) {
+      if (nx < ntiles) store_tile(nx % STAGES);
+    }
   }
 
   // ---- epilogue: merge the WN warp columns' states of each row, normalise, write partials
@@ -422,6 +480,7 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       if (mw != neg_inf()) lt += l_s[w * M + row] * exp2f(mw - mt);
     }
     f[r] = (m_run[r] == neg_inf() || !(lt > 0.0f)) ? 0.0f : exp2f(m_run[r] - mt) / lt;
+    if constexpr (F8) f[r] *= v_scale;
     if (wn == 0 && q4 == 0) lse_s[row] = (lt > 0.0f) ? mt + log2f(lt) : neg_inf();
   }
   float* Ow = O_s + wn * M * C::LDO;
@@ -456,8 +515,13 @@ template <typename T, int D, int M, int V = 0>
 cudaError_t setup_t(hfc_prefix_info* info) {
   using C = PrefixCfg<D, M, V>;
   auto kern = prefix_kernel<T, D, M, false, V>;
-  decltype(kern) kerns[2] = {kern, kern};  // plain and variants (a tuning variant has only the plain path)
-  if constexpr (V == 0) kerns[1] = prefix_kernel<T, D, M, true, V>;
+  // plain and variants, each for a 16-bit and an fp8 pool (a tuning variant has only the plain 16-bit path)
+  decltype(kern) kerns[4] = {kern, kern, kern, kern};
+  if constexpr (V == 0) {
+    kerns[1] = prefix_kernel<T, D, M, true, V>;
+    kerns[2] = prefix_kernel<T, D, M, false, V, true>;
+    kerns[3] = prefix_kernel<T, D, M, true, V, true>;
+  }
   cudaError_t err = cudaSuccess;
   for (auto k : kerns) {
     err = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
@@ -482,9 +546,13 @@ cudaError_t launch_t(const hfc_prefix_params& p, cudaStream_t stream) {
   if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
   const bool var = p.softcap > 0.0f || p.window > 0;
+  const bool f8 = p.kv_dtype == HFC_KV_FP8_E4M3;
   auto kern = prefix_kernel<T, D, M, false, V>;
   if constexpr (V == 0) {
-    if (var) kern = prefix_kernel<T, D, M, true, V>;
+    if (f8) kern = var ? prefix_kernel<T, D, M, true, V, true> : prefix_kernel<T, D, M, false, V, true>;
+    else if (var) kern = prefix_kernel<T, D, M, true, V>;
+  } else if (f8) {
+    return fail(cudaErrorInvalidValue, "prefix tuning variant %d reads no float8_e4m3fn pool (use 0)", V);
   } else if (var) {  // not compiled: a tuning variant serves the plain path only
     return fail(cudaErrorInvalidValue, "prefix tuning variant %d has no softcap / window instantiation (use 0)", V);
   }
@@ -548,6 +616,12 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.window < 0 || (p.window > 0 && p.q_limit == nullptr) || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
   if (p.R == 0 || p.G == 0 || p.Rg == 0 || p.Mp == 0 || p.max_chunks == 0) return cudaSuccess;  // nothing to do
   if (p.Rg * p.Lq * (p.Hq / p.Hkv) > p.row_tiles * (long long)p.m_tile) return cudaErrorInvalidValue;
+  if (p.kv_dtype != HFC_KV_SAME && p.kv_dtype != HFC_KV_FP8_E4M3)
+    return fail(cudaErrorInvalidValue, "prefix: kv_dtype code %d (compiled: %d the queries' dtype, %d float8_e4m3fn)",
+                (int)p.kv_dtype, HFC_KV_SAME, HFC_KV_FP8_E4M3);
+  if (p.kv_dtype == HFC_KV_FP8_E4M3 && (p.kv_scale == nullptr || p.tune != 0))
+    return fail(cudaErrorInvalidValue, "prefix: a float8_e4m3fn pool needs kv_scale and the default kernel (tune 0, "
+                "got %d)", (int)p.tune);
   if (p.tune == HFC_PREFIX_KERNEL_SM90) return prefix_sm90_launch(p, stream);
   if (p.tune != 0)
     return with_tune(p.tune, p.dtype, p.head_dim, p.m_tile, [&](auto v, auto m) {

@@ -10,6 +10,8 @@
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
 
+#include <type_traits>
+
 namespace hfc {
 namespace {
 
@@ -17,11 +19,14 @@ constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernel
 
 // VAR: the per-layer variants compiled in (the plain instantiation is the code from before them). cap_out > 0:
 // softcap, logit = cap_out x tanh(cap_in x s) with s the log2-domain dot product; window > 0: query lq sees
-// the suffix tokens [q_limit - window, q_limit).
-template <typename T, int D, bool VAR>
+// the suffix tokens [q_limit - window, q_limit). F8: the pool holds float8_e4m3fn (HFC_KV_FP8_E4M3): a lane loads
+// its 8 elements as 8 bytes and converts them; K's scale of the CTA's KV head joins the query's, V's the output's.
+template <typename T, int D, bool VAR, bool F8 = false>
 __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant__ hfc_suffix_params p) {
+  using KV = std::conditional_t<F8, uint8_t, T>;     // a pool element
+  using Raw = std::conditional_t<F8, uint2, uint4>;  // a lane's 8 elements of one token
   const T* __restrict__ q = static_cast<const T*>(p.q);
-  const T* __restrict__ pool = static_cast<const T*>(p.pool);
+  const KV* __restrict__ pool = static_cast<const KV*>(p.pool);
   const int* __restrict__ suffix_table = p.suffix_table;
   const int* __restrict__ q_limit = p.q_limit;
   float* __restrict__ part_o = p.part_o;
@@ -54,6 +59,11 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int sub = lane % LPT, tg = lane / LPT;
   const int cap = Ms * bs;
+  float k_scale = 1.0f, v_scale = 1.0f;  // the dequantisation scales of this KV head (F8)
+  if constexpr (F8) {
+    k_scale = __ldg(p.kv_scale + h);
+    v_scale = __ldg(p.kv_scale + Hkv + h);
+  }
 
   float qr[kQB][8];
   int lim[kQB];
@@ -72,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
           __ldg(reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8));
       Cvt<T>::unpack8(raw, qr[qi]);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) qr[qi][e] *= scale_log2;
+      for (int e = 0; e < 8; ++e) qr[qi][e] *= F8 ? scale_log2 * k_scale : scale_log2;
     }
   }
   int t_lo = split * split_tokens;
@@ -89,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
   const int* table = suffix_table + (int64_t)r * Ms;
   const int64_t slot_stride = (int64_t)Hkv * D;
   const int64_t kv_stride = (int64_t)bs * Hkv * D;
-  const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
+  const Raw zero4 = {};
 
   float m[kQB], l[kQB], o[kQB][8];
 #pragma unroll
@@ -100,21 +110,26 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
     for (int e = 0; e < 8; ++e) o[qi][e] = 0.0f;
   }
 
-  auto load_tok = [&](int t, uint4& kk, uint4& vv) -> bool {
+  auto load_tok = [&](int t, Raw& kk, Raw& vv) -> bool {
     kk = zero4;
     vv = zero4;
     if (t >= t_hi) return false;
     const int blk = __ldg(table + t / bs);
     if (blk < 0) return false;
-    const T* src = pool + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + (int64_t)h * D + sub * 8;
-    kk = __ldg(reinterpret_cast<const uint4*>(src));
-    vv = __ldg(reinterpret_cast<const uint4*>(src + kv_stride));
+    const KV* src = pool + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + (int64_t)h * D + sub * 8;
+    kk = __ldg(reinterpret_cast<const Raw*>(src));
+    vv = __ldg(reinterpret_cast<const Raw*>(src + kv_stride));
     return true;
   };
-  auto process = [&](const uint4& kk, const uint4& vv, bool ok, int t) {
+  auto process = [&](const Raw& kk, const Raw& vv, bool ok, int t) {
     float kf[8], vf[8];
-    Cvt<T>::unpack8(kk, kf);
-    Cvt<T>::unpack8(vv, vf);
+    if constexpr (F8) {
+      fp8x8_to_float(kk, kf);
+      fp8x8_to_float(vv, vf);
+    } else {
+      Cvt<T>::unpack8(kk, kf);
+      Cvt<T>::unpack8(vv, vf);
+    }
 #pragma unroll
     for (int qi = 0; qi < kQB; ++qi) {
       float s = 0.0f;
@@ -141,7 +156,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
 
   // the loop condition is uniform over the warp (tb does not depend on the lane)
   for (int tb = t_lo + warp * TPW; tb < t_hi; tb += 2 * STEP) {
-    uint4 k0, v0, k1, v1;
+    Raw k0, v0, k1, v1;
     const int t0 = tb + tg, t1 = tb + STEP + tg;
     const bool ok0 = load_tok(t0, k0, v0);
     const bool ok1 = load_tok(t1, k1, v1);
@@ -200,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
     const bool any = L > 0.0f;
     const int lq = qidx / grp, j = qidx - lq * grp;
     const int64_t item = (((int64_t)(slot0 + split) * R + r) * Lq + lq) * Hq + (int64_t)h * grp + j;
-    part_o[item * D + d] = any ? O / L : 0.0f;
+    part_o[item * D + d] = any ? (F8 ? O / L * v_scale : O / L) : 0.0f;
     if (d == 0) part_lse[item] = any ? mx + log2f(L) : neg_inf();
   }
 }
@@ -212,7 +227,10 @@ cudaError_t launch_t(const hfc_suffix_params& p, cudaStream_t stream) {
   if (!fits_int(gx) || p.Hkv > 65535 || p.R > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.R);
   const bool var = p.softcap > 0.0f || p.window > 0;
-  (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(p);
+  if (p.kv_dtype == HFC_KV_FP8_E4M3)
+    (var ? suffix_kernel<T, D, true, true> : suffix_kernel<T, D, false, true>)<<<grid, kThreads, 0, stream>>>(p);
+  else
+    (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -226,6 +244,11 @@ cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream) {
   if (p.Hkv < 1 || p.Hq % p.Hkv != 0 || p.block_size < 1 || p.split_tokens < 1 || p.nsplit < 1 || p.Lq < 1)
     return cudaErrorInvalidValue;
   if (p.window < 0 || !(p.softcap >= 0.0f)) return cudaErrorInvalidValue;
+  if (p.kv_dtype != HFC_KV_SAME && p.kv_dtype != HFC_KV_FP8_E4M3)
+    return fail(cudaErrorInvalidValue, "suffix: kv_dtype code %d (compiled: %d the queries' dtype, %d float8_e4m3fn)",
+                (int)p.kv_dtype, HFC_KV_SAME, HFC_KV_FP8_E4M3);
+  if (p.kv_dtype == HFC_KV_FP8_E4M3 && p.kv_scale == nullptr)
+    return fail(cudaErrorInvalidValue, "suffix: a float8_e4m3fn pool needs kv_scale");
   if (p.R == 0) return cudaSuccess;
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))
 }

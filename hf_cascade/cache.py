@@ -23,6 +23,7 @@ from . import kernels
 from .blocks import BlockManager
 from .config import CascadeConfig
 from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_context, set_context
+from .kernels.base import with_kv_scale
 from .memory import make_storage
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
@@ -83,47 +84,61 @@ class CascadeLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, num_heads, _, head_dim = key_states.shape
         block_shape = (2, self.cache.block_size, num_heads, head_dim)
-        self.cache._set_block_cap(block_shape, key_states.dtype)
+        config = self.cache.cascade_config
+        pool_dtype = config.kv_torch_dtype or key_states.dtype      # CascadeConfig.kv_dtype: a quantized pool
+        if config.kv_dtype is not None:
+            kernels.check_kv_dtype(config.backend, pool_dtype, key_states.device)   # refused before any K/V is stored
+        self.cache._set_block_cap(block_shape, pool_dtype)
         kept = self.storage
-        if kept is None or (kept.block_shape, kept.dtype, kept.device) != (block_shape, key_states.dtype,
-                                                                           key_states.device):
-            config = self.cache.cascade_config
+        if kept is None or (kept.block_shape, kept.dtype, kept.device) != (block_shape, pool_dtype, key_states.device):
             keep = config.keep_kv_bytes // max(1, len(self.cache.layers))
-            self.storage = make_storage(block_shape, key_states.dtype, key_states.device, config.memory,
+            self.storage = make_storage(block_shape, pool_dtype, key_states.device, config.memory,
                                         self.cache.blocks.max_blocks, keep_bytes=keep)
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
 
     @property
     def pool(self) -> torch.Tensor:
-        """``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
-        return self.storage.tensor
+        """``[num_blocks, 2, block_size, kv_heads, head_dim]`` (a quantized one carrying its scales:
+        :func:`hf_cascade.kernels.base.kv_scale`)."""
+        return self._with_scale(self.storage.tensor)
+
+    def _with_scale(self, pool: torch.Tensor) -> torch.Tensor:
+        return pool if self.storage.scale is None else with_kv_scale(pool, self.storage.scale)
 
     def update(self, key_states, value_states, *args, **kwargs):
         return self.cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
-        """Copy-on-write copies, then this step's new tokens into their slots."""
+        """Copy-on-write copies, then this step's new tokens into their slots (quantized first for a quantized
+        pool: :meth:`hf_cascade.memory.BlockStorage.encode`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         _, num_heads, _, head_dim = key_states.shape
         _, _, pool_heads, pool_dim = self.storage.block_shape
-        if (num_heads, head_dim, key_states.dtype) != (pool_heads, pool_dim, self.storage.dtype):
+        quantized = self.storage.scale is not None
+        expected = self.dtype if quantized else self.storage.dtype     # a quantized pool takes the first K/V's dtype
+        if (num_heads, head_dim, key_states.dtype) != (pool_heads, pool_dim, expected):
             raise ValueError(
                 f"CascadeCache layer {self.layer_idx} stores K/V with {pool_heads} heads x {pool_dim} dims in "
-                f"{self.storage.dtype}, but got {num_heads} x {head_dim} in {key_states.dtype}: the cache was filled "
+                f"{expected}, but got {num_heads} x {head_dim} in {key_states.dtype}: the cache was filled "
                 "by another model or config. Call cache.reset() or use a new CascadeCache.")
         pool = self.storage.ensure(self.cache.blocks.capacity)
         if plan.static:     # an address and a shape that stay for the call (a captured graph holds both)
             pool = self.storage.stable_view()
-        self.step_pool = pool
+        self.step_pool = self._with_scale(pool)
         dp = plan.on(pool.device)
+        # a quantized pool's bytes move as bytes (index copies of float8 are not implemented everywhere)
+        target = pool.view(torch.uint8) if quantized else pool
         if dp.copy_src.numel():
-            pool[dp.copy_dst] = pool[dp.copy_src]
-        for kv, states in ((0, key_states), (1, value_states)):
-            flat = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
-            if dp.src_index is not None:
-                flat = flat.index_select(0, dp.src_index)
-            pool[dp.write_block, kv, dp.write_offset] = flat.to(pool.device)
+            target[dp.copy_dst] = target[dp.copy_src]
+        flat = []
+        for states in (key_states, value_states):
+            rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
+            flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
+        for kv, stored in enumerate(self.storage.encode(*flat)):
+            if quantized:
+                stored = stored.view(torch.uint8)
+            target[dp.write_block, kv, dp.write_offset] = stored.to(pool.device)
 
     def get_seq_length(self) -> int:
         return self.cache.logical_length
@@ -458,7 +473,8 @@ class CascadeCache(Cache):
         num_rows, num_heads, q_len, head_dim = key_states.shape
         # the cap in blocks, known now from the K/V: checked before any state changes, and append then
         # refuses (PoolExhausted) before taking a block
-        self._set_block_cap((2, self.block_size, num_heads, head_dim), key_states.dtype)
+        self._set_block_cap((2, self.block_size, num_heads, head_dim),
+                            self.cascade_config.kv_torch_dtype or key_states.dtype)
         return self._begin_step_shape(num_rows, q_len)
 
     def _begin_step_shape(self, num_rows: int, q_len: int) -> StepContext:
@@ -515,8 +531,8 @@ class CascadeCache(Cache):
                 continue
             key = (storage.block_shape, storage.dtype, str(storage.device))
             if key not in chosen:
-                pool = storage.tensor
-                q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]))
+                pool = layer.pool
+                q = pool.new_empty((1, 1, pool.shape[3], pool.shape[4]), dtype=layer.dtype)
                 try:
                     chosen[key] = kernels.select(self.cascade_config.backend, q, pool)
                 except Exception:   # noqa: BLE001 — the step itself will report what is wrong
@@ -572,6 +588,8 @@ def _check_cap_holds_a_block(config, cascade_config: CascadeConfig) -> None:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     itemsize = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
+    if cascade_config.kv_dtype is not None:
+        itemsize = torch.empty((), dtype=cascade_config.kv_torch_dtype).element_size()
     block_bytes = 2 * cascade_config.block_size * kv_heads * head_dim * itemsize * layers
     cap = cascade_config.max_kv_bytes
     if cap < block_bytes:

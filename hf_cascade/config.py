@@ -11,6 +11,12 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "flashinfer", "cuda", "reference")
 MEMORY_POLICIES = ("auto", "vmm", "grow", "static")
+# KV cache element types besides the model's own (None). float8_e4m3fn: K and V stored as e4m3 with a float32 scale per
+# layer, K/V and KV head (hf_cascade.memory says how they are chosen); half the bytes of bf16.
+KV_DTYPES = ("float8_e4m3fn",)
+# the backends that read an fp8 pool, as each declares it (kernels.base.Backend.kv_dtypes; tests/test_fp8_kv.py keeps
+# the two in step): FlashInfer's wrappers read K/V in the queries' dtype only
+FP8_BACKENDS = ("auto", "cuda", "reference")
 # Largest block_size accepted. A block is what a row's private tail and every shared prefix are rounded up to, and
 # each row holds at least one: 65536 tokens per block is already past most models' context windows (one block of
 # an 8B model is 8 GiB over its layers), and beyond it the kernels' int32 slot indices (block id x block_size)
@@ -74,6 +80,11 @@ class CascadeConfig:
             Calls it does not serve (a processor or criterion of the user's own, a streamer,
             ``return_dict_in_generate``, ...) keep transformers' loop, the reason logged once. ``False``: always
             transformers' loop.
+        kv_dtype: the element type of the self-attention KV pools. ``None`` (default): the model's dtype, as the
+            K/V come. ``"float8_e4m3fn"`` (or ``torch.float8_e4m3fn``): one byte per element, half a bf16 pool, with
+            one float32 scale per layer, K/V and KV head fixed by the first K/V written after a reset (the prefill:
+            :mod:`hf_cascade.memory`); the cuda and reference backends read it (FlashInfer does not: refused). An
+            encoder-decoder's cross-attention K/V stay in the model's dtype.
     """
 
     backend: str = "auto"
@@ -88,6 +99,7 @@ class CascadeConfig:
     static_decode: bool = True
     compile: bool = False
     whole_step: bool = True
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
@@ -116,6 +128,19 @@ class CascadeConfig:
         if self.min_saved_tokens is not None:
             self.min_saved_tokens = _integer("min_saved_tokens", self.min_saved_tokens, low=0,
                                              note=" or None (the backend's measured threshold)")
+        self.kv_dtype = _kv_dtype(self.kv_dtype)
+        if self.kv_dtype is not None and self.backend not in FP8_BACKENDS:
+            raise ValueError(f"CascadeConfig(kv_dtype={self.kv_dtype!r}) cannot run on backend={self.backend!r}: its "
+                             f"kernels read K/V in the model's dtype only. Use backend='auto' (the cuda kernels on a "
+                             f"GPU, else the reference), one of {FP8_BACKENDS[1:]}, or kv_dtype=None.")
+
+    @property
+    def kv_torch_dtype(self):
+        """``kv_dtype`` as a torch dtype, or None (the model's dtype)."""
+        if self.kv_dtype is None:
+            return None
+        import torch     # here, not at the top: config imports nothing heavy
+        return getattr(torch, self.kv_dtype)
 
     @classmethod
     def coerce(cls, obj) -> "CascadeConfig":
@@ -169,6 +194,25 @@ def _choice(name: str, value, choices: tuple) -> str:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"CascadeConfig.{name} must be one of {choices}, got {value!r}{hint}.")
     return value
+
+
+def _kv_dtype(value) -> str | None:
+    """``kv_dtype`` as its name: None, a name of KV_DTYPES, or the torch dtype of one."""
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.") if type(value).__name__ == "dtype" else value
+    if not isinstance(name, str):
+        raise ConfigTypeError(f"CascadeConfig.kv_dtype must be None (the model's dtype) or one of {KV_DTYPES}, got "
+                              f"{type(value).__name__} {value!r}.")
+    if name not in KV_DTYPES:
+        close = difflib.get_close_matches(name, KV_DTYPES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"CascadeConfig.kv_dtype must be None (the model's dtype) or one of {KV_DTYPES}, got "
+                         f"{value!r}{hint}.")
+    import torch
+    if not hasattr(torch, name):
+        raise ValueError(f"CascadeConfig.kv_dtype={name!r} needs a torch with {name} (this is {torch.__version__}).")
+    return name
 
 
 def _integer(name: str, value, *, low: int, note: str = "") -> int:

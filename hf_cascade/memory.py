@@ -14,6 +14,16 @@ Every storage has the same small interface: ``tensor``, ``num_blocks``, ``block_
 :func:`make_fixed_storage` builds the pool of K/V written once whose size is known up front (an encoder-decoder
 call's cross-attention K/V): a zeroed :class:`FixedStorage`, paged, or as one K run and one V run on the CPU.
 
+A pool of a quantized dtype (``CascadeConfig(kv_dtype="float8_e4m3fn")``) also owns its scales, ``scale`` float32
+``[2, kv_heads]`` (K's per KV head, then V's), and :meth:`BlockStorage.encode` turns the K/V of a write into stored
+values. The scales are static per layer and KV head: fixed by the first write after a reset (a generate call's
+prefill) as ``amax x SCALE_MARGIN / 448`` over its tokens, then kept until the pool is released. Why this choice:
+per-head scales are what keeps e4m3 accurate (heads differ in range by orders of magnitude, tokens of one head far
+less); a scale fixed before the decode lets a captured graph and the kernels read one scalar per head (no per-block
+scale to recompute when a block fills, nothing to requantize), and the margin costs only precision below 1/7000 of
+the amax (e4m3 is floating point: a larger scale moves only the subnormal floor) while later tokens up to 4x the
+prefill's amax still fit; anything beyond saturates at +-448 x scale (never inf or NaN).
+
 Block ids index dim 0, so growth never renumbers blocks. A storage raises PoolExhausted (a MemoryError),
 with the numbers, when asked for more blocks than its cap, MemoryError when the device has no room, and
 is unchanged and usable afterwards. What a CUDA graph capture needs from these pools (no background mapping,
@@ -33,9 +43,13 @@ import torch
 from .blocks import PoolExhausted
 from .config import MEMORY_POLICIES
 from .logs import log_once
+from .kernels.base import KV_SCALED_DTYPES
 from .kernels.capture import capture_underway, refuse_in_capture
 
 logger = logging.getLogger("hf_cascade")
+
+# a quantized pool's scale per layer, K/V and KV head: the first write's amax x SCALE_MARGIN / the dtype's largest value
+SCALE_MARGIN = 4.0
 
 
 class PoolAllocationError(torch.OutOfMemoryError):
@@ -58,7 +72,35 @@ class BlockStorage:
         self.block_shape = tuple(int(s) for s in block_shape)
         self.dtype, self.device, self.max_blocks = dtype, torch.device(device), max_blocks
         self.block_nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(self.block_shape)
+        # a quantized pool's scales (one tensor for the pool's life: a captured graph reads it by address)
+        self.scale = (torch.ones((2, self.block_shape[2]), dtype=torch.float32, device=self.device)
+                      if dtype in KV_SCALED_DTYPES else None)
+        self.scale_fixed = False        # set by the first encode after a release
         self.tensor = self._empty(0)
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the scales (0 for a pool in the model's dtype)."""
+        return 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored form of a write's ``key`` and ``value`` ``[tokens, kv_heads, head_dim]``: as they are for a pool
+        in the model's dtype; for a quantized pool, divided by the scales (fixed here by the first write with tokens
+        after a release) and saturated to the dtype's range. No host-device synchronisation."""
+        if self.scale is None:
+            return key, value
+        top = torch.finfo(self.dtype).max
+        if not self.scale_fixed and key.shape[0]:
+            for kv, states in ((0, key), (1, value)):
+                amax = states.detach().abs().amax(dim=(0, 2)).to(device=self.device, dtype=torch.float32)
+                self.scale[kv].copy_(torch.where(amax > 0, amax * (SCALE_MARGIN / top), torch.ones_like(amax)))
+            self.scale_fixed = True
+        return tuple((states.to(device=self.device, dtype=torch.float32) / self.scale[kv][None, :, None])
+                     .clamp_(-top, top).to(self.dtype) for kv, states in ((0, key), (1, value)))
+
+    def _forget_scale(self) -> None:
+        """The next write fixes the scales anew (the pool holds no K/V of the last call any more)."""
+        self.scale_fixed = False
 
     def _empty(self, num_blocks: int) -> torch.Tensor:
         return self._allocate((num_blocks, *self.block_shape), num_blocks)
@@ -89,7 +131,9 @@ class BlockStorage:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.block_nbytes
+        """Bytes held: the blocks, and a quantized pool's scales while it holds blocks."""
+        pool = self.num_blocks * self.block_nbytes
+        return pool + (self.scale_nbytes if pool else 0)
 
     def _too_many(self, num_blocks: int, cap: int) -> PoolExhausted:
         return PoolExhausted(
@@ -136,6 +180,7 @@ class GrowStorage(BlockStorage):
 
     def release(self) -> None:
         self.tensor = self._empty(0)
+        self._forget_scale()
 
 
 class StaticStorage(BlockStorage):
@@ -153,7 +198,7 @@ class StaticStorage(BlockStorage):
         return self.tensor
 
     def release(self) -> None:
-        pass
+        self._forget_scale()
 
     def _allocation_fix(self) -> str:
         return ('memory="static" allocates CascadeConfig.max_kv_bytes up front (split over the layers): lower '
@@ -528,7 +573,7 @@ class VMMStorage(BlockStorage):
 
     @property
     def nbytes(self) -> int:
-        return self.vrange.mapped
+        return self.vrange.mapped + (self.scale_nbytes if self.vrange.mapped else 0)
 
     def _ahead(self, nbytes: int) -> int:
         return max(nbytes // self.AHEAD_FRACTION, self.granularity)
@@ -592,7 +637,8 @@ class VMMStorage(BlockStorage):
     def __reduce__(self):
         """A copy or a pickle is a plain ("grow") pool holding the same blocks: a virtual range cannot travel."""
         self._settle(wait=True)
-        return _grow_storage_of, (self.block_shape, self.dtype, self.device, self.max_blocks, self.tensor)
+        return _grow_storage_of, (self.block_shape, self.dtype, self.device, self.max_blocks, self.tensor,
+                                  self.scale, self.scale_fixed)
 
     def stable_view(self) -> torch.Tensor:
         """The whole reserved range as ``[max_blocks, ...]`` (only mapped blocks are ever indexed)."""
@@ -612,6 +658,7 @@ class VMMStorage(BlockStorage):
     def release(self, keep_bytes: int | None = None) -> None:
         """Unmap the pool, except about ``keep_bytes`` (default: the factory's ``keep_bytes``)."""
         self.shrink_to(-(-(self.keep_bytes if keep_bytes is None else keep_bytes) // self.block_nbytes))
+        self._forget_scale()
 
     def close(self) -> None:
         """Unmap everything and free the virtual range now (also done when the storage is collected)."""
@@ -621,10 +668,12 @@ class VMMStorage(BlockStorage):
         self.vrange.close()
 
 
-def _grow_storage_of(block_shape, dtype, device, max_blocks, tensor) -> GrowStorage:
-    """A GrowStorage over ``tensor`` (how a copied or unpickled VMM pool comes back)."""
+def _grow_storage_of(block_shape, dtype, device, max_blocks, tensor, scale=None, scale_fixed=False) -> GrowStorage:
+    """A GrowStorage over ``tensor`` (and a quantized pool's scales: how a copied or unpickled VMM pool comes back)."""
     storage = GrowStorage(block_shape, dtype, device, max_blocks)
     storage.tensor = tensor
+    if scale is not None:
+        storage.scale, storage.scale_fixed = scale, scale_fixed
     return storage
 
 

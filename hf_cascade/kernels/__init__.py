@@ -94,6 +94,28 @@ def _warn_fixable(name: str, reason: str, q) -> None:
               name, reason, BACKENDS, FIXES.get(name, "see the reason"), level=logging.WARNING)
 
 
+def check_kv_dtype(name: str, kv_dtype: torch.dtype, device) -> None:
+    """Refuse, before anything is stored, a quantized KV cache of ``kv_dtype`` on ``device`` that backend ``name``
+    cannot read ("auto" always can: the reference reads every ``kv_dtypes`` dtype on every device). A backend that
+    does not load here is left to the step, which says why."""
+    if name == "auto":
+        return
+    try:
+        backend = load(name)
+    except ImportError:
+        return
+    dtype_name = str(kv_dtype).replace("torch.", "")
+    device = torch.device(device)
+    reason = None
+    if kv_dtype not in backend.kv_dtypes:
+        reason = "it reads K/V in the model's dtype only"
+    elif backend.devices is not None and device.type not in backend.devices:
+        reason = f"it runs on {' or '.join(backend.devices)} only, and the K/V are on {device}"
+    if reason is not None:
+        raise ValueError(f"CascadeConfig(kv_dtype={dtype_name!r}, backend={name!r}) cannot be served: {reason}. Use "
+                         f"backend='auto', or kv_dtype=None.")
+
+
 def select(name: str, q, pool, plan=None, quirks: Quirks = NO_QUIRKS) -> Backend:
     """The backend that runs a layer with queries ``q`` over ``pool`` with ``quirks`` in the step of ``plan`` (None:
     any step): ``name``, or for "auto" the first in the registry that can."""

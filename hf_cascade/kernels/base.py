@@ -8,6 +8,11 @@ buffers, planned FlashInfer wrappers. Every layer of the step then calls :meth:`
 and its own quirks. One instance per backend (each backend module's ``BACKEND``); the step context keeps the
 metadata (:mod:`hf_cascade.context`), so a backend holds no per-step state of its own.
 
+A quantized KV pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``) is a pool tensor of that dtype that carries its
+dequantisation scales as the attribute :data:`KV_SCALE_ATTR` (:func:`kv_scale`; float32 ``[2, Hkv]``: K's scale per KV
+head, then V's): the attention function hands the pool to the backends, so the scales travel with it. A backend
+declares the quantized dtypes it reads in ``kv_dtypes``; the others refuse such a pool with the reason.
+
 Adding a quirk: a field of :class:`Quirks` and its name in ``QUIRK_NAMES`` here, the ``quirks`` and ``forward`` of
 the backends that implement it, and where :mod:`hf_cascade.attention` reads it from the model's call.
 """
@@ -53,6 +58,26 @@ class Quirks:
 
 NO_QUIRKS = Quirks()
 
+# pool dtypes stored with scales (a real value = stored value x its K/V, KV head's scale)
+KV_SCALED_DTYPES = (torch.float8_e4m3fn,)
+KV_SCALE_ATTR = "hfc_kv_scale"
+
+
+def kv_scale(pool) -> torch.Tensor | None:
+    """The dequantisation scales a quantized pool carries (float32 ``[2, Hkv]``, on the pool's device), else None."""
+    return getattr(pool, KV_SCALE_ATTR, None)
+
+
+def with_kv_scale(pool: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``pool`` carrying ``scale`` (see :func:`kv_scale`); returns the same tensor object."""
+    setattr(pool, KV_SCALE_ATTR, scale)
+    return pool
+
+
+def is_quantized(pool) -> bool:
+    """Whether ``pool`` (or anything with a ``dtype``) holds scaled K/V (:data:`KV_SCALED_DTYPES`)."""
+    return getattr(pool, "dtype", None) in KV_SCALED_DTYPES
+
 
 class Backend:
     """One kernel backend. Subclasses set the capabilities and implement ``_unsupported``, ``build``, ``forward``.
@@ -61,6 +86,7 @@ class Backend:
 
     - ``name``: as ``CascadeConfig(backend=...)`` names it;
     - ``dtypes`` / ``head_dims`` / ``devices``: what the queries and pool may be (None: any);
+    - ``kv_dtypes``: the quantized pool dtypes (:data:`KV_SCALED_DTYPES`) it reads, besides pools in the queries' dtype;
     - ``quirks``: the :class:`Quirks` fields the backend implements (a layer using another is refused);
     - ``graph_safe``: a static decode step on it can be captured in a CUDA graph (no host sync, launch shapes from
       the layout, lengths read on the device);
@@ -75,6 +101,7 @@ class Backend:
     dtypes: tuple | None = None
     head_dims: tuple | None = None
     devices: tuple | None = None
+    kv_dtypes: tuple = ()
     quirks: tuple = ()
     graph_safe = False
     min_saved_tokens = 0
@@ -88,6 +115,13 @@ class Backend:
         lacking = [QUIRK_NAMES[name] for name in quirks.used() if name not in self.quirks]
         if lacking:
             return f"{' and '.join(lacking)} not implemented in this backend"
+        if is_quantized(pool):
+            name = str(pool.dtype).replace("torch.", "")
+            if pool.dtype not in self.kv_dtypes:
+                return (f"a {name} KV cache (this backend reads K/V in the model's dtype only: use "
+                        "CascadeConfig(kv_dtype=None), or backend='cuda' / 'reference')")
+            if kv_scale(pool) is None:
+                return f"a {name} KV pool without its scales (hf_cascade.kernels.base.with_kv_scale)"
         if self.dtypes is not None and q.dtype not in self.dtypes:
             return f"dtype {q.dtype} (takes {', '.join(str(d).replace('torch.', '') for d in self.dtypes)})"
         if self.head_dims is not None and q.shape[-1] not in self.head_dims:

@@ -9,6 +9,11 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
+An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
+is read by the same kernels: they convert each token to q's dtype as they load it (exact) and apply the KV head's K
+scale to the scores and its V scale to the output; its prefix level runs the portable kernel's default configuration
+(not the Hopper kernel nor a tuning variant: they read 16-bit pools only).
+
 A three-level plan (a system prompt shared by a batch, each prompt's rest shared by its beams, each row's suffix)
 runs the prefix kernel twice, for the group prefix and for the middle level (its partials in the slots after the
 group prefix's), and the suffix kernel on the inner suffix; the merge reads the three ranges of slots of each row.
@@ -48,7 +53,7 @@ import torch
 
 from . import ops
 from .capture import refuse_in_capture
-from .base import NO_QUIRKS, Backend, Quirks
+from .base import KV_SCALED_DTYPES, NO_QUIRKS, Backend, Quirks, is_quantized, kv_scale
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
                            _SuffixParams)
 from .cuda_library import (PREBUILT, RETIRED_PREFIX_KERNEL_ENV, _check_retired_choice,  # noqa: F401 (re-exported)
@@ -147,7 +152,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
                 ) -> _StepState:
     """The launch state of ``plan`` for layers of ``q``'s shape: ``three``: the plan's middle level runs as one
     (layers with a window read two levels: see CudaBackend.forward); ``plain``: no softcap / window, which matters
-    only where a tuning variant may run (it serves only those: bf16, head_dim 128 in production)."""
+    only where a tuning variant may run (it serves only those: bf16, head_dim 128 in production). An fp8 pool runs
+    the default prefix kernel, as a layer that is not plain does."""
+    plain = plain and not is_quantized(pool)
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
@@ -189,7 +196,7 @@ def _unsupported(q, pool):
         return "needs CUDA tensors"           # before any question to the device
     if pool.device != q.device:
         return "the KV pool is not on the queries' device"
-    if pool.dtype != q.dtype:
+    if pool.dtype != q.dtype and not is_quantized(pool):
         return f"pool dtype {pool.dtype} differs from the queries' {q.dtype}"
     if len(q.shape) != 4 or pool.dim() != 5 or pool.shape[1] != 2:
         return f"unexpected shapes q {tuple(q.shape)}, pool {tuple(pool.shape)}"
@@ -210,10 +217,12 @@ def _unsupported(q, pool):
 
 
 class CudaBackend(Backend):
-    """The bundled kernels of ``csrc/`` (bfloat16/float16, the compiled head dims, compute capability 8.0 up)."""
+    """The bundled kernels of ``csrc/`` (bfloat16/float16, the compiled head dims, compute capability 8.0 up; K/V in
+    q's dtype or float8_e4m3fn)."""
 
     name = "cuda"
     dtypes = tuple(DTYPE_CODES)
+    kv_dtypes = KV_SCALED_DTYPES
     head_dims = HEAD_DIMS
     devices = ("cuda",)
     # softcap and a sliding window in the prefix and suffix kernels, attention sinks in the merge
@@ -241,7 +250,7 @@ class CudaBackend(Backend):
         plain = quirks.softcap is None and quirks.window is None
         # a layer with a window reads a three-level plan as two levels (build): its own state only then
         three = quirks.window is None and plan is not None and _has_middle(plan)
-        return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, three,
+        return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, pool.dtype, three,
                 plain and tune.splits_by_plainness(q.dtype, D), tune)
 
     def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:
@@ -256,8 +265,10 @@ class CudaBackend(Backend):
             return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
 
     def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
-        if q.dtype not in DTYPE_CODES or pool.dtype != q.dtype or not q.is_cuda or pool.device != q.device:
-            raise TypeError(f"cuda backend: q {q.dtype} on {q.device}, pool {pool.dtype} on {pool.device}")
+        pool_ok = pool.dtype == q.dtype or (is_quantized(pool) and kv_scale(pool) is not None)
+        if q.dtype not in DTYPE_CODES or not pool_ok or not q.is_cuda or pool.device != q.device:
+            raise TypeError(f"cuda backend: q {q.dtype} on {q.device}, pool {pool.dtype} on {pool.device}"
+                            + ("" if pool_ok else " (an fp8 pool without its scales)"))
         if q.dim() != 4 or pool.dim() != 5 or q.shape[-1] != pool.shape[-1] or q.shape[-1] not in HEAD_DIMS:
             raise ValueError(f"cuda backend: bad shapes q {tuple(q.shape)}, pool {tuple(pool.shape)}")
         if not pool.is_contiguous():
@@ -298,18 +309,20 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
                          "(build it with the layer's quirks)")
     three = st.three
     dp = st.dp
+    # an fp8 pool's scales (float32 [2, Hkv], the pool's own tensor: a captured graph reads it by address)
+    kv = {"kv_scale": kv_scale(pool)} if is_quantized(pool) else {}
     if st.has_prefix:
         kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
                        st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap,
-                       window, st.tune)
+                       window, st.tune, **kv)
     if three and st.mid.has:
         mid = st.mid
         kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
                        mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
-                       st.max_chunks, softcap, 0, mid.tune)
+                       st.max_chunks, softcap, 0, mid.tune, **kv)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
-                   st.nsplit, st.suffix_slot0, scale_log2, softcap, window)
+                   st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
     kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
                   st.row_nmid if three else None, st.max_chunks, sinks)
 

@@ -21,10 +21,12 @@ import torch
 from .capture import refuse_in_capture
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
+# the pool's element besides q's dtype (HFC_KV_SAME = 0): HFC_KV_FP8_E4M3, with its scales (kv_scale)
+KV_DTYPE_CODES = {torch.float8_e4m3fn: 1}
 
 __all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAMS_STRUCTS"]
 
-ABI_VERSION = 6                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+ABI_VERSION = 7                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 
 # Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch; never in
 # production. A plain flag: read per launch, written only by tests and debugging sessions.
@@ -38,7 +40,8 @@ class _PrefixParams(ctypes.Structure):     # hfc_prefix_params
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Rg", "Mp", "chunk_tokens",
                                     "max_chunks", "row_tiles")] + \
                [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("m_tile", _i32),
-                ("q_limit", _vp), ("softcap", _f32), ("window", _i32), ("tune", _i32)]
+                ("q_limit", _vp), ("softcap", _f32), ("window", _i32), ("tune", _i32), ("kv_dtype", _i32),
+                ("kv_scale", _vp)]
 
 
 class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
@@ -48,7 +51,8 @@ class _PrefixInfo(ctypes.Structure):       # hfc_prefix_info
 class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
     _fields_ = [(n, _vp) for n in ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse")] + \
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
-               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32)]
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32),
+                ("kv_dtype", _i32), ("kv_scale", _vp)]
 
 
 class _MergeParams(ctypes.Structure):      # hfc_merge_params
@@ -114,6 +118,14 @@ def read_layout(lib: ctypes.CDLL) -> list[tuple[str, str | None, int, int]]:
     rows = fn(ctypes.byref(count))
     return [(rows[i].struct_name.decode(), None if rows[i].field is None else rows[i].field.decode(),
              int(rows[i].offset), int(rows[i].size)) for i in range(count.value)]
+
+
+def _kv_code(pool, kv_scale) -> tuple[int, int | None]:
+    """(kv_dtype code, kv_scale pointer) of a pool: (0, None) for a pool in q's dtype."""
+    code = KV_DTYPE_CODES.get(pool.dtype, 0)
+    if code and kv_scale is None:
+        raise ValueError(f"hf_cascade CUDA kernels: a {pool.dtype} pool needs its kv_scale")
+    return code, (None if not code else kv_scale.data_ptr())
 
 
 def _no_dtype(dtype) -> None:
@@ -221,7 +233,7 @@ class _Lib:
     # them for the torch operators; the backend checks q and the pool, and the plan once per step).
     def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
                chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int, q_limit=None, slot0: int = 0,
-               softcap: float = 0.0, window: int = 0, tune: int = 0) -> None:
+               softcap: float = 0.0, window: int = 0, tune: int = 0, kv_scale=None) -> None:
         R, Lq, Hq, D = q.shape
         items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
         o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
@@ -236,11 +248,12 @@ class _Lib:
                                prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
                                pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
                                row_tiles, scale_log2, dtype_code, D, m_tile,
-                               None if q_limit is None else q_limit.data_ptr(), softcap, window, tune)
+                               None if q_limit is None else q_limit.data_ptr(), softcap, window, tune,
+                               *_kv_code(pool, kv_scale))
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0) -> None:
+               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
         R, Lq, Hq, D = q.shape
         try:
             dtype_code = DTYPE_CODES[q.dtype]
@@ -249,7 +262,7 @@ class _Lib:
         params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
                                part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
                                suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
-                               softcap, window)
+                               softcap, window, *_kv_code(pool, kv_scale))
         self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
 
     def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 # absolute: tests load this file alone, under another name, with a stand-in flashinfer
-from hf_cascade.kernels.base import NO_QUIRKS, Backend
+from hf_cascade.kernels.base import NO_QUIRKS, Backend, is_quantized
 
 try:
     import flashinfer as _fi
@@ -304,6 +304,9 @@ class FlashInferBackend(Backend):
         """One layer's cascade attention for one step: q [R, Lq, Hq, D] -> o [R, Lq, Hq, D] (q.dtype)."""
         if softcap is not None or window is not None or sinks is not None:
             raise NotImplementedError("the flashinfer backend implements no attention quirks")
+        if is_quantized(pool):     # (kv_dtypes declares none: select never hands it one)
+            raise NotImplementedError(f"the flashinfer backend reads K/V in the model's dtype only, not {pool.dtype}: "
+                                      "use CascadeConfig(kv_dtype=None), or backend='cuda' / 'reference'")
         R, Lq, Hq, D = q.shape
         N, _, bs, Hkv, _ = pool.shape
         if R * Lq == 0:

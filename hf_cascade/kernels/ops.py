@@ -6,7 +6,8 @@ devices are checked in one place (:func:`check_prefix`, :func:`check_suffix`, :f
 argument). Shapes (``csrc/include/hfc/params.h``)::
 
     q            [R, Lq, Hq, D]               bfloat16 / float16, contiguous
-    pool         [num_blocks, 2, bs, Hkv, D]  q's dtype, contiguous (K then V of each block)
+    pool         [num_blocks, 2, bs, Hkv, D]  q's dtype, or float8_e4m3fn with kv_scale; contiguous (K then V)
+    kv_scale     [2, Hkv] float32 (an fp8 pool's: K's scale per KV head, then V's) or None
     group_rows   [G, Rg] int32   prefix_table [G, Mp] int32   prefix_len [G] int32
     suffix_table [R, Ms] int32   q_limit [R, Lq] int32        row_nchunks [R] int32
     part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
@@ -31,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from .cuda_binding import DTYPE_CODES   # the C side's dtype codes (the binding owns the C ABI)
+from .cuda_binding import DTYPE_CODES, KV_DTYPE_CODES   # the C side's codes (the binding owns the C ABI)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
 __all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
@@ -59,13 +60,19 @@ def _tensor(op: str, name: str, t, *, dtype=None, dim=None, device=None) -> None
         _fail(op, f"{name} must be contiguous (call .contiguous())")
 
 
-def _q_pool(op: str, q, pool) -> tuple[int, int, int, int, int, int]:
+def _q_pool(op: str, q, pool, kv_scale=None) -> tuple[int, int, int, int, int, int]:
     _tensor(op, "q", q, dim=4)
     if q.dtype not in DTYPE_CODES:
         _fail(op, f"q must be bfloat16 or float16, got {q.dtype}", TypeError)
-    _tensor(op, "pool", pool, dtype=q.dtype, dim=5, device=q.device)
+    _tensor(op, "pool", pool, dtype=None if pool.dtype in KV_DTYPE_CODES else q.dtype, dim=5, device=q.device)
     R, Lq, Hq, D = q.shape
     _, two, bs, Hkv, Dp = pool.shape
+    if pool.dtype in KV_DTYPE_CODES:
+        if kv_scale is None:
+            _fail(op, f"a {pool.dtype} pool needs kv_scale (float32 [2, Hkv])")
+        _tensor(op, "kv_scale", kv_scale, dtype=torch.float32, dim=2, device=q.device)
+        if tuple(kv_scale.shape) != (2, Hkv):
+            _fail(op, f"kv_scale has shape {tuple(kv_scale.shape)}, expected (2, {Hkv})")
     if D not in HEAD_DIMS:
         _fail(op, f"q's head_dim {D} is not supported (supported: {HEAD_DIMS})")
     if two != 2 or Dp != D or bs < 1 or Hkv < 1 or Hq % Hkv:
@@ -96,9 +103,9 @@ def _variants(op: str, softcap: float, window: int) -> None:
 
 def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
                  chunk_tokens: int, max_chunks: int, q_limit=None, slot0: int = 0, softcap: float = 0.0,
-                 window: int = 0) -> None:
+                 window: int = 0, kv_scale=None) -> None:
     """Raise TypeError / ValueError naming the argument unless the prefix kernel can take these arguments."""
-    R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, pool)
+    R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, pool, kv_scale)
     _variants("prefix", softcap, window)
     if window > 0:                          # read only with a window
         _index("prefix", "q_limit", q_limit, (R, Lq), q.device)
@@ -119,9 +126,9 @@ def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse
 
 
 def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-                 softcap: float = 0.0, window: int = 0) -> None:
+                 softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
     """Raise TypeError / ValueError naming the argument unless the suffix kernel can take these arguments."""
-    R, Lq, Hq, D, _, _ = _q_pool("suffix", q, pool)
+    R, Lq, Hq, D, _, _ = _q_pool("suffix", q, pool, kv_scale)
     _variants("suffix", softcap, window)
     _index("suffix", "suffix_table", suffix_table, (R, None), q.device)
     _index("suffix", "q_limit", q_limit, (R, Lq), q.device)
@@ -174,42 +181,44 @@ def _stream(device) -> int:
 def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, prefix_table: torch.Tensor,
               prefix_len: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, m_tile: int, row_tiles: int,
               chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit: torch.Tensor, slot0: int,
-              softcap: float, window: int, tune: int = 0) -> None:
+              softcap: float, window: int, tune: int = 0, kv_scale: Optional[torch.Tensor] = None) -> None:
     """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
     (csrc/prefix.cu; ``tune``: the prefix kernel's code, hf_cascade.kernels.cuda_tuning: a tuning variant's or
-    HOPPER_KERNEL, 0 by default)."""
+    HOPPER_KERNEL, 0 by default; an fp8 pool: 0, with ``kv_scale``)."""
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, q_limit, slot0, softcap, window)
+                 max_chunks, q_limit, slot0, softcap, window, kv_scale)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
                               chunk_tokens, max_chunks, scale_log2, _stream(q.device), q_limit, slot0, softcap, window,
-                              tune)
+                              tune, kv_scale)
 
 
 @prefix_op.register_fake
 def _prefix_fake(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, scale_log2, q_limit, slot0, softcap, window, tune=0) -> None:
+                 max_chunks, scale_log2, q_limit, slot0, softcap, window, tune=0, kv_scale=None) -> None:
     check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, q_limit, slot0, softcap, window)
+                 max_chunks, q_limit, slot0, softcap, window, kv_scale)
 
 
 @torch.library.custom_op("hf_cascade::suffix", mutates_args=("part_o", "part_lse"), device_types="cuda")
 def suffix_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q_limit: torch.Tensor,
               part_o: torch.Tensor, part_lse: torch.Tensor, split_tokens: int, nsplit: int, slot0: int,
-              scale_log2: float, softcap: float, window: int) -> None:
+              scale_log2: float, softcap: float, window: int, kv_scale: Optional[torch.Tensor] = None) -> None:
     """Level 1: writes partial slots [slot0, slot0 + nsplit) of every row (csrc/suffix.cu)."""
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
+                 kv_scale)
     _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(q.device):
         _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                              scale_log2, _stream(q.device), softcap, window)
+                              scale_log2, _stream(q.device), softcap, window, kv_scale)
 
 
 @suffix_op.register_fake
 def _suffix_fake(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, softcap,
-                 window) -> None:
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
+                 window, kv_scale=None) -> None:
+    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
+                 kv_scale)
 
 
 @torch.library.custom_op("hf_cascade::merge", mutates_args=("out",), device_types="cuda")
@@ -233,32 +242,32 @@ def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid
 
 def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
            row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit, slot0: int = 0,
-           softcap: float = 0.0, window: int = 0, tune: int = 0) -> None:
+           softcap: float = 0.0, window: int = 0, tune: int = 0, kv_scale=None) -> None:
     """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
         torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
                                     row_tiles, chunk_tokens, max_chunks, scale_log2, q_limit, slot0, softcap, window,
-                                    tune)
+                                    tune, kv_scale)
     else:
         if lib.debug:
             check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
+                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window, kv_scale)
         lib.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window, tune)
+                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window, tune, kv_scale)
 
 
 def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,
-           slot0: int, scale_log2: float, softcap: float = 0.0, window: int = 0) -> None:
+           slot0: int, scale_log2: float, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
     """The suffix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
         torch.ops.hf_cascade.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                                    scale_log2, softcap, window)
+                                    scale_log2, softcap, window, kv_scale)
     else:
         if lib.debug:
             check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap,
-                         window)
+                         window, kv_scale)
         lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, stream,
-                   softcap, window)
+                   softcap, window, kv_scale)
 
 
 def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, row_nmid=None,

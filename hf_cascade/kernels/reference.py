@@ -29,6 +29,9 @@ Conventions
   sink is exact as one more state (o = 0, lse = sinks * log2 e) merged once per query after the levels
   (:func:`merge_sink`); giving it to every level would count it once per level.
   :class:`ReferenceBackend` takes them as ``forward``'s keywords (None: off).
+* A quantized pool (float8_e4m3fn, :mod:`hf_cascade.kernels.base`): ``k_scale``/``v_scale`` float [Hkv] dequantise
+  the gathered tokens (real K = stored K x k_scale[kv head], in the compute dtype) before the attention above;
+  :class:`ReferenceBackend` takes them from the pool (``kv_scale``).
 
 :data:`BACKEND` is these functions as a kernel backend (:mod:`hf_cascade.kernels.base`); :func:`attend` runs it on
 one layer.
@@ -42,7 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import NO_QUIRKS, Backend, Quirks
+from .base import KV_SCALED_DTYPES, NO_QUIRKS, Backend, Quirks, kv_scale
 
 __all__ = ["prefix_attention", "suffix_attention", "merge_state", "merge_sink", "cascade_attention",
            "three_level_attention", "window_key_start", "attend", "ReferenceBackend", "BACKEND"]
@@ -54,14 +57,19 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _gather_tokens(cache: Tensor, table: Tensor) -> Tensor:
+def _gather_tokens(cache: Tensor, table: Tensor, scale: Tensor | None = None, cdt=None) -> Tensor:
     """cache [N, bs, Hkv, D], table int [B, M] -> [B, M*bs, Hkv, D].
 
     Padding entries (-1) read block 0; those tokens must be masked by the caller.
-    Only the selected blocks are copied.
+    Only the selected blocks are copied. With ``scale`` [Hkv] (a quantized cache), the tokens come dequantised in
+    the compute dtype ``cdt``.
     """
     blocks = table.long().clamp_min(0)
-    return cache[blocks].flatten(1, 2)
+    if scale is None:
+        return cache[blocks].flatten(1, 2)
+    # gathered as bytes (float8 indexing is not implemented everywhere), then dequantised
+    tokens = cache.view(torch.uint8)[blocks].view(cache.dtype).flatten(1, 2).to(cdt)
+    return tokens * scale.to(device=tokens.device, dtype=cdt)[:, None]
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: Tensor, scale: float,
@@ -96,13 +104,15 @@ def _masked_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, mask: 
     return o, lse
 
 
-def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap=None, key_start=None):
+def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap=None, key_start=None,
+                     k_scale=None, v_scale=None):
     """Level 0: every query of every row of group g attends to all prefix_len[g] tokens of the group's prefix (non-causal: the prefix precedes all queries).
     q: [R, Lq, Hq, D]; k_cache/v_cache: [N, bs, Hkv, D]
     group_rows: int32 [G, Rg] rows of each group, -1 = padding (a row is in at most one group; groups may have different sizes)
     prefix_table: int32 [G, Mp] block ids of each group's prefix in order, -1 padding
     prefix_len: int32 [G] prefix tokens (<= Mp*bs; token t lives at block prefix_table[g, t // bs], slot t % bs)
     softcap: optional logit soft-cap; key_start: optional int [R, Lq], query i of row r sees prefix tokens >= key_start[r, i] only
+    k_scale, v_scale: float [Hkv] of a quantized cache (None: not quantized)
     returns o [R, Lq, Hq, D] (q.dtype), lse [R, Lq, Hq]; rows in no group and groups with prefix_len 0 get o=0, lse=-inf."""
     R, Lq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -117,8 +127,8 @@ def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, 
     qg = q[rows.clamp_min(0)].to(cdt)
     qg = qg.reshape(G, Rg, Lq, Hkv, grp, D).permute(0, 3, 1, 2, 4, 5).reshape(G, Hkv, Rg * Lq * grp, D)
 
-    k = _gather_tokens(k_cache, prefix_table)  # [G, T, Hkv, D]
-    v = _gather_tokens(v_cache, prefix_table)
+    k = _gather_tokens(k_cache, prefix_table, k_scale, cdt)  # [G, T, Hkv, D]
+    v = _gather_tokens(v_cache, prefix_table, v_scale, cdt)
     T = k.shape[1]
     key_valid = torch.arange(T, device=dev)[None, :] < prefix_len.to(dev).long()[:, None]  # [G, T]
     mask = key_valid[:, None, None, :]
@@ -141,10 +151,12 @@ def prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, 
     return o_out[:R], lse_out[:R]
 
 
-def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap=None, key_start=None):
+def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap=None, key_start=None, k_scale=None,
+                     v_scale=None):
     """Level 1: query i of row r attends to the first q_limit[r, i] tokens of row r's suffix (laid out in suffix_table[r]'s blocks in order; token t at block suffix_table[r, t // bs], slot t % bs).
     suffix_table: int32 [R, Ms] (-1 padding); q_limit: int32 [R, Lq] (0 allowed -> o=0, lse=-inf). Causality within a tail is expressed by q_limit alone.
     softcap: optional logit soft-cap; key_start: optional int [R, Lq], query i of row r sees suffix tokens >= key_start[r, i] only (may be negative)
+    k_scale, v_scale: float [Hkv] of a quantized cache (None: not quantized)
     returns o [R, Lq, Hq, D], lse [R, Lq, Hq]."""
     R, Lq, Hq, D = q.shape
     Hkv = k_cache.shape[2]
@@ -154,8 +166,8 @@ def suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap=
     dev = q.device
 
     qh = q.to(cdt).reshape(R, Lq, Hkv, grp, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, Lq * grp, D)
-    k = _gather_tokens(k_cache, suffix_table)  # [R, T, Hkv, D]
-    v = _gather_tokens(v_cache, suffix_table)
+    k = _gather_tokens(k_cache, suffix_table, k_scale, cdt)  # [R, T, Hkv, D]
+    v = _gather_tokens(v_cache, suffix_table, v_scale, cdt)
     T = k.shape[1]
 
     lim = q_limit.to(dev).long()  # [R, Lq]
@@ -217,15 +229,17 @@ def window_key_start(group_rows, prefix_len, q_limit, window):
 
 
 def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale,
-                      softcap=None, window=None, sinks=None):
+                      softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
     """prefix_attention + suffix_attention + merge_state (+ merge_sink); returns o [R, Lq, Hq, D].
     softcap: optional logit soft-cap; window: optional sliding window (each query sees its last ``window`` keys,
-    itself included); sinks: optional float [Hq] attention-sink logits."""
+    itself included); sinks: optional float [Hq] attention-sink logits; k_scale, v_scale: a quantized cache's."""
+    dq = dict(k_scale=k_scale, v_scale=v_scale)
     start = None if window is None else window_key_start(group_rows, prefix_len, q_limit.to(q.device), window)
-    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, start)
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, start,
+                                  **dq)
     # in suffix coordinates (positions after the row's group prefix) the window starts at q_limit - window
     suffix_start = None if window is None else q_limit.to(q.device).long() - int(window)
-    o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap, suffix_start)
+    o_s, lse_s = suffix_attention(q, k_cache, v_cache, suffix_table, q_limit, scale, softcap, suffix_start, **dq)
     o, lse = merge_state(o_p, lse_p, o_s, lse_s)
     if sinks is not None:
         o, _ = merge_sink(o, lse, sinks)
@@ -233,14 +247,16 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
 
 
 def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table,
-                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None, sinks=None):
+                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None, sinks=None, k_scale=None,
+                          v_scale=None):
     """Group prefix (e.g. a batch's system prompt) + subgroup prefix (each prompt's rest, shared by its
     beams) + each row's own suffix, each read once per (sub)group, merged (the sinks, if any, once after
     the three). Rows in no subgroup get (0, -inf) from the middle level and their whole rest from
-    ``inner_suffix_table``."""
-    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap)
-    o_m, lse_m = prefix_attention(q, k_cache, v_cache, mid_group_rows, mid_table, mid_len, scale, softcap)
-    o_s, lse_s = suffix_attention(q, k_cache, v_cache, inner_suffix_table, inner_q_limit, scale, softcap)
+    ``inner_suffix_table``. k_scale, v_scale: a quantized cache's."""
+    dq = dict(k_scale=k_scale, v_scale=v_scale)
+    o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, **dq)
+    o_m, lse_m = prefix_attention(q, k_cache, v_cache, mid_group_rows, mid_table, mid_len, scale, softcap, **dq)
+    o_s, lse_s = suffix_attention(q, k_cache, v_cache, inner_suffix_table, inner_q_limit, scale, softcap, **dq)
     o, lse = merge_state(o_p, lse_p, o_m, lse_m)
     o, lse = merge_state(o, lse, o_s, lse_s)
     if sinks is not None:
@@ -256,10 +272,11 @@ class ReferenceMetadata(NamedTuple):
 
 
 class ReferenceBackend(Backend):
-    """The functions above as a kernel backend: any device, dtype and head_dim, every quirk."""
+    """The functions above as a kernel backend: any device, dtype and head_dim, every quirk, quantized pools."""
 
     name = "reference"
     quirks = ("softcap", "window", "sinks")
+    kv_dtypes = KV_SCALED_DTYPES
     # no host sync, shapes from the plan's tables, windows applied from the device lengths: a static decode step
     # can be captured (hf_cascade.graphs)
     graph_safe = True
@@ -273,12 +290,14 @@ class ReferenceBackend(Backend):
 
     def forward(self, q, pool, metadata: ReferenceMetadata, scale, *, softcap=None, window=None, sinks=None):
         dp = metadata.device
+        kv = kv_scale(pool)
+        dq = {} if kv is None else dict(k_scale=kv[0], v_scale=kv[1])
         if window is None and dp.mid_group_rows.shape[0]:
             return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
                                          dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
-                                         dp.inner_q_limit, scale, softcap=softcap, sinks=sinks)
+                                         dp.inner_q_limit, scale, softcap=softcap, sinks=sinks, **dq)
         return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                                 dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks)
+                                 dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks, **dq)
 
 
 BACKEND = ReferenceBackend()

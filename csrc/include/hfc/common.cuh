@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -54,6 +55,27 @@ template <> struct Cvt<__nv_bfloat16> {
     }
   }
 };
+
+// 8 float8_e4m3fn values (8 bytes, the first in the lowest byte) -> 8 floats: exact (hardware cvt from sm_89 on)
+__device__ __forceinline__ void fp8x8_to_float(const uint2& u, float* f) {
+  const __nv_fp8x2_storage_t* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3);
+    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+// 8 float8_e4m3fn values -> 8 T packed in 16 bytes (a shared-memory tile's chunk): exact, e4m3 fits in bf16 and fp16
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_to(const uint2& u) {
+  float f[8];
+  fp8x8_to_float(u, f);
+  return make_uint4(Cvt<T>::pack2(f[0], f[1]), Cvt<T>::pack2(f[2], f[3]), Cvt<T>::pack2(f[4], f[5]),
+                    Cvt<T>::pack2(f[6], f[7]));
+}
 
 // --------------------------------------------------------------------------------- online softmax
 

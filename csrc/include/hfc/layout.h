@@ -40,7 +40,8 @@ typedef struct {
   HFC_LAYOUT_FIELD(hfc_prefix_params, dtype), HFC_LAYOUT_FIELD(hfc_prefix_params, head_dim),                     \
   HFC_LAYOUT_FIELD(hfc_prefix_params, m_tile), HFC_LAYOUT_FIELD(hfc_prefix_params, q_limit),                     \
   HFC_LAYOUT_FIELD(hfc_prefix_params, softcap), HFC_LAYOUT_FIELD(hfc_prefix_params, window),                     \
-  HFC_LAYOUT_FIELD(hfc_prefix_params, tune),                                                                     \
+  HFC_LAYOUT_FIELD(hfc_prefix_params, tune), HFC_LAYOUT_FIELD(hfc_prefix_params, kv_dtype),                     \
+  HFC_LAYOUT_FIELD(hfc_prefix_params, kv_scale),                                                                 \
   HFC_LAYOUT_STRUCT(hfc_prefix_info), HFC_LAYOUT_FIELD(hfc_prefix_info, ctas_per_sm),                            \
   HFC_LAYOUT_FIELD(hfc_prefix_info, smem_bytes), HFC_LAYOUT_FIELD(hfc_prefix_info, tile_tokens),                 \
   HFC_LAYOUT_STRUCT(hfc_suffix_params), HFC_LAYOUT_FIELD(hfc_suffix_params, q),                                  \
@@ -53,7 +54,8 @@ typedef struct {
   HFC_LAYOUT_FIELD(hfc_suffix_params, nsplit), HFC_LAYOUT_FIELD(hfc_suffix_params, slot0),                       \
   HFC_LAYOUT_FIELD(hfc_suffix_params, scale_log2), HFC_LAYOUT_FIELD(hfc_suffix_params, dtype),                   \
   HFC_LAYOUT_FIELD(hfc_suffix_params, head_dim), HFC_LAYOUT_FIELD(hfc_suffix_params, softcap),                   \
-  HFC_LAYOUT_FIELD(hfc_suffix_params, window),                                                                   \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, window), HFC_LAYOUT_FIELD(hfc_suffix_params, kv_dtype),                   \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, kv_scale),                                                                 \
   HFC_LAYOUT_STRUCT(hfc_merge_params), HFC_LAYOUT_FIELD(hfc_merge_params, part_o),                               \
   HFC_LAYOUT_FIELD(hfc_merge_params, part_lse), HFC_LAYOUT_FIELD(hfc_merge_params, row_nchunks),                 \
   HFC_LAYOUT_FIELD(hfc_merge_params, out), HFC_LAYOUT_FIELD(hfc_merge_params, R),                                \

@@ -20,6 +20,13 @@ extern "C" {
 
 enum { HFC_BF16 = 0, HFC_FP16 = 1 };  /* dtype codes */
 
+/* K/V element codes (the kv_dtype fields): HFC_KV_SAME, the pool holds q's dtype; HFC_KV_FP8_E4M3, the pool holds
+ * float8_e4m3fn bytes with kv_scale = float [2, Hkv] (K's scale per KV head, then V's; real = stored x scale). The
+ * kernels convert the fp8 tokens to q's dtype as they load them (exact: e4m3 fits in bf16 and fp16), apply K's scale
+ * to the scores and V's to the output (one scalar per CTA: a CTA serves one KV head). The prefix kernel reads fp8
+ * with its default configuration only (tune 0: not the tuning variants, not the Hopper kernel). */
+enum { HFC_KV_SAME = 0, HFC_KV_FP8_E4M3 = 1 };
+
 /* prefix kernel codes (hfc_prefix_params.tune, hfc_prefix_setup's tune): 0 the mma.sync kernel of csrc/prefix.cu,
  * 1-5 its tuning variants (PrefixTune<V> there; for a sweep), HFC_PREFIX_KERNEL_SM90 the Hopper kernel of
  * csrc/prefix_sm90.cu, which Python picks by architecture where the library's sm_90a code runs on the GPU */
@@ -50,6 +57,8 @@ typedef struct {
    * softcap / window; the Hopper kernel for bf16 / fp16, head_dim 128, m_tile 64, no softcap / window. Each needs
    * hfc_prefix_setup with the same code first. */
   int32_t tune;
+  int32_t kv_dtype;       /* HFC_KV_SAME or HFC_KV_FP8_E4M3 (pool then in bytes: [num_blocks, 2, bs, Hkv, D]) */
+  const float* kv_scale;  /* [2, Hkv] with HFC_KV_FP8_E4M3, else NULL */
 } hfc_prefix_params;
 
 /* what hfc_prefix_setup reports for one (dtype, head_dim, m_tile, tune) */
@@ -75,6 +84,8 @@ typedef struct {
    * tokens [q_limit[r, lq] - window, q_limit[r, lq]) and a CTA starts at its earliest visible token */
   float softcap;
   int32_t window;
+  int32_t kv_dtype;       /* as in hfc_prefix_params */
+  const float* kv_scale;
 } hfc_suffix_params;
 
 /* merge: one warp per (row, query, head) over slots [0, row_nchunks[r]), [mid_slot0, mid_slot0 + row_nmid[r])

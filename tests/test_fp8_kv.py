@@ -1,0 +1,410 @@
+"""The fp8 KV cache (``CascadeConfig(kv_dtype="float8_e4m3fn")``) on the CPU: config validation, the storage's scales
+and quantization, the reference backend against a float64 attention over the dequantized K/V, generate against the
+full-precision cache (token agreement and log-prob gap), and the bytes it holds."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import hf_cascade  # noqa: F401  registers "cascade"
+from conftest import cache_kw, model_pair, padded_batch
+from hf_cascade import CascadeCache, CascadeConfig, kernels
+from hf_cascade.config import FP8_BACKENDS, KV_DTYPES, ConfigTypeError
+from hf_cascade.kernels import reference
+from hf_cascade.kernels.base import NO_QUIRKS, Backend, Quirks, kv_scale, with_kv_scale
+from hf_cascade.memory import SCALE_MARGIN, GrowStorage, StaticStorage
+from kernel_helpers import random_layout, random_three_level, step_plan
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+# ---- config ---------------------------------------------------------------------------------------------------------
+def test_config_kv_dtype_values():
+    assert CascadeConfig().kv_dtype is None and CascadeConfig().kv_torch_dtype is None
+    assert CascadeConfig(kv_dtype="float8_e4m3fn").kv_torch_dtype is FP8
+    assert CascadeConfig(kv_dtype=FP8).kv_dtype == "float8_e4m3fn"          # a torch dtype reads as its name
+    assert CascadeConfig.coerce({"kv_dtype": "float8_e4m3fn"}).kv_torch_dtype is FP8
+
+
+@pytest.mark.parametrize("bad,error", [("fp8", ValueError), ("float8_e4m3", ValueError), ("bfloat16", ValueError),
+                                       (torch.float16, ValueError), (8, ConfigTypeError)])
+def test_bad_kv_dtype_is_refused_naming_the_allowed_values(bad, error):
+    with pytest.raises(error, match=r"kv_dtype must be None \(the model's dtype\) or one of \('float8_e4m3fn',\)"):
+        CascadeConfig(kv_dtype=bad)
+
+
+def test_fp8_on_flashinfer_is_refused_up_front():
+    with pytest.raises(ValueError, match=r"backend='flashinfer'.*Use backend='auto'.*kv_dtype=None"):
+        CascadeConfig(kv_dtype="float8_e4m3fn", backend="flashinfer")
+
+
+def test_config_and_backends_agree_on_who_reads_fp8():
+    """config.FP8_BACKENDS (checked without importing the backends) is what the backends declare."""
+    for name in kernels.BACKENDS:
+        try:
+            backend = kernels.load(name)
+        except ImportError:           # flashinfer where it is not installed: its class keeps the default
+            assert name not in FP8_BACKENDS
+            continue
+        assert (FP8 in backend.kv_dtypes) == (name in FP8_BACKENDS), name
+    assert Backend.kv_dtypes == () and KV_DTYPES == ("float8_e4m3fn",)
+
+
+def test_a_backend_without_fp8_refuses_the_pool_with_the_reason():
+    q = torch.zeros(2, 1, 4, 8)
+    pool = torch.zeros(3, 2, 4, 2, 8, dtype=FP8)
+    assert "float8_e4m3fn KV pool without its scales" in reference.BACKEND.unsupported_reason(q, pool)
+    with_kv_scale(pool, torch.ones(2, 2))
+    assert reference.BACKEND.unsupported_reason(q, pool) is None
+    reason = Backend().unsupported_reason(q, pool)
+    assert "float8_e4m3fn KV cache" in reason and "kv_dtype=None" in reason
+
+
+def test_cuda_backend_on_cpu_is_refused_before_anything_is_stored():
+    try:
+        kernels.load("cuda")
+    except ImportError:
+        pytest.skip("the cuda backend module does not import here")
+    _, cascade = model_pair("llama", dtype=torch.float32)
+    ids, mask = padded_batch(seed=1)
+    with pytest.raises(ValueError, match=r"kv_dtype='float8_e4m3fn', backend='cuda'\) cannot be served: it runs on "
+                                         r"cuda only.*backend='auto'"):
+        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0,
+                         hf_cascade_config=CascadeConfig(kv_dtype="float8_e4m3fn", backend="cuda"))
+
+
+# ---- the storage: scales and quantization ----------------------------------------------------------------------------
+def test_encode_fixes_per_head_scales_from_the_first_write_and_saturates():
+    storage = GrowStorage((2, 4, 3, 8), FP8, "cpu")
+    assert storage.scale.shape == (2, 3) and storage.scale.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    head_range = torch.tensor([0.01, 1.0, 300.0])           # heads differ by orders of magnitude
+    k = torch.randn(20, 3, 8, generator=g) * head_range[None, :, None]
+    v = torch.randn(20, 3, 8, generator=g) * head_range.flip(0)[None, :, None]
+    k8, v8 = storage.encode(k, v)
+    assert k8.dtype == FP8 and v8.dtype == FP8 and storage.scale_fixed
+    for kv, x, x8 in ((0, k, k8), (1, v, v8)):
+        want = x.abs().amax(dim=(0, 2)) * SCALE_MARGIN / FP8_MAX
+        torch.testing.assert_close(storage.scale[kv], want, rtol=1e-6, atol=0)
+        back = x8.float() * storage.scale[kv][None, :, None]
+        # e4m3: 3 mantissa bits, relative error <= 2^-4 above the subnormal floor (2^-6 x scale)
+        floor = 2.0 ** -9 * storage.scale[kv][None, :, None]
+        assert bool(((back - x).abs() <= x.abs() * 2.0 ** -4 + floor).all())
+    # later writes keep the scales; values past 448 x scale saturate (finite), never inf / NaN
+    fixed = storage.scale.clone()
+    big = k * 1000
+    k8, _ = storage.encode(big, v)
+    assert torch.equal(storage.scale, fixed)
+    assert bool(torch.isfinite(k8.float()).all()) and k8.float().abs().max().item() == FP8_MAX
+    # a release forgets them: the next call's first write fixes its own
+    storage.release()
+    storage.encode(k * 2, v)
+    torch.testing.assert_close(storage.scale[0], fixed[0] * 2, rtol=1e-6, atol=0)
+
+
+def test_all_zero_head_gets_scale_one_and_empty_write_fixes_nothing():
+    storage = StaticStorage((2, 4, 2, 8), FP8, "cpu", max_blocks=2)
+    storage.encode(torch.zeros(0, 2, 8), torch.zeros(0, 2, 8))
+    assert not storage.scale_fixed
+    k = torch.zeros(3, 2, 8)
+    k[:, 1] = 2.0
+    storage.encode(k, k)
+    assert storage.scale[:, 0].tolist() == [1.0, 1.0]
+    assert storage.scale[0, 1].item() == pytest.approx(2.0 * SCALE_MARGIN / FP8_MAX)
+
+
+def test_storage_bytes_count_the_scales_while_blocks_are_held():
+    bf16 = GrowStorage((2, 4, 3, 8), torch.bfloat16, "cpu")
+    fp8 = GrowStorage((2, 4, 3, 8), FP8, "cpu")
+    assert fp8.block_nbytes * 2 == bf16.block_nbytes and bf16.scale is None
+    assert fp8.nbytes == 0                      # nothing held: a reset pool reads as empty
+    bf16.ensure(5)
+    fp8.ensure(5)
+    assert fp8.nbytes == bf16.nbytes // 2 + 2 * 3 * 4
+
+
+# ---- the reference backend over a quantized pool ---------------------------------------------------------------------
+def _quantize(pool: torch.Tensor, seed: int):
+    """``pool`` (float64, NaN in unused slots) as fp8 with random per-(K/V, head) scales, and its dequantized float64
+    twin: what the reference must attend over."""
+    Hkv = pool.shape[3]
+    g = torch.Generator().manual_seed(seed)
+    scale = (10.0 ** (torch.rand(2, Hkv, generator=g, dtype=torch.float64) * 3 - 2)).float()     # 0.01 .. 10
+    stored = (pool / scale.double()[None, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    dequantized = stored.double() * scale.double()[None, :, None, :, None]
+    return with_kv_scale(stored, scale), dequantized
+
+
+@pytest.mark.parametrize("quirks", [NO_QUIRKS, Quirks(softcap=5.0), Quirks(window=7),
+                                    Quirks(sinks=torch.linspace(-1.0, 1.0, 8))])
+@pytest.mark.parametrize("Lq", [1, 3])
+def test_reference_on_fp8_pool_equals_float64_attention_over_dequantized(quirks, Lq):
+    lay = random_layout(3, groups=((3, 37), (2, 20)), lone_rows=2, suffix=(1, 25), Lq=Lq, Hkv=2, ratio=4, D=16, bs=4)
+    pool8, deq = _quantize(lay.pool, seed=Lq)
+    plan = lay.plan()
+    want = reference.attend(lay.q, deq, plan, lay.scale, quirks)
+    # float64 queries: dequantized in float64, the same numbers as `deq` (exact to float64 rounding)
+    got64 = reference.attend(lay.q, pool8, plan, lay.scale, quirks)
+    torch.testing.assert_close(got64, want, rtol=1e-12, atol=1e-12)
+    # float32 queries compute in float32
+    got32 = reference.attend(lay.q.float(), pool8, plan, lay.scale, quirks)
+    torch.testing.assert_close(got32.double(), want, rtol=1e-4, atol=1e-5)
+    assert bool(torch.isfinite(got32).all())
+
+
+def test_reference_three_levels_on_fp8_pool():
+    lay = random_three_level(5, sys_tokens=20, prompts=2, beams=3, own_tokens=(1, 6), suffix=(1, 9), D=16, bs=4)
+    pool8, deq = _quantize(lay.pool, seed=7)
+    plan = step_plan(lay)
+    assert plan.mid_group_rows.shape[0] > 0
+    want = reference.attend(lay.q, deq, plan, lay.scale)
+    got = reference.attend(lay.q, pool8, plan, lay.scale)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# ---- generate with the fp8 cache -------------------------------------------------------------------------------------
+def _generate(model, ids, mask, kv_dtype, **kw):
+    cache = CascadeCache(model.config, CascadeConfig(block_size=4, kv_dtype=kv_dtype, backend="reference"))
+    out = model.generate(input_ids=ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
+                         output_logits=True, **cache_kw(model, cache), **kw)
+    return out, cache
+
+
+def _agreement(a, b, prompt_len):
+    new_a, new_b = a[:, prompt_len:], b[:, prompt_len:]
+    return (new_a == new_b).float().mean().item()
+
+
+def _first_step_logprob_gap(out_a, out_b) -> float:
+    """max |log p_fp8 - log p_full| over the vocabulary at the first new token (both read the same prompt)."""
+    la, lb = out_a.logits[0].double().log_softmax(-1), out_b.logits[0].double().log_softmax(-1)
+    return (la - lb).abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_fp8_cache_agrees_with_full_cache(family):
+    """Greedy and beam search on a tiny random model (float32): tokens agree with the float32 cache's, and the
+    log-probs move by little. The figures are printed (run with -s); the bounds are loose on purpose: a tiny random
+    model's logits are nearly flat, so a quantization error flips near-ties more often than in a trained model."""
+    _, cascade = model_pair(family, dtype=torch.float32, seed=11)
+    ids, mask = padded_batch(seed=2)
+    prompt_len = ids.shape[1]
+    greedy_full, _ = _generate(cascade, ids, mask, None, max_new_tokens=12, do_sample=False)
+    greedy_fp8, cache = _generate(cascade, ids, mask, "float8_e4m3fn", max_new_tokens=12, do_sample=False)
+    assert cache.layers[0].storage.dtype == FP8
+    greedy_agree = _agreement(greedy_fp8.sequences, greedy_full.sequences, prompt_len)
+    gap = _first_step_logprob_gap(greedy_fp8, greedy_full)
+    beam_full, _ = _generate(cascade, ids, mask, None, max_new_tokens=12, num_beams=4, num_return_sequences=2)
+    beam_fp8, _ = _generate(cascade, ids, mask, "float8_e4m3fn", max_new_tokens=12, num_beams=4,
+                            num_return_sequences=2)
+    beam_agree = _agreement(beam_fp8.sequences, beam_full.sequences, prompt_len)
+    print(f"\n[fp8 kv, {family}] greedy token agreement {greedy_agree:.3f}, beam(4) token agreement "
+          f"{beam_agree:.3f}, first-step max |log-prob gap| {gap:.2e}")
+    # the first new token reads only the prompt's quantized K/V
+    assert torch.equal(greedy_fp8.sequences[:, prompt_len], greedy_full.sequences[:, prompt_len])
+    assert 0.0 < gap < 0.05
+    assert greedy_agree >= 0.75 and beam_agree >= 0.5
+
+
+def test_prefill_stores_what_encode_makes():
+    """The pool after a prefill holds exactly encode()'s bytes of the model's K (layer 0, first prompt's tokens)."""
+    _, cascade = model_pair("llama", dtype=torch.float32, seed=3)
+    ids, mask = padded_batch(seed=5, lengths=(9, 9))
+    cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, kv_dtype="float8_e4m3fn", backend="reference"))
+    hf_cascade.prefill(cascade, cache, ids, mask)
+    layer = cache.layers[0]
+    pool, storage = layer.pool, layer.storage
+    assert kv_scale(pool) is storage.scale and storage.scale_fixed and pool.dtype == FP8
+    # the same K recomputed by a full-cache prefill, quantized with the stored scales, gives the same bytes
+    full = CascadeCache(cascade.config, CascadeConfig(block_size=4, backend="reference"))
+    hf_cascade.prefill(cascade, full, ids, mask)
+    k_full = full.layers[0].pool[:, 0]                                  # [N, bs, Hkv, D] float32
+    stored = pool.view(torch.uint8)[:, 0]
+    used = torch.from_numpy(cache.blocks.tables()[0][: -(-int(cache.blocks.lengths[0]) // 4)].astype(np.int64))
+    tokens = int(cache.blocks.lengths[0])
+    want = (k_full[used].flatten(0, 1)[:tokens] / storage.scale[0][None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    assert torch.equal(stored[used].flatten(0, 1)[:tokens], want.view(torch.uint8))
+
+
+# ---- bytes ----------------------------------------------------------------------------------------------------------
+def test_kv_bytes_in_use_halve_against_bf16():
+    _, cascade = model_pair("llama", dtype=torch.bfloat16, seed=4)
+    ids, mask = padded_batch(seed=6)
+    stats = {}
+    for kv_dtype in (None, "float8_e4m3fn"):
+        cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, kv_dtype=kv_dtype, memory="grow"))
+        # sampling: rows and blocks do not depend on the tokens drawn (beam search's parents would)
+        cascade.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=4,
+                         max_new_tokens=6, pad_token_id=0, **cache_kw(cascade, cache))
+        stats[kv_dtype] = cache.stats()
+    full, fp8 = stats[None], stats["float8_e4m3fn"]
+    assert fp8.blocks_in_use == full.blocks_in_use > 0 and fp8.tokens_stored == full.tokens_stored
+    assert fp8.blocks_shared == full.blocks_shared > 0
+    # 2 (K, V) x block 4 x 2 KV heads x head_dim 16 x 2 layers per block: 512 bytes in fp8, 1024 in bf16
+    assert full.kv_bytes_in_use == full.blocks_in_use * 1024
+    assert fp8.kv_bytes_in_use == fp8.blocks_in_use * 512 == full.kv_bytes_in_use // 2
+    assert fp8.peak_kv_bytes_in_use * 2 == full.peak_kv_bytes_in_use
+    # reserved: the same pool sizes, half the bytes, plus each layer's scales (2 x 2 KV heads x float32)
+    assert fp8.kv_bytes_reserved == full.kv_bytes_reserved // 2 + 2 * (2 * 2 * 4)
+
+
+def test_max_kv_bytes_counts_fp8_blocks():
+    _, cascade = model_pair("llama", dtype=torch.bfloat16, seed=4)
+    ids, mask = padded_batch(seed=6)
+    caps = {}
+    for kv_dtype in (None, "float8_e4m3fn"):
+        cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, kv_dtype=kv_dtype, max_kv_bytes=64 * 1024))
+        cascade.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0,
+                         **cache_kw(cascade, cache))
+        caps[kv_dtype] = cache.blocks.max_blocks
+    assert caps[None] == 64 and caps["float8_e4m3fn"] == 128
+    # a cap below one fp8 block of all layers is refused up front with the fp8 figure (512 bytes)
+    with pytest.raises(ValueError, match=r"\(512 bytes: .* x 1 bytes"):
+        CascadeCache(cascade.config, CascadeConfig(block_size=4, kv_dtype="float8_e4m3fn", max_kv_bytes=500))
+
+
+def test_copies_keep_the_scales():
+    _, cascade = model_pair("llama", dtype=torch.float32, seed=3)
+    ids, mask = padded_batch(seed=5)
+    cache = CascadeCache(cascade.config, CascadeConfig(block_size=4, kv_dtype="float8_e4m3fn", backend="reference"))
+    hf_cascade.prefill(cascade, cache, ids, mask)
+    twin = copy.deepcopy(cache)
+    for a, b in zip(cache.layers, twin.layers):
+        assert torch.equal(a.storage.scale, b.storage.scale) and a.storage.scale is not b.storage.scale
+        assert b.storage.scale_fixed
+        assert torch.equal(a.pool.view(torch.uint8), b.pool.view(torch.uint8))
+        assert kv_scale(b.pool) is b.storage.scale
+    np.testing.assert_array_equal(cache.blocks.lengths, twin.blocks.lengths)
+
+
+def test_encoder_decoder_self_attention_in_fp8_cross_in_model_dtype(monkeypatch):
+    """BART: the decoder's self-attention pool is fp8, the cross-attention K/V stay in the model's dtype (stored once
+    per input); beam search agrees with the full-precision cache's tokens."""
+    from hf_cascade import cache as cache_module
+    from hf_cascade import cross_kv
+    from test_encoder_decoder import pair, sources
+    _, cascade = pair("bart", dtype=torch.float32)
+    ids, mask = sources()
+    pools = []        # (which, dtype) of every pool made
+    for module, name, which in ((cache_module, "make_storage", "self"), (cross_kv, "make_fixed_storage", "cross")):
+        made = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda shape, dtype, *a, _made=made, _which=which, **k:
+                            pools.append((_which, dtype)) or _made(shape, dtype, *a, **k))
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, num_beams=4)
+    full = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", block_size=4))
+    pools.clear()
+    fp8 = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", block_size=4,
+                                                                 kv_dtype="float8_e4m3fn"))
+    assert {dtype for which, dtype in pools if which == "self"} == {FP8}
+    assert {dtype for which, dtype in pools if which == "cross"} == {torch.float32}
+    agree = (full[:, -8:] == fp8[:, -8:]).float().mean().item()
+    print(f"\n[fp8 kv, bart] beam(4) token agreement {agree:.3f}")
+    assert agree >= 0.5
+
+
+def test_kernel_operators_check_an_fp8_pool_and_its_scales():
+    """The CUDA operators' argument checks (run on the CPU: they look at shapes, dtypes and devices only)."""
+    from hf_cascade.kernels import ops
+    from hf_cascade.kernels.cuda_binding import KV_DTYPE_CODES, _kv_code
+    q = torch.zeros(2, 1, 8, 64, dtype=torch.bfloat16)
+    pool = torch.zeros(5, 2, 16, 2, 64, dtype=FP8)
+    table, limit = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, 1, dtype=torch.int32)
+    part_o, part_lse = torch.zeros(2 * 2 * 8 * 64), torch.zeros(2 * 2 * 8)
+    args = (q, pool, table, limit, part_o, part_lse, 16, 1, 0)
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        ops.check_suffix(*args)
+    with pytest.raises(ValueError, match=r"kv_scale has shape \(2, 3\), expected \(2, 2\)"):
+        ops.check_suffix(*args, kv_scale=torch.ones(2, 3))
+    with pytest.raises(TypeError, match="kv_scale must be torch.float32"):
+        ops.check_suffix(*args, kv_scale=torch.ones(2, 2, dtype=torch.float64))
+    ops.check_suffix(*args, kv_scale=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="pool must be torch.bfloat16"):       # other dtypes stay refused
+        ops.check_suffix(q, pool.view(torch.uint8), *args[2:])
+    assert KV_DTYPE_CODES[FP8] == 1 and _kv_code(pool.view(torch.uint8), None) == (0, None)
+    with pytest.raises(ValueError, match="needs its kv_scale"):
+        _kv_code(pool, None)
+
+
+# ---- the cuda backend's launches on an fp8 pool, with the kernels emulated on the CPU --------------------------------
+@pytest.mark.parametrize("three,window,softcap", [(False, None, None), (False, 40, 20.0), (True, None, None),
+                                                  (True, None, 10.0)])
+def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap):
+    """hf_cascade.kernels.cuda._launch for real on an fp8 pool, with tests/test_cuda_emulation.py's numpy kernels in
+    place of the CUDA ones, fed the pool dequantized by its scales: every prefix and suffix launch gets the pool's own
+    scales (the argument checks run on the fp8 pool), the prefix runs the default kernel even where the Hopper kernel
+    would run for bf16, and the result equals the float64 reference over the fp8 pool."""
+    import test_cuda_emulation as emulation
+    from hf_cascade.kernels import cuda as cuda_backend
+    from hf_cascade.kernels import cuda_tuning, ops
+    from test_reference_kernels import make_three_level
+    check_prefix, check_suffix = ops.check_prefix, ops.check_suffix
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)          # (as test_cuda_emulation's pieces)
+    monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
+                        lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split",
+                        lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+    monkeypatch.setattr(emulation._FakeLib, "sm90", True)     # where bf16 head_dim 128 runs the Hopper kernel
+    monkeypatch.setattr(ops, "check_prefix", lambda *a, **k: None)        # run below on the fp8 pool instead
+    monkeypatch.setattr(ops, "check_suffix", lambda *a, **k: None)
+
+    def dequantized(pool, scale):
+        return pool.double() * scale.double()[None, :, None, :, None]
+
+    class Fp8Kernels(emulation.Emulated):
+        def __init__(self):
+            super().__init__()
+            self.scales = []            # the kv_scale of every launch
+
+        def prefix(self, lib, stream, q, pool, *args, kv_scale=None):
+            (gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, _, q_limit, slot0, cap,
+             win, _) = args
+            check_prefix(q, pool, gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
+                         slot0, cap, win, kv_scale)
+            self.scales.append(kv_scale)
+            super().prefix(lib, stream, q, dequantized(pool, kv_scale), *args)
+
+        def suffix(self, lib, stream, q, pool, *args, kv_scale=None):
+            suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, _, cap, win = args
+            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, cap, win,
+                         kv_scale)
+            self.scales.append(kv_scale)
+            super().suffix(lib, stream, q, dequantized(pool, kv_scale), *args)
+
+    if three:
+        lay = make_three_level(61, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
+    else:
+        lay = random_layout(17, groups=((3, 700), (2, 90), (2, 0)), lone_rows=1, suffix=(1, 300), Hkv=2, ratio=4,
+                            D=128, bs=16, dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    pool8, _ = _quantize(lay.pool.double(), seed=3)
+    q = lay.q.to(torch.bfloat16)
+    quirks = Quirks(softcap=softcap, window=window)
+    emu = Fp8Kernels()
+    emu.state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=emulation._FakeLib())
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(emulation._FakeLib(), 0, q, pool8, emu.state, lay.scale, out, kernels=emu, **quirks.kwargs())
+    ref = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    emulation.check(out, ref, emu)
+    assert emu.state.three == three and emu.state.tune == 0 and set(emu.tunes) == {0}
+    assert len(emu.scales) == (3 if three else 2) and all(s is kv_scale(pool8) for s in emu.scales)
+    # the same layout in bf16 would take the Hopper kernel here (what an fp8 pool must not)
+    assert cuda_backend.BACKEND.build(plan, q, lay.pool.to(torch.bfloat16), lib=emulation._FakeLib()).tune == \
+        cuda_tuning.HOPPER_KERNEL
+
+
+@pytest.mark.parametrize("memory", ["grow", "static"])
+def test_graph_runner_static_path_on_fp8_pool(memory):
+    """CascadeConfig(cuda_graphs="eager") runs the decode steps as a captured graph would (static layout, the
+    pool's stable view, fixed buffers): the same tokens as plain fp8 decoding."""
+    _, cascade = model_pair("llama", dtype=torch.float32, seed=8)
+    ids, mask = padded_batch(seed=9)
+    common = dict(block_size=4, kv_dtype="float8_e4m3fn", backend="reference", memory=memory,
+                  max_kv_bytes=1 << 20 if memory == "static" else None)
+    kw = dict(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=8, pad_token_id=0)
+    plain = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, static_decode=False))
+    runner = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, cuda_graphs="eager"))
+    assert torch.equal(plain, runner)
