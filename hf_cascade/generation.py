@@ -468,9 +468,11 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                                        "change the input as that reason says"))
         logger.info("generate runs on stock's dense path: %s.", reason)
         return stock()
-    # a capped call runs the cascade, whose pool enforces the cap (stock's cache would not)
-    reason = None if capped else stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
-                                                   positions, inputs)
+    # a capped call runs the cascade, whose pool enforces the cap (stock's cache would not), and an fp8 cache is ours
+    # too (stock's would hold the model's dtype)
+    ours = capped or hf_cascade_config.kv_dtype is not None
+    reason = None if ours else stock_path_reason(model, hf_cascade_config, generation_config, input_ids, mask,
+                                                 positions, inputs)
     if reason is not None:
         _log_stock_path(reason)
         return stock()

@@ -408,3 +408,18 @@ def test_graph_runner_static_path_on_fp8_pool(memory):
     plain = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, static_decode=False))
     runner = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, cuda_graphs="eager"))
     assert torch.equal(plain, runner)
+
+
+def test_an_fp8_call_with_nothing_to_share_still_stores_fp8(monkeypatch):
+    """A call that shares nothing (one prompt, greedy) would run on stock's dense cache, in the model's dtype; with
+    kv_dtype set it runs on the cascade, so the cache really is fp8."""
+    from hf_cascade import generation
+    monkeypatch.setattr(generation, "MIN_SHARED_TOKENS", {"cpu": 10 ** 9})      # (what the CPU threshold does)
+    _, cascade = model_pair("llama", dtype=torch.float32)
+    ids, mask = padded_batch(seed=2, lengths=(19,))
+    out = cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                           return_dict_in_generate=True,
+                           hf_cascade_config=CascadeConfig(kv_dtype="float8_e4m3fn"))
+    cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values
+    assert isinstance(cache, CascadeCache)
+    assert all(layer.storage.dtype == torch.float8_e4m3fn for layer in cache.layers)
