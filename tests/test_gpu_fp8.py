@@ -22,6 +22,7 @@ from hf_cascade.kernels import cuda_binding, reference
 from hf_cascade.kernels.base import Quirks, kv_scale, with_kv_scale
 from conftest import cache_kw
 from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
+from test_gpu_kernels import compare
 
 pytestmark = pytest.mark.gpu
 
@@ -53,21 +54,6 @@ def case(seed, *, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((3, 100),), lo
 def cuda_attend(q, pool, plan, scale, quirks: Quirks = Quirks()):
     metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
     return cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs())
-
-
-def compare(out, ref, q, *, tol=1e-2, row_tol=2e-2):
-    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    o = out.float()
-    assert torch.isfinite(o).all(), "NaN/inf in the CUDA output"
-    assert torch.isfinite(ref).all()
-    err = (o - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert err < tol, f"relative error {err:.3e}"
-    diff = (o - ref).flatten(2).norm(dim=-1)
-    size = ref.flatten(2).norm(dim=-1)
-    zero = size == 0
-    assert (diff[zero] == 0).all(), "rows that see no key must be exactly 0"
-    worst = (diff[~zero] / size[~zero]).max() if (~zero).any() else torch.tensor(0.0)
-    assert worst < row_tol, f"worst row relative error {worst:.3e}"
 
 
 def check(q, pool, plan, scale, quirks: Quirks = Quirks(), **tol):
