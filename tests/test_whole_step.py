@@ -121,7 +121,9 @@ class _BanToken(LogitsProcessor):
 
 
 @pytest.mark.parametrize("kind", ["processor", "return_dict", "whole_step_off"])
-def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, runner_spy, caplog):
+def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, runner_spy, caplog, monkeypatch):
+    from hf_cascade import logs
+    monkeypatch.setattr(logs, "_logged", set())        # the reason is logged once per process: see this call's
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=6)
     kwargs = dict(max_new_tokens=12, num_beams=3)
