@@ -83,18 +83,38 @@ def main():
                 raise _Stop
             return done
 
+        # a plain call first: the wall time of each chunk of device steps (replays and the flag read), per step
+        walls = []
+
+        def timed_chunk(self, steps):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            done = real_chunk(self, steps)
+            walls.append(((time.perf_counter() - started) / steps * 1e6, steps, self.graph is not None))
+            return done
+
+        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True)
+        kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
+        whole_step.WholeStepLoop._chunk = timed_chunk
+        try:
+            for _ in range(2):        # the second call replays the kept graph from its first device step
+                walls.clear()
+                model.generate(input_ids=ids, hf_cascade_config=config, **kw)
+        finally:
+            whole_step.WholeStepLoop._chunk = real_chunk
+        replayed = [w for w, n, graph in walls if graph and n > 1]
+        found["chunk_wall_us_per_step"] = sorted(replayed)[len(replayed) // 2] if replayed else None
+        found["chunks"] = [(round(w), n) for w, n, _ in walls]
         whole_step.WholeStepLoop._chunk = chunk
         try:
-            model.generate(input_ids=ids, max_new_tokens=40, min_new_tokens=40, pad_token_id=0,
-                           hf_cascade_config=hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True),
-                           **_mode_kwargs(mode))
+            model.generate(input_ids=ids, hf_cascade_config=config, **kw)
         except _Stop:
             pass
         finally:
             whole_step.WholeStepLoop._chunk = real_chunk
         results.append({"shape": shape, "prompt": prompt, "mode": mode, **found})
     harness.table("whole step parts (µs, CUDA events, median)", ["shape", "prompt", "mode", "blocks_us", "forward_us",
-                                                                "choose_us", "whole_us", "host_us_per_step",
+                                                                "choose_us", "whole_us", "chunk_wall_us_per_step", "host_us_per_step",
                                                                 "floor_us", "whole_vs_floor"], results,
                   console=Console(width=160))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),
