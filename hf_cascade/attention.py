@@ -132,8 +132,8 @@ def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> Non
     if dropout:
         reasons.append("attention dropout (the model is in training mode; call model.eval())")
     window = kwargs.get("sliding_window")
-    # (a static step has no padding among its new tokens: decided before the cache's length, which changes per step,
-    # is read; a compiled step must not read it)
+    # a static step has no padding among its new tokens (src_index None), tested first: a compiled step never reads
+    # the cache's length, which changes every step
     if (window is not None and ctx.plan.src_index is not None and not ctx.plan.fresh
             and ctx.cache.logical_length > window):
         reasons.append(f"a sliding window of {window} tokens exceeded by a sequence of "

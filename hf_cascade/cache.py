@@ -241,11 +241,11 @@ class CascadeCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store this step's K/V of layer ``layer_idx``; returns them unchanged (the attention reads the pool)."""
         ctx = self._context
+        # a static decode step that began before this layer (its pools made ready then) takes no host work: tensor
+        # writes and dict updates only, which a compiled forward traces; anything else begins or checks on the host
         if (ctx is None or ctx.finished or ctx.unread or layer_idx in ctx.written or not ctx.plan.static
                 or layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized or self.offloading):
             ctx = self._step_of_update(key_states, layer_idx)
-        # else a static decode step that began before this layer, its pools made ready when it began: only tensor
-        # work and dict updates from here, which a compiled forward traces
         layer = self.layers[layer_idx]
         layer.write(key_states, value_states, ctx.plan)
         ctx.written[layer_idx] = (layer, key_states.shape)

@@ -92,6 +92,7 @@ class StepContext:
       means a new step); the attention finds its layer's pool here by ``module.layer_idx``;
     - ``unread``: layers written whose attention has not run (the next ``update`` refuses to go on while one is);
     - ``backends``: the kernel backend chosen for each layer shape and quirk set (the graph runner checks them);
+      on a static decode step each layer's choice is bound once for the layout (:meth:`bind_attention`);
     - ``metadata``: each backend's per-step metadata (a static decode layout keeps its own for the call);
     - ``finished``: the step is over though its layers may not have written (a replayed CUDA graph): the next
       ``update`` begins a new step.
@@ -138,11 +139,10 @@ class StepContext:
     def bind_attention(self, layer_idx: int, name: str, q, pool, softcap, window, sinks) -> BoundAttention:
         """Resolve the layer's attention for this static step's layout (host work: backend choice, metadata) and
         keep it in the layout for the steps after."""
-        if window is not None and self.cache.attention_horizon(True) <= window:
-            kernel_window = None   # no row passes the window while the layout holds: plain causal, which more
-        else:                      # backends take
-            kernel_window = window
-        quirks = Quirks(softcap=softcap, window=kernel_window, sinks=sinks)
+        # a window no row passes while the layout holds (its capacity bounds every row) is left out: plain causal
+        # attention, which more backends take
+        passed = window is not None and self.cache.attention_horizon(True) > window
+        quirks = Quirks(softcap=softcap, window=window if passed else None, sinks=sinks)
         backend = self.backend(name, q, pool, quirks)
         metadata = self.backend_metadata(backend, q, pool, quirks) if backend.layout_metadata else None
         bound = BoundAttention(backend, self._backend_key(q, quirks), quirks, quirks.kwargs(), metadata, softcap,

@@ -128,7 +128,6 @@ def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch):
     """12 layers (past dynamo's default recompile limit of 8, which a per-layer recompile would hit), three calls
     of beam search in float32: the compiled graphs after the first call are all there are, and their tokens equal the
     uncompiled step's (and stock's)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
     stock, cascade = _pair("Llama", dtype=torch.float32, num_hidden_layers=12)
     ids, mask = padded_batch(seed=6, lengths=PROMPTS)
     expected = _generate(stock, ids, mask, "beam")
@@ -291,4 +290,31 @@ def test_gpu_compile_count_is_stable_over_three_calls(fresh_dynamo, monkeypatch,
     same = (out.sequences == base.sequences).float().mean().item()
     print(f"bf16 compiled vs uncompiled graph ({memory}): {same:.1%} of the tokens agree; sequence scores "
           f"{out.sequences_scores.tolist()} vs {base.sequences_scores.tolist()}")
+    assert torch.allclose(out.sequences_scores.float(), base.sequences_scores.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_gpu_windowed_models_compile_on_our_kernels(fresh_dynamo, monkeypatch, name):
+    """bf16 on our CUDA kernels with a sliding window (a row passes it while the graph replays) and Gemma-2's
+    softcap: compiled + captured without a graph break; beam scores agree with the uncompiled graph's within bf16
+    rounding (the share of equal tokens is printed)."""
+    from test_gpu_graphs import _batch, _windowed_pair
+    _, model = _windowed_pair(name, torch.bfloat16)
+    ids, mask = _batch((700, 460, 590), seed=7)          # the 460-token row passes the window at step 20
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+              **GPU_CASES["beam"])
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    outs = []
+    for compile in (False, True):
+        torch.manual_seed(11)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(
+            cuda_graphs=True, backend="cuda", compile=compile), **kw))
+    _, compiled = spy.runners
+    assert compiled.disabled is None and compiled.captures == 1 and compiled.replays >= 30, compiled.disabled
+    compiled_calls.check(calls=2)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    base, out = outs
+    same = (out.sequences == base.sequences).float().mean().item()
+    print(f"{name} bf16 compiled vs uncompiled graph: {same:.1%} of the tokens agree")
     assert torch.allclose(out.sequences_scores.float(), base.sequences_scores.float(), atol=0.05, rtol=0.02)
