@@ -18,6 +18,12 @@ other shapes, output_attentions, ...) runs the model's own forward. The graph is
 re-captured when what it baked in changes: the input shapes, the layout (rows outgrew its capacity) or a
 pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``static`` never do).
 
+With ``CascadeConfig(compile=True)`` the forward the runner captures (or, with ``cuda_graphs="eager"``, runs) is
+``torch.compile(fullgraph=True)`` of the model's forward: every layer's cache write and cascade attention inside one
+graph, the kernels as typed operators. A new key's first step runs the plain forward first (it binds each layer's
+attention on the layout: :mod:`hf_cascade.context`), then the compiled one, which gets the step context as its
+``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
+
 This module owns the runner (capture and replay), the forward dispatcher and the support policy
 (:func:`unsupported_reason`); which runner a call uses, what is kept for the next call and the capture guard
 belong to :mod:`hf_cascade.session`.
