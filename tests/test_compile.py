@@ -201,6 +201,41 @@ def test_a_static_layout_binds_each_layer_once(monkeypatch):
     assert static == [12]
 
 
+def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
+    """The cuda backend's forward inside a compiled graph, on the CPU with fake CUDA tensors: one graph (fullgraph)
+    holding the three operators, whose fake implementations check the launch arguments; nothing of the eager path
+    (the library, the stream, an address) is touched, which fake tensors would refuse."""
+    from types import SimpleNamespace
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hf_cascade.kernels import cuda as cuda_backend
+    from test_kernel_ops import layout
+
+    graphs_seen = []
+
+    def keep(gm, example_inputs):
+        graphs_seen.append(gm)
+        return gm.forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a = layout(device="cuda")
+        dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
+                             suffix_table=a["suffix_table"], q_limit=a["q_limit"])
+        state = cuda_backend._StepState(
+            has_prefix=True, m_tile=a["m_tile"], row_tiles=a["row_tiles"], chunk_tokens=a["chunk_tokens"],
+            max_chunks=a["max_chunks"], split_tokens=a["split_tokens"], nsplit=a["nsplit"],
+            slots=a["max_chunks"] + a["nsplit"], row_nchunks=a["row_nchunks"], part_o=a["part_o"],
+            part_lse=a["part_lse"], dp=dp)
+        sinks = torch.empty(a["q"].shape[2], device="cuda")
+
+        def layer(q, pool):
+            return cuda_backend.BACKEND.forward(q * 2, pool, state, 0.1, softcap=30.0, window=64, sinks=sinks)
+
+        out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
+    assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
+    kernels_in_graph = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
+    assert kernels_in_graph == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 GPU_SHAPE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
