@@ -102,16 +102,25 @@ class CascadeLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         return self.cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
 
+    def ready_pool(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
+        """Make the pool this step writes into ready (created with the first K/V, grown for the step's blocks): host
+        work, before :meth:`write`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_fits(key_states)
+        pool = self.storage.ensure(self.cache.blocks.capacity)
+        # a static step: an address and a shape that stay for the call (a captured graph holds both)
+        self.step_pool = self.storage.stable_view() if plan.static else pool
+
+    def use_static_pool(self, key_states: torch.Tensor) -> None:
+        """:meth:`ready_pool` for a static step that made every initialized layer's pool ready when it began
+        (CascadeCache._begin_step_shape): no host work, which a compiled step traces."""
+        self._check_fits(key_states)
+        self.step_pool = self.storage.stable_view()
+
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
-        """Copy-on-write copies, then this step's new tokens into their slots."""
-        if plan.static and self.is_initialized:
-            # an address and a shape that stay for the call (a captured graph holds both); the pool was made ready
-            # for the step when it began (CascadeCache._begin_step_shape): no host work, which a compiled step traces
-            self._check_fits(key_states)
-            pool = self.storage.stable_view()
-        else:
-            pool = self._ready_pool(key_states, value_states, plan)
-        self.step_pool = pool
+        """Copy-on-write copies, then this step's new tokens into their slots of the ready pool (tensor work only)."""
+        pool = self.step_pool
         dp = plan.on(pool.device)
         if plan.static or dp.copy_src.numel():      # (a static step's copy pairs are padded to its rows)
             pool[dp.copy_dst] = pool[dp.copy_src]
@@ -121,15 +130,6 @@ class CascadeLayer(CacheLayerMixin):
             if dp.src_index is not None:
                 flat = flat.index_select(0, dp.src_index)
             pool[dp.write_block, kv, dp.write_offset] = flat.to(pool.device)
-
-    @torch.compiler.disable     # host work: lazy initialisation, pool growth
-    def _ready_pool(self, key_states, value_states, plan: StepPlan) -> torch.Tensor:
-        """The pool this step writes into, created or grown for it."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._check_fits(key_states)
-        pool = self.storage.ensure(self.cache.blocks.capacity)
-        return self.storage.stable_view() if plan.static else pool
 
     def _check_fits(self, key_states) -> None:
         _, num_heads, _, head_dim = key_states.shape
@@ -245,8 +245,11 @@ class CascadeCache(Cache):
         # writes and dict updates only, which a compiled forward traces; anything else begins or checks on the host
         if (ctx is None or ctx.finished or ctx.unread or layer_idx in ctx.written or not ctx.plan.static
                 or layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized or self.offloading):
-            ctx = self._step_of_update(key_states, layer_idx)
-        layer = self.layers[layer_idx]
+            ctx = self._host_update(key_states, value_states, layer_idx)
+            layer = self.layers[layer_idx]
+        else:
+            layer = self.layers[layer_idx]
+            layer.use_static_pool(key_states)
         layer.write(key_states, value_states, ctx.plan)
         ctx.written[layer_idx] = (layer, key_states.shape)
         ctx.unread.add(layer_idx)
@@ -262,8 +265,9 @@ class CascadeCache(Cache):
         return key_states, value_states
 
     @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
-    def _step_of_update(self, key_states, layer_idx: int) -> StepContext:
-        """The step ``update`` writes layer ``layer_idx`` into: the one in progress, or a new one (checks first)."""
+    def _host_update(self, key_states, value_states, layer_idx: int) -> StepContext:
+        """The step ``update`` writes layer ``layer_idx`` into (the one in progress, or a new one: checks first), and
+        the layer's pool made ready for it."""
         if self.offloading:
             raise ValueError("CascadeCache does not offload layers to the CPU.")
         while len(self.layers) <= layer_idx:
@@ -278,6 +282,7 @@ class CascadeCache(Cache):
                 "attn_implementation='cascade' (after `import hf_cascade`), or use a DynamicCache.")
         if ctx is None or ctx.finished or layer_idx in ctx.written:
             ctx = self._begin_step(key_states)
+        self.layers[layer_idx].ready_pool(key_states, value_states, ctx.plan)
         return ctx
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
