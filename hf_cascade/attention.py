@@ -7,6 +7,12 @@ over the paged pool (shared prefix once per group, each row's suffix, log-sum-ex
 for a prefill into an empty cache, which runs densely over the fresh K/V exactly like sdpa. Any
 other K/V (no cache, ``use_cache=False``, a DynamicCache: Trainer's loss pass) take the dense
 fallback, transformers' own sdpa. An encoder-decoder's cross-attention calls go to :mod:`hf_cascade.cross_attention`.
+
+Inside a compiled forward (the graph runner's ``compile``, ``fullgraph=True``) only a static decode step's path is
+traced: the context is an argument, the layer's attention was bound on the layout by the step's eager first run
+(:class:`~hf_cascade.context.BoundAttention`), and what is left is dict lookups, constants and the kernels. Host work
+(the per-thread shim, choosing a backend) stays eager (``torch.compiler.disable``); reaching it, or a dense path, in
+a compiled static step is an error the runner answers by running uncompiled.
 """
 from __future__ import annotations
 
@@ -14,12 +20,13 @@ import inspect
 import sys
 
 import torch
+from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from . import cross_attention
-from .context import STEP_KWARG, get_context
+from .context import STEP_KWARG, BoundAttention, StepContext, get_context
 from .kernels.base import Quirks
 
 NAME = "cascade"
@@ -125,8 +132,10 @@ def _check_supported(module, ctx, layer, attention_mask, dropout, kwargs) -> Non
     if dropout:
         reasons.append("attention dropout (the model is in training mode; call model.eval())")
     window = kwargs.get("sliding_window")
-    if (window is not None and ctx.cache.logical_length > window and not ctx.plan.fresh
-            and ctx.plan.src_index is not None):
+    # a static step has no padding among its new tokens (src_index None), tested first: a compiled step never reads
+    # the cache's length, which changes every step
+    if (window is not None and ctx.plan.src_index is not None and not ctx.plan.fresh
+            and ctx.cache.logical_length > window):
         reasons.append(f"a sliding window of {window} tokens exceeded by a sequence of "
                        f"{ctx.cache.logical_length} in a step with padding among its new tokens")
     if isinstance(attention_mask, CascadeMask):
@@ -155,7 +164,21 @@ def _check_padding_known(plan, attention_mask) -> None:
             "be stored. Use model.generate(...), or hf_cascade.prefill(model, cache, input_ids, attention_mask).")
 
 
-@torch.compiler.disable            # reads the step context and launches our kernels: eager inside a compiled forward
+_shim_context = torch.compiler.disable(get_context)     # a thread-local: read eagerly, never traced
+
+
+@torch.compiler.disable          # host work: chooses the backend and builds metadata (the first step of a layout)
+def _bind(ctx: StepContext, layer_idx, q, pool, softcap, window, sinks) -> BoundAttention:
+    return ctx.bind_attention(layer_idx, ctx.cache.cascade_config.backend, q, pool, softcap, window, sinks)
+
+
+def _refuse_in_compiled_step(ctx, what: str) -> None:
+    """A compiled static step traces no host work: raise (the graph runner then runs the step uncompiled)."""
+    if ctx is not None and _is_compiling() and ctx.plan.static:
+        raise RuntimeError(f"a compiled static decode step reached {what}; it runs on the eager forward instead (the "
+                           "graph runner binds every layer in the layout's first, eager step)")
+
+
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """``query`` [B, Hq, q, D]; ``key``/``value`` as ``cache.update`` returned them. Returns ([B, q, Hq, D], None)."""
     ctx = kwargs.pop(STEP_KWARG, None)        # taken out first: a dense attention function must not get them
@@ -165,8 +188,9 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     # a module without layer_idx (a ViT encoder's) never writes a cache: dense
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is None:       # where update got no attention kwargs: the shim (a stale context has no unread layer)
-        ctx = get_context()
+        ctx = _shim_context() if _is_compiling() else get_context()
     if ctx is None or layer_idx not in ctx.unread:
+        _refuse_in_compiled_step(ctx, f"the dense attention path (layer {layer_idx} stored no K/V in the step)")
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     ctx.unread.discard(layer_idx)
     layer, key_shape = ctx.written[layer_idx]
@@ -184,16 +208,28 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = layer.step_pool
     q = query.transpose(1, 2)                                          # [R, q, Hq, D]
-    window = kwargs.get("sliding_window")
-    if window is not None and ctx.cache.attention_horizon(plan.static) <= window:
-        # no sequence passes the window (in a static step: during the whole call, as a captured graph replays the
-        # step while rows grow; the kernels apply a window from the device lengths): plain causal attention,
-        # which more backends take
-        window = None
-    quirks = Quirks(softcap=kwargs.get("softcap"), window=window, sinks=kwargs.get("s_aux"))
+    softcap, window, sinks = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+    if plan.static:     # resolved once for the layout: one lookup per step (and all a compiled step traces)
+        bound = ctx.bound_attention(layer_idx, softcap, window, sinks)
+        if bound is None:
+            _refuse_in_compiled_step(ctx, f"layer {layer_idx}'s backend choice, not bound on the layout")
+            bound = _bind(ctx, layer_idx, q, pool, softcap, window, sinks)
+        backend, quirks, metadata = bound.backend, bound.quirks, bound.metadata
+        if metadata is None:
+            metadata = ctx.backend_metadata(backend, q, pool, quirks)
+        return backend.forward(q, pool, metadata, scale, **bound.quirk_kwargs).contiguous(), None
+    return _per_step_attention(ctx, q, pool, scale, softcap, window, sinks), None
+
+
+@torch.compiler.disable          # host work every step (backend choice, metadata): eager inside a compiled forward
+def _per_step_attention(ctx: StepContext, q, pool, scale, softcap, window, sinks):
+    """A step planned anew (prefill into a filled cache, a decode step off a static layout)."""
+    if window is not None and ctx.cache.attention_horizon(False) <= window:
+        window = None   # no sequence passes the window: plain causal attention, which more backends take
+    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
     metadata = ctx.backend_metadata(backend, q, pool, quirks)
-    return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous(), None
+    return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous()
 
 
 def register() -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernels
@@ -108,11 +109,43 @@ class CascadeLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         return self.cache.update(key_states, value_states, self.layer_idx, *args, **kwargs)
 
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
-        """Copy-on-write copies, then this step's new tokens into their slots (quantized first for a quantized
-        pool: :meth:`hf_cascade.memory.BlockStorage.encode`)."""
+    def ready_pool(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
+        """Make the pool this step writes into ready (created with the first K/V, grown for the step's blocks): host
+        work, before :meth:`write`."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_fits(key_states)
+        pool = self.storage.ensure(self.cache.blocks.capacity)
+        # a static step: an address and a shape that stay for the call (a captured graph holds both)
+        self.step_pool = self._with_scale(self.storage.stable_view() if plan.static else pool)
+
+    def use_static_pool(self, key_states: torch.Tensor) -> None:
+        """:meth:`ready_pool` for a static step that made every initialized layer's pool ready when it began
+        (CascadeCache._begin_step_shape): no host work, which a compiled step traces."""
+        self._check_fits(key_states)
+        self.step_pool = self._with_scale(self.storage.stable_view())
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
+        """Copy-on-write copies, then this step's new tokens into their slots of the ready pool (tensor work only;
+        quantized first for a quantized pool: :meth:`hf_cascade.memory.BlockStorage.encode`)."""
+        pool = self.step_pool
+        dp = plan.on(pool.device)
+        quantized = self.storage.scale is not None
+        # a quantized pool's bytes move as bytes (index copies of float8 are not implemented everywhere)
+        target = pool.view(torch.uint8) if quantized else pool
+        if plan.static or dp.copy_src.numel():      # (a static step's copy pairs are padded to its rows)
+            target[dp.copy_dst] = target[dp.copy_src]
+        _, num_heads, _, head_dim = key_states.shape
+        flat = []
+        for states in (key_states, value_states):
+            rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
+            flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
+        for kv, stored in enumerate(self.storage.encode(*flat)):
+            if quantized:
+                stored = stored.view(torch.uint8)
+            target[dp.write_block, kv, dp.write_offset] = stored.to(pool.device)
+
+    def _check_fits(self, key_states) -> None:
         _, num_heads, _, head_dim = key_states.shape
         _, _, pool_heads, pool_dim = self.storage.block_shape
         quantized = self.storage.scale is not None
@@ -122,23 +155,6 @@ class CascadeLayer(CacheLayerMixin):
                 f"CascadeCache layer {self.layer_idx} stores K/V with {pool_heads} heads x {pool_dim} dims in "
                 f"{expected}, but got {num_heads} x {head_dim} in {key_states.dtype}: the cache was filled "
                 "by another model or config. Call cache.reset() or use a new CascadeCache.")
-        pool = self.storage.ensure(self.cache.blocks.capacity)
-        if plan.static:     # an address and a shape that stay for the call (a captured graph holds both)
-            pool = self.storage.stable_view()
-        self.step_pool = self._with_scale(pool)
-        dp = plan.on(pool.device)
-        # a quantized pool's bytes move as bytes (index copies of float8 are not implemented everywhere)
-        target = pool.view(torch.uint8) if quantized else pool
-        if dp.copy_src.numel():
-            target[dp.copy_dst] = target[dp.copy_src]
-        flat = []
-        for states in (key_states, value_states):
-            rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
-            flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
-        for kv, stored in enumerate(self.storage.encode(*flat)):
-            if quantized:
-                stored = stored.view(torch.uint8)
-            target[dp.write_block, kv, dp.write_offset] = stored.to(pool.device)
 
     def get_seq_length(self) -> int:
         return self.cache.logical_length
@@ -238,9 +254,36 @@ class CascadeCache(Cache):
             layer._cache = weakref.ref(self)
 
     # ---- transformers' Cache API ------------------------------------------------------------
-    @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store this step's K/V of layer ``layer_idx``; returns them unchanged (the attention reads the pool)."""
+        ctx = self._context
+        # a static decode step that began before this layer (its pools made ready then) takes no host work: tensor
+        # writes and dict updates only, which a compiled forward traces; anything else begins or checks on the host
+        if (ctx is None or ctx.finished or ctx.unread or layer_idx in ctx.written or not ctx.plan.static
+                or layer_idx >= len(self.layers) or not self.layers[layer_idx].is_initialized or self.offloading):
+            ctx = self._host_update(key_states, value_states, layer_idx)
+            layer = self.layers[layer_idx]
+        else:
+            layer = self.layers[layer_idx]
+            layer.use_static_pool(key_states)
+        layer.write(key_states, value_states, ctx.plan)
+        ctx.written[layer_idx] = (layer, key_states.shape)
+        ctx.unread.add(layer_idx)
+        # the context reaches this layer's attention call as an argument, in the dict transformers splats into it;
+        # where update gets no such dict (transformers < 5.24, or a modeling file that passes none, e.g. GPT-NeoX),
+        # through the one per-thread channel (not in a compiled forward: the graph runner passes the context as the
+        # forward's argument there)
+        attention_kwargs = kwargs.get("kwargs") if UPDATE_PASSES_KWARGS else None
+        if attention_kwargs is not None:
+            attention_kwargs[STEP_KWARG] = ctx
+        elif not _is_compiling():
+            set_context(ctx)
+        return key_states, value_states
+
+    @torch.compiler.disable        # host bookkeeping: a compiled forward calls it eagerly (graph break)
+    def _host_update(self, key_states, value_states, layer_idx: int) -> StepContext:
+        """The step ``update`` writes layer ``layer_idx`` into (the one in progress, or a new one: checks first), and
+        the layer's pool made ready for it."""
         if self.offloading:
             raise ValueError("CascadeCache does not offload layers to the CPU.")
         while len(self.layers) <= layer_idx:
@@ -255,27 +298,26 @@ class CascadeCache(Cache):
                 "attn_implementation='cascade' (after `import hf_cascade`), or use a DynamicCache.")
         if ctx is None or ctx.finished or layer_idx in ctx.written:
             ctx = self._begin_step(key_states)
-        layer = self.layers[layer_idx]
-        layer.write(key_states, value_states, ctx.plan)
-        ctx.written[layer_idx] = (layer, key_states.shape)
-        ctx.unread.add(layer_idx)
-        # the context reaches this layer's attention call as an argument, in the dict transformers splats into it;
-        # where update gets no such dict (transformers < 5.24, or a modeling file that passes none, e.g. GPT-NeoX),
-        # through the one per-thread channel
-        attention_kwargs = kwargs.get("kwargs") if UPDATE_PASSES_KWARGS else None
-        if attention_kwargs is not None:
-            attention_kwargs[STEP_KWARG] = ctx
-        else:
-            set_context(ctx)
-        return key_states, value_states
+        self.layers[layer_idx].ready_pool(key_states, value_states, ctx.plan)
+        return ctx
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.logical_length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.logical_length + query_length, 0
+        return self._mask_length() + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._mask_length()
+
+    def _mask_length(self) -> int:
+        """The length the model's mask function is told: the logical length, except in a compiled static decode step,
+        whose attention builds no mask (it reads each row's tokens from the pool; a dense path there is refused): the
+        layout's token limit, fixed for the layout, so that the compiled forward does not depend on the length,
+        which changes every step."""
+        ctx = self._context
+        if _is_compiling() and ctx is not None and ctx.plan.static:
+            return ctx.plan.layout.token_limit
         return self.logical_length
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -515,6 +557,10 @@ class CascadeCache(Cache):
             plan = build_step_plan(self.blocks.tables(), self.blocks.lengths, counts, mask, q_len, append_plan,
                                    self.block_size, self.cascade_config.min_group_rows,
                                    self.cascade_config.min_prefix_tokens, self._min_saved_tokens())
+        if plan.static:     # every layer's pool ready for the step now: the layers' writes do no host work
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.storage.ensure(self.blocks.capacity)
         self._step_id += 1
         self._context = StepContext(self, plan, self._step_id)
         self.logical_length += q_len

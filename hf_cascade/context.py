@@ -17,13 +17,23 @@ How the context reaches the attention function (decided once, at import, by the 
   (tests/test_threads.py), and weakly, so that a dropped cache frees its pools at once. The attention reads it only
   for a layer written and not yet read in that step, so a stale context never reaches a later dense forward.
 
+- a compiled forward (the graph runner's ``compile``) gets the context as the forward's own ``cascade_step`` argument,
+  which transformers hands on to every attention call: a thread-local cannot be read inside a traced graph, so the
+  shim is left out there on every transformers version.
+
+On a static decode step (:attr:`~hf_cascade.plan.StepPlan.static`) a layer's attention is resolved once for the
+layout: its backend, the quirks the kernels get (a window no row can pass during the layout left out) and, where the
+backend keeps it per layout, its metadata, as one :class:`BoundAttention` kept in the layout. Every later step of the
+layout finds it with one lookup; a compiled forward traces only that lookup and the kernels (the graph runner runs
+the first step of a layout eagerly, which binds every layer).
+
 A context refers to its cache weakly (the cache holds its step's context until the next step): no reference cycle.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import transformers
 from packaging.version import Version
@@ -44,6 +54,34 @@ def _no_cache():
     return None
 
 
+class BoundAttention(NamedTuple):
+    """One layer's attention on a static decode layout, resolved by its first step and kept by the layout.
+
+    - ``backend``: the kernel backend; ``backend_key``: its key in :attr:`StepContext.backends`;
+    - ``quirks`` / ``quirk_kwargs``: the variants the kernels get (a window no row can pass while the layout holds is
+      left out: the layout's capacity bounds every row);
+    - ``metadata``: the backend's metadata kept for the layout, or None where the backend builds it per step;
+    - ``softcap`` / ``window`` / ``sinks``: what the model's attention call passed; the binding serves a call that
+      passes the same (:meth:`fits`)."""
+
+    backend: "Backend"
+    backend_key: tuple
+    quirks: Quirks
+    quirk_kwargs: dict
+    metadata: Any
+    softcap: Any
+    window: Any
+    sinks: Any
+
+    def fits(self, softcap, window, sinks) -> bool:
+        return softcap == self.softcap and window == self.window and sinks is self.sinks
+
+
+def _binding_key(layer_idx: int) -> tuple:
+    """Where a layout's ``metadata`` dict keeps a layer's :class:`BoundAttention` (backends' keys begin with a name)."""
+    return ("bound attention", layer_idx)
+
+
 class StepContext:
     """One forward step of one CascadeCache.
 
@@ -54,6 +92,7 @@ class StepContext:
       means a new step); the attention finds its layer's pool here by ``module.layer_idx``;
     - ``unread``: layers written whose attention has not run (the next ``update`` refuses to go on while one is);
     - ``backends``: the kernel backend chosen for each layer shape and quirk set (the graph runner checks them);
+      on a static decode step each layer's choice is bound once for the layout (:meth:`bind_attention`);
     - ``metadata``: each backend's per-step metadata (a static decode layout keeps its own for the call);
     - ``finished``: the step is over though its layers may not have written (a replayed CUDA graph): the next
       ``update`` begins a new step.
@@ -77,17 +116,47 @@ class StepContext:
         return len(self.written) == 1
 
     def rewind(self) -> None:
-        """Let the step's layers write again (same slots, same values)."""
+        """Let the step's layers write again (same slots, same values), as into a step just begun (what a compiled
+        forward, traced on a step begun before it, expects)."""
         self.written.clear()
         self.unread.clear()
+        self.backends.clear()
+        self.metadata.clear()
         self.finished = False
 
     def finish(self) -> None:
         self.finished = True
 
+    def bound_attention(self, layer_idx: int, softcap, window, sinks) -> BoundAttention | None:
+        """The layer's attention resolved for this static step's layout, if it serves these quirks (its backend is
+        then recorded as one this step ran). Dict lookups only: what a compiled forward traces."""
+        bound = self.plan.layout.metadata.get(_binding_key(layer_idx))
+        if bound is None or not bound.fits(softcap, window, sinks):
+            return None
+        self.backends[bound.backend_key] = bound.backend
+        return bound
+
+    def bind_attention(self, layer_idx: int, name: str, q, pool, softcap, window, sinks) -> BoundAttention:
+        """Resolve the layer's attention for this static step's layout (host work: backend choice, metadata) and
+        keep it in the layout for the steps after."""
+        # a window no row passes while the layout holds (its capacity bounds every row) is left out: plain causal
+        # attention, which more backends take
+        passed = window is not None and self.cache.attention_horizon(True) > window
+        quirks = Quirks(softcap=softcap, window=window if passed else None, sinks=sinks)
+        backend = self.backend(name, q, pool, quirks)
+        metadata = self.backend_metadata(backend, q, pool, quirks) if backend.layout_metadata else None
+        bound = BoundAttention(backend, self._backend_key(q, quirks), quirks, quirks.kwargs(), metadata, softcap,
+                               window, sinks)
+        self.plan.layout.metadata[_binding_key(layer_idx)] = bound
+        return bound
+
+    @staticmethod
+    def _backend_key(q, quirks: Quirks) -> tuple:
+        return (quirks, q.device, q.dtype, q.shape[-2], q.shape[-1])
+
     def backend(self, name: str, q, pool, quirks: Quirks) -> "Backend":
         """The kernel backend for this step, layer shape and quirk set (``kernels.select`` runs once per step each)."""
-        key = (quirks, q.device, q.dtype, q.shape[-2], q.shape[-1])
+        key = self._backend_key(q, quirks)
         found = self.backends.get(key)
         if found is None:
             found = self.backends[key] = kernels.select(name, q, pool, self.plan, quirks)

@@ -18,6 +18,12 @@ other shapes, output_attentions, ...) runs the model's own forward. The graph is
 re-captured when what it baked in changes: the input shapes, the layout (rows outgrew its capacity) or a
 pool's address (``memory="grow"`` moves its pool when it grows; ``vmm`` and ``static`` never do).
 
+With ``CascadeConfig(compile=True)`` the forward the runner captures (or, with ``cuda_graphs="eager"``, runs) is
+``torch.compile(fullgraph=True)`` of the model's forward: every layer's cache write and cascade attention inside one
+graph, the kernels as typed operators. A new key's first step runs the plain forward first (it binds each layer's
+attention on the layout: :mod:`hf_cascade.context`), then the compiled one, which gets the step context as its
+``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
+
 This module owns the runner (capture and replay), the forward dispatcher and the support policy
 (:func:`unsupported_reason`); which runner a call uses, what is kept for the next call and the capture guard
 belong to :mod:`hf_cascade.session`.
@@ -42,6 +48,7 @@ import torch
 
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .context import STEP_KWARG
 from .logs import log_once
 from .seq2seq_models import step_positions_reason
 
@@ -137,8 +144,8 @@ class DecodeGraphRunner:
         """Take the model's forward for a call (dropped again by :meth:`detach` when the runner is kept)."""
         if self.original is None:
             self.original = plain_forward(model)      # never a dispatcher: a concurrent call may have installed one
-            # compiled layers inside the captured graph: inductor fuses the norms, rotary and MLP glue; the cache
-            # update and the cascade attention stay eager (torch.compiler.disable) and are captured as launched
+            # the whole decode forward as one compiled graph (cache write and cascade attention included: see
+            # _run), inside the captured graph: inductor fuses the norms, rotary and MLP glue
             self.forward_fn = _compiled(self.original) if self.compiled else self.original
 
     def detach(self) -> None:
@@ -265,11 +272,10 @@ class DecodeGraphRunner:
                 v.copy_(kwargs[k], non_blocking=True)
 
     def _upload(self, ctx):
-        """What the layers' Python does before their kernels: map the pools, upload the plan."""
-        capacity = self.cache.blocks.capacity
+        """What the layers' Python does before their kernels: upload the plan (``prepare_step`` made the pools ready:
+        a static step does so when it begins)."""
         for layer in self.cache.layers:
             if layer.storage is not None:
-                layer.storage.ensure(capacity)
                 ctx.plan.on(layer.storage.device)
 
     def _step_done(self, ctx):
@@ -311,7 +317,7 @@ class DecodeGraphRunner:
             # it finds (a dead CascadeCache's VMM pool unmaps and synchronises the device; torch stopped collecting
             # before a capture), and their CUDA calls would invalidate the capture
             with _gc_paused(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                static_out = self.forward_fn(**static)
+                static_out = self._call(static)
         except Exception as err:  # noqa: BLE001 — e.g. a host sync inside the model's forward
             _end_failed_capture()
             return self._disable(f"capture failed ({type(err).__name__}: {str(err)[:200]})", ctx, out)
@@ -326,16 +332,32 @@ class DecodeGraphRunner:
         return out
 
     def _run(self, static):
-        """The first step's eager forward (with ``compile``, the compiling one; a model dynamo cannot
-        compile runs uncompiled, logged)."""
+        """The first step's forward on the step's static inputs. With ``compile``: the eager forward first, which binds
+        every layer's attention on the layout (the compiled one traces no host work), then the compiling one, whose
+        result is the step's; a model dynamo cannot compile runs uncompiled, logged."""
         if self.forward_fn is self.original:
             return self.original(**static)
+        self.original(**static)
+        self.cache.rewind_step()               # the same slots again, from the compiled forward
+        return self._compiled_or_eager(static)
+
+    def _call(self, static):
+        """``forward_fn`` on a static step begun before it; a compiled forward gets the step's context as its own
+        argument (it reaches every attention call, on every transformers version: the per-thread shim cannot be read
+        inside a traced graph)."""
+        if self.forward_fn is self.original:
+            return self.original(**static)
+        return self.forward_fn(**static, **{STEP_KWARG: self.cache.step})
+
+    def _compiled_or_eager(self, static):
+        """:meth:`_call`, and where the compiled forward fails (dynamo, inductor, a recompile limit): the plain forward
+        from then on, logged once."""
         try:
-            return self.forward_fn(**static)
+            return self._call(static)
         except Exception as err:  # noqa: BLE001 — inductor/dynamo failures: fall back to the plain forward
             log_once(("compile", type(err).__name__), logging.WARNING,
-                      "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
-                      type(err).__name__, str(err)[:200])
+                     "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
+                     type(err).__name__, str(err)[:200])
             self.forward_fn = self.original
             self.cache.rewind_step()           # the layers that ran wrote their K/V: the same slots again
             return self.original(**static)
@@ -368,7 +390,7 @@ class _EagerGraph:
     def replay(self, kwargs):
         runner = self.runner()
         runner.cache.rewind_step()
-        runner._keep_output(runner.forward_fn(**runner._with_objects(self.static, kwargs)), kwargs)
+        runner._keep_output(runner._compiled_or_eager(runner._with_objects(self.static, kwargs)), kwargs)
 
 
 def _plain(value) -> bool:
@@ -504,6 +526,7 @@ def _side_stream(device: int) -> "torch.cuda.Stream":
 
 
 def _compiled(forward):
-    """``forward`` compiled for a fixed shape (default mode: inductor without its own CUDA graphs, which
-    would copy the cache's pools; ours captures the compiled forward)."""
-    return torch.compile(forward, dynamic=False, mode="default")
+    """``forward`` compiled for a fixed shape as one graph (``fullgraph``: a graph break would compile each layer's
+    frames apart, one recompile per layer; a model that breaks runs uncompiled instead) in the default mode: inductor
+    without its own CUDA graphs, which would copy the cache's pools; ours captures the compiled forward."""
+    return torch.compile(forward, dynamic=False, fullgraph=True, mode="default")

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
 from . import ops
 from .capture import refuse_in_capture
@@ -274,13 +275,17 @@ class CudaBackend(Backend):
         if not pool.is_contiguous():
             raise ValueError("cuda backend: the KV pool must be contiguous")
         q = q.contiguous()
-        if q.data_ptr() % 16:
+        traced = _is_compiling()
+        if not traced and q.data_ptr() % 16:     # (traced: the operators check the alignment when they run)
             q = q.clone()
         R, Lq, Hq, D = q.shape
         if Lq != metadata.dp.q_limit.shape[1]:
             raise ValueError(f"cuda backend: q has {Lq} tokens per row, the plan {metadata.dp.q_limit.shape[1]}")
         out = torch.empty_like(q)
         if out.numel() == 0:
+            return out
+        if traced:      # the operators (kernels.ops) find the library and launch on the current stream when they run
+            _launch(None, 0, q, pool, metadata, scale, out, softcap=softcap, window=window, sinks=sinks)
             return out
         with torch.cuda.device(q.device):
             lib = library(q.device)

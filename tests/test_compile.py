@@ -1,0 +1,356 @@
+"""``CascadeConfig(compile=True)``: the graph runner compiles the whole decode forward as one graph.
+
+On a static decode step the forward (every layer's cache write and cascade attention included) traces with
+``fullgraph=True``: the step context is an argument, each layer's attention is bound once on the decode layout, and
+no guard depends on what changes every step, so nothing recompiles per layer, per step or per call.
+
+CPU: the runner's static path without capture (``cuda_graphs="eager"``) with inductor; the reference backend runs.
+Compiled tokens equal the uncompiled step's and stock's (float64, and float32 for Llama) for decoder-only families
+with GQA, biases, sliding windows and softcap; a forward that cannot trace runs uncompiled, logged. GPU
+(``pytest -m gpu tests/test_compile.py``): compiled + captured equals uncompiled captured (float32, TF32 off; bf16
+on our kernels: the scores agree within bf16 rounding) on a 12-layer model, and the compile count stays put over
+three calls.
+
+Run these under transformers 5.17 too (the context then reaches the attention only as the forward's argument).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_cascade
+from hf_cascade import CascadeConfig, graphs, kernels, logs
+from hf_cascade.kernels import reference
+
+from conftest import RunnerSpy, cache_kw, padded_batch
+from test_families import FAMILIES, PROMPTS
+
+NEW = 7
+CASES = {"beam": dict(num_beams=4, num_return_sequences=2), "greedy": dict(do_sample=False)}
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()       # no compiled code (nor counters) carried over from another test
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+class CompiledCalls:
+    """The calls of the compiled forwards the runners make (``graphs._compiled``): with ``fullgraph`` a call either
+    runs the compiled graph (counted in ``calls``) or raises (kept in ``failures``; the runner then runs the plain
+    forward for the rest of the call)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.failures = 0, []
+        real = graphs._compiled
+
+        def compiled(forward):
+            fn = real(forward)
+
+            def counted(*args, **kwargs):
+                try:
+                    out = fn(*args, **kwargs)
+                except Exception as err:
+                    self.failures.append(err)
+                    raise
+                self.calls += 1
+                return out
+            return counted
+
+        monkeypatch.setattr(graphs, "_compiled", compiled)
+
+    def check(self, calls=None) -> None:
+        assert not self.failures, f"the compiled forward failed, the step ran uncompiled: {self.failures[0]!r}"
+        assert self.calls >= 1 if calls is None else self.calls == calls, self.calls
+
+
+def _pair(name, dtype=None, **overrides):
+    """(stock, cascade) models of FAMILIES[name] with the same random weights."""
+    family = FAMILIES[name]
+    dtype = dtype or family.dtype
+
+    def make():
+        config = family.make()
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(make(), attn_implementation=family.stock or "sdpa", dtype=dtype).eval()
+    cascade = AutoModelForCausalLM.from_config(make(), attn_implementation="cascade", dtype=dtype).eval()
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
+def _cascade_kwargs(model, case, config: CascadeConfig) -> dict:
+    # greedy shares nothing and would run on stock's own path: a cache of our own keeps it on the cascade
+    if case == "greedy":
+        return cache_kw(model, hf_cascade.CascadeCache(model.config, config))
+    return dict(hf_cascade_config=config)
+
+
+def _generate(model, ids, mask, case, config=None):
+    kw = dict(max_new_tokens=NEW, **CASES[case])
+    extra = {} if config is None else _cascade_kwargs(model, case, config)
+    return model.generate(input_ids=ids, attention_mask=mask, **kw, **extra)
+
+
+@pytest.mark.parametrize("family, case", [("Llama", "beam"), ("Llama", "greedy"), ("Qwen2", "beam"),
+                                          ("Mistral", "beam"), ("Gemma2", "beam"), ("Gemma2", "greedy")])
+def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, family, case):
+    """Llama (GQA), Qwen2 (biases), Mistral (a window shorter than the sequences), Gemma2 (softcap, hybrid windowed
+    layers, float32 as in test_families): one graph, no break, every decode step but the first run compiled."""
+    stock, cascade = _pair(family)
+    ids, mask = padded_batch(seed=5, lengths=PROMPTS)
+    expected = _generate(stock, ids, mask, case)
+    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager"))
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True))
+    assert torch.equal(uncompiled, expected)
+    assert torch.equal(got, expected)
+    runner, = spy.runners
+    assert runner.disabled is None
+    # the first decode step runs eagerly (binding every layer) and then compiled; every other one only compiled
+    compiled_calls.check(calls=runner.replays + 1)
+    assert runner.replays == NEW - 1 and runner.eager_calls == 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch):
+    """12 layers (past dynamo's default recompile limit of 8, which a per-layer recompile would hit), three calls
+    of beam search in float32 with recompiling made an error: one graph for all of them, and its tokens equal the
+    uncompiled step's (and stock's)."""
+    stock, cascade = _pair("Llama", dtype=torch.float32, num_hidden_layers=12)
+    ids, mask = padded_batch(seed=6, lengths=PROMPTS)
+    expected = _generate(stock, ids, mask, "beam")
+    uncompiled = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager"))
+    compiled_calls = CompiledCalls(monkeypatch)
+    graph_counts = []
+    with torch._dynamo.config.patch(error_on_recompile=True):     # a recompile fails the compiled call
+        for _ in range(3):
+            got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager", compile=True))
+            assert torch.equal(got, uncompiled)
+            graph_counts.append(counters["stats"]["unique_graphs"])
+    assert torch.equal(uncompiled, expected)
+    compiled_calls.check(calls=3 * NEW)
+    assert graph_counts == [1, 1, 1]
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_compiled_equals_uncompiled(fresh_dynamo, monkeypatch, case):
+    stock, cascade = _pair("Llama", dtype=torch.float32)
+    ids, mask = padded_batch(seed=7, lengths=PROMPTS)
+    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager"))
+    compiled_calls = CompiledCalls(monkeypatch)
+    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True))
+    compiled_calls.check(calls=NEW)
+    assert torch.equal(got, uncompiled)
+    assert torch.equal(got, _generate(stock, ids, mask, case))
+
+
+def test_a_forward_that_cannot_trace_runs_uncompiled_logged(fresh_dynamo, monkeypatch, caplog):
+    """A host read inside the traced step (here: the attention reading a value of a tensor) is a graph break, which
+    fullgraph refuses: the runner logs it once and runs the plain forward, with the same tokens."""
+    monkeypatch.setattr(logs, "_logged", set())
+    stock, cascade = _pair("Llama")
+    ids, mask = padded_batch(seed=8, lengths=PROMPTS)
+    expected = _generate(stock, ids, mask, "beam")
+    real = reference.BACKEND.forward
+
+    def forward_with_a_host_read(q, pool, metadata, scale, **quirks):
+        if float(q.abs().sum()) < 0:        # never true, but a value read on the host
+            raise AssertionError
+        return real(q, pool, metadata, scale, **quirks)
+
+    monkeypatch.setattr(reference.BACKEND, "forward", forward_with_a_host_read)
+    compiled_calls = CompiledCalls(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hf_cascade"):
+        got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager", compile=True))
+    assert torch.equal(got, expected)
+    assert len(compiled_calls.failures) == 1 and compiled_calls.calls == 0      # tried once, then uncompiled
+    lines = [r.getMessage() for r in caplog.records if "compile=True) failed" in r.getMessage()]
+    assert len(lines) == 1 and "decode runs uncompiled" in lines[0], lines
+
+
+def test_a_static_layout_binds_each_layer_once(monkeypatch):
+    """Eager static steps choose each layer's backend once for the layout (then one lookup per layer and step); the
+    window decision holds for the layout (Mistral's window of 12 is passed during the call)."""
+    stock, cascade = _pair("Mistral")
+    ids, mask = padded_batch(seed=9, lengths=PROMPTS)
+    selected = []
+    real = kernels.select
+
+    def select(name, q, pool, plan=None, quirks=kernels.NO_QUIRKS):
+        selected.append((plan is not None and plan.static, quirks.window))
+        return real(name, q, pool, plan, quirks)
+
+    monkeypatch.setattr(kernels, "select", select)
+    got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager"))
+    assert torch.equal(got, _generate(stock, ids, mask, "beam"))
+    static = [window for is_static, window in selected if is_static]
+    # one layout: its layers' shape chosen once for all its steps (planned anew, once per step)
+    assert static == [12]
+
+
+def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
+    """The cuda backend's forward inside a compiled graph, on the CPU with fake CUDA tensors: one graph (fullgraph)
+    holding the three operators, whose fake implementations check the launch arguments; nothing of the eager path
+    (the library, the stream, an address) is touched, which fake tensors would refuse."""
+    from types import SimpleNamespace
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from hf_cascade.kernels import cuda as cuda_backend
+    from test_kernel_ops import layout
+
+    graphs_seen = []
+
+    def keep(gm, example_inputs):
+        graphs_seen.append(gm)
+        return gm.forward
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a = layout(device="cuda")
+        dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
+                             suffix_table=a["suffix_table"], q_limit=a["q_limit"])
+        state = cuda_backend._StepState(
+            has_prefix=True, m_tile=a["m_tile"], row_tiles=a["row_tiles"], chunk_tokens=a["chunk_tokens"],
+            max_chunks=a["max_chunks"], split_tokens=a["split_tokens"], nsplit=a["nsplit"],
+            slots=a["max_chunks"] + a["nsplit"], row_nchunks=a["row_nchunks"], part_o=a["part_o"],
+            part_lse=a["part_lse"], dp=dp)
+        sinks = torch.empty(a["q"].shape[2], device="cuda")
+
+        def layer(q, pool):
+            return cuda_backend.BACKEND.forward(q * 2, pool, state, 0.1, softcap=30.0, window=64, sinks=sinks)
+
+        out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
+    assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
+    kernels_in_graph = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
+    assert kernels_in_graph == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+
+GPU_SHAPE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192, pad_token_id=0,
+                 bos_token_id=None, eos_token_id=None)
+GPU_CASES = {"beam": dict(num_beams=4, num_return_sequences=2), "greedy": dict(do_sample=False),
+             "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}
+
+
+def _gpu_batch(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 1000, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _gpu_model(dtype):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(LlamaConfig(**GPU_SHAPE), attn_implementation="cascade",
+                                                dtype=dtype).eval()
+
+
+def _gpu_run(model, ids, mask, case, compile, backend="auto", **extra):
+    torch.manual_seed(11)
+    config = CascadeConfig(cuda_graphs=True, compile=compile, backend=backend)
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0,
+                          hf_cascade_config=config, **GPU_CASES[case], **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_compiled_captured_equals_captured_float32(fresh_dynamo, no_tf32, monkeypatch, case):
+    """float32 (the reference backend on the GPU), TF32 off: compiled + captured gives the tokens of the uncompiled
+    captured step; 12 layers compile as one graph."""
+    model = _gpu_model(torch.float32)
+    ids, mask = _gpu_batch((300, 210), seed=2)
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    expected = _gpu_run(model, ids, mask, case, compile=False)
+    got = _gpu_run(model, ids, mask, case, compile=True)
+    plain, compiled = spy.runners
+    assert plain.disabled is None and compiled.disabled is None, (plain.disabled, compiled.disabled)
+    assert compiled.captures >= 1 and compiled.replays >= 20
+    compiled_calls.check(calls=2 * compiled.captures)       # per capture: the warm-up, then the captured run
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory", ["vmm", "grow"])
+def test_gpu_compile_count_is_stable_over_three_calls(fresh_dynamo, monkeypatch, memory):
+    """bf16 on our CUDA kernels (the typed operators inside the compiled graph), captured: the second and third
+    calls replay the kept graph and compile nothing; beam scores agree with the uncompiled graph's within bf16
+    rounding (the tokens agree where no near-tie flips; the share is printed)."""
+    if memory == "vmm" and hf_cascade.memory.vmm_unavailable_reason("cuda"):
+        pytest.skip("no CUDA virtual memory here")
+    model = _gpu_model(torch.bfloat16)
+    ids, mask = _gpu_batch((700, 460, 590), seed=1)
+    kw = dict(return_dict_in_generate=True, output_scores=True)
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    torch.manual_seed(11)
+    base = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0,
+                          hf_cascade_config=CascadeConfig(cuda_graphs=True, memory=memory, backend="cuda"),
+                          **GPU_CASES["beam"], **kw)
+    counts = []
+    for _ in range(3):
+        torch.manual_seed(11)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0,
+                             hf_cascade_config=CascadeConfig(cuda_graphs=True, memory=memory, backend="cuda",
+                                                             compile=True), **GPU_CASES["beam"], **kw)
+        runner = spy.runners[-1]
+        assert runner.disabled is None and runner.replays >= 20, runner.disabled
+        compiled_calls.check()
+        counts.append(counters["stats"]["unique_graphs"])
+    assert counts == [counts[0]] * 3, counts
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    same = (out.sequences == base.sequences).float().mean().item()
+    print(f"bf16 compiled vs uncompiled graph ({memory}): {same:.1%} of the tokens agree; sequence scores "
+          f"{out.sequences_scores.tolist()} vs {base.sequences_scores.tolist()}")
+    assert torch.allclose(out.sequences_scores.float(), base.sequences_scores.float(), atol=0.05, rtol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_gpu_windowed_models_compile_on_our_kernels(fresh_dynamo, monkeypatch, name):
+    """bf16 on our CUDA kernels with a sliding window (a row passes it while the graph replays) and Gemma-2's
+    softcap: compiled + captured without a graph break; beam scores agree with the uncompiled graph's within bf16
+    rounding (the share of equal tokens is printed)."""
+    from test_gpu_graphs import _batch, _windowed_pair
+    _, model = _windowed_pair(name, torch.bfloat16)
+    ids, mask = _batch((700, 460, 590), seed=7)          # the 460-token row passes the window at step 20
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+              **GPU_CASES["beam"])
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    outs = []
+    for compile in (False, True):
+        torch.manual_seed(11)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(
+            cuda_graphs=True, backend="cuda", compile=compile), **kw))
+    _, compiled = spy.runners
+    assert compiled.disabled is None and compiled.captures == 1 and compiled.replays >= 30, compiled.disabled
+    compiled_calls.check(calls=2)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    base, out = outs
+    same = (out.sequences == base.sequences).float().mean().item()
+    print(f"{name} bf16 compiled vs uncompiled graph: {same:.1%} of the tokens agree")
+    assert torch.allclose(out.sequences_scores.float(), base.sequences_scores.float(), atol=0.05, rtol=0.02)
