@@ -339,7 +339,7 @@ class DecodeGraphRunner:
             return self.original(**static)
         self.original(**static)
         self.cache.rewind_step()               # the same slots again, from the compiled forward
-        return self._compiled_or_eager(static)
+        return self.forward_step(static)
 
     def _call(self, static):
         """``forward_fn`` on a static step begun before it; a compiled forward gets the step's context as its own
@@ -349,7 +349,7 @@ class DecodeGraphRunner:
             return self.original(**static)
         return self.forward_fn(**static, **{STEP_KWARG: self.cache.step})
 
-    def _compiled_or_eager(self, static):
+    def forward_step(self, static):
         """:meth:`_call`, and where the compiled forward fails (dynamo, inductor, a recompile limit): the plain forward
         from then on, logged once."""
         try:
@@ -390,7 +390,7 @@ class _EagerGraph:
     def replay(self, kwargs):
         runner = self.runner()
         runner.cache.rewind_step()
-        runner._keep_output(runner._compiled_or_eager(runner._with_objects(self.static, kwargs)), kwargs)
+        runner._keep_output(runner.forward_step(runner._with_objects(self.static, kwargs)), kwargs)
 
 
 def _plain(value) -> bool:

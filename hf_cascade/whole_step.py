@@ -162,7 +162,6 @@ class WholeStepLoop:
         self.blocks: device_blocks.DeviceBlocks | None = None   # set while the device holds the block state
         self.graph = None
         self.capture = self.runner.capture_enabled
-        self.forward = self.runner.forward_fn
         self.room = 0
         self.base_length = 0
         self.device_ok = True       # False: a layer's step cannot be planned on the device (see _unplannable)
@@ -307,9 +306,11 @@ class WholeStepLoop:
         torch.maximum(self.peak, (blocks.refcount > 0).sum(), out=self.peak)
 
     def _forward(self) -> torch.Tensor:
+        """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
+        with the step context as its argument; else the model's own)."""
         self.cache.begin_planned_step(self.device)
         try:
-            return self.forward(**self.inputs).logits
+            return self.runner.forward_step(self.inputs).logits
         finally:
             self.cache.end_step()
 

@@ -102,24 +102,29 @@ def _generate(model, ids, mask, case, config=None):
     return model.generate(input_ids=ids, attention_mask=mask, **kw, **extra)
 
 
+@pytest.mark.parametrize("whole_step", [False, True], ids=["transformers' loop", "whole step"])
 @pytest.mark.parametrize("family, case", [("Llama", "beam"), ("Llama", "greedy"), ("Qwen2", "beam"),
                                           ("Mistral", "beam"), ("Gemma2", "beam"), ("Gemma2", "greedy")])
-def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, family, case):
+def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, family, case, whole_step):
     """Llama (GQA), Qwen2 (biases), Mistral (a window shorter than the sequences), Gemma2 (softcap, hybrid windowed
-    layers, float32 as in test_families): one graph, no break, every decode step but the first run compiled."""
+    layers, float32 as in test_families): one graph, no break, every decode step but the first run compiled — inside
+    transformers' loop (the runner's replayed forward) and inside the whole step on the device."""
     stock, cascade = _pair(family)
     ids, mask = padded_batch(seed=5, lengths=PROMPTS)
     expected = _generate(stock, ids, mask, case)
-    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager"))
+    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", whole_step=whole_step))
     spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
-    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True))
+    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True, whole_step=whole_step))
     assert torch.equal(uncompiled, expected)
     assert torch.equal(got, expected)
     runner, = spy.runners
     assert runner.disabled is None
-    # the first decode step runs eagerly (binding every layer) and then compiled; every other one only compiled
-    compiled_calls.check(calls=runner.replays + 1)
-    assert runner.replays == NEW - 1 and runner.eager_calls == 1
+    if whole_step:      # the first step on the host path (plain forward), every device step compiled
+        compiled_calls.check(calls=runner.device_steps)
+        assert runner.device_steps == NEW - 1
+    else:               # the first decode step runs eagerly (binding every layer) and then compiled; then only compiled
+        compiled_calls.check(calls=runner.replays + 1)
+        assert runner.replays == NEW - 1 and runner.eager_calls == 1
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
 
@@ -140,7 +145,8 @@ def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch):
             assert torch.equal(got, uncompiled)
             graph_counts.append(counters["stats"]["unique_graphs"])
     assert torch.equal(uncompiled, expected)
-    compiled_calls.check(calls=3 * NEW)
+    # the whole step (the default): each call's first step on the host path, its NEW - 1 device steps compiled
+    compiled_calls.check(calls=3 * (NEW - 1))
     assert graph_counts == [1, 1, 1]
     assert not counters["graph_break"]
 
@@ -152,7 +158,7 @@ def test_float32_compiled_equals_uncompiled(fresh_dynamo, monkeypatch, case):
     uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager"))
     compiled_calls = CompiledCalls(monkeypatch)
     got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True))
-    compiled_calls.check(calls=NEW)
+    compiled_calls.check(calls=NEW - 1)        # (the whole step's first step runs on the host path, uncompiled)
     assert torch.equal(got, uncompiled)
     assert torch.equal(got, _generate(stock, ids, mask, case))
 
