@@ -165,7 +165,9 @@ def test_generate_vmm_grows_in_place(llama):
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=8, max_new_tokens=240, pad_token_id=0)
     watch = PoolWatch(llama)
     try:
-        got = _generate(llama, "cascade", CascadeConfig(memory="vmm", backend="reference"), **kw)
+        # transformers' loop: its forwards pass the model's hooks (the whole step's replays and host steps do not),
+        # so the watch sees the pool at every step
+        got = _generate(llama, "cascade", CascadeConfig(memory="vmm", backend="reference", whole_step=False), **kw)
     finally:
         watch.handle.remove()
     kinds, ptrs, mapped = zip(*watch.seen)
