@@ -433,3 +433,15 @@ def test_fp8_decode_steps_are_not_captured_yet():
     fp8 = CascadeConfig(kv_dtype="float8_e4m3fn")
     assert "fp8 KV cache" in graphs.unsupported_reason(cascade, fp8)
     assert graphs.unsupported_reason(cascade, CascadeConfig(kv_dtype="float8_e4m3fn", cuda_graphs="eager")) is None
+
+
+def test_auto_hands_fp8_pools_to_the_reference_until_the_cuda_path_is_verified(monkeypatch):
+    """backend="auto" gives an fp8 pool to a backend that lists it in ``auto_kv_dtypes`` (the reference); the cuda
+    kernels read fp8 only when asked for (backend="cuda"): generate on fp8 pools failed on the H200."""
+    from hf_cascade.kernels import cuda as cuda_backend
+    monkeypatch.setattr(type(cuda_backend.BACKEND), "unsupported_reason", lambda self, *a, **k: None)  # "on a GPU"
+    q = torch.zeros(2, 1, 4, 8)
+    pool = with_kv_scale(torch.zeros(3, 2, 4, 2, 8, dtype=FP8), torch.ones(2, 2))
+    assert kernels.select("auto", q, pool) is reference.BACKEND
+    assert kernels.select("cuda", q, pool) is cuda_backend.BACKEND
+    assert kernels.select("auto", q, torch.zeros(3, 2, 4, 2, 8)) is cuda_backend.BACKEND

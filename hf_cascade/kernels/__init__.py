@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from .base import NO_QUIRKS, QUIRK_NAMES, Backend, Quirks  # noqa: F401  (re-exported)
+from .base import NO_QUIRKS, QUIRK_NAMES, Backend, Quirks, is_quantized  # noqa: F401  (re-exported)
 from .capture import capture_underway, refuse_in_capture  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_cascade")
@@ -136,6 +136,8 @@ def select(name: str, q, pool, plan=None, quirks: Quirks = NO_QUIRKS) -> Backend
             _warn_fixable(candidate, str(err), q)
             continue
         reason = backend.unsupported_reason(q, pool, plan, quirks)
+        if reason is None and is_quantized(pool) and pool.dtype not in backend.auto_kv_dtypes:
+            reason = f"a {str(pool.dtype).replace('torch.', '')} pool is served on request only (backend={candidate!r})"
         if reason is None:
             _log_once((candidate, key), "attention backend %r for %s", candidate, key)
             return backend

@@ -102,6 +102,7 @@ class Backend:
     head_dims: tuple | None = None
     devices: tuple | None = None
     kv_dtypes: tuple = ()
+    auto_kv_dtypes: tuple = ()      # those of kv_dtypes that backend="auto" hands it (the others: on request only)
     quirks: tuple = ()
     graph_safe = False
     min_saved_tokens = 0

@@ -276,7 +276,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     quirks = ("softcap", "window", "sinks")
-    kv_dtypes = KV_SCALED_DTYPES
+    kv_dtypes = auto_kv_dtypes = KV_SCALED_DTYPES
     # no host sync, shapes from the plan's tables, windows applied from the device lengths: a static decode step
     # can be captured (hf_cascade.graphs)
     graph_safe = True
