@@ -28,6 +28,7 @@ from hf_cascade.kernels import reference
 
 from conftest import RunnerSpy, cache_kw, padded_batch
 from test_families import FAMILIES, PROMPTS
+from test_gpu_graphs import _batch
 
 NEW = 7
 CASES = {"beam": dict(num_beams=4, num_return_sequences=2), "greedy": dict(do_sample=False)}
@@ -251,16 +252,6 @@ GPU_CASES = {"beam": dict(num_beams=4, num_return_sequences=2), "greedy": dict(d
              "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}
 
 
-def _gpu_batch(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, 1000, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        mask[r, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
-
-
 @pytest.fixture
 def no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -289,7 +280,7 @@ def test_gpu_compiled_captured_equals_captured_float32(fresh_dynamo, no_tf32, mo
     """float32 (the reference backend on the GPU), TF32 off: compiled + captured gives the tokens of the uncompiled
     captured step; 12 layers compile as one graph."""
     model = _gpu_model(torch.float32)
-    ids, mask = _gpu_batch((300, 210), seed=2)
+    ids, mask = _batch((300, 210), seed=2)
     spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
     expected = _gpu_run(model, ids, mask, case, compile=False)
     got = _gpu_run(model, ids, mask, case, compile=True)
@@ -310,7 +301,7 @@ def test_gpu_compile_count_is_stable_over_three_calls(fresh_dynamo, monkeypatch,
     if memory == "vmm" and hf_cascade.memory.vmm_unavailable_reason("cuda"):
         pytest.skip("no CUDA virtual memory here")
     model = _gpu_model(torch.bfloat16)
-    ids, mask = _gpu_batch((700, 460, 590), seed=1)
+    ids, mask = _batch((700, 460, 590), seed=1)
     kw = dict(return_dict_in_generate=True, output_scores=True)
     spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
     torch.manual_seed(11)
@@ -341,7 +332,7 @@ def test_gpu_windowed_models_compile_on_our_kernels(fresh_dynamo, monkeypatch, n
     """bf16 on our CUDA kernels with a sliding window (a row passes it while the graph replays) and Gemma-2's
     softcap: compiled + captured without a graph break; beam scores agree with the uncompiled graph's within bf16
     rounding (the share of equal tokens is printed)."""
-    from test_gpu_graphs import _batch, _windowed_pair
+    from test_gpu_graphs import _windowed_pair
     _, model = _windowed_pair(name, torch.bfloat16)
     ids, mask = _batch((700, 460, 590), seed=7)          # the 460-token row passes the window at step 20
     kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True,

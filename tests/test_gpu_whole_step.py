@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from hf_cascade import CascadeConfig
 
 from conftest import RunnerSpy
+from test_gpu_graphs import _batch
 
 pytestmark = pytest.mark.gpu
 
@@ -39,16 +40,6 @@ def _models(dtype):
 @pytest.fixture(scope="module")
 def bf16_models():
     return _models(torch.bfloat16)
-
-
-def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(3, 1000, (len(lengths), width), generator=g)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        mask[r, width - n:] = 1
-    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
 
 
 @pytest.mark.parametrize("case", list(CASES))
