@@ -17,8 +17,10 @@ process. `--device cpu` runs the same on the CPU (tensor parallelism over gloo),
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
+import types
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -88,7 +90,27 @@ def generate(args, mode: str) -> dict:
     ids = ids.to(first)
     kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
               do_sample=False, early_stopping=False, return_dict_in_generate=True)
+    runners = []
+    if args.graphs != "off":
+        # decode steps on the graph runner ("eager": its static path without capture, any device) and, where the
+        # call allows, the whole step on the device; a cache of our own keeps the stats without
+        # return_dict_in_generate (which keeps transformers' loop)
+        from hf_cascade.session import DecodeSession
+        real = DecodeSession.decode_runner
+
+        def spy(session):
+            runner = real(session)
+            runners.append(runner)
+            return runner
+
+        DecodeSession.decode_runner = spy
+        config = hf_cascade.CascadeConfig(cuda_graphs="eager" if args.graphs == "eager" else True)
+        kw["return_dict_in_generate"] = False
+        cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        kw[cache_name] = kept_cache = hf_cascade.CascadeCache(model.config, config)
     model.generate(input_ids=ids[:, :64], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    if args.graphs != "off":
+        kept_cache.reset()
     for d in devices:
         harness.synchronize(d)
     base = {d: torch.cuda.memory_allocated(d) for d in devices if d.type == "cuda"}
@@ -102,7 +124,10 @@ def generate(args, mode: str) -> dict:
     finally:
         clock.remove()
     times_ms = clock.times_ms()
-    cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
+    if args.graphs != "off":
+        out, cache = types.SimpleNamespace(sequences=out), kept_cache
+    else:
+        cache = out.cache if "cache" in type(out).__dataclass_fields__ else out.past_key_values   # 5.24 renamed it
     cascade = isinstance(cache, hf_cascade.CascadeCache)
     pools = [layer.storage for layer in cache.layers] if cascade else []
     result = {
@@ -116,10 +141,15 @@ def generate(args, mode: str) -> dict:
         "peak_kv_bytes_in_use": cache.stats().peak_kv_bytes_in_use if cascade else
         sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers),
         # generate's own forward of the last prompt token over all beams follows our prefill: both count
-        "prefill_s": (times_ms[0] + times_ms[1]) / 1e3,
-        "step_ms": harness.median(times_ms[2:]),
+        # (the graph runner's replays and the whole step's steps run no forward hook: then only the prefill is timed)
+        "prefill_s": sum(times_ms[:2]) / 1e3,
+        "step_ms": harness.median(times_ms[2:]) if len(times_ms) > 2 else None,
         "peak_gib_above_weights": {str(d): (torch.cuda.max_memory_allocated(d) - base[d]) / 2**30 for d in base},
         "tokens": out.sequences[:, args.prompt:].tolist(),
+        "graphs": args.graphs,
+        # steps of the timed call on the runner: replayed forwards, and steps of the whole step on the device
+        "runner_replays": runners[-1].replays if runners and runners[-1] is not None else None,
+        "device_steps": runners[-1].device_steps if runners and runners[-1] is not None else None,
     }
     if cascade:
         cache.reset()
@@ -127,7 +157,8 @@ def generate(args, mode: str) -> dict:
         with open(args.ref) as f:
             ref = json.load(f)
         result["tokens_match_ref"] = result["tokens"] == ref["tokens"]
-        result["step_vs_ref"] = result["step_ms"] / ref["step_ms"]
+        if result["step_ms"] is not None and ref.get("step_ms"):
+            result["step_vs_ref"] = result["step_ms"] / ref["step_ms"]
     return result
 
 
@@ -145,6 +176,9 @@ def main(argv=None) -> None:
     parser.add_argument("--attn", default="cascade", help="attn_implementation (sdpa: stock, for comparison)")
     parser.add_argument("--ref", help="JSON of the single-device run to compare tokens and step time with")
     parser.add_argument("--out", help="write the result as JSON here (under tp: rank 0's, others add .rankN)")
+    parser.add_argument("--graphs", default="off", choices=["off", "eager", "on"],
+                        help="decode steps on the graph runner (and the whole step where it serves): off (default, "
+                             "as generate chooses), eager (its static path without capture, any device), on (CUDA)")
     args = parser.parse_args(argv)
     if args.mode == "save":
         return save(args)

@@ -92,3 +92,17 @@ def test_tensor_parallel_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_singl
     _run(["tp", *GPU_COMMON, "--dir", str(gpu_checkpoint), "--ref", str(gpu_single),
           "--out", str(tmp_path / "tp.json")], torchrun=True)
     _check_tp(tmp_path, _load(gpu_single))
+
+
+def test_tensor_parallel_whole_step_on_cpu_matches_one_process(tiny_checkpoint, tmp_path):
+    """Tensor parallelism (gloo, 2 ranks) with decode steps on the graph runner's static path and the whole step on
+    the device (each rank chooses the same tokens from the same gathered logits): the one-process tokens."""
+    common = ["--device", "cpu", "--dtype", "float64", "--dir", str(tiny_checkpoint), "--prompt", "40",
+              "--beams", "4", "--new-tokens", "12", "--graphs", "eager"]
+    _run(["single", *common, "--out", str(tmp_path / "single.json")])
+    single = _load(tmp_path / "single.json")
+    assert single["device_steps"] > 0
+    _run(["tp", *common, "--ref", str(tmp_path / "single.json"), "--out", str(tmp_path / "tp.json")],
+         torchrun=True)
+    _check_tp(tmp_path, single)
+    assert all(_load(path)["device_steps"] > 0 for path in (tmp_path / "tp.json", tmp_path / "tp.json.rank1"))
