@@ -306,7 +306,7 @@ class DecodeGraphRunner:
             out = self._run(static)
         torch.cuda.current_stream().wait_stream(side)
         self.eager_calls += 1
-        reason = self._refusal(ctx)
+        reason = self.replay_refusal(ctx)
         if reason is not None:
             return self._disable(reason, ctx, out)
         started = time.perf_counter()
@@ -362,8 +362,9 @@ class DecodeGraphRunner:
             self.cache.rewind_step()           # the layers that ran wrote their K/V: the same slots again
             return self.original(**static)
 
-    def _refusal(self, ctx) -> str | None:
-        """Why the step just run cannot be replayed from a graph (None when it can)."""
+    def replay_refusal(self, ctx) -> str | None:
+        """Why the step just run cannot be replayed from a graph (None when it can); the whole step on the device
+        (:mod:`hf_cascade.whole_step`) asks the same of its host steps."""
         if len(ctx.written) != len(self.cache.layers):
             return "not every layer wrote its K/V through the cascade cache"
         unsafe = sorted({b.name for b in ctx.backends.values() if not b.graph_safe})

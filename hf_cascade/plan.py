@@ -404,6 +404,16 @@ class DecodeLayout:
             max(self.suffix_width, suffix_width), max(self.inner_width, inner_width),
             max(self.token_limit, _token_limit(prev_lengths, max_new_tokens)))
 
+    def room(self, lengths: np.ndarray) -> int:
+        """How many more one-token steps rows holding ``lengths`` tokens can take on this layout (every row grows by
+        one a step) before :meth:`step` would raise LayoutOutgrown(capacity=True)."""
+        bs = self.block_size
+        room = self.token_limit - int(lengths.max(initial=0))
+        room = min(room, int(((self.row_prefix_blocks + self.suffix_width) * bs - lengths).min(initial=room)))
+        if self.has_mid:
+            room = min(room, int(((self.row_inner_blocks + self.inner_width) * bs - lengths).min(initial=room)))
+        return room
+
     @property
     def has_mid(self) -> bool:
         return self.inner_width > 0
@@ -463,33 +473,39 @@ class DecodeLayout:
 
     def upload(self, plan: StepPlan, device: torch.device) -> "DevicePlan":
         """Write ``plan``'s per-step arrays into this layout's persistent buffers on ``device``."""
-        self.device_plan(device)
-        return self._buffers[str(torch.device(device))].fill(plan)
+        return self._buffers_on(device).fill(plan)
 
     def planned_step(self, device: torch.device) -> StepPlan:
         """The plan of a decode step whose per-step tensors were written into this layout's buffers on ``device``
         by the device itself (:mod:`hf_cascade.whole_step`): the layers read the buffers as they are, nothing is
-        uploaded. Its host arrays of per-step values are zeros of the right shapes (only their shapes are read:
-        the backends' layout metadata was built at the layout's first step, on the host plan)."""
-        R, W, W2 = self.num_rows, self.suffix_width, self.inner_width
-        zeros = np.zeros(R, dtype=np.int64)
-        plan = StepPlan(
-            fresh=False, q_len=1, src_index=None, write_block=zeros, write_offset=zeros, copy_src=zeros,
-            copy_dst=zeros, group_rows=self.group_rows, prefix_table=self.prefix_table, prefix_len=self.prefix_len,
-            suffix_table=np.full((R, W), -1, dtype=np.int32), q_limit=np.zeros((R, 1), dtype=np.int32),
-            mid_group_rows=self.mid_group_rows, mid_table=self.mid_table, mid_len=self.mid_len,
-            inner_suffix_table=np.full((R, W2), -1, dtype=np.int32) if W2 else None,
-            inner_q_limit=np.zeros((R, 1), dtype=np.int32) if W2 else None, layout=self)
-        plan._on_device[str(torch.device(device))] = self.device_plan(device)
-        return plan
+        uploaded. Made once per device and shared by every such step: its host arrays of per-step values are zeros of
+        the right shapes (only their shapes are read: each layer's attention was bound at the layout's first step, on
+        the host plan)."""
+        buffers = self._buffers_on(device)
+        if buffers.planned is None:
+            R, W, W2 = self.num_rows, self.suffix_width, self.inner_width
+            zeros = np.zeros(R, dtype=np.int64)
+            buffers.planned = StepPlan(
+                fresh=False, q_len=1, src_index=None, write_block=zeros, write_offset=zeros, copy_src=zeros,
+                copy_dst=zeros, group_rows=self.group_rows, prefix_table=self.prefix_table,
+                prefix_len=self.prefix_len, suffix_table=np.full((R, W), -1, dtype=np.int32),
+                q_limit=np.zeros((R, 1), dtype=np.int32), mid_group_rows=self.mid_group_rows,
+                mid_table=self.mid_table, mid_len=self.mid_len,
+                inner_suffix_table=np.full((R, W2), -1, dtype=np.int32) if W2 else None,
+                inner_q_limit=np.zeros((R, 1), dtype=np.int32) if W2 else None, layout=self)
+            buffers.planned._on_device[str(buffers.device)] = buffers.plan
+        return buffers.planned
 
     def device_plan(self, device: torch.device) -> "DevicePlan":
         """This layout's persistent plan tensors on ``device`` (made on first use), as the last step left them."""
+        return self._buffers_on(device).plan
+
+    def _buffers_on(self, device) -> "_StaticBuffers":
         key = str(torch.device(device))
         buffers = self._buffers.get(key)
         if buffers is None:
             buffers = self._buffers[key] = _StaticBuffers(self, torch.device(device))
-        return buffers.plan
+        return buffers
 
     def release(self) -> None:
         """Drop the device buffers and the backends' metadata (the layout's call is over)."""
@@ -545,6 +561,7 @@ class _StaticBuffers:
                       torch.zeros(n64, dtype=torch.int64, pin_memory=True)) for _ in range(2)] if cuda else             [(self.dev32, self.dev64)]
         self.events = [torch.cuda.Event() for _ in self.host] if cuda else None
         self.turn = 0
+        self.planned: StepPlan | None = None    # DecodeLayout.planned_step's plan over these buffers
 
         def t(a, dtype):
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)

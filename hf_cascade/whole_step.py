@@ -2,7 +2,7 @@
 
 Where a decoder-only call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling
 and beam search with the processors and criteria transformers uses by default and the common ones; see
-:func:`refusal`), the session runs :func:`decode` instead of transformers' ``_sample`` / ``_beam_search``. One step:
+:func:`decode`), the session runs :func:`decode` instead of transformers' ``_sample`` / ``_beam_search``. One step:
 
 1. block bookkeeping (:mod:`hf_cascade.device_blocks`): the beam reorder by the last step's parents, one token
    appended per row (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and
@@ -23,6 +23,7 @@ after the call finished change nothing (their writes go to a scratch block, the 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import traceback
@@ -45,9 +46,9 @@ _ADVANCED = ("input_ids", "position_ids", "cache_position")   # the decode input
 _DROPPED = ("attention_mask",)
 
 
-def refusal(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-            synced_gpus: bool) -> str | None:
-    """Why this call keeps transformers' decode loop (None: :func:`decode` serves it). Runs before any step."""
+def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
+    """Why this call's settings keep transformers' decode loop (None: the token choice decides, see :func:`decode`).
+    Runs before any step."""
     model, cache = session.model, session.cache
     if not cache.cascade_config.whole_step:
         return "CascadeConfig(whole_step=False)"
@@ -65,19 +66,21 @@ def refusal(session, input_ids, logits_processor, stopping_criteria, generation_
         return "prefill_chunk_size"
     if model_kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds"
-    try:
-        config = _selection_config(input_ids, generation_config)
-        config.check_against(logits_processor, stopping_criteria)
-    except device_select.UnsupportedSelection as err:
-        return str(err).replace("device selection off: ", "")
     return None
 
 
-def _selection_config(input_ids, generation_config) -> device_select.SelectionConfig:
+def _selection_config(input_ids, logits_processor, stopping_criteria, generation_config):
+    """``(config, None)``: the call's token choice as device_select reproduces it; ``(None, reason)`` where it does
+    not."""
     per_prompt = generation_config.num_beams if generation_config.num_beams > 1 else (
         generation_config.num_return_sequences or 1)
-    return device_select.SelectionConfig.from_generation_config(generation_config, input_ids.shape[0] // per_prompt,
-                                                                input_ids.shape[1])
+    try:
+        config = device_select.SelectionConfig.from_generation_config(
+            generation_config, input_ids.shape[0] // per_prompt, input_ids.shape[1])
+        config.check_against(logits_processor, stopping_criteria)
+    except device_select.UnsupportedSelection as err:
+        return None, str(err).replace("device selection off: ", "")
+    return config, None
 
 
 def decode(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict,
@@ -86,17 +89,17 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     (transformers' loop, with the session's graph runner as today; the reason logged once)."""
     if session.cache is None or session.runner is None:
         return stock()              # no static decode step to build on (the runner's reason was logged)
-    reason = refusal(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                     synced_gpus)
-    inputs = None
+    reason = refusal(session, generation_config, model_kwargs, synced_gpus)
+    config = inputs = None
+    if reason is None:
+        config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config)
     if reason is None:
         inputs, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs)
     if reason is not None:
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
                  "choice on the host): %s", reason)
         return stock()
-    loop = WholeStepLoop(session, _selection_config(input_ids, generation_config), input_ids,
-                         model_kwargs.get("attention_mask"), inputs)
+    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get("attention_mask"), inputs)
     return loop.run()
 
 
@@ -164,7 +167,7 @@ class WholeStepLoop:
         self.capture = self.runner.capture_enabled
         self.room = 0
         self.base_length = 0
-        self.device_ok = True       # False: a layer's step cannot be planned on the device (see _unplannable)
+        self.device_ok = True       # False: a layer's step cannot be planned on the device (see _hold_on_device)
         self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -201,18 +204,18 @@ class WholeStepLoop:
     def _hold_on_device(self) -> None:
         """Hand the block state to the device where the layout in force has room for another step."""
         cache, layout = self.cache, self.cache.layout
-        reason = self._unplannable(cache.step)
+        ctx = cache.step
+        if ctx is None or layout is None or ctx.plan.layout is not layout:
+            reason = "the step was not planned on a static decode layout"
+        else:       # the device writes the plan into the layout's buffers: every layer must read it from there
+            reason = self.runner.replay_refusal(ctx)
         if reason is not None:
             self.device_ok = False
             log_once(("whole step host", reason), logging.INFO, "decode steps are planned on the host: %s", reason)
             return
         manager = cache.blocks
-        lengths = manager.lengths
         bs = layout.block_size
-        room = layout.token_limit - int(lengths.max(initial=0))
-        room = min(room, int(((layout.row_prefix_blocks + layout.suffix_width) * bs - lengths).min(initial=room)))
-        if layout.has_mid:
-            room = min(room, int(((layout.row_inner_blocks + layout.inner_width) * bs - lengths).min(initial=room)))
+        room = layout.room(manager.lengths)
         if room < 1:
             return
         # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
@@ -237,21 +240,6 @@ class WholeStepLoop:
         self.device_plan = layout.device_plan(self.device)
         self.room, self.base_length = room, cache.logical_length
         self.peak.zero_()
-
-    def _unplannable(self, ctx) -> str | None:
-        """Why the steps of the layout the last host step ran on cannot be planned on the device (None: they can):
-        the device writes the plan into the layout's buffers, so every layer must read its plan from there."""
-        layout = self.cache.layout
-        if ctx is None or layout is None or ctx.plan.layout is not layout:
-            return "the step was not planned on a static decode layout"
-        if len(ctx.written) != len(self.cache.layers):
-            return "not every layer wrote its K/V through the cascade cache"
-        if not ctx.backends:
-            return "no layer ran the cascade attention"
-        unsafe = sorted({b.name for b in ctx.backends.values() if not b.graph_safe})
-        if unsafe:
-            return f"the {', '.join(unsafe)} attention backend reads the step's plan on the host"
-        return None
 
     def _chunk(self, steps: int) -> bool:
         """``steps`` device steps, then one read of the flags; returns whether the call has finished."""
@@ -296,13 +284,10 @@ class WholeStepLoop:
         blocks, dp = self.blocks, self.device_plan
         device_blocks.reorder(blocks, self.parents)
         step = device_blocks.append(blocks, active=~self.state.done)
-        dp.suffix_table.copy_(step.suffix_table)
-        dp.q_limit.copy_(step.q_limit)
-        if dp.inner_suffix_table is not None:
-            dp.inner_suffix_table.copy_(step.inner_suffix_table)
-            dp.inner_q_limit.copy_(step.inner_q_limit)
-        for name in ("write_block", "write_offset", "copy_src", "copy_dst"):
-            getattr(dp, name).copy_(getattr(step, name))
+        for field in dataclasses.fields(step):        # (the plan's per-step tensors, by the same names)
+            value = getattr(step, field.name)
+            if value is not None:
+                getattr(dp, field.name).copy_(value)
         torch.maximum(self.peak, (blocks.refcount > 0).sum(), out=self.peak)
 
     def _forward(self) -> torch.Tensor:
