@@ -31,6 +31,33 @@ from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decod
 logger = logging.getLogger("hf_cascade")
 
 
+def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
+                 write_offset: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor, copies: bool) -> None:
+    """The cache write of one layer: the block copies ``pool[copy_dst] = pool[copy_src]`` (copy-on-write, when
+    ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. A quantized
+    pool's bytes move as bytes (index copies of float8 are not implemented everywhere)."""
+    quantized = pool.element_size() == 1          # float8
+    target = pool.view(torch.uint8) if quantized else pool
+    if copies:
+        target[copy_dst] = target[copy_src]
+    for kv, stored in enumerate((key, value)):
+        target[write_block, kv, write_offset] = stored.view(torch.uint8) if quantized else stored
+
+
+# The write as an operator for torch.compile: inductor calls it as it is. Lowered to its own Triton kernel, the write
+# into the pool (a graph input it mutates) was autotuned on first use, which copies every mutated argument to the host
+# first: the whole pool, or its whole virtual reservation under memory="vmm" (out of memory on an H200).
+@torch.library.custom_op("hf_cascade::write_slots", mutates_args=("pool",))
+def _write_slots_op(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
+                    write_offset: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor, copies: bool) -> None:
+    _write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies)
+
+
+@_write_slots_op.register_fake
+def _write_slots_fake(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies) -> None:
+    return None
+
+
 @dataclass
 class CacheStats:
     """Memory accounting of a :class:`CascadeCache`, from :meth:`CascadeCache.stats`.
@@ -130,20 +157,19 @@ class CascadeLayer(CacheLayerMixin):
         quantized first for a quantized pool: :meth:`hf_cascade.memory.BlockStorage.encode`)."""
         pool = self.step_pool
         dp = plan.on(pool.device)
-        quantized = self.storage.scale is not None
-        # a quantized pool's bytes move as bytes (index copies of float8 are not implemented everywhere)
-        target = pool.view(torch.uint8) if quantized else pool
-        if plan.static or dp.copy_src.numel():      # (a static step's copy pairs are padded to its rows)
-            target[dp.copy_dst] = target[dp.copy_src]
         _, num_heads, _, head_dim = key_states.shape
         flat = []
         for states in (key_states, value_states):
             rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
             flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
-        for kv, stored in enumerate(self.storage.encode(*flat)):
-            if quantized:
-                stored = stored.view(torch.uint8)
-            target[dp.write_block, kv, dp.write_offset] = stored.to(pool.device)
+        key, value = (stored.to(pool.device) for stored in self.storage.encode(*flat))
+        # (a static step's copy pairs are padded to its rows: always copied; others only where there are some)
+        copies = plan.static or bool(dp.copy_src.numel())
+        args = (pool, key, value, dp.write_block, dp.write_offset, dp.copy_src, dp.copy_dst, copies)
+        if _is_compiling():      # one opaque operator: inductor neither re-generates nor autotunes a write into the pool
+            torch.ops.hf_cascade.write_slots(*args)
+        else:
+            _write_slots(*args)
 
     def _check_fits(self, key_states) -> None:
         _, num_heads, _, head_dim = key_states.shape

@@ -16,6 +16,7 @@ Run these under transformers 5.17 too (the context then reaches the attention on
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -186,6 +187,23 @@ def test_a_forward_that_cannot_trace_runs_uncompiled_logged(fresh_dynamo, monkey
     assert len(compiled_calls.failures) == 1 and compiled_calls.calls == 0      # tried once, then uncompiled
     lines = [r.getMessage() for r in caplog.records if "compile=True) failed" in r.getMessage()]
     assert len(lines) == 1 and "decode runs uncompiled" in lines[0], lines
+
+
+def test_the_cache_write_is_one_in_place_operator_on_the_pool(fresh_dynamo, monkeypatch):
+    """Each layer's K/V write runs in the compiled code as the ``hf_cascade::write_slots`` operator on the pool the
+    graph was given (reinplaced: no copy of the pool); an inductor kernel of its own would be autotuned on first use,
+    which copies the pool to the host (out of memory for a CUDA virtual-memory pool on an H200)."""
+    from torch._inductor.utils import run_and_get_code
+    _, cascade = _pair("Llama", torch.float32)
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    expected = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager"))
+    got, codes = run_and_get_code(
+        lambda: _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager", compile=True)))
+    assert torch.equal(got, expected)
+    code = "\n".join(codes)
+    writes = re.findall(r"torch\.ops\.hf_cascade\.write_slots\.default\((\w+),", code)
+    assert len(writes) == cascade.config.num_hidden_layers, writes
+    assert all(re.fullmatch(r"arg\d+_1", pool) for pool in writes), writes     # a graph input, not a copy of one
 
 
 def test_a_static_layout_binds_each_layer_once(monkeypatch):
