@@ -30,7 +30,8 @@ whl = next(f for f in os.listdir(tmp) if f.startswith("bitsandbytes-") and f.end
 # every native library but the GPU machine's CUDA one and the CPU one (the CPU backend's ops are registered too)
 other = re.compile(r"libbitsandbytes_(?!(%s|cpu)\.so$)" % re.escape(cuda_lib))
 kept = 0
-with zipfile.ZipFile(os.path.join(tmp, whl)) as z, tarfile.open(os.path.join(out, "bitsandbytes_slim.tar.gz"), "w:gz") as t:
+slim = os.path.join(out, "bitsandbytes_slim.tar.gz")
+with zipfile.ZipFile(os.path.join(tmp, whl)) as z, tarfile.open(slim, "w:gz") as t:
     names = z.namelist()
     if f"bitsandbytes/libbitsandbytes_{cuda_lib}.so" not in names:
         sys.exit(f"{whl} has no libbitsandbytes_{cuda_lib}.so; set CUDA_LIB to one of "
@@ -40,7 +41,7 @@ with zipfile.ZipFile(os.path.join(tmp, whl)) as z, tarfile.open(os.path.join(out
         if not other.search(n):
             t.add(os.path.join(tmp, "x", n), n)
             kept += 1
-print("wrote", os.path.join(out, "bitsandbytes_slim.tar.gz"), f"({kept} files)")
+print("wrote", slim, f"({kept} files)")
 PY
 cat > "$out/setup.sh" <<'SH'
 # Sourced on the GPU machine: puts bitsandbytes and torchao on PYTHONPATH (unpacked once per machine into
