@@ -119,7 +119,13 @@ def _capture_state(runner, caplog) -> str:
 def test_quantized_cascade_against_quantized_stock(checkpoint, name, dtype, whole_step, no_tf32, monkeypatch,
                                                    caplog):
     caplog.set_level(logging.INFO, logger="hf_cascade")
-    stock, cascade = _load(checkpoint, name, dtype, "sdpa"), _load(checkpoint, name, dtype, "cascade")
+    try:
+        stock = _load(checkpoint, name, dtype, "sdpa")
+    except (RuntimeError, AssertionError, ValueError, NotImplementedError) as err:
+        if dtype != F32:
+            raise
+        pytest.skip(f"{name} does not quantize float32 weights here: {type(err).__name__}: {str(err)[:200]}")
+    cascade = _load(checkpoint, name, dtype, "cascade")       # (stock's loaded: a failure here is ours)
     ids, mask = _batch()
     # the whole step keeps no per-step outputs: scores from the runner's path only
     scored = not whole_step
