@@ -9,6 +9,8 @@ Each test skips where its package is not installed (CI does not install them). G
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -80,7 +82,10 @@ _loaded: dict = {}
 @pytest.fixture(params=list(QUANTIZERS))
 def quantized_pair(request, checkpoint):
     """(stock sdpa model, cascade model), the same checkpoint quantized by the same config (kept for the module)."""
-    name = request.param
+    return _pair(checkpoint, request.param)
+
+
+def _pair(checkpoint, name):
     if name not in _loaded:
         _loaded.clear()                  # one pair alive at a time
         stock, cascade = _load(checkpoint, name, "sdpa"), _load(checkpoint, name, "cascade")
@@ -150,3 +155,19 @@ def test_capture_refused_only_where_a_quantized_kernel_syncs_the_host(quantized_
     else:
         assert graphs.quantized_capture_reason(cascade) is None
         assert captured == "the model is on cpu, not CUDA"
+
+
+def test_generate_with_graphs_asked_for_says_why_bnb_int8_steps_run_eagerly(checkpoint, monkeypatch, caplog):
+    """``cuda_graphs=True`` on a model whose layers sync the host: no runner, the reason logged as a warning (the
+    quantizer's, ahead of the CPU's own), stock's tokens."""
+    _, stock, cascade = _pair(checkpoint, "bnb-int8")
+    caplog.set_level(logging.INFO, logger="hf_cascade")
+    ids, mask = padded_batch(seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=6, pad_token_id=0)
+    expected = stock.generate(**kw)
+    spy = RunnerSpy(monkeypatch)
+    got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    assert torch.equal(expected, got)
+    assert spy.runners == [None]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("without CUDA graphs" in m and "llm_int8_threshold=6.0" in m for m in warned), warned
