@@ -108,11 +108,14 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
 def quantized_capture_reason(model) -> str | None:
     """Why ``model``'s quantized linear layers cannot run inside a CUDA graph (None where they can, or where it has
     none). Found by the modules' types, so that a model quantized by hand is seen as one loaded with a
-    ``quantization_config``. bitsandbytes 4-bit and torchao launch plain kernels on the current stream (captured);
-    bitsandbytes 8-bit with outlier decomposition tests ``outliers.any()`` on the host in every layer."""
+    ``quantization_config``. bitsandbytes 4-bit and torchao launch plain kernels on the current stream (captured:
+    tests/test_gpu_quantized.py); bitsandbytes 8-bit with outlier decomposition tests ``outliers.any()`` on the host
+    in every layer."""
     for name, module in model.named_modules():
+        if type(module).__name__ != "Linear8bitLt":
+            continue
         threshold = getattr(getattr(module, "state", None), "threshold", 0.0)
-        if type(module).__name__ == "Linear8bitLt" and threshold > 0.0:
+        if threshold > 0.0:
             return (f"bitsandbytes 8-bit layers with llm_int8_threshold={threshold} (the first: {name}) check their "
                     f"inputs for outliers on the host in every forward; decode steps run eagerly. For graphs, load "
                     f"with BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0) (no outlier decomposition) "
