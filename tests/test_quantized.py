@@ -115,7 +115,10 @@ def test_beam_search_gives_the_quantized_stock_tokens(quantized_pair, path, monk
     if scored:
         tol = 2e-3 if name in ACTIVATION_ROUNDING else 1e-4
         torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=tol, atol=tol)
-        assert isinstance(returned_cache(got), hf_cascade.CascadeCache)
+        cache = returned_cache(got)
+        assert isinstance(cache, hf_cascade.CascadeCache)
+        # the pools hold the K/V the layers computed (float32), not the stored weights' dtype (int8, uint8, float8)
+        assert {layer.storage.dtype for layer in cache.layers if layer.storage is not None} == {torch.float32}
         expected, got = expected.sequences, got.sequences
     assert torch.equal(expected, got), name
     runner, = spy.runners
