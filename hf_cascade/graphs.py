@@ -25,7 +25,8 @@ attention on the layout: :mod:`hf_cascade.context`), then the compiled one, whic
 ``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
 
 This module owns the runner (capture and replay), the forward dispatcher and the support policy
-(:func:`unsupported_reason`); which runner a call uses, what is kept for the next call and the capture guard
+(:func:`unsupported_reason`, with quantized layers' capture safety in :func:`quantized_capture_reason`);
+which runner a call uses, what is kept for the next call and the capture guard
 belong to :mod:`hf_cascade.session`.
 
 Threads: while any generate call runs a runner on a model, ``model.forward`` is one :class:`_ForwardDispatch`
@@ -85,6 +86,10 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
         return "the model spans several devices (device_map)"
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return "accelerate hooks (offloading or a device map) run inside the forward"
+    if mode != "eager":                    # (the runner's eager form captures nothing)
+        reason = quantized_capture_reason(model)
+        if reason is not None:
+            return reason
     text = model.config.get_text_config(decoder=True)
     can_set_experts = getattr(type(model), "_can_set_experts_implementation", None)
     if (mode != "eager" and getattr(model.config, "_experts_implementation", None) == "eager"
@@ -97,6 +102,24 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
     device = next(model.parameters()).device
     if device.type != "cuda" and mode != "eager":        # "eager": the static path without capture, any device
         return f"the model is on {device.type}, not CUDA"
+    return None
+
+
+def quantized_capture_reason(model) -> str | None:
+    """Why ``model``'s quantized linear layers cannot run inside a CUDA graph (None where they can, or where it has
+    none). Found by the modules' types, so that a model quantized by hand is seen as one loaded with a
+    ``quantization_config``. bitsandbytes 4-bit and torchao launch plain kernels on the current stream (captured:
+    tests/test_gpu_quantized.py); bitsandbytes 8-bit with outlier decomposition tests ``outliers.any()`` on the host
+    in every layer."""
+    for name, module in model.named_modules():
+        if type(module).__name__ != "Linear8bitLt":
+            continue
+        threshold = getattr(getattr(module, "state", None), "threshold", 0.0)
+        if threshold > 0.0:
+            return (f"bitsandbytes 8-bit layers with llm_int8_threshold={threshold} (the first: {name}) check their "
+                    f"inputs for outliers on the host in every forward; decode steps run eagerly. For graphs, load "
+                    f"with BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0) (no outlier decomposition) "
+                    f"or use 4-bit / torchao weights")
     return None
 
 
