@@ -169,6 +169,11 @@ class WholeStepLoop:
         self.base_length = 0
         self.device_ok = True       # False: a layer's step cannot be planned on the device (see _hold_on_device)
         self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
+        # with compile, the bookkeeping and (but for sampling: its generator stays eager) the token choice each run as
+        # one compiled graph too: a hundred small kernels fused into a few
+        compiled = self.runner.compiled
+        self.advance = _Compiled(advance, "block bookkeeping") if compiled else advance
+        self.choose = _Compiled(choose, "token choice") if compiled and not config.do_sample else choose
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self) -> torch.Tensor:
@@ -281,14 +286,7 @@ class WholeStepLoop:
         self._choose(self._forward())
 
     def _advance_blocks(self) -> None:
-        blocks, dp = self.blocks, self.device_plan
-        device_blocks.reorder(blocks, self.parents)
-        step = device_blocks.append(blocks, active=~self.state.done)
-        for field in dataclasses.fields(step):        # (the plan's per-step tensors, by the same names)
-            value = getattr(step, field.name)
-            if value is not None:
-                getattr(dp, field.name).copy_(value)
-        torch.maximum(self.peak, (blocks.refcount > 0).sum(), out=self.peak)
+        self.advance(self.blocks, self.device_plan, self.parents, self.state.done, self.peak)
 
     def _forward(self) -> torch.Tensor:
         """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
@@ -301,14 +299,9 @@ class WholeStepLoop:
 
     def _choose(self, logits: torch.Tensor) -> None:
         """Token choice on the last position's logits; the next step's inputs and parents, in place."""
-        tokens, parents = device_select.step(self.state, logits[:, -1])
-        self.parents.copy_(parents)
-        # (after the end the fill token may be -1, which no embedding takes: the steps queued after it feed 0 and
-        # change nothing)
-        self.inputs["input_ids"].copy_(tokens.clamp(min=0)[:, None])
-        for name in ("position_ids", "cache_position"):
-            if isinstance(self.inputs.get(name), torch.Tensor):
-                self.inputs[name].add_(1)
+        positions = tuple(self.inputs[name] for name in ("position_ids", "cache_position")
+                          if isinstance(self.inputs.get(name), torch.Tensor))
+        self.choose(self.state, logits[:, -1], self.parents, self.inputs["input_ids"], positions)
 
     def _warm_up_and_capture(self) -> None:
         """This step eagerly (a side stream, as the capture runs on one), then the same step captured."""
@@ -337,6 +330,52 @@ class WholeStepLoop:
             self.graph = self.kept.graph = graph
             self.runner.captures += 1
             self.runner.capture_seconds += time.perf_counter() - started
+
+
+def advance(blocks: device_blocks.DeviceBlocks, plan, parents: torch.Tensor, done: torch.Tensor,
+            peak: torch.Tensor) -> None:
+    """The step's block bookkeeping: beam reorder by ``parents``, one token appended per row unless the call is
+    ``done``, the step's tables and slots copied into the layout's plan buffers ``plan`` (a DevicePlan), the peak of
+    blocks in use raised."""
+    device_blocks.reorder(blocks, parents)
+    step = device_blocks.append(blocks, active=~done)
+    for field in dataclasses.fields(step):        # (the plan's per-step tensors, by the same names)
+        value = getattr(step, field.name)
+        if value is not None:
+            getattr(plan, field.name).copy_(value)
+    torch.maximum(peak, (blocks.refcount > 0).sum(), out=peak)
+
+
+def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor,
+           positions: tuple) -> None:
+    """Token choice on ``logits [rows, vocab]``; the next step's ``input_ids [rows, 1]``, ``positions`` and
+    ``parents``, in place."""
+    tokens, chosen = device_select.step(state, logits)
+    parents.copy_(chosen)
+    # (after the end the fill token may be -1, which no embedding takes: the steps queued after it feed 0 and change
+    # nothing)
+    input_ids.copy_(tokens.clamp(min=0)[:, None])
+    for position in positions:
+        position.add_(1)
+
+
+class _Compiled:
+    """``fn`` compiled as one graph for fixed shapes (:func:`graphs._compiled`'s settings); where it fails to compile,
+    ``fn`` itself from then on, logged once (a failure leaves no state changed: dynamo raises before the graph runs)."""
+
+    def __init__(self, fn, what: str):
+        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as err:  # noqa: BLE001 — dynamo / inductor failures: run the plain function
+                log_once(("compile", self.what, type(err).__name__), logging.WARNING,
+                         "CascadeConfig(compile=True): the whole step's %s failed to compile (%s: %s); it runs "
+                         "uncompiled", self.what, type(err).__name__, str(err)[:200])
+                self.compiled = None
+        return self.fn(*args)
 
 
 def _signature(tensors: dict) -> tuple:
