@@ -1,19 +1,28 @@
 """The decoder self-attention cache of an encoder-decoder call where it stays dense (not a paged CascadeCache).
 
-That is for the relative-bias families (T5: the bias is computed from the width of the K/V the cache returns)
-and for one-token decoder prompts on the CPU (``seq2seq_models.paged_self_attention`` decides). On the CPU,
-:class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step instead of
-stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is set
-(:func:`capped_dynamic_cache`, also used for both halves of stock's cache on the dense fallback path).
+That is for the relative-bias families (T5: the bias is added to the scores of every key, which the paged kernels
+do not take) and for one-token decoder prompts on the CPU (``seq2seq_models.paged_self_attention`` decides).
+
+- Where the call's decode steps run on the graph runner (a GPU, or ``cuda_graphs="eager"``), the relative-bias
+  families run on :class:`StaticSelfAttentionCache`: K/V buffers of the call's capacity, written at a device
+  position, the beams' histories followed by an ancestry table on the device, the step's length and mask device
+  tensors: a fixed-shape step that a CUDA graph replays.
+- Otherwise on the CPU, :class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step
+  instead of stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is
+  set (:func:`capped_dynamic_cache`, also used for both halves of stock's cache on the dense fallback path).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
+from .config import CascadeConfig
 from .cross_kv import KVCap
 
 
@@ -156,3 +165,371 @@ def self_attention_cache(device: torch.device, generation_config, cap: KVCap | N
     if device.type != "cpu":
         return DynamicCache() if cap is None else capped_dynamic_cache(cap, _DENSE_SELF)
     return ReorderedCache(min(int(getattr(generation_config, "max_length", None) or 64), 4096), cap)
+
+
+# ---- the relative-bias families' self-attention on the graph runner's static path ---------------------------------
+class _StaticPlan:
+    """What the graph runner reads of a step's plan: the step is static (shapes and buffers fixed for the call), and
+    there is nothing to upload (the cache wrote the step's device tensors in ``prepare_step``)."""
+
+    static = True
+
+    @staticmethod
+    def on(device) -> None:
+        return None
+
+
+class _DenseAttention(NamedTuple):
+    """The attention a static dense step runs, as the runner checks a step's backends: transformers' sdpa over the
+    buffers, with the bias and the step's mask added (device ops only: capturable)."""
+
+    name: str
+    graph_safe: bool
+
+
+_DENSE_SDPA = _DenseAttention("dense sdpa (relative position bias)", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLayout:
+    """The layout a static step's graph bakes in: ``serial`` changes when the buffers, the reorder mode or the mask's
+    shape change (the runner then captures again)."""
+
+    serial: tuple
+    capacity: int
+
+
+class StaticStep:
+    """One decode step of a :class:`StaticSelfAttentionCache`, as the graph runner handles a CascadeCache's
+    :class:`~hf_cascade.context.StepContext`: ``written`` (the layers that stored their K/V), ``backends`` (what ran:
+    the dense sdpa, and cross-attention's backends, which record themselves here), :meth:`finish` (the step is over:
+    the cache's length advances, once), :meth:`rewind` (the layers write again: a capture re-runs the step)."""
+
+    def __init__(self, cache: "StaticSelfAttentionCache"):
+        self._cache = weakref.ref(cache)
+        self.plan = _StaticPlan()
+        self.written: dict[int, bool] = {}
+        self.backends: dict = {"self": _DENSE_SDPA}
+        self.finished = False
+        self._advanced = False
+
+    def rewind(self) -> None:
+        self.written.clear()
+        self.backends = {"self": _DENSE_SDPA}
+        self.finished = False
+
+    def finish(self) -> None:
+        self.finished = True
+        cache = self._cache()
+        if not self._advanced and cache is not None:
+            self._advanced = True
+            cache._advance()
+
+
+class _StaticSelfLayer(CacheLayerMixin):
+    """One layer of a :class:`StaticSelfAttentionCache` (its buffers and lengths live in the cache)."""
+
+    is_compileable = False      # no auto-compile by generate: the graph runner captures the step
+    is_sliding = False
+    storage = None              # no paged pool: the runner keys its graph on the cache's layout instead
+
+    def __init__(self, cache: "StaticSelfAttentionCache", layer_idx: int):
+        super().__init__()
+        self._cache, self.layer_idx = weakref.ref(cache), layer_idx
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self._cache()._allocate(key_states)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._cache().update(key_states, value_states, self.layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache().get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self._cache().get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return self._cache().capacity
+
+    def reorder_cache(self, beam_idx):
+        raise RuntimeError("a StaticSelfAttentionCache layer is reordered by its cache (cache.reorder_cache), never "
+                           "alone.")
+
+
+class StaticSelfAttentionCache(Cache):
+    """The decoder self-attention of a relative-bias family (T5, mT5, UMT5) in a form a CUDA graph replays.
+
+    Each layer keeps K and V in buffers ``[rows, capacity, heads, head_dim]`` (capacity: the call's ``max_length``),
+    zero where nothing was written. A decode step the graph runner serves (:meth:`prepare_step` ... its ``finish``)
+    is static:
+
+    - :meth:`prepare_step` writes the step's device state once, outside the graph: the write position (the length
+      before the step, which the model's ``get_seq_length`` reads: its bias is computed on the device from it), the
+      step's mask ``[rows or 1, 1, 1, capacity]`` (not a decoder-prompt pad, not past the position: the patched decoder
+      stack takes it, ``hf_cascade.patches.t5_mask``) and, once beams were reordered, the gather index below;
+    - every layer writes its new K/V at that position (``index_copy_``) and returns the whole capacity; the model's
+      sdpa adds the bias and the mask (``-inf``-like on masked keys: they weigh exactly 0);
+    - a beam reorder copies no K/V: the ancestry table ``[rows, capacity]`` (which row's buffer holds a row's token at
+      each position) is permuted on the device; a layer then gathers its rows' histories into one spare buffer
+      shared by all layers (one ``index_select``: what stock's reorder copies, without stock's second copy).
+
+    Any other forward (the decoder prompt's, or every step where the runner is off) runs on the host's lengths,
+    returning the written positions only, as stock's DynamicCache would, with stock's mask.
+
+    Memory: ``2 x layers x rows x capacity x heads x head_dim`` elements, plus one spare pair
+    ``2 x rows x capacity x heads x head_dim`` once beams are reordered; stock's DynamicCache holds the same per layer at
+    the last step (and copies it twice per beam step).
+    """
+
+    def __init__(self, rows: int, num_layers: int, capacity: int, cascade_config: CascadeConfig,
+                 prompt_mask: torch.Tensor | None = None, cap: KVCap | None = None):
+        if capacity < 1:
+            raise ValueError(f"StaticSelfAttentionCache needs a capacity of at least one token, got {capacity}.")
+        super().__init__(layers=[_StaticSelfLayer(self, i) for i in range(num_layers)])
+        self.rows, self.capacity, self.cascade_config = int(rows), int(capacity), cascade_config
+        self._prompt_mask = prompt_mask      # [rows, prompt] of a padded decoder prompt (0: a pad), else None
+        self._cap = cap
+        if cap is not None:
+            cap.caches.append(self)
+        self._stored = [0] * num_layers      # tokens each layer holds (a host forward advances them layer by layer)
+        self._step: StaticStep | None = None
+        self._serial = 0
+        self.reordered = False               # a beam reorder happened: layers read through the ancestry table
+        self._release()
+
+    def _release(self) -> None:
+        self._keys = self._values = None     # per layer: [rows, capacity, heads, head_dim]
+        self._spares = None                  # (K, V) gather targets shared by all layers, once reordered
+        self._ancestry = None                # [rows, capacity] int64 (identity on positions not reordered yet)
+        self._gather = None                  # [rows * capacity] int64: the static step's flat gather index
+        self._host_gather = None             # (width, index) of a host forward's gather
+        self._valid = None                   # [rows or 1, capacity] bool: not a decoder-prompt pad
+        self._columns = None                 # [capacity] int64
+        self._position = None                # [1] int64: a static step's write position
+        self._step_mask = None               # [rows or 1, 1, 1, capacity] bool
+
+    # ---- buffers -----------------------------------------------------------------------------------------------
+    def _allocate(self, key_states: torch.Tensor) -> None:
+        rows, heads, _, dim = key_states.shape
+        if rows != self.rows:
+            raise ValueError(f"StaticSelfAttentionCache was made for {self.rows} rows, got K/V of {rows}.")
+        shape, device = (rows, self.capacity, heads, dim), key_states.device
+        if self._cap is not None:
+            self._cap.check(2 * len(self.layers) * int(np.prod(shape)) * key_states.element_size(), _DENSE_SELF)
+        # zeros, not garbage: a masked key still enters q.k (then weighs 0), and NaN bits would poison it
+        self._keys = [key_states.new_zeros(shape) for _ in self.layers]
+        self._values = [key_states.new_zeros(shape) for _ in self.layers]
+        for layer, keys, values in zip(self.layers, self._keys, self._values):
+            layer.keys, layer.values, layer.is_initialized = keys, values, True
+        self._columns = torch.arange(self.capacity, device=device)
+        self._ancestry = torch.arange(rows, device=device)[:, None].repeat(1, self.capacity)
+        self._gather = torch.empty(rows * self.capacity, dtype=torch.long, device=device)
+        self._position = torch.zeros(1, dtype=torch.long, device=device)
+        mask = self._prompt_mask
+        self._valid = torch.ones((1 if mask is None else rows, self.capacity), dtype=torch.bool, device=device)
+        if mask is not None:
+            self._valid[:, :mask.shape[1]] = mask.to(device=device, dtype=torch.bool)
+        self._step_mask = torch.zeros((self._valid.shape[0], 1, 1, self.capacity), dtype=torch.bool, device=device)
+        self._serial += 1
+
+    def _check_fits(self, key_states: torch.Tensor, layer_idx: int) -> None:
+        keys = self._keys[layer_idx]
+        rows, heads, _, dim = key_states.shape
+        if (rows, heads, dim) != (keys.shape[0], keys.shape[2], keys.shape[3]) or key_states.dtype != keys.dtype \
+                or key_states.device != keys.device:
+            raise ValueError(f"StaticSelfAttentionCache layer {layer_idx} holds {keys.shape[0]} rows x {keys.shape[2]} "
+                             f"heads x {keys.shape[3]} dims in {keys.dtype} on {keys.device}, got K/V "
+                             f"{tuple(key_states.shape)} in {key_states.dtype} on {key_states.device}: call reset() "
+                             "or use a new cache.")
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K/V held now (the layers' buffers and the spare pair), what ``KVCap`` counts."""
+        tensors = [*(self._keys or ()), *(self._values or ()), *(self._spares or ())]
+        return sum(t.nbytes for t in tensors)
+
+    # ---- transformers' Cache API -------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Store this forward's K/V of layer ``layer_idx``; returns every row's K/V ``[rows, heads, width, dim]``: the
+        whole capacity in a static step, the written positions otherwise."""
+        if self._keys is None:
+            self._allocate(key_states)
+        self._check_fits(key_states, layer_idx)
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        step = self._step
+        if step is not None and not step.finished and key_states.shape[2] == 1:
+            # device ops only: the position is a device tensor the step set (what a replayed graph runs)
+            keys.index_copy_(1, self._position, key_states.transpose(1, 2))
+            values.index_copy_(1, self._position, value_states.transpose(1, 2))
+            step.written[layer_idx] = True
+            return self._read(layer_idx, self.capacity, self._gather)
+        start = self._stored[layer_idx]
+        end = start + key_states.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"The decoder sequences reached {end} tokens, past the {self.capacity} this call's "
+                             "static self-attention cache holds (generate's max_length); raise max_length.")
+        keys[:, start:end] = key_states.transpose(1, 2)
+        values[:, start:end] = value_states.transpose(1, 2)
+        self._stored[layer_idx] = end
+        return self._read(layer_idx, end, self._host_index(end) if self.reordered else None)
+
+    def _read(self, layer_idx: int, width: int, gather: torch.Tensor | None):
+        """Layer ``layer_idx``'s first ``width`` positions of every row, ``[rows, heads, width, dim]``: views of its
+        buffers while no beam was reordered; gathered through the ancestry table into the spare pair after."""
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if not self.reordered:
+            return keys[:, :width].transpose(1, 2), values[:, :width].transpose(1, 2)
+        rows, _, heads, dim = keys.shape
+        out = []
+        for buffer, spare in zip((keys, values), self._spares):
+            target = spare.view(-1, heads * dim)[:rows * width]
+            torch.index_select(buffer.view(-1, heads * dim), 0, gather, out=target)
+            out.append(target.view(rows, width, heads, dim).transpose(1, 2))
+        return out[0], out[1]
+
+    def _host_index(self, width: int) -> torch.Tensor:
+        """The flat gather index of a host forward's first ``width`` positions (built once per width and reorder)."""
+        if self._host_gather is None or self._host_gather[0] != width:
+            index = (self._ancestry[:, :width] * self.capacity + self._columns[:width]).reshape(-1)
+            self._host_gather = (width, index)
+        return self._host_gather[1]
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """Tokens stored before this forward: in a static step the device tensor of its position (the model's bias is
+        computed from it on the device), otherwise the host's count."""
+        if self._step is not None and not self._step.finished:
+            return self._position[0]
+        return self._stored[layer_idx] if layer_idx < len(self._stored) else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._stored[layer_idx] + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._stored[layer_idx]
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.capacity
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._stored[0] > 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows
+
+    @property
+    def logical_length(self) -> int:
+        """Tokens every row holds (pads of a padded decoder prompt included, as stock's positions count them)."""
+        return self._stored[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam reorder: row i continues old row ``beam_idx[i]``. Device ops on the ancestry table (and the rows'
+        prompt masks), no K/V copied and no host read."""
+        length = self._stored[0]
+        if self._keys is None or length == 0:
+            return
+        index = beam_idx.to(self._ancestry.device)
+        self._ancestry[:, :length] = self._ancestry[:, :length].index_select(0, index)
+        if self._valid.shape[0] > 1:
+            self._valid.copy_(self._valid.index_select(0, index))
+        self._host_gather = None
+        if not self.reordered:
+            keys = self._keys[0]
+            if self._cap is not None:
+                self._cap.check(2 * keys.nbytes, _DENSE_SELF)
+            self._spares = (torch.empty_like(keys), torch.empty_like(keys))
+            self.reordered = True
+            self._serial += 1
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"{what} is not supported on the static self-attention cache of a T5-family "
+                                  "generate call; load the model with attn_implementation='sdpa' for it.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop (assisted or speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("batch_select_indices")
+
+    def reset(self) -> None:
+        """Drop the buffers (the call is over)."""
+        for layer in self.layers:
+            layer.keys = layer.values = None
+            layer.is_initialized = False
+        self._stored = [0] * len(self.layers)
+        self._step, self.reordered = None, False
+        self._release()
+
+    # ---- the graph runner's static step (the interface it uses of a CascadeCache) -------------------------------
+    def prepare_step(self, num_rows: int, q_len: int = 1) -> StaticStep:
+        """Begin a static decode step before the forward: its device state written once (the position, the mask and,
+        after a reorder, the gather index), read by every layer."""
+        length = self._stored[0]
+        if q_len != 1 or num_rows != self.rows or self._keys is None or length == 0:
+            raise RuntimeError(f"a static step of StaticSelfAttentionCache takes one new token for each of its "
+                               f"{self.rows} rows after the decoder prompt; got {num_rows} x {q_len} at {length}.")
+        if length >= self.capacity:
+            raise ValueError(f"The decoder sequences reached {length + 1} tokens, past the {self.capacity} this "
+                             "call's static self-attention cache holds (generate's max_length); raise max_length.")
+        self._position.fill_(length)
+        torch.logical_and(self._valid, self._columns <= length, out=self._step_mask.view(self._valid.shape))
+        if self.reordered:
+            torch.add(self._ancestry * self.capacity, self._columns, out=self._gather.view(self.rows, self.capacity))
+        self._step = StaticStep(self)
+        return self._step
+
+    def _advance(self) -> None:
+        """A static step finished: every layer wrote one token per row."""
+        self._stored = [stored + 1 for stored in self._stored]
+
+    def static_step_mask(self) -> torch.Tensor | None:
+        """The self-attention mask of the static step in progress ``[rows or 1, 1, 1, capacity]`` (bool: True where a
+        key counts), or None outside one (the model builds stock's from the decoder mask)."""
+        if self._step is None or self._step.finished:
+            return None
+        return self._step_mask
+
+    @property
+    def step(self) -> StaticStep | None:
+        return self._step
+
+    def rewind_step(self) -> None:
+        if self._step is not None:
+            self._step.rewind()
+
+    def end_step(self) -> None:
+        self._step = None
+
+    @property
+    def layout(self) -> StaticLayout:
+        return StaticLayout((self._serial, self.reordered), self.capacity)
+
+    def begin_decode(self, max_length: int) -> None:
+        if max_length > self.capacity:
+            raise ValueError(f"generate's max_length={max_length} exceeds the {self.capacity} tokens of this call's "
+                             "static self-attention cache.")
+
+    def end_decode(self) -> None:
+        pass
+
+
+def static_self_attention_cache(rows: int, num_layers: int, generation_config, cascade_config: CascadeConfig,
+                                decoder_mask: torch.Tensor | None, cap: KVCap | None) -> StaticSelfAttentionCache:
+    """The relative-bias families' self-attention cache for a call whose decode steps run on the graph runner, sized
+    for its ``max_length``; a decoder prompt with pads masks them in every step."""
+    padded = decoder_mask is not None and not bool(decoder_mask.all())
+    return StaticSelfAttentionCache(rows, num_layers, int(generation_config.max_length), cascade_config,
+                                    decoder_mask if padded else None, cap)
