@@ -5,7 +5,7 @@ do not take) and for one-token decoder prompts on the CPU (``seq2seq_models.page
 
 - Where the call's decode steps run on the graph runner (a GPU, or ``cuda_graphs="eager"``), the relative-bias
   families run on :class:`StaticSelfAttentionCache`: K/V buffers of the call's capacity, written at a device
-  position, the beams' histories followed by an ancestry table on the device, the step's length and mask device
+  position, the beams' histories followed by a gather table on the device, the step's length and mask device
   tensors: a fixed-shape step that a CUDA graph replays.
 - Otherwise on the CPU, :class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step
   instead of stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is
@@ -209,6 +209,9 @@ class StaticStep:
         self._cache = weakref.ref(cache)
         self.plan = _StaticPlan()
         self.written: dict[int, bool] = {}
+        # no layer waits for the cascade attention: a step context that reaches it (a compiled forward's argument)
+        # sends the layers to the dense path, which a compiled static step refuses (the runner then runs uncompiled)
+        self.unread: frozenset = frozenset()
         self.backends: dict = {"self": _DENSE_SDPA}
         self.finished = False
         self._advanced = False
@@ -265,21 +268,22 @@ class StaticSelfAttentionCache(Cache):
     is static:
 
     - :meth:`prepare_step` writes the step's device state once, outside the graph: the write position (the length
-      before the step, which the model's ``get_seq_length`` reads: its bias is computed on the device from it), the
+      before the step, which the model's ``get_seq_length`` reads: its bias is computed on the device from it) and the
       step's mask ``[rows or 1, 1, 1, capacity]`` (not a decoder-prompt pad, not past the position: the patched decoder
-      stack takes it, ``hf_cascade.patches.t5_mask``) and, once beams were reordered, the gather index below;
+      stack takes it, ``hf_cascade.patches.t5_mask``);
     - every layer writes its new K/V at that position (``index_copy_``) and returns the whole capacity; the model's
       sdpa adds the bias and the mask (``-inf``-like on masked keys: they weigh exactly 0);
-    - a beam reorder copies no K/V: the ancestry table ``[rows, capacity]`` (which row's buffer holds a row's token at
-      each position) is permuted on the device; a layer then gathers its rows' histories into one spare buffer
-      shared by all layers (one ``index_select``: what stock's reorder copies, without stock's second copy).
+    - a beam reorder copies no K/V: the gather table ``[rows, capacity]`` (for each row and position, the flat index
+      of the buffer row and position that hold its token) has its rows permuted on the device over the positions
+      written; a layer then gathers its rows' histories into one spare pair shared by all layers (one
+      ``index_select`` per K and V: what stock's reorder copies, without stock's second copy in ``torch.cat``).
 
     Any other forward (the decoder prompt's, or every step where the runner is off) runs on the host's lengths,
     returning the written positions only, as stock's DynamicCache would, with stock's mask.
 
     Memory: ``2 x layers x rows x capacity x heads x head_dim`` elements, plus one spare pair
-    ``2 x rows x capacity x heads x head_dim`` once beams are reordered; stock's DynamicCache holds the same per layer at
-    the last step (and copies it twice per beam step).
+    ``2 x rows x capacity x heads x head_dim`` once beams are reordered; stock's DynamicCache holds the same per layer
+    at the last step (and copies it twice per beam step).
     """
 
     def __init__(self, rows: int, num_layers: int, capacity: int, cascade_config: CascadeConfig,
@@ -295,15 +299,16 @@ class StaticSelfAttentionCache(Cache):
         self._stored = [0] * num_layers      # tokens each layer holds (a host forward advances them layer by layer)
         self._step: StaticStep | None = None
         self._serial = 0
-        self.reordered = False               # a beam reorder happened: layers read through the ancestry table
+        self.reordered = False               # a beam reorder happened: layers read through the gather table
         self._release()
 
     def _release(self) -> None:
         self._keys = self._values = None     # per layer: [rows, capacity, heads, head_dim]
         self._spares = None                  # (K, V) gather targets shared by all layers, once reordered
-        self._ancestry = None                # [rows, capacity] int64 (identity on positions not reordered yet)
-        self._gather = None                  # [rows * capacity] int64: the static step's flat gather index
-        self._host_gather = None             # (width, index) of a host forward's gather
+        # [rows, capacity] int64: row * capacity + position of the buffer slot holding each row's token at each
+        # position (its own, until a reorder permutes the rows of the positions written)
+        self._gather = None
+        self._host_gather = None             # (width, flat index) of a host forward's gather
         self._valid = None                   # [rows or 1, capacity] bool: not a decoder-prompt pad
         self._columns = None                 # [capacity] int64
         self._position = None                # [1] int64: a static step's write position
@@ -323,8 +328,7 @@ class StaticSelfAttentionCache(Cache):
         for layer, keys, values in zip(self.layers, self._keys, self._values):
             layer.keys, layer.values, layer.is_initialized = keys, values, True
         self._columns = torch.arange(self.capacity, device=device)
-        self._ancestry = torch.arange(rows, device=device)[:, None].repeat(1, self.capacity)
-        self._gather = torch.empty(rows * self.capacity, dtype=torch.long, device=device)
+        self._gather = torch.arange(rows * self.capacity, device=device).view(rows, self.capacity)
         self._position = torch.zeros(1, dtype=torch.long, device=device)
         mask = self._prompt_mask
         self._valid = torch.ones((1 if mask is None else rows, self.capacity), dtype=torch.bool, device=device)
@@ -363,7 +367,7 @@ class StaticSelfAttentionCache(Cache):
             keys.index_copy_(1, self._position, key_states.transpose(1, 2))
             values.index_copy_(1, self._position, value_states.transpose(1, 2))
             step.written[layer_idx] = True
-            return self._read(layer_idx, self.capacity, self._gather)
+            return self._read(layer_idx, self.capacity, self._gather.view(-1))
         start = self._stored[layer_idx]
         end = start + key_states.shape[2]
         if end > self.capacity:
@@ -376,7 +380,7 @@ class StaticSelfAttentionCache(Cache):
 
     def _read(self, layer_idx: int, width: int, gather: torch.Tensor | None):
         """Layer ``layer_idx``'s first ``width`` positions of every row, ``[rows, heads, width, dim]``: views of its
-        buffers while no beam was reordered; gathered through the ancestry table into the spare pair after."""
+        buffers while no beam was reordered; gathered through the gather table into the spare pair after."""
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         if not self.reordered:
             return keys[:, :width].transpose(1, 2), values[:, :width].transpose(1, 2)
@@ -391,8 +395,7 @@ class StaticSelfAttentionCache(Cache):
     def _host_index(self, width: int) -> torch.Tensor:
         """The flat gather index of a host forward's first ``width`` positions (built once per width and reorder)."""
         if self._host_gather is None or self._host_gather[0] != width:
-            index = (self._ancestry[:, :width] * self.capacity + self._columns[:width]).reshape(-1)
-            self._host_gather = (width, index)
+            self._host_gather = (width, self._gather[:, :width].reshape(-1))
         return self._host_gather[1]
 
     def get_seq_length(self, layer_idx: int = 0):
@@ -433,13 +436,13 @@ class StaticSelfAttentionCache(Cache):
         return self._stored[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam reorder: row i continues old row ``beam_idx[i]``. Device ops on the ancestry table (and the rows'
+        """Beam reorder: row i continues old row ``beam_idx[i]``. Device ops on the gather table (and the rows'
         prompt masks), no K/V copied and no host read."""
         length = self._stored[0]
         if self._keys is None or length == 0:
             return
-        index = beam_idx.to(self._ancestry.device)
-        self._ancestry[:, :length] = self._ancestry[:, :length].index_select(0, index)
+        index = beam_idx.to(self._gather.device)
+        self._gather[:, :length] = self._gather[:, :length].index_select(0, index)
         if self._valid.shape[0] > 1:
             self._valid.copy_(self._valid.index_select(0, index))
         self._host_gather = None
@@ -475,8 +478,8 @@ class StaticSelfAttentionCache(Cache):
 
     # ---- the graph runner's static step (the interface it uses of a CascadeCache) -------------------------------
     def prepare_step(self, num_rows: int, q_len: int = 1) -> StaticStep:
-        """Begin a static decode step before the forward: its device state written once (the position, the mask and,
-        after a reorder, the gather index), read by every layer."""
+        """Begin a static decode step before the forward: its device state written once (the position and the mask),
+        read by every layer."""
         length = self._stored[0]
         if q_len != 1 or num_rows != self.rows or self._keys is None or length == 0:
             raise RuntimeError(f"a static step of StaticSelfAttentionCache takes one new token for each of its "
@@ -486,8 +489,6 @@ class StaticSelfAttentionCache(Cache):
                              "call's static self-attention cache holds (generate's max_length); raise max_length.")
         self._position.fill_(length)
         torch.logical_and(self._valid, self._columns <= length, out=self._step_mask.view(self._valid.shape))
-        if self.reordered:
-            torch.add(self._ancestry * self.capacity, self._columns, out=self._gather.view(self.rows, self.capacity))
         self._step = StaticStep(self)
         return self._step
 
@@ -531,5 +532,8 @@ def static_self_attention_cache(rows: int, num_layers: int, generation_config, c
     """The relative-bias families' self-attention cache for a call whose decode steps run on the graph runner, sized
     for its ``max_length``; a decoder prompt with pads masks them in every step."""
     padded = decoder_mask is not None and not bool(decoder_mask.all())
-    return StaticSelfAttentionCache(rows, num_layers, int(generation_config.max_length), cascade_config,
+    capacity = int(getattr(generation_config, "max_length", None) or 0)
+    if decoder_mask is not None:
+        capacity = max(capacity, decoder_mask.shape[1] + 1)
+    return StaticSelfAttentionCache(rows, num_layers, max(capacity, 2), cascade_config,
                                     decoder_mask if padded else None, cap)

@@ -1,4 +1,4 @@
-"""T5-family decoders take a static decode step's self-attention mask from their cache, so that the step can be replayed.
+"""T5-family decoders take a static decode step's self-attention mask from their cache, so that the step can replay.
 
 On the graph runner's static path the T5 family's decoder self-attention (a relative position bias) runs over
 ``hf_cascade.dense_cache.StaticSelfAttentionCache``: K/V buffers of the call's capacity, written at a device position,

@@ -4,7 +4,7 @@ T5, mT5 and UMT5 decoders add a relative position bias to their self-attention s
 cache reports; stock's DynamicCache reports a host int and returns K/V as wide as that length, which a replayed CUDA
 graph would freeze. Where the decode steps run on the graph runner, hf_cascade.dense_cache.StaticSelfAttentionCache
 holds the self K/V in buffers of the call's capacity written at a device position, reports that position as a device
-tensor (the bias is computed from it on the device), follows beam reorders by an ancestry table on the device, and
+tensor (the bias is computed from it on the device), follows beam reorders by a gather table on the device, and
 gives the step's mask, which hf_cascade.patches.t5_mask hands to the decoder stack. On the CPU the runner's eager form
 (``cuda_graphs="eager"``) runs that static path without capture; the tests also freeze every host length the decoder
 could read in a decode step (as a replayed graph would) and still get stock's tokens. Every test checks that the
@@ -27,7 +27,7 @@ import transformers as T
 from transformers import AutoModelForSeq2SeqLM
 
 import hf_cascade  # noqa: F401  registers "cascade", applies the patches
-from hf_cascade import dense_cache, seq2seq_models
+from hf_cascade import cross_kv, dense_cache, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
@@ -308,6 +308,16 @@ def test_memory_of_the_static_buffers(monkeypatch):
         generate(cascade, mode, _STATIC, input_ids=ids, attention_mask=mask)
         per_copy = rows * (NEW + 1) * heads * dim * item * 2
         assert seen[0] == per_copy * (layers + spares), (seen, per_copy)
+    # max_kv_bytes: the buffers are counted before they are made, the spare pair before the first reorder makes it
+    checks = []
+    check = cross_kv.KVCap.check
+    monkeypatch.setattr(cross_kv.KVCap, "check",
+                        lambda cap, extra, what: (checks.append(extra), check(cap, extra, what))[1])
+    capped = CascadeConfig(backend="reference", cuda_graphs="eager", max_kv_bytes=1 << 30)
+    want = generate(stock, "beam", input_ids=ids, attention_mask=mask)
+    assert torch.equal(want.sequences, generate(cascade, "beam", capped, input_ids=ids, attention_mask=mask).sequences)
+    per_copy = 3 * 4 * (NEW + 1) * heads * dim * item * 2
+    assert checks[-2:] == [per_copy * layers, per_copy], (checks, per_copy)
     with pytest.raises(hf_cascade.PoolExhausted, match="max_kv_bytes"):
         generate(cascade, "beam", CascadeConfig(backend="reference", cuda_graphs="eager", max_kv_bytes=per_copy),
                  input_ids=ids, attention_mask=mask)
@@ -338,10 +348,15 @@ def test_longt5_is_refused_with_the_reason():
 
 
 # ---- on the GPU: captured and replayed ---------------------------------------------------------------------------
+def _gpu_config():
+    """A small flan-t5-shaped model (gated GELU, untied head)."""
+    return T.T5Config(vocab_size=1000, d_model=256, d_kv=64, d_ff=512, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+                      decoder_start_token_id=0, initializer_factor=5.0)
+
+
 def _gpu_pair(dtype):
-    make = lambda: T.T5Config(vocab_size=1000, d_model=256, d_kv=64, d_ff=512, num_layers=2, num_decoder_layers=2,  # noqa: E731
-                              num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                              pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, initializer_factor=5.0)
+    make = _gpu_config
     torch.manual_seed(0)
     stock = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="sdpa", dtype=dtype).cuda().eval()
     cascade = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="cascade", dtype=dtype).cuda().eval()
