@@ -4,9 +4,9 @@ That is for the relative-bias families (T5: the bias is added to the scores of e
 do not take) and for one-token decoder prompts on the CPU (``seq2seq_models.paged_self_attention`` decides).
 
 - Where the call's decode steps run on the graph runner (a GPU, or ``cuda_graphs="eager"``), the relative-bias
-  families run on :class:`StaticSelfAttentionCache`: K/V buffers of the call's capacity, written at a device
-  position, the beams' histories followed by a gather table on the device, the step's length and mask device
-  tensors: a fixed-shape step that a CUDA graph replays.
+  families run on :class:`StaticSelfAttentionCache`: K/V buffers of a fixed room (widened geometrically up to the
+  call's max_length), written at a device position, the beams' histories followed by a gather table on the device,
+  the step's length and mask device tensors: a fixed-shape step that a CUDA graph replays.
 - Otherwise on the CPU, :class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step
   instead of stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is
   set (:func:`capped_dynamic_cache`, also used for both halves of stock's cache on the dense fallback path).
@@ -192,11 +192,11 @@ _DENSE_SDPA = _DenseAttention("dense sdpa (relative position bias)", True)
 
 @dataclasses.dataclass(frozen=True)
 class StaticLayout:
-    """The layout a static step's graph bakes in: ``serial`` changes when the buffers, the reorder mode or the mask's
-    shape change (the runner then captures again)."""
+    """The layout a static step's graph bakes in: ``serial`` changes when the buffers (their room) or the reorder mode
+    change (the runner then captures again)."""
 
     serial: tuple
-    capacity: int
+    room: int
 
 
 class StaticStep:
@@ -263,28 +263,32 @@ class _StaticSelfLayer(CacheLayerMixin):
 class StaticSelfAttentionCache(Cache):
     """The decoder self-attention of a relative-bias family (T5, mT5, UMT5) in a form a CUDA graph replays.
 
-    Each layer keeps K and V in buffers ``[rows, capacity, heads, head_dim]`` (capacity: the call's ``max_length``),
-    zero where nothing was written. A decode step the graph runner serves (:meth:`prepare_step` ... its ``finish``)
-    is static:
+    Each layer keeps K and V in buffers ``[rows, room, heads, head_dim]``, zero where nothing was written. The room
+    follows the tokens, as the decoder-only layouts do: 64 positions first (or the decoder prompt's), doubled when a
+    row would pass it, and the call's capacity (its ``max_length``) at most, taken whole once a doubling would come
+    within a quarter of it; a widening copies the buffers (a new layout: the runner captures its step again). A decode
+    step the graph runner serves (:meth:`prepare_step` ... its ``finish``) is static:
 
     - :meth:`prepare_step` writes the step's device state once, outside the graph: the write position (the length
       before the step, which the model's ``get_seq_length`` reads: its bias is computed on the device from it) and the
-      step's mask ``[rows or 1, 1, 1, capacity]`` (not a decoder-prompt pad, not past the position: the patched decoder
+      step's mask ``[rows or 1, 1, 1, room]`` (not a decoder-prompt pad, not past the position: the patched decoder
       stack takes it, ``hf_cascade.patches.t5_mask``);
-    - every layer writes its new K/V at that position (``index_copy_``) and returns the whole capacity; the model's
-      sdpa adds the bias and the mask (``-inf``-like on masked keys: they weigh exactly 0);
-    - a beam reorder copies no K/V: the gather table ``[rows, capacity]`` (for each row and position, the flat index
-      of the buffer row and position that hold its token) has its rows permuted on the device over the positions
+    - every layer writes its new K/V at that position (``index_copy_``) and returns the whole room; the model's sdpa
+      adds the bias and the mask (the dtype's minimum on masked keys: they weigh exactly 0);
+    - a beam reorder copies no K/V: the gather table ``[rows, room]`` (for each row and position, the flat index of
+      the buffer row and position that hold its token) has its rows permuted on the device over the positions
       written; a layer then gathers its rows' histories into one spare pair shared by all layers (one
       ``index_select`` per K and V: what stock's reorder copies, without stock's second copy in ``torch.cat``).
 
     Any other forward (the decoder prompt's, or every step where the runner is off) runs on the host's lengths,
     returning the written positions only, as stock's DynamicCache would, with stock's mask.
 
-    Memory: ``2 x layers x rows x capacity x heads x head_dim`` elements, plus one spare pair
-    ``2 x rows x capacity x heads x head_dim`` once beams are reordered; stock's DynamicCache holds the same per layer
-    at the last step (and copies it twice per beam step).
+    Memory: ``2 x layers x rows x room x heads x head_dim`` elements, plus one spare pair
+    ``2 x rows x room x heads x head_dim`` once beams are reordered; stock's DynamicCache holds
+    ``2 x layers x rows x length x heads x head_dim`` (and copies it twice per beam step).
     """
+
+    FIRST_ROOM = 64
 
     def __init__(self, rows: int, num_layers: int, capacity: int, cascade_config: CascadeConfig,
                  prompt_mask: torch.Tensor | None = None, cap: KVCap | None = None):
@@ -303,38 +307,61 @@ class StaticSelfAttentionCache(Cache):
         self._release()
 
     def _release(self) -> None:
-        self._keys = self._values = None     # per layer: [rows, capacity, heads, head_dim]
+        self.room = 0                        # positions per row the buffers hold now
+        self._keys = self._values = None     # per layer: [rows, room, heads, head_dim]
         self._spares = None                  # (K, V) gather targets shared by all layers, once reordered
-        # [rows, capacity] int64: row * capacity + position of the buffer slot holding each row's token at each
-        # position (its own, until a reorder permutes the rows of the positions written)
+        # [rows, room] int64: row * room + position of the buffer slot holding each row's token at each position (its
+        # own, until a reorder permutes the rows of the positions written)
         self._gather = None
         self._host_gather = None             # (width, flat index) of a host forward's gather
-        self._valid = None                   # [rows or 1, capacity] bool: not a decoder-prompt pad
-        self._columns = None                 # [capacity] int64
+        self._valid = None                   # [rows or 1, room] bool: not a decoder-prompt pad
+        self._columns = None                 # [room] int64
         self._position = None                # [1] int64: a static step's write position
-        self._step_mask = None               # [rows or 1, 1, 1, capacity] bool
+        self._step_mask = None               # [rows or 1, 1, 1, room] bool
 
     # ---- buffers -----------------------------------------------------------------------------------------------
     def _allocate(self, key_states: torch.Tensor) -> None:
-        rows, heads, _, dim = key_states.shape
+        """The first K/V: the buffers' heads, dims, dtype and device, and room for this forward's tokens."""
+        rows = key_states.shape[0]
         if rows != self.rows:
             raise ValueError(f"StaticSelfAttentionCache was made for {self.rows} rows, got K/V of {rows}.")
-        shape, device = (rows, self.capacity, heads, dim), key_states.device
+        self._position = torch.zeros(1, dtype=torch.long, device=key_states.device)
+        self._widen(key_states.shape[2], key_states)
+
+    def _next_room(self, needed: int) -> int:
+        if needed > self.capacity:
+            raise ValueError(f"The decoder sequences reached {needed} tokens, past the {self.capacity} this call's "
+                             "static self-attention cache holds (generate's max_length); raise max_length.")
+        room = min(self.capacity, max(needed, 2 * self.room if self.room else self.FIRST_ROOM))
+        return self.capacity if 4 * self.capacity <= 5 * room else room
+
+    def _widen(self, needed: int, like: torch.Tensor) -> None:
+        """Room for ``needed`` positions per row: every buffer (and the spare pair, the gather table, the masks)
+        widened, what was written copied (outside any captured step: a new layout)."""
+        old, room = self.room, self._next_room(needed)
+        rows, heads, dim = self.rows, like.shape[1], like.shape[3]
+        shape, device = (rows, room, heads, dim), like.device
+        copies = 2 * len(self.layers) + (2 if self.reordered else 0)
         if self._cap is not None:
-            self._cap.check(2 * len(self.layers) * int(np.prod(shape)) * key_states.element_size(), _DENSE_SELF)
+            self._cap.check(copies * rows * (room - old) * heads * dim * like.element_size(), _DENSE_SELF)
         # zeros, not garbage: a masked key still enters q.k (then weighs 0), and NaN bits would poison it
-        self._keys = [key_states.new_zeros(shape) for _ in self.layers]
-        self._values = [key_states.new_zeros(shape) for _ in self.layers]
-        for layer, keys, values in zip(self.layers, self._keys, self._values):
-            layer.keys, layer.values, layer.is_initialized = keys, values, True
-        self._columns = torch.arange(self.capacity, device=device)
-        self._gather = torch.arange(rows * self.capacity, device=device).view(rows, self.capacity)
-        self._position = torch.zeros(1, dtype=torch.long, device=device)
-        mask = self._prompt_mask
-        self._valid = torch.ones((1 if mask is None else rows, self.capacity), dtype=torch.bool, device=device)
-        if mask is not None:
-            self._valid[:, :mask.shape[1]] = mask.to(device=device, dtype=torch.bool)
-        self._step_mask = torch.zeros((self._valid.shape[0], 1, 1, self.capacity), dtype=torch.bool, device=device)
+        keys, values = [like.new_zeros(shape) for _ in self.layers], [like.new_zeros(shape) for _ in self.layers]
+        gather = torch.arange(rows * room, device=device).view(rows, room)
+        valid = torch.ones((1 if self._prompt_mask is None else rows, room), dtype=torch.bool, device=device)
+        if old:
+            for new, current in zip(keys + values, self._keys + self._values):
+                new[:, :old] = current
+            gather[:, :old] = self._gather // old * room + self._gather % old
+            valid[:, :old] = self._valid
+        elif self._prompt_mask is not None:
+            valid[:, :self._prompt_mask.shape[1]] = self._prompt_mask.to(device=device, dtype=torch.bool)
+        self._keys, self._values, self._gather, self._valid, self.room = keys, values, gather, valid, room
+        for layer, k, v in zip(self.layers, keys, values):
+            layer.keys, layer.values, layer.is_initialized = k, v, True
+        self._spares = (like.new_empty(shape), like.new_empty(shape)) if self.reordered else None
+        self._columns = torch.arange(room, device=device)
+        self._step_mask = torch.zeros((valid.shape[0], 1, 1, room), dtype=torch.bool, device=device)
+        self._host_gather = None
         self._serial += 1
 
     def _check_fits(self, key_states: torch.Tensor, layer_idx: int) -> None:
@@ -356,7 +383,7 @@ class StaticSelfAttentionCache(Cache):
     # ---- transformers' Cache API -------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store this forward's K/V of layer ``layer_idx``; returns every row's K/V ``[rows, heads, width, dim]``: the
-        whole capacity in a static step, the written positions otherwise."""
+        whole room in a static step, the written positions otherwise."""
         if self._keys is None:
             self._allocate(key_states)
         self._check_fits(key_states, layer_idx)
@@ -367,12 +394,12 @@ class StaticSelfAttentionCache(Cache):
             keys.index_copy_(1, self._position, key_states.transpose(1, 2))
             values.index_copy_(1, self._position, value_states.transpose(1, 2))
             step.written[layer_idx] = True
-            return self._read(layer_idx, self.capacity, self._gather.view(-1))
+            return self._read(layer_idx, self.room, self._gather.view(-1))
         start = self._stored[layer_idx]
         end = start + key_states.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"The decoder sequences reached {end} tokens, past the {self.capacity} this call's "
-                             "static self-attention cache holds (generate's max_length); raise max_length.")
+        if end > self.room:
+            self._widen(end, key_states)
+            keys, values = self._keys[layer_idx], self._values[layer_idx]
         keys[:, start:end] = key_states.transpose(1, 2)
         values[:, start:end] = value_states.transpose(1, 2)
         self._stored[layer_idx] = end
@@ -484,9 +511,9 @@ class StaticSelfAttentionCache(Cache):
         if q_len != 1 or num_rows != self.rows or self._keys is None or length == 0:
             raise RuntimeError(f"a static step of StaticSelfAttentionCache takes one new token for each of its "
                                f"{self.rows} rows after the decoder prompt; got {num_rows} x {q_len} at {length}.")
-        if length >= self.capacity:
-            raise ValueError(f"The decoder sequences reached {length + 1} tokens, past the {self.capacity} this "
-                             "call's static self-attention cache holds (generate's max_length); raise max_length.")
+        if length >= self.room:
+            # before the runner keys its graph: a new layout (the buffer as K/V states are shaped: [rows, H, room, D])
+            self._widen(length + 1, self._keys[0].transpose(1, 2))
         self._position.fill_(length)
         torch.logical_and(self._valid, self._columns <= length, out=self._step_mask.view(self._valid.shape))
         self._step = StaticStep(self)
@@ -497,8 +524,8 @@ class StaticSelfAttentionCache(Cache):
         self._stored = [stored + 1 for stored in self._stored]
 
     def static_step_mask(self) -> torch.Tensor | None:
-        """The self-attention mask of the static step in progress ``[rows or 1, 1, 1, capacity]`` (bool: True where a
-        key counts), or None outside one (the model builds stock's from the decoder mask)."""
+        """The self-attention mask of the static step in progress ``[rows or 1, 1, 1, room]`` (bool: True where a key
+        counts), or None outside one (the model builds stock's from the decoder mask)."""
         if self._step is None or self._step.finished:
             return None
         return self._step_mask
@@ -516,7 +543,7 @@ class StaticSelfAttentionCache(Cache):
 
     @property
     def layout(self) -> StaticLayout:
-        return StaticLayout((self._serial, self.reordered), self.capacity)
+        return StaticLayout((self._serial, self.reordered), self.room)
 
     def begin_decode(self, max_length: int) -> None:
         if max_length > self.capacity:

@@ -262,6 +262,32 @@ def test_decoder_prompts_longer_than_one_token(family, mode, side, monkeypatch):
     assert_served(spy)
 
 
+@pytest.mark.parametrize("mode", ["beam", "greedy"])
+def test_room_follows_the_tokens(mode, monkeypatch):
+    """The buffers' room starts small and widens as rows grow (each widening a new layout, its first step run anew),
+    the last widening to the whole capacity; through beam reorders and a padded decoder prompt: stock's tokens."""
+    monkeypatch.setattr(dense_cache.StaticSelfAttentionCache, "FIRST_ROOM", 4)
+    rooms = []
+    widen = dense_cache.StaticSelfAttentionCache._widen
+    monkeypatch.setattr(dense_cache.StaticSelfAttentionCache, "_widen",
+                        lambda self, *a: (widen(self, *a), rooms.append(self.room))[0])
+    stock, cascade = pair("t5")
+    ids, mask = sources()
+    spy = RunnerSpy(monkeypatch)
+    for lengths in ((1, 1, 1), (5, 2, 3)):
+        decoder_ids, decoder_mask = decoder_prompt(lengths=lengths, side="left")
+        inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids,
+                      decoder_attention_mask=decoder_mask)
+        rooms.clear()
+        want, got = generate(stock, mode, **inputs), generate(cascade, mode, _STATIC, **inputs)
+        assert_same(want, got, mode)
+        width = decoder_ids.shape[1]
+        assert rooms == ([4, 8, NEW + width] if width == 1 else [5, 10, NEW + width]), rooms
+    assert_served(spy, min_replays=NEW - 6)
+    # a first step per layout the decode steps ran in: rooms 4, 8, 11; then 10, 15 (the prompt filled room 5)
+    assert [runner.first_steps for runner in spy.runners] == [3, 2]
+
+
 def test_batch_of_one_and_many_beams(monkeypatch):
     stock, cascade = pair("t5")
     ids, mask = sources(lengths=(7,))
