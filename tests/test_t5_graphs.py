@@ -288,6 +288,18 @@ def test_room_follows_the_tokens(mode, monkeypatch):
     assert [runner.first_steps for runner in spy.runners] == [3, 2]
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_umt5_without_the_runner(mode, monkeypatch):
+    """UMT5 (served from this issue on) also where no runner serves the steps: the dense cache of before."""
+    stock, cascade = pair("umt5")
+    ids, mask = sources()
+    spy = RunnerSpy(monkeypatch)
+    for config in (None, CascadeConfig(backend="reference", block_size=4)):
+        assert_same(generate(stock, mode, input_ids=ids, attention_mask=mask),
+                     generate(cascade, mode, config, input_ids=ids, attention_mask=mask), mode)
+    assert not [r for r in spy.runners if r is not None]
+
+
 def test_batch_of_one_and_many_beams(monkeypatch):
     stock, cascade = pair("t5")
     ids, mask = sources(lengths=(7,))
