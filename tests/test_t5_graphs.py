@@ -15,7 +15,8 @@ greedy and sampling, padded sources, decoder prompts longer than one token (padd
 LongT5 is refused with the reason (its attention does not go through transformers' attention interface).
 
 The ``gpu`` tests (run on the GPU machine: pytest -m gpu tests/test_t5_graphs.py) capture T5 decode steps on CUDA:
-the replayed graph equals the eager static step bitwise in bf16, and float32 (TF32 off) equals stock.
+the replayed graph equals the eager static step bitwise in bf16, and float32 (TF32 off) equals stock, also with a
+padded decoder prompt and two rooms (two layouts captured).
 """
 from __future__ import annotations
 
@@ -451,3 +452,24 @@ def test_gpu_bf16_replay_equals_eager_bitwise(mode, monkeypatch):
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
         assert torch.equal(sa, sb)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_padded_decoder_prompt_and_wider_rooms(monkeypatch):
+    """A padded decoder prompt and 100 new tokens (two rooms: 64 positions, then the whole max_length, each layout
+    captured): stock's tokens in float32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    stock, cascade = _gpu_pair(torch.float32)
+    ids, mask = _gpu_sources()
+    decoder_ids, decoder_mask = decoder_prompt(rows=4, lengths=(3, 1, 2, 3))
+    kw = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids.cuda(),
+              decoder_attention_mask=decoder_mask.cuda(), max_new_tokens=100, min_new_tokens=100,
+              num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0)
+    want = stock.generate(**kw)
+    spy = RunnerSpy(monkeypatch)
+    got = cascade.generate(**kw)
+    assert torch.equal(want, got)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.captures >= 2 and runner.replays >= 90, \
+        (runner.disabled, runner.captures, runner.replays)
