@@ -17,7 +17,7 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
   once) — ``seq2seq_models.paged_self_attention`` says where it stays dense (T5's relative position bias;
   one-token decoder prompts on the CPU): there on ``dense_cache``'s caches; for the T5 family where the decode steps
-  run on the graph runner, on ``dense_cache.StaticSelfAttentionCache`` (fixed capacity, device length and mask);
+  run on the graph runner, on ``dense_cache.StaticSelfAttentionCache`` (a fixed room, device length and mask);
 - the decode steps' decoder positions are an input of the step (what a replayed graph needs): Whisper's
   decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
   length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
@@ -44,7 +44,8 @@ from .config import CascadeConfig
 from .logs import log_once
 from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded,
                        repeated_inputs)
-from .dense_cache import capped_dynamic_cache, self_attention_cache, static_self_attention_cache
+from .dense_cache import (StaticSelfAttentionCache, capped_dynamic_cache, self_attention_cache,
+                          static_self_attention_cache)
 from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
 # unsupported_reason and COMPOSITE: also generation's checks before it calls this entry
 from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross_projections, device_positions_reason,
@@ -166,7 +167,7 @@ class EncoderSide:
         self.static = not self.paged and _static_self_attention(model, cascade_config)
         self.self_cache = None
 
-    def prepare(self, cache: None) -> CascadeCache | None:
+    def prepare(self, cache: None) -> CascadeCache | StaticSelfAttentionCache | None:
         model, input_ids, model_kwargs, n = self.model, self.input_ids, self.model_kwargs, self.n
         states, source_mask, decoder_mask, cap, cross = self.states, self.source_mask, self.decoder_mask, self.cap, \
             self.cross
