@@ -16,7 +16,8 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
 - decoder self-attention runs on a :class:`~hf_cascade.cache.CascadeCache` as for decoder-only
   models (a shared decoder prompt, e.g. Whisper's start tokens and ``prompt_ids``, is prefilled
   once) — ``seq2seq_models.paged_self_attention`` says where it stays dense (T5's relative position bias;
-  one-token decoder prompts on the CPU): there on ``dense_cache``'s caches;
+  one-token decoder prompts on the CPU): there on ``dense_cache``'s caches; for the T5 family where the decode steps
+  run on the graph runner, on ``dense_cache.StaticSelfAttentionCache`` (a fixed room, device length and mask);
 - the decode steps' decoder positions are an input of the step (what a replayed graph needs): Whisper's
   decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
   length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
@@ -43,11 +44,12 @@ from .config import CascadeConfig
 from .logs import log_once
 from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded,
                        repeated_inputs)
-from .dense_cache import capped_dynamic_cache, self_attention_cache
+from .dense_cache import (StaticSelfAttentionCache, capped_dynamic_cache, self_attention_cache,
+                          static_self_attention_cache)
 from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
 # unsupported_reason and COMPOSITE: also generation's checks before it calls this entry
 from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross_projections, device_positions_reason,
-                             family_of, paged_self_attention, unsupported_reason)
+                             family_of, paged_self_attention, static_mask_reason, unsupported_reason)
 from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
@@ -149,9 +151,9 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
 
 class EncoderSide:
     """The encoder-decoder :class:`~hf_cascade.session.DecodeStrategy`: the cross-attention K/V stored once per
-    input, the decoder's self-attention cache (paged, or dense where :func:`paged_self_attention` says so), the
-    decoder prompt prefilled once per input, placeholder encoder outputs of stock's shape; all given back at the
-    end of the call (nobody else can reach these caches)."""
+    input, the decoder's self-attention cache (paged, or dense where :func:`paged_self_attention` says so: static
+    where :func:`_static_self_attention` says so), the decoder prompt prefilled once per input, placeholder encoder
+    outputs of stock's shape; all given back at the end of the call (nobody else can reach these caches)."""
 
     def __init__(self, model, input_ids, generation_config, model_kwargs: dict, key: str,
                  cascade_config: CascadeConfig, cap: KVCap | None, projections: list, states, source_mask,
@@ -162,9 +164,10 @@ class EncoderSide:
             projections, states, source_mask, decoder_mask, n)
         self.cross = CrossAttentionCache(len(projections), cascade_config)
         self.paged = paged_self_attention(model, input_ids, states.device, cascade_config, decoder_mask)
+        self.static = not self.paged and _static_self_attention(model, cascade_config)
         self.self_cache = None
 
-    def prepare(self, cache: None) -> CascadeCache | None:
+    def prepare(self, cache: None) -> CascadeCache | StaticSelfAttentionCache | None:
         model, input_ids, model_kwargs, n = self.model, self.input_ids, self.model_kwargs, self.n
         states, source_mask, decoder_mask, cap, cross = self.states, self.source_mask, self.decoder_mask, self.cap, \
             self.cross
@@ -173,8 +176,7 @@ class EncoderSide:
             cap.caches.append(cross)
         repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
         cross.fill(self.projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap)
-        self.self_cache = self_cache = (_paged_self_cache(model, self.cascade_config, cap) if self.paged
-                                        else self_attention_cache(states.device, self.generation_config, cap))
+        self.self_cache = self_cache = self._self_cache(input_ids.shape[0])
         both = CascadeEncoderDecoderCache(self_cache, cross)
         model_kwargs[self.key] = both
         model_kwargs.update(cross_attention.forward_kwargs(both))
@@ -185,6 +187,8 @@ class EncoderSide:
             encoder_outputs.hf_cascade_unexpanded = {"last_hidden_state": states}
             encoder_outputs.hf_cascade_expand_size = n
             encoder_outputs["last_hidden_state"] = placeholder(states, input_ids.shape[0])
+        if self.static:
+            return self_cache    # the decoder prompt in the first forward; then static steps on the graph runner
         if not self.paged:
             return None          # the decode steps run on a dense cache: no layout, no runner
         if input_ids.shape[1] > 1:
@@ -198,6 +202,15 @@ class EncoderSide:
             self_cache.set_write_mask(decoder_mask[:, -1:])   # a last pad is not stored either
         self._positions_as_input()
         return self_cache       # the decode steps on a static layout, as a captured graph where one can run
+
+    def _self_cache(self, rows: int):
+        """The decoder's self-attention cache: paged, static dense, or dense (see the class docstring)."""
+        if self.paged:
+            return _paged_self_cache(self.model, self.cascade_config, self.cap)
+        if self.static:
+            return static_self_attention_cache(rows, len(self.projections), self.generation_config,
+                                               self.cascade_config, self.decoder_mask, self.cap)
+        return self_attention_cache(self.states.device, self.generation_config, self.cap)
 
     def _positions_as_input(self) -> None:
         """A decoder that computes its positions from the cache length on the host (the BART family) gets them as
@@ -223,6 +236,19 @@ class EncoderSide:
         if self.self_cache is not None:
             self.self_cache.reset()
         self.cross.reset()
+
+
+def _static_self_attention(model, config: CascadeConfig) -> bool:
+    """Whether a relative-bias family's decoder self-attention runs on ``dense_cache.StaticSelfAttentionCache``: where
+    the decode steps run on the graph runner and ``hf_cascade.patches.t5_mask`` serves the decoder stack (else the
+    dense cache, every step eager, the reason logged once)."""
+    if not family_of(model).relative_bias or graphs.unsupported_reason(model, config) is not None:
+        return False
+    reason = static_mask_reason(model)
+    if reason is not None:
+        log_once(("static mask", reason), logging.INFO, "decode steps run without CUDA graphs: %s", reason)
+        return False
+    return True
 
 
 def _paged_self_cache(model, config: CascadeConfig, cap: KVCap | None) -> CascadeCache:

@@ -131,6 +131,11 @@ class DecodeGraphRunner:
     (fixed input tensors, the layout's buffers, one plan upload per step) with an eager forward instead of a
     replay: on any device, for debugging and tests.
     Attributes for benchmarks: ``captures`` (count), ``capture_seconds``, ``replays``, ``eager_calls``.
+
+    The cache is a :class:`~hf_cascade.cache.CascadeCache`, or for the T5 family's decoder self-attention a
+    :class:`~hf_cascade.dense_cache.StaticSelfAttentionCache`, which offers the same static-step interface
+    (``prepare_step`` and its step's ``finish``/``rewind``, ``step``, ``rewind_step``, ``layout.serial``, ``layers``,
+    ``batch_size``, ``logical_length``).
     """
 
     def __init__(self, model, cache, capture_guard, capture: bool = True, compile: bool = False):
@@ -234,7 +239,7 @@ class DecodeGraphRunner:
         if self.encoder_decoder:       # the decoder's self-attention cache inside the EncoderDecoderCache
             cache = getattr(cache, "self_attention_cache", None)
         shaped = (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
-                  and ids.shape[1] == 1 and ids.shape[0] == self.cache.blocks.num_rows
+                  and ids.shape[1] == 1 and ids.shape[0] == self.cache.batch_size
                   and self.cache.logical_length > 0 and self._arg(kwargs, "inputs_embeds") is None
                   and not kwargs.get("output_attentions") and not kwargs.get("output_hidden_states"))
         if not shaped:

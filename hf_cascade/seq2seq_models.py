@@ -9,7 +9,10 @@ and never tests a model_type itself, so serving a new family means one entry in 
 This module also owns where a decode step's decoder positions come from (:func:`step_positions_reason`): Whisper's
 decoder reads ``decoder_position_ids``; the BART family's computes them from the cache length on the host, which a
 replayed graph would freeze, unless ``hf_cascade.patches.positions`` registered its decoder class here
-(:func:`register_device_positions`) and the call's forwards carry :data:`DEVICE_POSITIONS_KWARG`.
+(:func:`register_device_positions`) and the call's forwards carry :data:`DEVICE_POSITIONS_KWARG`. The T5 family's
+positions are relative: its bias is computed from the length its self-attention cache reports, which
+``dense_cache.StaticSelfAttentionCache`` gives as a device tensor in a static step; the step's mask comes from that
+cache where ``hf_cascade.patches.t5_mask`` registered the decoder stack here (:func:`register_static_mask`).
 """
 from __future__ import annotations
 
@@ -96,7 +99,8 @@ class Seq2SeqFamily:
 
 @dataclasses.dataclass(frozen=True)
 class T5Family(Seq2SeqFamily):
-    """T5 / mT5: ``decoder.block[i].layer[1].EncDecAttention`` with ``k``/``v``; a relative position bias."""
+    """T5 / mT5 / UMT5: ``decoder.block[i].layer[1].EncDecAttention`` with ``k``/``v``; a relative position bias (in
+    the first layer's self-attention, shared by the others; UMT5: in every layer's)."""
 
     relative_bias: bool = True
 
@@ -115,7 +119,7 @@ SUPPORTED: dict[str, Seq2SeqFamily] = {
     "bart": _BART, "mbart": _BART, "marian": _BART, "m2m_100": _M2M100,
     "pegasus": _BART, "plbart": _BART, "blenderbot": _BART, "blenderbot-small": _BART,
     "whisper": Seq2SeqFamily(masked_cross_attention=False, positions_from_decoder_mask=True),
-    "t5": _T5, "mt5": _T5,
+    "t5": _T5, "mt5": _T5, "umt5": _T5,
 }
 
 
@@ -155,7 +159,8 @@ def paged_self_attention(model, decoder_ids: torch.Tensor, device: torch.device,
                          decoder_mask: torch.Tensor | None = None) -> bool:
     """Whether the decoder self-attention runs on a paged CascadeCache (else dense: ``dense_cache``).
 
-    Not for relative-bias families (T5: the bias is computed from the width of the K/V the cache returns).
+    Not for relative-bias families (T5: the bias is added to the scores of every key, which the paged kernels do
+    not take; their decode steps reach the graph runner on ``dense_cache.StaticSelfAttentionCache`` instead).
     Not where a prefilled decoder prompt would move a position (:func:`prompt_positions_reason`).
     On a GPU, or with a backend chosen explicitly, always: no per-step reorder copy of the self K/V. On the
     CPU with backend="auto", only where the beams can share decoder prompt blocks (a prompt of at least
@@ -219,13 +224,40 @@ def device_positions_reason(model, max_length: int) -> str | None:
 def step_positions_reason(model, kwargs: dict) -> str | None:
     """Why the positions of an encoder-decoder decode step (its forward's ``kwargs``) are not an input the decoder
     reads from the device, which a replayed graph needs (None when they are)."""
+    family = SUPPORTED.get(getattr(model.config, "model_type", None))
+    if family is not None and family.relative_bias:
+        # relative positions: the bias reads the length the self-attention cache reports, a device tensor in a
+        # static step (dense_cache.StaticSelfAttentionCache, the only cache a runner drives for this family)
+        return None
     positions = kwargs.get("decoder_position_ids")
     if not isinstance(positions, torch.Tensor):
         return "the decoder's positions are not an input of the step (computed on the host)"
-    family = SUPPORTED.get(getattr(model.config, "model_type", None))
     if kwargs.get(DEVICE_POSITIONS_KWARG) or (family is not None and family.positions_from_decoder_mask):
         return None
     return (f"the caller's decoder_position_ids cannot be honoured on the static path: {type(model).__name__}'s "
             "decoder computes its positions from the cache length on the host (hf_cascade.patches.positions "
             "replaces that only with the positions generate's cascade entry gives itself); the decode steps run "
             "the model's own forward, as stock")
+
+
+# ---- where a static decode step's self-attention mask comes from (the relative-bias families) ------------------
+# decoder stack classes whose forward takes a static step's mask from its self-attention cache (filled by
+# hf_cascade.patches.t5_mask)
+_STATIC_MASK: set = set()
+
+
+def register_static_mask(stack_class: type) -> None:
+    """``stack_class`` (a T5-family decoder stack) takes its self-attention mask from a
+    ``dense_cache.StaticSelfAttentionCache`` in a static step (``static_step_mask()``) instead of building it from
+    the 2D decoder mask on the host."""
+    _STATIC_MASK.add(stack_class)
+
+
+def static_mask_reason(model) -> str | None:
+    """Why ``model``'s decoder cannot take a static step's self-attention mask from the device (None when it can)."""
+    decoder = family_of(model).decoder(model)
+    if type(decoder) in _STATIC_MASK:
+        return None
+    return (f"{type(decoder).__name__} builds its self-attention mask from the decoder mask on the host and no patch "
+            "of hf_cascade.patches.t5_mask serves it (not a stack it knows, or a transformers version it was not "
+            "checked on)")

@@ -10,12 +10,14 @@ under it (tests/test_patches.py).
 - ``families``: attention modules that route through AttentionInterface for families whose own code does not:
   Falcon with rotary positions and GPT-Neo (a "cascade" entry in their tables), XGLM's self-attention; GPT-J
   and CodeGen before transformers routed them.
+- ``t5_mask``: T5-family decoder stacks take a static decode step's self-attention mask from their cache.
 """
 from .generate import apply as apply_generate_patch, is_applied as generate_patch_applied  # noqa: F401
 from .loading import apply as apply_loading_patch, is_applied as loading_patch_applied  # noqa: F401
 from .families import apply as apply_families_patch, is_applied as families_patch_applied  # noqa: F401
 from .positions import apply as apply_positions_patch, is_applied as positions_patch_applied  # noqa: F401
 from .whisper_encoder import apply as apply_whisper_encoder_patch, is_applied as whisper_encoder_patch_applied  # noqa: F401,E501
+from .t5_mask import apply as apply_t5_mask_patch, is_applied as t5_mask_patch_applied  # noqa: F401
 
 
 def apply() -> None:
@@ -24,3 +26,4 @@ def apply() -> None:
     apply_families_patch()
     apply_positions_patch()
     apply_whisper_encoder_patch()
+    apply_t5_mask_patch()
