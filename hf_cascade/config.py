@@ -70,8 +70,9 @@ class CascadeConfig:
             runner's static path (fixed buffers, one plan upload per step) run without capturing, on any
             device (for debugging and CPU tests).
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
-            shapes) and capture the compiled forward: fused norms, rotary and MLP glue. The first call of a
-            shape compiles (tens of seconds for an 8B model); off by default.
+            shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
+            norms, rotary and MLP glue. The first call of a shape compiles (8-31 s for the H200 benchmarks); off by
+            default for that reason.
         static_decode: inside generate, plan decode steps on a layout fixed for the call
             (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
         whole_step: where decode steps run on the graph runner, run generate's decode loop with the token choice
