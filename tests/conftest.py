@@ -131,3 +131,31 @@ class RunnerSpy:
 @pytest.fixture
 def runner_spy(monkeypatch):
     return RunnerSpy(monkeypatch)
+
+
+@pytest.fixture
+def no_tf32():
+    """float32 matmuls in full float32 (TF32 off) for the test, as they were after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
+    """Generate 32 tokens on the cuda kernels with the runner's eager static step, then with it captured and replayed:
+    both runners serve every decode step, and tokens and scores are bitwise the same."""
+    spy = RunnerSpy(monkeypatch)
+    outs = []
+    for graphs in ("eager", True):
+        outs.append(cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
+                                     return_dict_in_generate=True, output_scores=True,
+                                     hf_cascade_config=hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=graphs),
+                                     **generate_kwargs))
+    eager_run, graph_run = spy.runners
+    assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
+    assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        assert torch.equal(sa, sb)

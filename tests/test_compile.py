@@ -274,14 +274,6 @@ GPU_CASES = {"beam": dict(num_beams=4, num_return_sequences=2), "greedy": dict(d
              "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _gpu_model(dtype):
     torch.manual_seed(0)
     with torch.device("cuda"):

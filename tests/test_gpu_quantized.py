@@ -77,14 +77,6 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _load(checkpoint, name, dtype, attn):
     make, _ = QUANTIZERS[name]
     return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=attn, dtype=dtype, device_map="cuda",

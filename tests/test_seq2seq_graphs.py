@@ -32,7 +32,7 @@ from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import positions as positions_patch, whisper_encoder as whisper_encoder_patch
 
-from conftest import RunnerSpy
+from conftest import RunnerSpy, assert_replay_equals_eager
 from test_encoder_decoder import _LONG, _LONG_MASK, _SHORT, WHISPER_CASES, whisper_pair
 
 VOCAB = 96
@@ -456,20 +456,7 @@ def test_gpu_bf16_replay_equals_eager_bitwise(family, mode, monkeypatch):
     """bf16 on the cuda kernels: the replayed decode step gives bitwise the eager static step's tokens and scores."""
     _, cascade = _gpu_pair(family, torch.bfloat16)
     ids, mask = _gpu_sources(cascade.config.pad_token_id)
-    spy = RunnerSpy(monkeypatch)
-    outs = []
-    for graphs in ("eager", True):
-        outs.append(cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
-                                     return_dict_in_generate=True, output_scores=True,
-                                     hf_cascade_config=CascadeConfig(backend="cuda", cuda_graphs=graphs),
-                                     **_GPU_MODES[mode]))
-    eager_run, graph_run = spy.runners
-    assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
-    assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
-    a, b = outs
-    assert torch.equal(a.sequences, b.sequences)
-    for sa, sb in zip(a.scores, b.scores):
-        assert torch.equal(sa, sb)
+    assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **_GPU_MODES[mode])
 
 
 @pytest.mark.gpu

@@ -32,7 +32,7 @@ from hf_cascade import cross_kv, dense_cache, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
-from conftest import RunnerSpy
+from conftest import RunnerSpy, assert_replay_equals_eager
 
 VOCAB = 96
 NEW = 10
@@ -438,20 +438,7 @@ def test_gpu_bf16_replay_equals_eager_bitwise(mode, monkeypatch):
     """bf16: the replayed decode step gives bitwise the eager static step's tokens and scores."""
     _, cascade = _gpu_pair(torch.bfloat16)
     ids, mask = _gpu_sources()
-    spy = RunnerSpy(monkeypatch)
-    outs = []
-    for graphs in ("eager", True):
-        outs.append(cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
-                                     return_dict_in_generate=True, output_scores=True,
-                                     hf_cascade_config=CascadeConfig(backend="cuda", cuda_graphs=graphs),
-                                     **_GPU_MODES[mode]))
-    eager_run, graph_run = spy.runners
-    assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
-    assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
-    a, b = outs
-    assert torch.equal(a.sequences, b.sequences)
-    for sa, sb in zip(a.scores, b.scores):
-        assert torch.equal(sa, sb)
+    assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **_GPU_MODES[mode])
 
 
 @pytest.mark.gpu
