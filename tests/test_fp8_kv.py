@@ -425,23 +425,26 @@ def test_an_fp8_call_with_nothing_to_share_still_stores_fp8(monkeypatch):
     assert all(layer.storage.dtype == torch.float8_e4m3fn for layer in cache.layers)
 
 
-def test_fp8_decode_steps_are_not_captured_yet():
-    """fp8 decode steps run eagerly on a GPU (their capture failed on the H200), logged with the reason; the runner's
-    static path without capture (cuda_graphs="eager") serves them."""
+def test_fp8_decode_steps_are_captured_like_any_other():
+    """An fp8 cache does not keep decode steps off the graph runner (tests/test_capture_safety.py checks that its
+    captured step only launches; tests/test_gpu_fp8.py replays it on the GPU against its eager step)."""
     from hf_cascade import graphs
     _, cascade = model_pair("llama", dtype=torch.float32)
-    fp8 = CascadeConfig(kv_dtype="float8_e4m3fn")
-    assert "fp8 KV cache" in graphs.unsupported_reason(cascade, fp8)
+    for mode in (True, "eager"):
+        full = graphs.unsupported_reason(cascade, CascadeConfig(cuda_graphs=mode))
+        assert graphs.unsupported_reason(cascade, CascadeConfig(kv_dtype="float8_e4m3fn", cuda_graphs=mode)) == full
     assert graphs.unsupported_reason(cascade, CascadeConfig(kv_dtype="float8_e4m3fn", cuda_graphs="eager")) is None
 
 
-def test_auto_hands_fp8_pools_to_the_reference_until_the_cuda_path_is_verified(monkeypatch):
-    """backend="auto" gives an fp8 pool to a backend that lists it in ``auto_kv_dtypes`` (the reference); the cuda
-    kernels read fp8 only when asked for (backend="cuda"): generate on fp8 pools failed on the H200."""
+def test_auto_hands_fp8_pools_to_the_cuda_kernels(monkeypatch):
+    """backend="auto" gives an fp8 pool to the cuda kernels where they run, as it does a 16-bit pool; a backend that
+    reads fp8 without listing it in ``auto_kv_dtypes`` serves it only when asked for by name."""
     from hf_cascade.kernels import cuda as cuda_backend
     monkeypatch.setattr(type(cuda_backend.BACKEND), "unsupported_reason", lambda self, *a, **k: None)  # "on a GPU"
     q = torch.zeros(2, 1, 4, 8)
     pool = with_kv_scale(torch.zeros(3, 2, 4, 2, 8, dtype=FP8), torch.ones(2, 2))
+    assert kernels.select("auto", q, pool) is cuda_backend.BACKEND
+    assert kernels.select("auto", q, torch.zeros(3, 2, 4, 2, 8)) is cuda_backend.BACKEND
+    monkeypatch.setattr(type(cuda_backend.BACKEND), "auto_kv_dtypes", ())
     assert kernels.select("auto", q, pool) is reference.BACKEND
     assert kernels.select("cuda", q, pool) is cuda_backend.BACKEND
-    assert kernels.select("auto", q, torch.zeros(3, 2, 4, 2, 8)) is cuda_backend.BACKEND

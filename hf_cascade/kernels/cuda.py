@@ -224,10 +224,9 @@ class CudaBackend(Backend):
     name = "cuda"
     dtypes = tuple(DTYPE_CODES)
     kv_dtypes = KV_SCALED_DTYPES
-    # not chosen by "auto" for an fp8 pool yet: generate on fp8 pools failed on the H200 (the prefix launch reported
-    # cudaErrorStreamCaptureUnsupported outside any capture; tests/test_gpu_fp8.py), the kernels alone pass their tests.
-    # backend="cuda" asks for them; "auto" runs the reference
-    auto_kv_dtypes = ()
+    # "auto" hands it fp8 pools too (the failure of fp8 generate on the H200 was the debug mode's device sync inside
+    # the capture, cuda_binding._Lib.check; tests/test_gpu_fp8.py runs the captured fp8 step against its eager one)
+    auto_kv_dtypes = KV_SCALED_DTYPES
     head_dims = HEAD_DIMS
     devices = ("cuda",)
     # softcap and a sliding window in the prefix and suffix kernels, attention sinks in the merge
