@@ -14,7 +14,7 @@ import hf_cascade  # noqa: F401  registers "cascade"
 from conftest import cache_kw, model_pair, padded_batch
 from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.config import FP8_BACKENDS, KV_DTYPES, ConfigTypeError
-from hf_cascade.kernels import reference
+from hf_cascade.kernels import ops, reference
 from hf_cascade.kernels.base import NO_QUIRKS, Backend, Quirks, kv_scale, with_kv_scale
 from hf_cascade.memory import SCALE_MARGIN, GrowStorage, StaticStorage
 from kernel_helpers import random_layout, random_three_level, step_plan
@@ -602,3 +602,82 @@ def test_prefix_kernel_fp8_tile_swizzle_is_a_bank_conflict_free_permutation(D):
     for r0 in range(0, N, 8):
         for c in range(D // 16):
             assert len({(_swz8(D, r0 + r, c) // 16) % 8 for r in range(8)}) == 8
+
+
+# ---- the cuda backend's scale folding, on the emulated kernels ----------------------------------------------------
+class _FoldedScales:
+    """tests/test_cuda_emulation.py's numpy kernels given what the fp8 kernels compute from ``kv_scale``: the stored
+    values (fp8 -> bf16: exact), K's scale of the CTA's KV head folded into the scores' scale_log2 (one scalar), V's
+    applied to the partial outputs the launch writes; one emulated launch per KV head, each kept for its query heads."""
+
+    def __init__(self):
+        from test_cuda_emulation import Emulated
+        self.kernels = Emulated()
+        self.merge = self.kernels.merge
+
+    def _per_head(self, launch, q, pool, part_o, part_lse, slots, scale_log2, kv_scale, **kw):
+        R, Lq, Hq, D = q.shape
+        Hkv = pool.shape[3]
+        grp = Hq // Hkv
+        po, pl = part_o.view(-1, R, Lq, Hq, D), part_lse.view(-1, R, Lq, Hq)
+        for h in range(Hkv):
+            o_h, lse_h = part_o.clone(), part_lse.clone()
+            launch(q, pool.to(q.dtype), o_h, lse_h, scale_log2 * float(kv_scale[0, h]))
+            heads = slice(h * grp, (h + 1) * grp)
+            po[slots, :, :, heads] = o_h.view(po.shape)[slots, :, :, heads] * float(kv_scale[1, h])
+            pl[slots, :, :, heads] = lse_h.view(pl.shape)[slots, :, :, heads]
+
+    def prefix(self, lib, stream, q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks,
+               scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0, kv_scale=None):
+        ops.check_prefix(q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
+                         slot0, softcap, window, kv_scale)
+        assert tune == 0
+
+        def launch(q_, pool_, o_, lse_, s_):
+            self.kernels.prefix(lib, stream, q_, pool_, gr, pt, plen, o_, lse_, m_tile, row_tiles, chunk_tokens,
+                                max_chunks, s_, q_limit, slot0, softcap, window, tune)
+        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + max_chunks), scale_log2, kv_scale)
+
+    def suffix(self, lib, stream, q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2,
+               softcap=0.0, window=0, kv_scale=None):
+        ops.check_suffix(q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
+                         kv_scale)
+
+        def launch(q_, pool_, o_, lse_, s_):
+            self.kernels.suffix(lib, stream, q_, pool_, table, q_limit, o_, lse_, split_tokens, nsplit, slot0, s_,
+                                softcap, window)
+        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + nsplit), scale_log2, kv_scale)
+
+
+@pytest.mark.parametrize("three", [False, True], ids=["two-levels", "three-levels"])
+@pytest.mark.parametrize("quirks", [NO_QUIRKS, Quirks(softcap=20.0), Quirks(window=40)], ids=["plain", "softcap",
+                                                                                              "window"])
+def test_cuda_backend_folded_scales_equal_the_reference_dequantization(monkeypatch, quirks, three):
+    """The cuda backend's launches on an fp8 pool (cuda._launch: the pool's kv_scale to the prefix and suffix kernels)
+    with the kernels' use of the scales emulated (K's folded into the scores' scale, once per KV head; V's on the
+    partials) equal the reference on the same pool, which dequantizes every token, in float64."""
+    from test_cuda_emulation import _FakeLib
+    from hf_cascade.kernels import cuda as cuda_backend
+    from hf_cascade.kernels import cuda_tuning
+    # short chunks and several suffix splits (tests/test_cuda_emulation.py's _small_pieces)
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)
+    monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
+                        lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+    if three:
+        lay = random_three_level(9, sys_tokens=160, prompts=2, beams=3, own_tokens=(40, 90), suffix=(1, 30),
+                                 lone_rows=1, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32)
+    else:
+        lay = random_layout(9, groups=((3, 300), (2, 90)), lone_rows=1, suffix=(1, 150), Hkv=2, ratio=4, D=64, bs=16,
+                            dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    pool8, _ = _quantize(lay.pool.double(), seed=5)
+    q = lay.q.to(torch.bfloat16)
+    state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=_FakeLib())
+    assert state.three == (three and quirks.window is None) and state.max_chunks > 1 and (three or state.nsplit > 1)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(_FakeLib(), 0, q, pool8, state, lay.scale, out, kernels=_FoldedScales(), **quirks.kwargs())
+    want = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    assert torch.isfinite(out).all(), "a NaN key (an unused pool slot) was read"
+    err = (out - want).abs().max() / want.abs().max()
+    assert err < 2e-5, f"max error {err:.2e} relative to the largest output"
