@@ -296,7 +296,7 @@ def test_captured_fp8_generate_equals_its_eager_run_bitwise(monkeypatch, memory,
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 512, (3, 260), generator=g).cuda()
     mask = torch.ones_like(ids)
-    kw = dict(num_beams=4, max_new_tokens=32, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    kw = dict(num_beams=4, max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     spy = RunnerSpy(monkeypatch)
     outs = []
     for mode in ("eager", True):
