@@ -7,11 +7,14 @@ it, ``hf_cascade.kernels.load(name).attend(q, pool, plan, scale)`` with a StepPl
 L2 cache overwritten before each). Also "cuda-full-table": the cuda backend's paged decode over each
 row's whole table (no prefix groups), i.e. what a cascade saves (and "flashinfer-full-table" likewise).
 ``--threshold`` times short prefixes (16 to 1024 tokens) to find where the cascade stops paying.
+``--fp8`` adds "cuda-fp8", the cuda backend on the same K/V stored as float8_e4m3fn with a scale per K/V and KV head
+(``CascadeConfig(kv_dtype="float8_e4m3fn")``'s pool; its roofline counts one byte per element), and
+"cuda-portable", bf16 on the portable prefix kernel's default configuration (the kernel the fp8 path runs).
 
 Roofline: bytes a cascade must move (each prefix once per group, each row's suffix, q and o) divided by the
 device-to-device copy bandwidth measured in the same run.
 
-    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--out benchmarks/results/sm90/kernels_gpu.json]
+    PYTHONPATH=. python benchmarks/kernels_gpu.py [--reps 30] [--quick] [--fp8] [--out ...kernels_gpu.json]
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import harness  # noqa: E402
 from hf_cascade import kernels  # noqa: E402
+from hf_cascade.kernels import cuda_tuning  # noqa: E402
+from hf_cascade.kernels.base import with_kv_scale  # noqa: E402
 from hf_cascade.plan import build_step_plan  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -41,6 +46,9 @@ THRESHOLD_SHAPES = [dict(groups=g, beams=b, prefix=p, suffix=s)
                     for g, b in ((1, 4), (1, 8), (8, 8), (8, 16))
                     for p in (16, 32, 64, 128, 256, 512, 1024) for s in (64, 512)]
 FULL_TABLE = ("cuda", "flashinfer")     # backends also timed over each row's whole table (no cascade)
+FP8_MAX = 448.0
+# --fp8: name -> (backend, the pool it reads, the prefix tuning its state is built with)
+FP8_ROWS = {"cuda-fp8": ("cuda", "fp8", None), "cuda-portable": ("cuda", "bf16", "variant=default")}
 
 
 def make_step(groups, beams, prefix, suffix, seed=0, device="cuda", dtype=torch.bfloat16):
@@ -75,9 +83,18 @@ def make_step(groups, beams, prefix, suffix, seed=0, device="cuda", dtype=torch.
     return q, pool, cascade, full
 
 
-def bytes_moved(groups, beams, prefix, suffix, elt=2, full_table=False):
+def fp8_pool(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` as the fp8 cache stores it: float8_e4m3fn, one scale per K/V and KV head (amax / 448), carried as the
+    kernels read it (hf_cascade.kernels.base.kv_scale)."""
+    amax = pool.float().abs().amax(dim=(0, 2, 4))                       # [2, Hkv]
+    scale = (amax / FP8_MAX).clamp_min(1e-30)
+    stored = (pool.float() / scale[None, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return with_kv_scale(stored, scale.contiguous())
+
+
+def bytes_moved(groups, beams, prefix, suffix, elt=2, full_table=False, kv_elt=None):
     R = groups * beams
-    per_token = HKV * HEAD_DIM * 2 * elt                   # K and V of one token
+    per_token = HKV * HEAD_DIM * 2 * (kv_elt or elt)       # K and V of one token
     kv = (R * (prefix + suffix) if full_table else groups * prefix + R * suffix) * per_token
     return kv + 2 * R * HQ * HEAD_DIM * elt                # + q and o
 
@@ -115,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
     p.add_argument("--threshold", action="store_true",
                    help="short prefixes (16..1024 tokens): where the cascade stops paying against full tables")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the cuda backend on an fp8 pool, and bf16 on the portable kernel the fp8 path runs")
     p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/kernels_gpu[_threshold].json)")
     args = p.parse_args(argv)
     args.out = args.out or str(harness.results_path("kernels_gpu_threshold" if args.threshold else "kernels_gpu"))
@@ -140,37 +159,49 @@ def main(argv=None) -> int:
 
     shapes = THRESHOLD_SHAPES if args.threshold else [
         s for s in SHAPES if not args.quick or (s["prefix"] == 16384 and s["beams"] == 8)]
+    extra = [n for n, (b, _, _) in FP8_ROWS.items() if b in backends] if args.fp8 else []
     jobs = [(s, name) for s in shapes
-            for name in list(backends) + [f"{b}-full-table" for b in FULL_TABLE if b in backends]]
+            for name in list(backends) + [f"{b}-full-table" for b in FULL_TABLE if b in backends] + extra]
     results = []
     current = None
     for shape, name in tqdm(jobs, desc="kernels", unit="run"):
         if current is None or current[0] is not shape:
             current = (shape, make_step(**shape))
-            ref_out = None
+            ref_out, fp8 = {}, None
         q, pool, cascade, full = current[1]
         scale = 1.0 / math.sqrt(HEAD_DIM)
         full_table = name.endswith("-full-table")
-        backend = backends[name.removesuffix("-full-table")]
+        backend_name, kv, tune = FP8_ROWS.get(name, (name.removesuffix("-full-table"), "bf16", None))
+        backend = backends[backend_name]
+        if kv == "fp8":
+            fp8 = fp8 if fp8 is not None else fp8_pool(pool)
+        kv_pool = fp8 if kv == "fp8" else pool
         plan = full if full_table else cascade
-        row = dict(shape, backend=name, bytes=bytes_moved(**shape, full_table=full_table),
-                   cascade_bytes=bytes_moved(**shape))
-        reason = backend.unsupported_reason(q, pool, plan)
+        kv_elt = 1 if kv == "fp8" else None
+        row = dict(shape, backend=name, bytes=bytes_moved(**shape, full_table=full_table, kv_elt=kv_elt),
+                   cascade_bytes=bytes_moved(**shape, kv_elt=kv_elt))
+        reason = backend.unsupported_reason(q, kv_pool, plan)
         if reason is not None:
             row.update(skipped=reason)
             results.append(row)
             continue
+        previous = cuda_tuning.prefix_tune()
         try:
-            meta = backend.build(plan, q, pool)      # once, as a step does for all its layers: only forward is timed
-            out = backend.forward(q, pool, meta, scale)
+            cuda_tuning.set_prefix_tune(tune)
+            meta = backend.build(plan, q, kv_pool)   # once, as a step does for all its layers: only forward is timed
+            cuda_tuning.set_prefix_tune(previous)
+            out = backend.forward(q, kv_pool, meta, scale)
             torch.cuda.synchronize()
-            if name != "reference" and "reference" in backends:   # float32 reference, once per shape
-                if ref_out is None:
-                    ref_out = backends["reference"].attend(q.float(), pool.float(), cascade, scale)
-                row["rel_err_vs_reference"] = float((out.float() - ref_out).norm() / ref_out.norm())
-            med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, scale), args.reps, args.warmup,
-                                             flush)
+            if name != "reference" and "reference" in backends:   # float32 reference, once per shape and pool
+                if kv not in ref_out:
+                    ref_out[kv] = backends["reference"].attend(q.float(), kv_pool if kv == "fp8" else pool.float(),
+                                                               cascade, scale)
+                ref = ref_out[kv]
+                row["rel_err_vs_reference"] = float((out.float() - ref).norm() / ref.norm())
+            med, best = harness.cuda_time_us(lambda: backend.forward(q, kv_pool, meta, scale), args.reps,
+                                             args.warmup, flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
+            cuda_tuning.set_prefix_tune(previous)
             row.update(error=f"{type(err).__name__}: {err}")
             results.append(row)
             torch.cuda.synchronize()
@@ -178,10 +209,10 @@ def main(argv=None) -> int:
         roofline = row["cascade_bytes"] / bw * 1e6
         row.update(median_us=med, min_us=best, roofline_us=roofline, fraction_of_roofline=roofline / med,
                    achieved_tb_s=row["bytes"] / (med * 1e-6) / 1e12)
-        if name == "cuda":     # the cuda backend's launch state (its metadata)
+        if backend_name == "cuda" and not full_table:     # the cuda backend's launch state (its metadata)
             st = meta
             row["cuda_plan"] = dict(chunk_tokens=st.chunk_tokens, chunks=st.max_chunks, row_tiles=st.row_tiles,
-                                    m_tile=st.m_tile, suffix_splits=st.nsplit)
+                                    m_tile=st.m_tile, suffix_splits=st.nsplit, prefix_kernel=st.tune)
         results.append(row)
         torch.cuda.empty_cache()
 

@@ -46,7 +46,11 @@ HFC_API const hfc_layout_entry* hfc_params_layout(int32_t* count) {
 
 HFC_API int hfc_sync(void) {
   hfc::clear_error();
-  return (int)cudaDeviceSynchronize();
+  const cudaError_t err = cudaDeviceSynchronize();
+  // reported here, so consumed here: a launcher's cudaGetLastError() must not report it again for a later launch
+  // (a non-sticky error such as cudaErrorStreamCaptureUnsupported would otherwise fail the next, healthy launch)
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return (int)err;
 }
 
 HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, int32_t tune, hfc_prefix_info* info) {

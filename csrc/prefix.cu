@@ -23,10 +23,18 @@
 //     the whole chunk) belongs to warp column gs % WN. Each warp keeps its own online softmax over its
 //     sub-tiles; the WN partial states of a row are merged through shared memory at the end (the K/V
 //     ring is idle then). So 16- and 32-row tiles keep all 4 warps busy without splitting D.
-//   * an fp8 pool (F8, HFC_KV_FP8_E4M3): each thread loads its K/V chunks of the next tile as 8 bytes into registers
-//     before the current tile's math and converts them into the same T ring (exact) after it, so the loads stay in
-//     flight during the math as cp.async's do; the ring, the MMAs and the softmax are the 16-bit path's. K's scale of
-//     the CTA's KV head joins scale_log2, V's scales the output. Default configuration only (tune 0).
+//   * an fp8 pool (F8, HFC_KV_FP8_E4M3): the ring holds the fp8 bytes as they are in the pool, filled by the same
+//     16-byte cp.async (16 elements per copy, twice bf16's), so the same shared memory holds twice the stages (2 x
+//     STAGES - 1 tiles in flight per CTA). The bytes are converted in registers, straight into the MMA operands: an
+//     ldmatrix over the fp8 tile (its b16 units are pairs of bytes) gives each lane 4 bytes, converted pairwise
+//     (__nv_cvt_fp8x2_to_halfraw2: cvt.rn.f16x2.e4m3x2; bf16 from that f16 pair by an exact re-biasing, see
+//     fp8x2_to<T>). For S = Q K^T a lane's 4 bytes are 4 consecutive dims of one token, so the k order of every
+//     16-dim step is permuted (slots 2j, 2j+1 <- dims 4j, 4j+1; slots 8+2j, 8+2j+1 <- dims 4j+2, 4j+3), and Q's A
+//     fragments are read in the same order (two 8-byte loads instead of ldmatrix). For O += P V the transposed
+//     ldmatrix gives 2 tokens x 2 dims, regrouped by one byte permute into the B pairs of two output columns: O's
+//     n-tiles then hold dims 2g and 2g + 1 of each 16-dim chunk (undone in the epilogue, where a lane's 4 values of
+//     a chunk are 4 consecutive dims). K's scale of the CTA's KV head joins scale_log2, V's scales the output: once
+//     per CTA, never per element. Default configuration only (tune 0).
 // Not chosen here: TMA / cp.async.bulk (a paged gather of 256-byte rows needs one bulk copy per token and
 // block table: no gain over cp.async at these sizes). On Hopper, bf16/fp16 head_dim-128 layers with >= 16 query
 // rows per group run csrc/prefix_sm90.cu instead (wgmma on 64-row tiles fed by a producer warp): this kernel's
@@ -86,6 +94,14 @@ struct PrefixCfg {
   static constexpr int SMEM = KV_OFF + (KV_BYTES > O_BYTES ? KV_BYTES : O_BYTES);
   static constexpr int LD_TOK = THREADS / CH;                        // tokens per loader pass
   static constexpr int LD_PASSES = N / LD_TOK;
+  // an fp8 pool: the ring's bytes hold twice the stages of fp8 tiles (one byte an element), D / 16 16-byte chunks a row
+  static constexpr int F8_STAGES = 2 * STAGES;
+  static constexpr int F8_TILE_BYTES = 2 * N * D;                    // K then V
+  static constexpr int CH8 = D / 16;
+  static constexpr int LD8_TOK = THREADS / CH8;
+  static constexpr int LD8_PASSES = N / LD8_TOK;
+  static_assert(F8_STAGES * F8_TILE_BYTES == KV_BYTES, "the fp8 ring fills the 16-bit ring's bytes");
+  static_assert(LD8_TOK * CH8 == THREADS && LD8_PASSES * LD8_TOK == N, "fp8 loader tiling");
   static_assert(KW % 16 == 0 && N % KW == 0 && SUB * KW == N, "sub-tiling");
   static_assert(LD_TOK * CH == THREADS && LD_PASSES * LD_TOK == N, "loader tiling");
   static_assert(WM <= WARPS && WN * WM == WARPS, "warp grid");
@@ -96,6 +112,11 @@ struct PrefixCfg {
 // element offset of 16-byte chunk c of row r in a [rows][D] tile, XOR-swizzled
 template <int D>
 __device__ __forceinline__ int swz(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
+
+// byte offset of 16-byte chunk c of row r in an fp8 [rows][D] tile: the tile's chunks in order, the low three bits of
+// the index XOR-ed with the row's, so the 8 rows an ldmatrix reads (any D of 64, 128, 256) hit 8 distinct bank groups
+template <int D>
+__device__ __forceinline__ int swz8(int r, int c) { return ((r * (D / 16) + c) ^ (r & 7)) << 4; }
 
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
@@ -164,8 +185,8 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   const int R = (int)p.R, Lq = (int)p.Lq, Hq = (int)p.Hq, Hkv = (int)p.Hkv, bs = (int)p.block_size;
   const int Rg = (int)p.Rg, Mp = (int)p.Mp, chunk_tokens = (int)p.chunk_tokens, row_tiles = (int)p.row_tiles;
   const int window = (int)p.window;
-  // F8: the stored K of KV head blockIdx.y times its scale is the real K (a scalar of the scores); V's scale is applied
-  // to the output
+  // F8: the stored K of KV head blockIdx.y times its scale is the real K (a scalar of the scores, folded in once);
+  // V's scale is applied to the output once, in the epilogue
   float scale_log2 = p.scale_log2, v_scale = 1.0f;
   if constexpr (F8) {
     scale_log2 *= __ldg(p.kv_scale + blockIdx.y);
@@ -180,10 +201,12 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
     }
   }
   using C = PrefixCfg<D, M, V>;
-  constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH, STAGES = C::STAGES;
+  constexpr int N = C::N, KW = C::KW, NT = C::NT, DN = C::DN, CH = C::CH;
+  constexpr int STAGES = F8 ? C::F8_STAGES : C::STAGES;     // ring slots (tiles)
+  constexpr int TILE = F8 ? C::F8_TILE_BYTES : C::TILE_ELEMS * 2;   // bytes of one ring slot
   extern __shared__ __align__(128) unsigned char smem[];
   T* Q_s = reinterpret_cast<T*>(smem);
-  T* KV_s = reinterpret_cast<T*>(smem + C::KV_OFF);
+  unsigned char* KV_s = smem + C::KV_OFF;           // the ring: STAGES slots of TILE bytes (K then V)
 
   const int tile = blockIdx.x % row_tiles;
   const int chunk = blockIdx.x / row_tiles;
@@ -282,7 +305,7 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   // zero-filled (src-size 0: no global read; the address passed is the pool's base, never dereferenced).
   const int ld_c = tid % CH, ld_n0 = tid / CH;
   auto load_tile = [&](int t0, int stage) {      // (the 16-bit pool's)
-    T* Ks = KV_s + stage * C::TILE_ELEMS;
+    T* Ks = reinterpret_cast<T*>(KV_s + stage * TILE);
     T* Vs = Ks + N * D;
 #pragma unroll
     for (int p = 0; p < C::LD_PASSES; ++p) {
@@ -303,32 +326,28 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       cp_async16_zfill(Vs + off, vsrc, bytes);
     }
   };
-  // F8: the same chunks as 8 fp8 bytes each, fetched into registers (zero for invalid tokens: nothing is read), then
-  // converted into ring slot `stage`
-  uint2 k8[F8 ? C::LD_PASSES : 1], v8[F8 ? C::LD_PASSES : 1];
-  auto fetch_tile = [&](int t0) {
+  // F8: the same, 16 fp8 bytes (16 dims) per copy: chunk ld8_c of tokens ld8_n0 + p * LD8_TOK, at swz8
+  const int ld8_c = tid % C::CH8, ld8_n0 = tid / C::CH8;
+  auto load_tile8 = [&](int t0, int stage) {
+    unsigned char* Ks = KV_s + stage * TILE;
+    unsigned char* Vs = Ks + N * D;
 #pragma unroll
-    for (int p = 0; p < (F8 ? C::LD_PASSES : 1); ++p) {
-      const int t = t0 + ld_n0 + p * C::LD_TOK;
+    for (int p = 0; p < C::LD8_PASSES; ++p) {
+      const int n = ld8_n0 + p * C::LD8_TOK;
+      const int t = t0 + n;
       int blk = -1;
       if (t < t_end) blk = __ldg(table + t / bs);
-      k8[p] = make_uint2(0u, 0u);
-      v8[p] = make_uint2(0u, 0u);
+      const KV* ksrc = pool;
+      const KV* vsrc = pool;
+      int bytes = 0;
       if (blk >= 0) {
-        const KV* src = pool_h + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + ld_c * 8;
-        k8[p] = __ldg(reinterpret_cast<const uint2*>(src));
-        v8[p] = __ldg(reinterpret_cast<const uint2*>(src + kv_stride));
+        ksrc = pool_h + ((int64_t)blk * 2 * bs + (t % bs)) * slot_stride + ld8_c * 16;
+        vsrc = ksrc + kv_stride;
+        bytes = 16;
       }
-    }
-  };
-  auto store_tile = [&](int stage) {
-    T* Ks = KV_s + stage * C::TILE_ELEMS;
-    T* Vs = Ks + N * D;
-#pragma unroll
-    for (int p = 0; p < (F8 ? C::LD_PASSES : 1); ++p) {
-      const int off = swz<D>(ld_n0 + p * C::LD_TOK, ld_c);
-      *reinterpret_cast<uint4*>(Ks + off) = fp8x8_to<T>(k8[p]);
-      *reinterpret_cast<uint4*>(Vs + off) = fp8x8_to<T>(v8[p]);
+      const int off = swz8<D>(n, ld8_c);
+      cp_async16_zfill(Ks + off, ksrc, bytes);
+      cp_async16_zfill(Vs + off, vsrc, bytes);
     }
   };
 
@@ -336,14 +355,10 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ntiles) {
-      if constexpr (F8) {
-        fetch_tile(t_first + s * N);
-        store_tile(s);
-      } else {
-        load_tile(t_first + s * N, s);
-      }
+      if constexpr (F8) load_tile8(t_first + s * N, s);
+      else load_tile(t_first + s * N, s);
     }
-    cp_async_commit();  // always commit (possibly empty): group k <-> tile k (F8: only Q's is not empty)
+    cp_async_commit();  // always commit (possibly empty): group k <-> tile k
   }
 
   const int wm = warp / C::WN, wn = warp % C::WN;
@@ -355,6 +370,10 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
   const int k_chunk = li & 1;
   const int v_tok = (li & 1) * 8 + lr;            // ... for V (transposed)
   const int v_chunk = li >> 1;
+  // F8: matrix li of an ldmatrix over the fp8 tile is tokens 8 (li & 1).. of 16-byte chunk li >> 1, for K and V alike
+  const int f8_tok = (li & 1) * 8 + lr;
+  const int f8_chunk = li >> 1;
+  const int q8_row = wm * 16 + (lane >> 2);       // F8: this lane's Q row (and + 8) for the A fragments
 
   float o[DN][4];
 #pragma unroll
@@ -368,20 +387,16 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
     cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
     __syncthreads();              // everyone's have; everyone is done with tile it - 1 (its slot is free)
     const int nx = it + STAGES - 1;
-    if constexpr (F8) {
-      if (nx < ntiles) fetch_tile(t_first + nx * N);   // into registers: stored after this tile's math
-    } else {
-      if (nx < ntiles) load_tile(t_first + nx * N, nx % STAGES);
+    if (nx < ntiles) {
+      if constexpr (F8) load_tile8(t_first + nx * N, nx % STAGES);
+      else load_tile(t_first + nx * N, nx % STAGES);
     }
     cp_async_commit();
-    if (!active) {      // (F8: still stores its share of the next tile)
-      if constexpr (F8) {
-        if (nx < ntiles) store_tile(nx % STAGES);
-      }
-      continue;
-    }
-    const T* Ks = KV_s + (it % STAGES) * C::TILE_ELEMS;
+    if (!active) continue;
+    const T* Ks = reinterpret_cast<const T*>(KV_s + (it % STAGES) * TILE);
     const T* Vs = Ks + N * D;
+    const unsigned char* Ks8 = KV_s + (it % STAGES) * TILE;   // (F8's view of the same slot)
+    const unsigned char* Vs8 = Ks8 + N * D;
 #pragma unroll
     for (int s = 0; s < C::SUB; ++s) {
       if (C::WN > 1 && (it * C::SUB + s) % C::WN != wn) continue;
@@ -395,16 +410,43 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sacc[nt][e] = 0.0f;
+      if constexpr (F8) {
+        // two 16-dim k steps per ldmatrix: b[i] holds dims 16 (2 kp + (i >> 1)) + 4 q4 .. + 3 of token g of n-tile
+        // 2 tp + (i & 1); Q's A fragments in the same permuted k order (see the header)
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, Q_s + swz<D>(q_row, 2 * kk + q_chunk));
+        for (int kp = 0; kp < D / 32; ++kp) {
+          uint32_t a[2][4];
 #pragma unroll
-        for (int tp = 0; tp < KW / 16; ++tp) {
-          uint32_t b[4];
-          ldsm_x4(b, Ks + swz<D>(tok0 + tp * 16 + k_tok, 2 * kk + k_chunk));
-          Mma<T>::run(sacc[2 * tp], a, b[0], b[1]);
-          Mma<T>::run(sacc[2 * tp + 1], a, b[2], b[3]);
+          for (int j = 0; j < 2; ++j) {
+            const int c = 2 * (2 * kp + j) + (q4 >> 1), e = 4 * (q4 & 1);
+            const uint2 lo = *reinterpret_cast<const uint2*>(Q_s + swz<D>(q8_row, c) + e);
+            const uint2 hi = *reinterpret_cast<const uint2*>(Q_s + swz<D>(q8_row + 8, c) + e);
+            a[j][0] = lo.x;
+            a[j][1] = hi.x;
+            a[j][2] = lo.y;
+            a[j][3] = hi.y;
+          }
+#pragma unroll
+          for (int tp = 0; tp < KW / 16; ++tp) {
+            uint32_t b[4];
+            ldsm_x4(b, Ks8 + swz8<D>(tok0 + tp * 16 + f8_tok, 2 * kp + f8_chunk));
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              Mma<T>::run(sacc[2 * tp + (i & 1)], a[i >> 1], fp8x2_to<T>(b[i] & 0xffffu), fp8x2_to<T>(b[i] >> 16));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[4];
+          ldsm_x4(a, Q_s + swz<D>(q_row, 2 * kk + q_chunk));
+#pragma unroll
+          for (int tp = 0; tp < KW / 16; ++tp) {
+            uint32_t b[4];
+            ldsm_x4(b, Ks + swz<D>(tok0 + tp * 16 + k_tok, 2 * kk + k_chunk));
+            Mma<T>::run(sacc[2 * tp], a, b[0], b[1]);
+            Mma<T>::run(sacc[2 * tp + 1], a, b[2], b[3]);
+          }
         }
       }
 
@@ -430,19 +472,36 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
       rescale_state(l_run, o, alpha, rsum);
 
       // ---- O += P V
+      if constexpr (F8) {
+        // b[i]: tokens 8 (i & 1) + 2 q4, + 1 of the k step x dims 2g, 2g + 1 of chunk 2 cp + (i >> 1); one byte
+        // permute makes the two tokens of each dim a pair: the B operands of o[2c] (dims 2g of chunk c) and o[2c + 1]
+        // (dims 2g + 1)
 #pragma unroll
-      for (int jt = 0; jt < KW / 16; ++jt)
+        for (int jt = 0; jt < KW / 16; ++jt)
 #pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t b[4];
-          ldsm_x4_t(b, Vs + swz<D>(tok0 + jt * 16 + v_tok, 2 * dp + v_chunk));
-          Mma<T>::run(o[2 * dp], pf[jt], b[0], b[1]);
-          Mma<T>::run(o[2 * dp + 1], pf[jt], b[2], b[3]);
-        }
-    }
-    // F8: slot nx % STAGES held tile it - 1, which every warp finished before this iteration's barrier
-    if constexpr (F8) {
-      if (nx < ntiles) store_tile(nx % STAGES);
+          for (int cp = 0; cp < D / 32; ++cp) {
+            uint32_t b[4];
+            ldsm_x4_t(b, Vs8 + swz8<D>(tok0 + jt * 16 + f8_tok, 2 * cp + f8_chunk));
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int c = 2 * cp + j;
+              const uint32_t lo = __byte_perm(b[2 * j], 0u, 0x3120);      // tokens 2 q4, + 1: dims 2g | 2g + 1
+              const uint32_t hi = __byte_perm(b[2 * j + 1], 0u, 0x3120);  // tokens 8 + 2 q4, + 1
+              Mma<T>::run(o[2 * c], pf[jt], fp8x2_to<T>(lo & 0xffffu), fp8x2_to<T>(hi & 0xffffu));
+              Mma<T>::run(o[2 * c + 1], pf[jt], fp8x2_to<T>(lo >> 16), fp8x2_to<T>(hi >> 16));
+            }
+          }
+      } else {
+#pragma unroll
+        for (int jt = 0; jt < KW / 16; ++jt)
+#pragma unroll
+          for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t b[4];
+            ldsm_x4_t(b, Vs + swz<D>(tok0 + jt * 16 + v_tok, 2 * dp + v_chunk));
+            Mma<T>::run(o[2 * dp], pf[jt], b[0], b[1]);
+            Mma<T>::run(o[2 * dp + 1], pf[jt], b[2], b[3]);
+          }
+      }
     }
   }
 
@@ -484,11 +543,24 @@ prefix_kernel(const __grid_constant__ hfc_prefix_params p) {
     if (wn == 0 && q4 == 0) lse_s[row] = (lt > 0.0f) ? mt + log2f(lt) : neg_inf();
   }
   float* Ow = O_s + wn * M * C::LDO;
+  if constexpr (F8) {      // o[2c], o[2c + 1] hold dims 16c + 4 q4 + {0, 2} and {1, 3}: 4 consecutive dims
 #pragma unroll
-  for (int dn = 0; dn < DN; ++dn) {
-    const int col = dn * 8 + 2 * q4;
-    *reinterpret_cast<float2*>(Ow + row0 * C::LDO + col) = make_float2(o[dn][0] * f[0], o[dn][1] * f[0]);
-    *reinterpret_cast<float2*>(Ow + (row0 + 8) * C::LDO + col) = make_float2(o[dn][2] * f[1], o[dn][3] * f[1]);
+    for (int c = 0; c < D / 16; ++c) {
+      const int col = c * 16 + 4 * q4;
+      const float* e = o[2 * c];
+      const float* d = o[2 * c + 1];
+      *reinterpret_cast<float4*>(Ow + row0 * C::LDO + col) =
+          make_float4(e[0] * f[0], d[0] * f[0], e[1] * f[0], d[1] * f[0]);
+      *reinterpret_cast<float4*>(Ow + (row0 + 8) * C::LDO + col) =
+          make_float4(e[2] * f[1], d[2] * f[1], e[3] * f[1], d[3] * f[1]);
+    }
+  } else {
+#pragma unroll
+    for (int dn = 0; dn < DN; ++dn) {
+      const int col = dn * 8 + 2 * q4;
+      *reinterpret_cast<float2*>(Ow + row0 * C::LDO + col) = make_float2(o[dn][0] * f[0], o[dn][1] * f[0]);
+      *reinterpret_cast<float2*>(Ow + (row0 + 8) * C::LDO + col) = make_float2(o[dn][2] * f[1], o[dn][3] * f[1]);
+    }
   }
   __syncthreads();
   for (int i = tid; i < M * (D / 4); i += C::THREADS) {

@@ -74,11 +74,6 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
         return "CascadeConfig(cuda_graphs=False)"
     if not cascade_config.static_decode:
         return "CascadeConfig(static_decode=False)"
-    if cascade_config.kv_dtype is not None and mode != "eager":
-        # seen on the H200 (tests/test_gpu_fp8.py::test_generate_with_fp8_cache_on_cuda_backend): a decode step on an
-        # fp8 pool fails inside the capture (the prefix launch reports cudaErrorStreamCaptureUnsupported); eager
-        # steps give the right tokens. Not captured until that is understood.
-        return f"an fp8 KV cache (kv_dtype={cascade_config.kv_dtype!r}) is not captured yet"
     devices = {str(p.device) for p in model.parameters()}
     if not devices:
         return "the model has no parameters"

@@ -1,6 +1,7 @@
 """The fp8 KV cache (``CascadeConfig(kv_dtype="float8_e4m3fn")``) on the CPU: config validation, the storage's scales
 and quantization, the reference backend against a float64 attention over the dequantized K/V, generate against the
-full-precision cache (token agreement and log-prob gap), and the bytes it holds."""
+full-precision cache (token agreement and log-prob gap), the bytes it holds, and csrc/prefix.cu's fp8 MMA operands
+emulated lane by lane (the swizzled fp8 tile, the permuted k order, the byte permutes, the exact conversions)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,7 @@ import hf_cascade  # noqa: F401  registers "cascade"
 from conftest import cache_kw, model_pair, padded_batch
 from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.config import FP8_BACKENDS, KV_DTYPES, ConfigTypeError
-from hf_cascade.kernels import reference
+from hf_cascade.kernels import ops, reference
 from hf_cascade.kernels.base import NO_QUIRKS, Backend, Quirks, kv_scale, with_kv_scale
 from hf_cascade.memory import SCALE_MARGIN, GrowStorage, StaticStorage
 from kernel_helpers import random_layout, random_three_level, step_plan
@@ -425,23 +426,258 @@ def test_an_fp8_call_with_nothing_to_share_still_stores_fp8(monkeypatch):
     assert all(layer.storage.dtype == torch.float8_e4m3fn for layer in cache.layers)
 
 
-def test_fp8_decode_steps_are_not_captured_yet():
-    """fp8 decode steps run eagerly on a GPU (their capture failed on the H200), logged with the reason; the runner's
-    static path without capture (cuda_graphs="eager") serves them."""
+def test_fp8_decode_steps_are_captured_like_any_other():
+    """An fp8 cache does not keep decode steps off the graph runner (tests/test_capture_safety.py checks that its
+    captured step only launches; tests/test_gpu_fp8.py replays it on the GPU against its eager step)."""
     from hf_cascade import graphs
     _, cascade = model_pair("llama", dtype=torch.float32)
-    fp8 = CascadeConfig(kv_dtype="float8_e4m3fn")
-    assert "fp8 KV cache" in graphs.unsupported_reason(cascade, fp8)
+    for mode in (True, "eager"):
+        full = graphs.unsupported_reason(cascade, CascadeConfig(cuda_graphs=mode))
+        assert graphs.unsupported_reason(cascade, CascadeConfig(kv_dtype="float8_e4m3fn", cuda_graphs=mode)) == full
     assert graphs.unsupported_reason(cascade, CascadeConfig(kv_dtype="float8_e4m3fn", cuda_graphs="eager")) is None
 
 
-def test_auto_hands_fp8_pools_to_the_reference_until_the_cuda_path_is_verified(monkeypatch):
-    """backend="auto" gives an fp8 pool to a backend that lists it in ``auto_kv_dtypes`` (the reference); the cuda
-    kernels read fp8 only when asked for (backend="cuda"): generate on fp8 pools failed on the H200."""
+def test_auto_hands_fp8_pools_to_the_cuda_kernels(monkeypatch):
+    """backend="auto" gives an fp8 pool to the cuda kernels where they run, as it does a 16-bit pool; a backend that
+    reads fp8 without listing it in ``auto_kv_dtypes`` serves it only when asked for by name."""
     from hf_cascade.kernels import cuda as cuda_backend
     monkeypatch.setattr(type(cuda_backend.BACKEND), "unsupported_reason", lambda self, *a, **k: None)  # "on a GPU"
     q = torch.zeros(2, 1, 4, 8)
     pool = with_kv_scale(torch.zeros(3, 2, 4, 2, 8, dtype=FP8), torch.ones(2, 2))
+    assert kernels.select("auto", q, pool) is cuda_backend.BACKEND
+    assert kernels.select("auto", q, torch.zeros(3, 2, 4, 2, 8)) is cuda_backend.BACKEND
+    monkeypatch.setattr(type(cuda_backend.BACKEND), "auto_kv_dtypes", ())
     assert kernels.select("auto", q, pool) is reference.BACKEND
     assert kernels.select("cuda", q, pool) is cuda_backend.BACKEND
-    assert kernels.select("auto", q, torch.zeros(3, 2, 4, 2, 8)) is cuda_backend.BACKEND
+
+
+# ---- csrc/prefix.cu's fp8 MMA operands, emulated lane by lane -----------------------------------------------------
+# A transliteration of the kernel's fp8 path for one warp and one K/V sub-tile (no GPU needed): the swizzled fp8 tile
+# (swz8) and Q tile (swz), ldmatrix over bytes (its b16 units are byte pairs), the permuted k order of Q K^T, the byte
+# permute of P V, fp8x2_to<T>, mma.m16n8k16's fragment layouts (PTX ISA) and the epilogue's column order. The partial
+# products must be Q K^T and P V exactly (float64, values exact in 16 bits); the real kernel: tests/test_gpu_fp8.py.
+def _e4m3(byte_values) -> np.ndarray:
+    """float64 values of float8_e4m3fn bytes."""
+    return torch.from_numpy(np.asarray(byte_values, np.uint8)).view(FP8).double().numpy()
+
+
+def _swz(D, r, c):            # csrc/prefix.cu swz<D>: element offset of 16-byte chunk c of row r (16-bit elements)
+    return r * D + ((c ^ (r & 7)) << 3)
+
+
+def _swz8(D, r, c):           # csrc/prefix.cu swz8<D>: byte offset of 16-byte chunk c of row r of an fp8 tile
+    return ((r * (D // 16) + c) ^ (r & 7)) << 4
+
+
+def _ldsm8(tile: np.ndarray, addrs, trans=False):
+    """ldmatrix.x4(.trans).b16 over a byte array: regs[lane][i] as 4 bytes (little-endian order of the 32-bit reg)."""
+    regs = [[None] * 4 for _ in range(32)]
+    for i in range(4):
+        rows = [tile[addrs[8 * i + r]: addrs[8 * i + r] + 16].reshape(8, 2) for r in range(8)]   # 8 x 8 b16
+        for lane in range(32):
+            g, q4 = lane >> 2, lane & 3
+            if trans:   # (row 2 q4, col g) in the low half, (row 2 q4 + 1, col g) in the high half
+                regs[lane][i] = np.concatenate([rows[2 * q4][g], rows[2 * q4 + 1][g]])
+            else:       # (row g, cols 2 q4, 2 q4 + 1)
+                regs[lane][i] = np.concatenate([rows[g][2 * q4], rows[g][2 * q4 + 1]])
+    return regs
+
+
+def _byte_perm(four, selector):
+    """__byte_perm(x, 0, selector) on x's 4 bytes (selector nibbles < 4)."""
+    return np.array([four[(selector >> (4 * k)) & 0xF] for k in range(4)], np.uint8)
+
+
+def _mma(c, a, b0, b1):
+    """mma.m16n8k16 (fp32 accumulate, here float64): c[lane][4] += A a[lane][4 pairs] x B (b0, b1)[lane] pairs."""
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for j in range(2):
+            A[g, 2 * t + j], A[g + 8, 2 * t + j] = a[lane][0][j], a[lane][1][j]
+            A[g, 8 + 2 * t + j], A[g + 8, 8 + 2 * t + j] = a[lane][2][j], a[lane][3][j]
+            B[2 * t + j, g], B[8 + 2 * t + j, g] = b0[lane][j], b1[lane][j]
+            C[g, 2 * t + j], C[g + 8, 2 * t + j] = c[lane][j], c[lane][2 + j]
+    out = A @ B + C
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        c[lane] = [out[g, 2 * t], out[g, 2 * t + 1], out[g + 8, 2 * t], out[g + 8, 2 * t + 1]]
+
+
+def test_fp8_to_bf16_rebias_is_exact_for_every_e4m3_value():
+    """fp8x2_to<bf16>: the f16 of each e4m3 value, bits (h & 0x8000) | ((h >> 3) & 0x0fff), is a normal bf16 of the
+    value x 2^-112 (0 stays 0); times 2^112 it is the value."""
+    codes = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)            # all but the NaNs
+    values = _e4m3(codes)
+    assert np.array_equal(values.astype(np.float16).astype(np.float64), values)        # cvt.rn.f16x2.e4m3x2: exact
+    h = values.astype(np.float16).view(np.uint16).astype(np.uint32)
+    bits = (h & 0x8000) | ((h >> 3) & 0x0FFF)
+    rebiased = (bits << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+    exponent = (bits >> 7) & 0xFF
+    assert np.all((exponent > 0) | (bits & 0x7FFF == 0)), "a subnormal bf16 on the way"
+    assert np.array_equal(rebiased * 2.0 ** 112, values)
+    assert np.uint32(0x7780 << 16).view(np.float32) == 2.0 ** 112                     # fp8x2_to's bf16 constant
+
+
+@pytest.mark.parametrize("D,KW", [(64, 16), (128, 16), (128, 32), (256, 16)])
+def test_prefix_kernel_fp8_operands_give_qk_and_pv(D, KW):
+    rng = np.random.default_rng(D + KW)
+    N = max(KW, 32)                          # tokens of the tile (the sub-tile starts at tok0)
+    tok0 = N - KW
+    # 16 query rows of a warp (values exact in bf16 and fp16), an fp8 K and V tile, P (exact in 16 bits)
+    q = np.round(rng.normal(size=(16, D)) * 64) / 64
+    codes = rng.integers(0, 256, size=(2, N, D)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C                                               # no NaN
+    k, v = _e4m3(codes[0]), _e4m3(codes[1])
+    p = np.round(rng.random(size=(16, KW)) * 256) / 256
+    Q_s = np.full(16 * D, np.nan)
+    K8, V8 = np.zeros(N * D, np.uint8), np.zeros(N * D, np.uint8)
+    for r in range(16):
+        for c in range(D // 8):
+            Q_s[_swz(D, r, c): _swz(D, r, c) + 8] = q[r, 8 * c: 8 * c + 8]
+    for n in range(N):                        # the loader: chunk c (dims 16c..) of token n at swz8(n, c)
+        for c in range(D // 16):
+            K8[_swz8(D, n, c): _swz8(D, n, c) + 16] = codes[0, n, 16 * c: 16 * c + 16]
+            V8[_swz8(D, n, c): _swz8(D, n, c) + 16] = codes[1, n, 16 * c: 16 * c + 16]
+
+    def cvt(two_bytes):                       # fp8x2_to<T>: (low byte, high byte) -> (low, high) values
+        return tuple(_e4m3(two_bytes))
+
+    f8_tok = [((lane >> 3) & 1) * 8 + (lane & 7) for lane in range(32)]
+    f8_chunk = [lane >> 4 for lane in range(32)]
+    # ---- S = Q K^T
+    sacc = [[[0.0] * 4 for _ in range(32)] for _ in range(KW // 8)]
+    for kp in range(D // 32):
+        a = [[None] * 2 for _ in range(32)]
+        for lane in range(32):
+            g, q4 = lane >> 2, lane & 3
+            for j in range(2):
+                c, e = 2 * (2 * kp + j) + (q4 >> 1), 4 * (q4 & 1)
+                lo = Q_s[_swz(D, g, c) + e: _swz(D, g, c) + e + 4]
+                hi = Q_s[_swz(D, g + 8, c) + e: _swz(D, g + 8, c) + e + 4]
+                a[lane][j] = [lo[0:2], hi[0:2], lo[2:4], hi[2:4]]
+        for tp in range(KW // 16):
+            b = _ldsm8(K8, [_swz8(D, tok0 + tp * 16 + f8_tok[lane], 2 * kp + f8_chunk[lane]) for lane in range(32)])
+            for i in range(4):
+                _mma(sacc[2 * tp + (i & 1)], [a[lane][i >> 1] for lane in range(32)],
+                     [cvt(b[lane][i][0:2]) for lane in range(32)], [cvt(b[lane][i][2:4]) for lane in range(32)])
+    want_s = q @ k[tok0:].T
+    for nt in range(KW // 8):
+        for lane in range(32):
+            g, q4 = lane >> 2, lane & 3
+            for e in range(4):
+                assert sacc[nt][lane][e] == want_s[g + 8 * (e >> 1), nt * 8 + 2 * q4 + (e & 1)]
+    # ---- O = P V
+    o = [[[0.0] * 4 for _ in range(32)] for _ in range(D // 8)]
+    for jt in range(KW // 16):
+        pf = [[p[g, 16 * jt + 2 * q4: 16 * jt + 2 * q4 + 2], p[g + 8, 16 * jt + 2 * q4: 16 * jt + 2 * q4 + 2],
+               p[g, 16 * jt + 8 + 2 * q4: 16 * jt + 10 + 2 * q4], p[g + 8, 16 * jt + 8 + 2 * q4: 16 * jt + 10 + 2 * q4]]
+              for g, q4 in ((lane >> 2, lane & 3) for lane in range(32))]
+        for cp in range(D // 32):
+            b = _ldsm8(V8, [_swz8(D, tok0 + jt * 16 + f8_tok[lane], 2 * cp + f8_chunk[lane]) for lane in range(32)],
+                       trans=True)
+            for j in range(2):
+                c = 2 * cp + j
+                lo = [_byte_perm(b[lane][2 * j], 0x3120) for lane in range(32)]
+                hi = [_byte_perm(b[lane][2 * j + 1], 0x3120) for lane in range(32)]
+                _mma(o[2 * c], pf, [cvt(x[0:2]) for x in lo], [cvt(x[0:2]) for x in hi])
+                _mma(o[2 * c + 1], pf, [cvt(x[2:4]) for x in lo], [cvt(x[2:4]) for x in hi])
+    out = np.full((16, D), np.nan)            # the epilogue's columns: o[2c], o[2c + 1] -> dims 16c + 4 q4 + 0..3
+    for lane in range(32):
+        g, q4 = lane >> 2, lane & 3
+        for c in range(D // 16):
+            e, d = o[2 * c][lane], o[2 * c + 1][lane]
+            out[g, 16 * c + 4 * q4: 16 * c + 4 * q4 + 4] = [e[0], d[0], e[1], d[1]]
+            out[g + 8, 16 * c + 4 * q4: 16 * c + 4 * q4 + 4] = [e[2], d[2], e[3], d[3]]
+    np.testing.assert_array_equal(out, p @ v[tok0:])
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_prefix_kernel_fp8_tile_swizzle_is_a_bank_conflict_free_permutation(D):
+    """swz8 places every 16-byte chunk of an fp8 tile exactly once inside the tile, and the 8 rows that an ldmatrix
+    matrix reads (8 consecutive tokens, one chunk) fall in 8 distinct 16-byte bank groups."""
+    N = {64: 64, 128: 32, 256: 16}[D]
+    offsets = [_swz8(D, r, c) for r in range(N) for c in range(D // 16)]
+    assert sorted(offsets) == list(range(0, N * D, 16))
+    for r0 in range(0, N, 8):
+        for c in range(D // 16):
+            assert len({(_swz8(D, r0 + r, c) // 16) % 8 for r in range(8)}) == 8
+
+
+# ---- the cuda backend's scale folding, on the emulated kernels ----------------------------------------------------
+class _FoldedScales:
+    """tests/test_cuda_emulation.py's numpy kernels given what the fp8 kernels compute from ``kv_scale``: the stored
+    values (fp8 -> bf16: exact), K's scale of the CTA's KV head folded into the scores' scale_log2 (one scalar), V's
+    applied to the partial outputs the launch writes; one emulated launch per KV head, each kept for its query heads."""
+
+    def __init__(self):
+        from test_cuda_emulation import Emulated
+        self.kernels = Emulated()
+        self.merge = self.kernels.merge
+
+    def _per_head(self, launch, q, pool, part_o, part_lse, slots, scale_log2, kv_scale, **kw):
+        R, Lq, Hq, D = q.shape
+        Hkv = pool.shape[3]
+        grp = Hq // Hkv
+        po, pl = part_o.view(-1, R, Lq, Hq, D), part_lse.view(-1, R, Lq, Hq)
+        for h in range(Hkv):
+            o_h, lse_h = part_o.clone(), part_lse.clone()
+            launch(q, pool.to(q.dtype), o_h, lse_h, scale_log2 * float(kv_scale[0, h]))
+            heads = slice(h * grp, (h + 1) * grp)
+            po[slots, :, :, heads] = o_h.view(po.shape)[slots, :, :, heads] * float(kv_scale[1, h])
+            pl[slots, :, :, heads] = lse_h.view(pl.shape)[slots, :, :, heads]
+
+    def prefix(self, lib, stream, q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks,
+               scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0, kv_scale=None):
+        ops.check_prefix(q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
+                         slot0, softcap, window, kv_scale)
+        assert tune == 0
+
+        def launch(q_, pool_, o_, lse_, s_):
+            self.kernels.prefix(lib, stream, q_, pool_, gr, pt, plen, o_, lse_, m_tile, row_tiles, chunk_tokens,
+                                max_chunks, s_, q_limit, slot0, softcap, window, tune)
+        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + max_chunks), scale_log2, kv_scale)
+
+    def suffix(self, lib, stream, q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2,
+               softcap=0.0, window=0, kv_scale=None):
+        ops.check_suffix(q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
+                         kv_scale)
+
+        def launch(q_, pool_, o_, lse_, s_):
+            self.kernels.suffix(lib, stream, q_, pool_, table, q_limit, o_, lse_, split_tokens, nsplit, slot0, s_,
+                                softcap, window)
+        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + nsplit), scale_log2, kv_scale)
+
+
+@pytest.mark.parametrize("three", [False, True], ids=["two-levels", "three-levels"])
+@pytest.mark.parametrize("quirks", [NO_QUIRKS, Quirks(softcap=20.0), Quirks(window=40)], ids=["plain", "softcap",
+                                                                                              "window"])
+def test_cuda_backend_folded_scales_equal_the_reference_dequantization(monkeypatch, quirks, three):
+    """The cuda backend's launches on an fp8 pool (cuda._launch: the pool's kv_scale to the prefix and suffix kernels)
+    with the kernels' use of the scales emulated (K's folded into the scores' scale, once per KV head; V's on the
+    partials) equal the reference on the same pool, which dequantizes every token, in float64."""
+    from test_cuda_emulation import _FakeLib
+    from hf_cascade.kernels import cuda as cuda_backend
+    from hf_cascade.kernels import cuda_tuning
+    # short chunks and several suffix splits (tests/test_cuda_emulation.py's _small_pieces)
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)
+    monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
+                        lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+    if three:
+        lay = random_three_level(9, sys_tokens=160, prompts=2, beams=3, own_tokens=(40, 90), suffix=(1, 30),
+                                 lone_rows=1, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32)
+    else:
+        lay = random_layout(9, groups=((3, 300), (2, 90)), lone_rows=1, suffix=(1, 150), Hkv=2, ratio=4, D=64, bs=16,
+                            dtype=torch.float32, q_scale=1.5)
+    plan = step_plan(lay)
+    pool8, _ = _quantize(lay.pool.double(), seed=5)
+    q = lay.q.to(torch.bfloat16)
+    state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=_FakeLib())
+    assert state.three == (three and quirks.window is None) and state.max_chunks > 1 and (three or state.nsplit > 1)
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(_FakeLib(), 0, q, pool8, state, lay.scale, out, kernels=_FoldedScales(), **quirks.kwargs())
+    want = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    assert torch.isfinite(out).all(), "a NaN key (an unused pool slot) was read"
+    err = (out - want).abs().max() / want.abs().max()
+    assert err < 2e-5, f"max error {err:.2e} relative to the largest output"

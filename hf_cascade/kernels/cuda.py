@@ -10,9 +10,10 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
-is read by the same kernels: they convert each token to q's dtype as they load it (exact) and apply the KV head's K
-scale to the scores and its V scale to the output; its prefix level runs the portable kernel's default configuration
-(not the Hopper kernel nor a tuning variant: they read 16-bit pools only).
+is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
+bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
+KV head's K scale to the scores and its V scale to the output, once per CTA; its prefix level runs the portable
+kernel's default configuration (not the Hopper kernel nor a tuning variant: they read 16-bit pools only).
 
 A three-level plan (a system prompt shared by a batch, each prompt's rest shared by its beams, each row's suffix)
 runs the prefix kernel twice, for the group prefix and for the middle level (its partials in the slots after the
@@ -224,10 +225,9 @@ class CudaBackend(Backend):
     name = "cuda"
     dtypes = tuple(DTYPE_CODES)
     kv_dtypes = KV_SCALED_DTYPES
-    # not chosen by "auto" for an fp8 pool yet: generate on fp8 pools failed on the H200 (the prefix launch reported
-    # cudaErrorStreamCaptureUnsupported outside any capture; tests/test_gpu_fp8.py), the kernels alone pass their tests.
-    # backend="cuda" asks for them; "auto" runs the reference
-    auto_kv_dtypes = ()
+    # "auto" hands it fp8 pools too (the failure of fp8 generate on the H200 was the debug mode's device sync inside
+    # the capture, cuda_binding._Lib.check; tests/test_gpu_fp8.py runs the captured fp8 step against its eager one)
+    auto_kv_dtypes = KV_SCALED_DTYPES
     head_dims = HEAD_DIMS
     devices = ("cuda",)
     # softcap and a sliding window in the prefix and suffix kernels, attention sinks in the merge

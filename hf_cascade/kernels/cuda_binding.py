@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .capture import refuse_in_capture
+from .capture import capture_underway, refuse_in_capture
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1}   # HFC_BF16, HFC_FP16 in csrc/include/hfc/params.h
 # the pool's element besides q's dtype (HFC_KV_SAME = 0): HFC_KV_FP8_E4M3, with its scales (kv_scale)
@@ -28,8 +28,8 @@ __all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAM
 
 ABI_VERSION = 7                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 
-# Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch; never in
-# production. A plain flag: read per launch, written only by tests and debugging sessions.
+# Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch outside a CUDA
+# graph capture; never in production. A plain flag: read per launch, written only by tests and debugging sessions.
 debug_sync = bool(os.environ.get("HF_CASCADE_CUDA_DEBUG"))
 
 _vp, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -182,7 +182,10 @@ class _Lib:
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
             raise RuntimeError(f"hf_cascade CUDA kernel {what} failed: {self._message(rc)} (cudaError {rc})")
-        if debug_sync:
+        # never inside a CUDA graph capture: a device synchronisation there is refused
+        # (cudaErrorStreamCaptureUnsupported), invalidates the capture, and was left as the thread's last CUDA error for
+        # the next launch to report (how tests/test_gpu_fp8.py's generate, debug_sync on, failed on the H200)
+        if debug_sync and not capture_underway():
             rc = self.lib.hfc_sync()
             if rc != 0:
                 raise RuntimeError(f"hf_cascade CUDA kernel {what} failed while running: {self._message(rc)} "

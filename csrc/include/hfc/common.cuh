@@ -68,13 +68,23 @@ __device__ __forceinline__ void fp8x8_to_float(const uint2& u, float* f) {
   }
 }
 
-// 8 float8_e4m3fn values -> 8 T packed in 16 bytes (a shared-memory tile's chunk): exact, e4m3 fits in bf16 and fp16
-template <typename T>
-__device__ __forceinline__ uint4 fp8x8_to(const uint2& u) {
-  float f[8];
-  fp8x8_to_float(u, f);
-  return make_uint4(Cvt<T>::pack2(f[0], f[1]), Cvt<T>::pack2(f[2], f[3]), Cvt<T>::pack2(f[4], f[5]),
-                    Cvt<T>::pack2(f[6], f[7]));
+// 2 float8_e4m3fn values (the low 16 bits, the first in the low byte) -> 2 T packed in 32 bits (the first in the low
+// half), exact: the MMA operands of csrc/prefix.cu's fp8 path. fp16: one cvt.rn.f16x2.e4m3x2 (sm_89 on; emulated by
+// the intrinsic before). bf16: that f16 pair re-biased. An e4m3 value is a normal f16 (2^-9 <= |x| <= 448) with 3
+// mantissa bits, so its f16 bits shifted right by 3 (sign kept) are the normal bf16 x * 2^-112 (0 stays 0), made x
+// by an exact multiply with 2^112 (bf16 0x7780): no subnormal on the way, and two integer ops and one HMUL2 against
+// the four conversions of the route through float.
+template <typename T> __device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair);
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__half>(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+template <> __device__ __forceinline__ uint32_t fp8x2_to<__nv_bfloat16>(uint32_t pair) {
+  const uint32_t h = fp8x2_to<__half>(pair);
+  uint32_t bits = (h & 0x80008000u) | ((h >> 3) & 0x0fff0fffu);
+  const __nv_bfloat16 two112 = __ushort_as_bfloat16(0x7780);
+  const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), __halves2bfloat162(two112, two112));
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // --------------------------------------------------------------------------------- online softmax

@@ -22,9 +22,10 @@ enum { HFC_BF16 = 0, HFC_FP16 = 1 };  /* dtype codes */
 
 /* K/V element codes (the kv_dtype fields): HFC_KV_SAME, the pool holds q's dtype; HFC_KV_FP8_E4M3, the pool holds
  * float8_e4m3fn bytes with kv_scale = float [2, Hkv] (K's scale per KV head, then V's; real = stored x scale). The
- * kernels convert the fp8 tokens to q's dtype as they load them (exact: e4m3 fits in bf16 and fp16), apply K's scale
- * to the scores and V's to the output (one scalar per CTA: a CTA serves one KV head). The prefix kernel reads fp8
- * with its default configuration only (tune 0: not the tuning variants, not the Hopper kernel). */
+ * kernels convert the fp8 values to q's dtype in registers (exact: e4m3 fits in bf16 and fp16; the prefix kernel
+ * stages the bytes as they are and converts them straight into its MMA operands), apply K's scale to the scores and
+ * V's to the output (one scalar per CTA: a CTA serves one KV head). The prefix kernel reads fp8 with its default
+ * configuration only (tune 0: not the tuning variants, not the Hopper kernel). */
 enum { HFC_KV_SAME = 0, HFC_KV_FP8_E4M3 = 1 };
 
 /* prefix kernel codes (hfc_prefix_params.tune, hfc_prefix_setup's tune): 0 the mma.sync kernel of csrc/prefix.cu,
