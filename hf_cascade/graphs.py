@@ -118,6 +118,14 @@ def quantized_capture_reason(model) -> str | None:
     return None
 
 
+def pool_signature(cache) -> tuple:
+    """What a captured step bakes in of ``cache``'s pools: each layer's pool address and shape, and the address of its
+    quantization scales (an fp8 pool's kernels read them by address)."""
+    storages = [layer.storage for layer in cache.layers if layer.storage is not None]
+    return tuple((view.data_ptr(), tuple(view.shape), None if storage.scale is None else storage.scale.data_ptr())
+                 for storage, view in ((storage, storage.stable_view()) for storage in storages))
+
+
 class DecodeGraphRunner:
     """Stands in for ``model.forward`` during one generate call's decode loop (a context manager).
 
@@ -258,10 +266,8 @@ class DecodeGraphRunner:
         inputs = tuple(sorted((k, tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor)
                               else (k, v if _plain(v) else _Same(v))
                               for k, v in kwargs.items() if k not in _IGNORED))
-        views = (layer.storage.stable_view() for layer in self.cache.layers if layer.storage is not None)
-        pools = tuple((view.data_ptr(), tuple(view.shape)) for view in views)
         layout = self.cache.layout
-        return inputs, None if layout is None else layout.serial, pools
+        return inputs, None if layout is None else layout.serial, pool_signature(self.cache)
 
     def _static_kwargs(self, kwargs):
         """The forward's tensor and plain arguments, the tensors copied into tensors the graph owns. The 2D

@@ -231,8 +231,7 @@ class WholeStepLoop:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
         blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=self.device)
-        pools = tuple((view.data_ptr(), tuple(view.shape)) for view in
-                      (layer.storage.stable_view() for layer in cache.layers if layer.storage is not None))
+        pools = graphs.pool_signature(cache)
         scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width",
                                                     "token_limit"))
         step_key = (layout.serial, scalars, _signature(_block_tensors(blocks)), pools)
