@@ -36,7 +36,7 @@ import logging
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import cross_attention, graphs
+from . import cross_attention, graphs, whole_step
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -135,9 +135,13 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                        source_mask, decoder_mask, n)
     call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config)     # nothing kept for a next call: encoder outputs differ
+    def stock():            # transformers' loop (model_kwargs as the session's prepare left them)
+        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus=synced_gpus, **model_kwargs)
+
     try:
-        result = call.run(lambda: decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                         synced_gpus=synced_gpus, **model_kwargs))
+        result = call.run(lambda: whole_step.decode(call, input_ids, logits_processor, stopping_criteria,
+                                                    generation_config, model_kwargs, synced_gpus, stock))
         return _without_cache(result)
     except PoolExhausted as err:
         if cap is None or not side.paged or isinstance(err, KVCapExceeded):

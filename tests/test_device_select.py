@@ -381,7 +381,8 @@ def test_steps_after_done_change_nothing(generate_kwargs):
 
 
 @pytest.mark.parametrize("setting", [dict(bad_words_ids=[[9]]), dict(typical_p=0.5, do_sample=True),
-                                     dict(suppress_tokens=[4]), dict(forced_eos_token_id=3)])
+                                     dict(sequence_bias={(4,): 1.0}),
+                                     dict(exponential_decay_length_penalty=(2, 1.5), eos_token_id=3)])
 def test_settings_without_a_device_variant_are_refused_by_name(setting):
     model = make_model()
     ids, mask = prompts((4,))
