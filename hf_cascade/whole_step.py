@@ -69,7 +69,7 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     model, cache = session.model, session.cache
     if not cache.cascade_config.whole_step:
         return "CascadeConfig(whole_step=False)"
-    if cache.blocks.max_blocks is not None:
+    if cache.cascade_config.max_kv_bytes is not None or cache.blocks.max_blocks is not None:
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
