@@ -37,7 +37,7 @@ class UnsupportedSelection(ValueError):
 # GenerationConfig fields whose processors or criteria have no device variant here, with the value meaning "off".
 _OFF_VALUES = {
     "sequence_bias": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "remove_invalid_values": False, "exponential_decay_length_penalty": None,
+    "remove_invalid_values": False, "exponential_decay_length_penalty": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "watermarking_config": None,
     "renormalize_logits": False, "guidance_scale": 1.0, "max_time": None, "stop_strings": None,
     "num_beam_groups": 1, "diversity_penalty": 0.0, "constraints": None, "force_words_ids": None,
@@ -73,6 +73,7 @@ class SelectionConfig:
     suppress_tokens: tuple[int, ...] | None = None
     begin_suppress_tokens: tuple[int, ...] | None = None
     begin_suppress_index: int | None = None     # None: where transformers puts it for the generation config
+    bad_words_ids: tuple[int, ...] | None = None    # single-token bad words (opus-mt bans its pad token), eos left out
 
     def __post_init__(self):
         self._default_begin_index()
@@ -112,7 +113,7 @@ class SelectionConfig:
         eos = () if eos is None else tuple(int(e) for e in eos.reshape(-1))
         pad = getattr(gc, "_pad_token_tensor", None)
         pad = None if pad is None else int(pad)
-        return cls(
+        return cls(bad_words_ids=_single_token_bad_words(gc.bad_words_ids, eos),
             batch_size=batch_size, prompt_length=prompt_length, max_length=gc.max_length,
             do_sample=bool(gc.do_sample), num_beams=gc.num_beams or 1,
             num_return_sequences=gc.num_return_sequences or 1, eos_token_ids=eos, pad_token_id=pad,
@@ -156,6 +157,7 @@ class SelectionConfig:
         keep = self.min_tokens_to_keep
         return {
             "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty},
+            "NoBadWordsLogitsProcessor": {"sequence_bias": {(t,): -math.inf for t in self.bad_words_ids or ()}},
             "NoRepeatNGramLogitsProcessor": {"ngram_size": self.no_repeat_ngram_size},
             "MinLengthLogitsProcessor": {"min_length": self.min_length, "eos_token_id": self.eos_token_ids},
             "MinNewTokensLengthLogitsProcessor": {"prompt_length_to_skip": self.prompt_length,
@@ -201,6 +203,8 @@ class SelectionConfig:
             names.append("RepetitionPenaltyLogitsProcessor")
         if self.no_repeat_ngram_size > 0:
             names.append("NoRepeatNGramLogitsProcessor")
+        if self.bad_words_ids is not None:
+            names.append("NoBadWordsLogitsProcessor")
         if self.min_length > 0 and self.eos_token_ids:
             names.append("MinLengthLogitsProcessor")
         if self.min_new_tokens > 0 and self.eos_token_ids:
@@ -285,7 +289,7 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
         prompt_start=prompt_start, generator=generator)
     for role, ids in (("forced_bos", None if config.forced_bos_token_id is None else (config.forced_bos_token_id,)),
                       ("forced_eos", config.forced_eos_token_ids), ("suppress", config.suppress_tokens),
-                      ("begin_suppress", config.begin_suppress_tokens)):
+                      ("begin_suppress", config.begin_suppress_tokens), ("bad_words", config.bad_words_ids)):
         if ids is not None:
             state.token_ids[role] = torch.tensor(ids, dtype=torch.int64, device=device)
     if config.is_beam:
@@ -441,6 +445,9 @@ def process_logits(state: SelectionState, scores: torch.Tensor) -> torch.Tensor:
         scores = _repetition_penalty(state, scores, config.repetition_penalty)
     if config.no_repeat_ngram_size > 0:
         scores = _no_repeat_ngram(state, scores, config.no_repeat_ngram_size)
+    if config.bad_words_ids is not None:       # (a bias of -inf added, as SequenceBiasLogitsProcessor adds it)
+        scores = scores + torch.where(_token_mask(scores, state.token_ids["bad_words"]), -math.inf, 0.0).to(
+            scores.dtype)
     if config.min_length > 0 and config.eos_token_ids:
         scores = _ban_eos_while(state, scores, state.cur_len < config.min_length)
     if config.min_new_tokens > 0 and config.eos_token_ids:
@@ -550,6 +557,18 @@ def _stopping_hits(state: SelectionState, tokens: torch.Tensor, new_len: torch.T
     if state.config.eos_token_ids:
         hits = hits | (tokens[..., None] == state.eos_ids).any(dim=-1)
     return hits
+
+
+def _single_token_bad_words(bad_words_ids, eos: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The tokens NoBadWordsLogitsProcessor bans for ``bad_words_ids`` (a sequence that is one eos token is left
+    out, as transformers leaves it out); UnsupportedSelection where a bad word has several tokens."""
+    if bad_words_ids is None:
+        return None
+    sequences = [tuple(int(t) for t in sequence) for sequence in bad_words_ids]
+    if any(len(sequence) != 1 for sequence in sequences):
+        raise UnsupportedSelection(f"device selection off: bad_words_ids={bad_words_ids!r} is not supported "
+                                   "(only single-token bad words are)")
+    return tuple(sequence[0] for sequence in sequences if sequence[0] not in eos)
 
 
 def _commuted(names: tuple[str, ...]) -> tuple[str, ...]:

@@ -380,7 +380,7 @@ def test_steps_after_done_change_nothing(generate_kwargs):
     assert torch.equal(finalize(state).sequences, reference.sequences)
 
 
-@pytest.mark.parametrize("setting", [dict(bad_words_ids=[[9]]), dict(typical_p=0.5, do_sample=True),
+@pytest.mark.parametrize("setting", [dict(bad_words_ids=[[9, 10]]), dict(typical_p=0.5, do_sample=True),
                                      dict(sequence_bias={(4,): 1.0}),
                                      dict(exponential_decay_length_penalty=(2, 1.5), eos_token_id=3)])
 def test_settings_without_a_device_variant_are_refused_by_name(setting):

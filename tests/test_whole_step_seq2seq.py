@@ -44,6 +44,7 @@ MODES = {
     # opus-mt / NLLB translation: 4 beams; NLLB / M2M100 / mBART force the target language's token first
     "translate": dict(num_beams=4, max_new_tokens=14),
     "translate-forced-bos": dict(num_beams=4, max_new_tokens=14, forced_bos_token_id=7),
+    "translate-bad-words": dict(num_beams=4, max_new_tokens=14, bad_words_ids=[[0], [9], [EOS]]),   # opus-mt's pad
     "returned": dict(num_beams=4, num_return_sequences=2, max_new_tokens=12, length_penalty=0.5),
     "greedy": dict(max_new_tokens=14, min_new_tokens=4, forced_bos_token_id=7),
     "sample": dict(do_sample=True, num_return_sequences=2, top_k=20, max_new_tokens=12),
@@ -99,6 +100,7 @@ def test_each_processor_equals_transformers_at_every_length(prompt_length):
              hf_processors.SuppressTokensAtBeginLogitsProcessor([EOS, 8], prompt_length)),
             (dict(begin_suppress_tokens=(EOS, 8), begin_suppress_index=begin),
              hf_processors.SuppressTokensAtBeginLogitsProcessor([EOS, 8], begin)),
+            (dict(bad_words_ids=(9, 4)), hf_processors.NoBadWordsLogitsProcessor([[9], [EOS], [4]], (EOS, 5))),
         ]
         for config, processor in cases:
             for values in (scores, log_probs):
@@ -219,7 +221,7 @@ REFUSED = {
     "scores": (dict(return_dict_in_generate=True, output_scores=True), None, "return_dict_in_generate"),
     "max_kv_bytes": ({}, dict(max_kv_bytes=1 << 24), "max_kv_bytes"),
     "whole_step off": ({}, dict(whole_step=False), None),
-    "bad words": (dict(bad_words_ids=[[9]]), None, "bad_words_ids"),
+    "bad words": (dict(bad_words_ids=[[9, 10]]), None, "bad_words_ids"),
     "encoder n-grams": (dict(encoder_no_repeat_ngram_size=3), None, "encoder_no_repeat_ngram_size"),
 }
 
