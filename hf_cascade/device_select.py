@@ -257,7 +257,8 @@ class SelectionState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's buffers by name (what a captured graph must keep alive and in place)."""
-        tensors = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
         tensors.update({f"token_ids.{role}": ids for role, ids in self.token_ids.items()})
         return tensors
 
@@ -491,6 +492,8 @@ def _no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> 
     """NoRepeatNGramLogitsProcessor: a token that would complete an n-gram already in the sequence is banned.
     Windows over the whole buffer; only those ending before cur_len count (none while cur_len < n)."""
     vocab, sequences = scores.shape[-1], state.sequences
+    if sequences.shape[1] < size:       # max_length shorter than an n-gram: none is ever complete (a static shape)
+        return scores
     windows = sequences.unfold(dimension=1, size=size, step=1)            # [rows, max_length - n + 1, n]
     starts = torch.arange(windows.shape[1], device=scores.device)
     complete = starts <= state.cur_len - size

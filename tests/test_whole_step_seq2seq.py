@@ -145,6 +145,16 @@ def test_other_bart_family_decoders(family, monkeypatch, frozen_host_length):  #
     _assert_equal_to_stock(stock, cascade, ids, mask, spy, **CNN, encoder_no_repeat_ngram_size=0)
 
 
+def test_a_length_limit_shorter_than_an_ngram():
+    """One new token with bart-large-cnn's no_repeat_ngram_size 3 (max_length 2, what a benchmark's one-token call
+    asks): no n-gram can be complete, nothing is banned, as transformers bans nothing."""
+    sequences = torch.tensor([[EOS, -1], [EOS, -1]])
+    state = _state(sequences, 1, 1, no_repeat_ngram_size=3)
+    scores = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    want = hf_processors.NoRepeatNGramLogitsProcessor(3)(sequences[:, :1], scores.clone())
+    assert torch.equal(device_select.process_logits(state, scores.clone()), want)
+
+
 def test_the_checkpoints_generation_config(monkeypatch):
     """bart-large-cnn's settings as a GenerationConfig (what a checkpoint brings), four sources of other lengths."""
     stock, cascade = pair("bart")
