@@ -21,7 +21,9 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
   length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
   decoder read (``EncoderSide._positions_as_input``);
-- what differs per model_type comes from its adapter (``seq2seq_models.family_of``).
+- what differs per model_type comes from its adapter (``seq2seq_models.family_of``);
+- the decode loop is :func:`hf_cascade.whole_step.decode`'s, as for decoder-only models: the whole step on the
+  device where it can serve the call, else transformers' loop with the graph runner (the reason logged once).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a

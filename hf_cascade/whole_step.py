@@ -1,8 +1,12 @@
 """Generate's decode loop with the whole step on the device: block bookkeeping, forward and token choice.
 
-Where a decoder-only call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling
-and beam search with the processors and criteria transformers uses by default and the common ones; see
-:func:`decode`), the session runs :func:`decode` instead of transformers' ``_sample`` / ``_beam_search``. One step:
+Where a call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling and beam
+search with the processors and criteria transformers uses by default and the common ones, the seq2seq checkpoints'
+forced BOS/EOS, bad words and suppressed tokens; see :func:`decode`), the session runs :func:`decode` instead of
+transformers' ``_sample`` / ``_beam_search``. Encoder-decoder models too, where their decoder's self-attention is
+paged and its positions are a step input (the BART family through ``hf_cascade.patches.positions``, Whisper from its
+decoder mask): the decoder's ids and positions are advanced like a decoder-only model's, and the encoder side (the
+cross-attention K/V stored once per input, the placeholder encoder outputs) is fixed for the call. One step:
 
 1. block bookkeeping (:mod:`hf_cascade.device_blocks`): the beam reorder by the last step's parents, one token
    appended per row (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and
