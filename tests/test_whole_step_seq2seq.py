@@ -16,12 +16,14 @@ the eager whole step bitwise in bf16 for BART with bart-large-cnn's settings, an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+import transformers as T
+from transformers import AutoModelForSeq2SeqLM,  GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation import logits_process as hf_processors
 
 from hf_cascade import device_select, logs
@@ -30,8 +32,8 @@ from hf_cascade.device_select import SelectionConfig, new_state
 
 from conftest import RunnerSpy
 from test_encoder_decoder import WHISPER_CASES, whisper_pair
-from test_seq2seq_graphs import (FAMILIES, VOCAB, BartTakingPositions, _gpu_pair, _gpu_sources,  # noqa: F401
-                                 frozen_host_length, pair, sources)
+from test_seq2seq_graphs import (FAMILIES, VOCAB, BartTakingPositions, _bart_like, _gpu_pair,  # noqa: F401
+                                 _gpu_sources, frozen_host_length, padded_decoder_prompt, pair, sources)
 
 EAGER = CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4)
 EOS = 2
@@ -153,6 +155,61 @@ def test_a_length_limit_shorter_than_an_ngram():
     scores = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
     want = hf_processors.NoRepeatNGramLogitsProcessor(3)(sequences[:, :1], scores.clone())
     assert torch.equal(device_select.process_logits(state, scores.clone()), want)
+
+
+@pytest.mark.parametrize("family,side", [("bart", "left"), ("bart", "right"), ("m2m_100", "right"), ("mbart", "right")])
+def test_padded_decoder_prompts(family, side, monkeypatch, frozen_host_length):  # noqa: F811
+    """Decoder prompts of different lengths (mBART's [eos, language] and longer), padded, prefilled once per input:
+    the call's first step writes under a mask (not a static step), the device takes over from the second."""
+    stock, cascade = pair(family)
+    ids, mask = sources(pad=stock.config.pad_token_id)
+    kw = padded_decoder_prompt(stock.config.decoder_start_token_id, stock.config.pad_token_id, side)
+    spy = RunnerSpy(monkeypatch)
+    _assert_equal_to_stock(stock, cascade, ids, mask, spy, **kw, num_beams=4, no_repeat_ngram_size=3,
+                           max_new_tokens=12)
+    assert frozen_host_length
+
+
+def test_greedy_rows_that_finished_feed_pads(monkeypatch, frozen_host_length):  # noqa: F811
+    """Rows that ended feed the pad token on the device: M2M100 gives a pad the padding position (from the input
+    ids), BART the cache length; stock's tokens either way."""
+    for family in ("m2m_100", "bart"):
+        stock, cascade = pair(family)
+        ids, mask = sources(pad=stock.config.pad_token_id)
+        made = _generate(stock, ids, mask, max_new_tokens=10, min_new_tokens=10)
+        # a row's first new token that no other row makes: as an eos it ends that row at once
+        row = next(r for r in range(len(made)) if not (made[torch.arange(len(made)) != r] == made[r, 1]).any())
+        eos = [stock.config.eos_token_id, int(made[row, 1])]
+        spy = RunnerSpy(monkeypatch)
+        got = _assert_equal_to_stock(stock, cascade, ids, mask, spy, max_new_tokens=10, eos_token_id=eos)
+        assert (got[row, 2:] == stock.config.pad_token_id).all() and got.shape[1] == 11
+
+
+@functools.lru_cache(maxsize=None)
+def _long_pair(family):
+    """A model of ``family`` with 256 positions: room for a call past the first layouts' capacity."""
+    make = {"bart": _bart_like(T.BartConfig, max_position_embeddings=256),
+            "marian": _bart_like(T.MarianConfig, decoder_start_token_id=0, decoder_vocab_size=VOCAB,
+                                 max_position_embeddings=256)}[family]
+    torch.manual_seed(0)
+    stock = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="sdpa", dtype=torch.float64).eval()
+    cascade = AutoModelForSeq2SeqLM.from_config(make(), attn_implementation="cascade", dtype=torch.float64).eval()
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_past_the_layout_room(family, monkeypatch, caplog):
+    """bart-large-cnn's settings up to 150 tokens: past the first layout's room (64 new tokens) the host takes the
+    block state back, widens the layout, and the device goes on (as bart-large-cnn's 142 tokens do on a GPU)."""
+    stock, cascade = _long_pair(family)
+    ids, mask = sources()
+    spy = RunnerSpy(monkeypatch)
+    settings = dict(CNN, max_length=150, min_length=140)
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        _assert_equal_to_stock(stock, cascade, ids, mask, spy, **settings)
+    assert sum("decode layout widened" in r.getMessage() for r in caplog.records) >= 2
+    assert _device_steps(spy) > 140
 
 
 def test_the_checkpoints_generation_config(monkeypatch):
