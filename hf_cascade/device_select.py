@@ -113,7 +113,7 @@ class SelectionConfig:
         eos = () if eos is None else tuple(int(e) for e in eos.reshape(-1))
         pad = getattr(gc, "_pad_token_tensor", None)
         pad = None if pad is None else int(pad)
-        return cls(bad_words_ids=_single_token_bad_words(gc.bad_words_ids, eos),
+        return cls(
             batch_size=batch_size, prompt_length=prompt_length, max_length=gc.max_length,
             do_sample=bool(gc.do_sample), num_beams=gc.num_beams or 1,
             num_return_sequences=gc.num_return_sequences or 1, eos_token_ids=eos, pad_token_id=pad,
@@ -124,7 +124,8 @@ class SelectionConfig:
             min_new_tokens=gc.min_new_tokens or 0, length_penalty=gc.length_penalty,
             early_stopping=gc.early_stopping, forced_bos_token_id=gc.forced_bos_token_id,
             forced_eos_token_ids=_token_tuple(gc.forced_eos_token_id), suppress_tokens=_token_tuple(gc.suppress_tokens),
-            begin_suppress_tokens=_token_tuple(gc.begin_suppress_tokens))
+            begin_suppress_tokens=_token_tuple(gc.begin_suppress_tokens),
+            bad_words_ids=_single_token_bad_words(gc.bad_words_ids, eos))
 
     def check_against(self, logits_processor, stopping_criteria) -> None:
         """Raise UnsupportedSelection unless transformers' prepared lists are exactly what this config reproduces:

@@ -137,6 +137,7 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                        source_mask, decoder_mask, n)
     call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config)     # nothing kept for a next call: encoder outputs differ
+
     def stock():            # transformers' loop (model_kwargs as the session's prepare left them)
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                       synced_gpus=synced_gpus, **model_kwargs)
