@@ -36,7 +36,7 @@ class UnsupportedSelection(ValueError):
 
 # GenerationConfig fields whose processors or criteria have no device variant here, with the value meaning "off".
 _OFF_VALUES = {
-    "sequence_bias": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
+    "sequence_bias": None, "encoder_repetition_penalty": 1.0,
     "remove_invalid_values": False, "exponential_decay_length_penalty": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "watermarking_config": None,
     "renormalize_logits": False, "guidance_scale": 1.0, "max_time": None, "stop_strings": None,
@@ -63,6 +63,7 @@ class SelectionConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0   # (Blenderbot's config: its n-grams come from the processor, see new_state)
     min_length: int = 0
     min_new_tokens: int = 0
     length_penalty: float = 1.0
@@ -120,7 +121,8 @@ class SelectionConfig:
             temperature=gc.temperature if gc.temperature is not None else 1.0, top_k=gc.top_k,
             top_p=gc.top_p if gc.top_p is not None else 1.0, min_p=gc.min_p,
             repetition_penalty=gc.repetition_penalty if gc.repetition_penalty is not None else 1.0,
-            no_repeat_ngram_size=gc.no_repeat_ngram_size or 0, min_length=gc.min_length or 0,
+            no_repeat_ngram_size=gc.no_repeat_ngram_size or 0,
+            encoder_no_repeat_ngram_size=gc.encoder_no_repeat_ngram_size or 0, min_length=gc.min_length or 0,
             min_new_tokens=gc.min_new_tokens or 0, length_penalty=gc.length_penalty,
             early_stopping=gc.early_stopping, forced_bos_token_id=gc.forced_bos_token_id,
             forced_eos_token_ids=_token_tuple(gc.forced_eos_token_id), suppress_tokens=_token_tuple(gc.suppress_tokens),
@@ -160,6 +162,7 @@ class SelectionConfig:
             "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty},
             "NoBadWordsLogitsProcessor": {"sequence_bias": {(t,): -math.inf for t in self.bad_words_ids or ()}},
             "NoRepeatNGramLogitsProcessor": {"ngram_size": self.no_repeat_ngram_size},
+            "EncoderNoRepeatNGramLogitsProcessor": {"ngram_size": self.encoder_no_repeat_ngram_size},
             "MinLengthLogitsProcessor": {"min_length": self.min_length, "eos_token_id": self.eos_token_ids},
             "MinNewTokensLengthLogitsProcessor": {"prompt_length_to_skip": self.prompt_length,
                                                   "min_new_tokens": self.min_new_tokens,
@@ -204,6 +207,8 @@ class SelectionConfig:
             names.append("RepetitionPenaltyLogitsProcessor")
         if self.no_repeat_ngram_size > 0:
             names.append("NoRepeatNGramLogitsProcessor")
+        if self.encoder_no_repeat_ngram_size > 0:
+            names.append("EncoderNoRepeatNGramLogitsProcessor")
         if self.bad_words_ids is not None:
             names.append("NoBadWordsLogitsProcessor")
         if self.min_length > 0 and self.eos_token_ids:
@@ -245,6 +250,10 @@ class SelectionState:
     generator: torch.Generator | None = None
     # the token ids of the forcing / suppressing processors the config applies, by role (int64 tensors)
     token_ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    # encoder_no_repeat_ngram_size: each row's encoder n-grams, [rows, G, n - 1] prefixes and [rows, G] last tokens
+    # (vocab-free padding: -1 prefixes never match a written token, padded last tokens are -1 and masked)
+    encoder_ngram_prefixes: torch.Tensor | None = None
+    encoder_ngram_lasts: torch.Tensor | None = None
     # beam search only
     beam_scores: torch.Tensor | None = None         # [B, nb] float32: running beams' summed log-probs
     finished_sequences: torch.Tensor | None = None  # [B, nb, max_length] int64: the best finished hypotheses
@@ -265,9 +274,11 @@ class SelectionState:
 
 
 def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              generator: torch.Generator | None = None) -> SelectionState:
+              generator: torch.Generator | None = None, encoder_ngrams: list[dict] | None = None) -> SelectionState:
     """The state for one call. ``input_ids`` / ``attention_mask`` are ``[rows, prompt_length]``, expanded as
-    transformers expands them (each prompt repeated num_beams or num_return_sequences times, prompt-major)."""
+    transformers expands them (each prompt repeated num_beams or num_return_sequences times, prompt-major).
+    ``encoder_ngrams``: with ``encoder_no_repeat_ngram_size``, the call's EncoderNoRepeatNGramLogitsProcessor's
+    ``generated_ngrams`` (one dict per prompt: n-gram prefix -> the tokens that complete it in that encoder input)."""
     rows, prompt_length = input_ids.shape
     if rows != config.rows or prompt_length != config.prompt_length:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the config's {config.rows} rows of "
@@ -294,6 +305,9 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
                       ("begin_suppress", config.begin_suppress_tokens), ("bad_words", config.bad_words_ids)):
         if ids is not None:
             state.token_ids[role] = torch.tensor(ids, dtype=torch.int64, device=device)
+    if config.encoder_no_repeat_ngram_size > 0:
+        state.encoder_ngram_prefixes, state.encoder_ngram_lasts = _encoder_ngram_tensors(
+            config, encoder_ngrams, rows, device)
     if config.is_beam:
         batch, beams = config.batch_size, config.num_beams
         state.beam_scores = torch.zeros((batch, beams), dtype=torch.float32, device=device)
@@ -447,6 +461,8 @@ def process_logits(state: SelectionState, scores: torch.Tensor) -> torch.Tensor:
         scores = _repetition_penalty(state, scores, config.repetition_penalty)
     if config.no_repeat_ngram_size > 0:
         scores = _no_repeat_ngram(state, scores, config.no_repeat_ngram_size)
+    if config.encoder_no_repeat_ngram_size > 0:
+        scores = _encoder_no_repeat_ngram(state, scores, config.encoder_no_repeat_ngram_size)
     if config.bad_words_ids is not None:       # (a bias of -inf added, as SequenceBiasLogitsProcessor adds it)
         scores = scores + torch.where(_token_mask(scores, state.token_ids["bad_words"]), -math.inf, 0.0).to(
             scores.dtype)
@@ -504,6 +520,36 @@ def _no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> 
     banned = torch.zeros((scores.shape[0], vocab + 1), dtype=torch.bool, device=scores.device)
     banned.scatter_(1, torch.where(matches, windows[..., -1].clamp(min=0, max=vocab), vocab), True)
     return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+def _encoder_no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> torch.Tensor:
+    """EncoderNoRepeatNGramLogitsProcessor: a token that would complete an n-gram of the row's encoder input is banned
+    once the sequence holds n - 1 tokens (its last n - 1 against the input's n-gram prefixes)."""
+    vocab = scores.shape[-1]
+    positions = (state.cur_len - size + 1 + torch.arange(size - 1, device=scores.device)).clamp(min=0)
+    recent = state.sequences.index_select(1, positions)                   # [rows, n - 1]
+    matches = (state.encoder_ngram_prefixes == recent[:, None, :]).all(dim=-1) & (state.cur_len >= size - 1)
+    lasts = torch.where(matches & (state.encoder_ngram_lasts >= 0), state.encoder_ngram_lasts, vocab)
+    banned = torch.zeros((scores.shape[0], vocab + 1), dtype=torch.bool, device=scores.device)
+    banned.scatter_(1, lasts.clamp(max=vocab), True)
+    return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+def _encoder_ngram_tensors(config: SelectionConfig, encoder_ngrams, rows: int, device):
+    """Each row's encoder n-grams as ``([rows, G, n - 1] prefixes, [rows, G] last tokens)``, padded with -1 (built
+    once per call, on the host, from the processor's dicts; rows of one prompt share its input's)."""
+    if encoder_ngrams is None or len(encoder_ngrams) != config.batch_size:
+        raise ValueError(f"encoder_no_repeat_ngram_size={config.encoder_no_repeat_ngram_size} needs the call's "
+                         f"EncoderNoRepeatNGramLogitsProcessor n-grams, one dict per prompt ({config.batch_size})")
+    entries = [[(prefix, last) for prefix, lasts in ngrams.items() for last in lasts] for ngrams in encoder_ngrams]
+    width, prefix_length = max(1, max(len(e) for e in entries)), config.encoder_no_repeat_ngram_size - 1
+    prefixes = [[list(p) for p, _ in e] + [[-1] * prefix_length] * (width - len(e)) for e in entries]
+    lasts = [[t for _, t in e] + [-1] * (width - len(e)) for e in entries]
+    per_prompt = rows // config.batch_size
+    prefixes = torch.tensor(prefixes, dtype=torch.int64).view(config.batch_size, width, prefix_length)
+    lasts = torch.tensor(lasts, dtype=torch.int64)
+    return (prefixes.repeat_interleave(per_prompt, dim=0).to(device),
+            lasts.repeat_interleave(per_prompt, dim=0).to(device))
 
 
 def _ban_eos_while(state: SelectionState, scores: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:

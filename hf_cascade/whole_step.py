@@ -99,6 +99,10 @@ def _selection_config(input_ids, logits_processor, stopping_criteria, generation
             generation_config, input_ids.shape[0] // per_prompt, input_ids.shape[1])
         config = config.adopting_suppressions(logits_processor)
         config.check_against(logits_processor, stopping_criteria)
+        ngrams = _encoder_ngrams(logits_processor)
+        if config.encoder_no_repeat_ngram_size and len(ngrams) != config.batch_size:
+            return None, (f"EncoderNoRepeatNGramLogitsProcessor holds {len(ngrams)} encoder inputs' n-grams for "
+                          f"{config.batch_size} prompts")
     except device_select.UnsupportedSelection as err:
         return None, str(err).replace("device selection off: ", "")
     return config, None
@@ -120,8 +124,17 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
                  "choice on the host): %s", reason)
         return stock()
-    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs)
+    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs,
+                         _encoder_ngrams(logits_processor))
     return loop.run()
+
+
+def _encoder_ngrams(logits_processor) -> list[dict] | None:
+    """The encoder n-grams of the call's EncoderNoRepeatNGramLogitsProcessor (built by generate from the encoder
+    input), or None."""
+    from transformers.generation.logits_process import EncoderNoRepeatNGramLogitsProcessor
+    found = [p for p in logits_processor if type(p) is EncoderNoRepeatNGramLogitsProcessor]
+    return found[0].generated_ngrams if found else None
 
 
 def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, str | None]:
@@ -172,10 +185,11 @@ class WholeStepLoop:
     """One call's decode loop (see the module docstring). ``inputs``: the first step's forward arguments; their
     tensors are the loop's static inputs, advanced in place by every step."""
 
-    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict):
+    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict,
+                 encoder_ngrams: list[dict] | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
         self.names = _Names(self.model)
-        state = device_select.new_state(config, input_ids, attention_mask)
+        state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
         call_key = (config, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
         kept = self.runner.whole_step_kept
         if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values

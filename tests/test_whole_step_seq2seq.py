@@ -112,6 +112,41 @@ def test_each_processor_equals_transformers_at_every_length(prompt_length):
                 assert torch.equal(got, want), (config, cur_len)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_encoder_no_repeat_ngram_equals_transformers_at_every_length(size):
+    """EncoderNoRepeatNGramLogitsProcessor: each row against its own input's n-grams (two inputs, two rows each;
+    few distinct ids, so n-grams of the sources recur in the rows)."""
+    generator = torch.Generator().manual_seed(size)
+    encoder_ids = torch.randint(0, 6, (2, 9), generator=generator)
+    processor = hf_processors.EncoderNoRepeatNGramLogitsProcessor(size, encoder_ids)
+    rows, width, prompt_length = 4, 10, 1
+    for cur_len in range(prompt_length, width):
+        sequences = torch.randint(0, 6, (rows, width), generator=generator)
+        sequences[:, cur_len:] = -1
+        scores = torch.randn(rows, VOCAB, generator=generator)
+        selection = SelectionConfig(batch_size=2, num_beams=2, prompt_length=prompt_length, max_length=width,
+                                    encoder_no_repeat_ngram_size=size)
+        state = new_state(selection, sequences[:, :prompt_length], encoder_ngrams=processor.generated_ngrams)
+        state.sequences.copy_(sequences)
+        state.cur_len.fill_(cur_len)
+        want = processor(sequences[:, :cur_len], scores.clone())
+        assert torch.equal(device_select.process_logits(state, scores.clone()), want), cur_len
+
+
+@pytest.mark.parametrize("family", ["bart", "blenderbot"])
+def test_encoder_no_repeat_ngram(family, monkeypatch, frozen_host_length):  # noqa: F811
+    """Blenderbot's generation setting: no 3-gram of the source repeated. Token 6's logit raised and a run of 6s in
+    every source but the last: the model writes 6s until the ban bites (the tokens differ from the unbanned call's)."""
+    stock, cascade = _biased(family, 8.0, (6,))
+    ids, mask = sources(pad=stock.config.pad_token_id)
+    ids[:-1, 1:4] = 6
+    kwargs = dict(num_beams=4, max_new_tokens=12)
+    spy = RunnerSpy(monkeypatch)
+    got = _assert_equal_to_stock(stock, cascade, ids, mask, spy, **kwargs, encoder_no_repeat_ngram_size=3)
+    unbanned = _generate(stock, ids, mask, **kwargs, encoder_no_repeat_ngram_size=0)
+    assert got.shape != unbanned.shape or not torch.equal(got, unbanned)
+
+
 def test_the_default_begin_index_is_transformers():
     """generate puts SuppressTokensAtBegin at the first generated position, one later after a forced BOS token
     (one-token prompt): the config reads it so from a generation config, and Whisper's objects are taken as they
@@ -143,8 +178,8 @@ def test_other_bart_family_decoders(family, monkeypatch, frozen_host_length):  #
     stock, cascade = pair(family)
     ids, mask = sources(lengths=(11, 4), seed=3, pad=stock.config.pad_token_id)
     spy = RunnerSpy(monkeypatch)
-    # (Blenderbot's config brings encoder_no_repeat_ngram_size=3, which has no device variant: refused, logged)
-    _assert_equal_to_stock(stock, cascade, ids, mask, spy, **CNN, encoder_no_repeat_ngram_size=0)
+    # (Blenderbot's config brings encoder_no_repeat_ngram_size=3: the n-grams of each source are banned too)
+    _assert_equal_to_stock(stock, cascade, ids, mask, spy, **CNN)
 
 
 def test_a_length_limit_shorter_than_an_ngram():
@@ -221,15 +256,15 @@ def test_the_checkpoints_generation_config(monkeypatch):
     _assert_equal_to_stock(stock, cascade, ids, mask, spy, generation_config=config)
 
 
-def _eos_biased(family, bias):
-    """A copy of ``pair(family)`` (same weights) whose eos logit is raised."""
+def _biased(family, bias, tokens=(EOS,)):
+    """A copy of ``pair(family)`` (same weights) whose logits of ``tokens`` are raised."""
     models = []
     for model in pair(family):
         copy = type(model)._from_config(FAMILIES[family](), attn_implementation=model.config._attn_implementation,
                                         dtype=torch.float64).eval()
         copy.load_state_dict(model.state_dict())
         with torch.no_grad():
-            copy.final_logits_bias[..., EOS] += bias
+            copy.final_logits_bias[..., list(tokens)] += bias
         models.append(copy)
     return tuple(models)
 
@@ -237,7 +272,7 @@ def _eos_biased(family, bias):
 @pytest.mark.parametrize("mode,bias", [("cnn", 1.5), ("returned", 1.0), ("greedy", 2.0)])
 def test_eos_ends_rows_and_hypotheses_early(mode, bias, monkeypatch, frozen_host_length):  # noqa: F811
     """The eos logit raised: hypotheses finish at different steps (beam search), greedy rows end and feed pads."""
-    stock, cascade = _eos_biased("bart", bias)
+    stock, cascade = _biased("bart", bias)
     ids, mask = sources(seed=2)
     spy = RunnerSpy(monkeypatch)
     kwargs = dict(MODES[mode], min_length=0) if mode == "cnn" else MODES[mode]
@@ -289,7 +324,7 @@ REFUSED = {
     "max_kv_bytes": ({}, dict(max_kv_bytes=1 << 24), "max_kv_bytes"),
     "whole_step off": ({}, dict(whole_step=False), None),
     "bad words": (dict(bad_words_ids=[[9, 10]]), None, "bad_words_ids"),
-    "encoder n-grams": (dict(encoder_no_repeat_ngram_size=3), None, "encoder_no_repeat_ngram_size"),
+    "encoder repetition penalty": (dict(encoder_repetition_penalty=1.3), None, "encoder_repetition_penalty"),
 }
 
 
