@@ -213,6 +213,9 @@ def main(argv=None) -> int:
                    help="the cascade's CascadeConfig.cuda_graphs (eager: the whole step's static path without capture, "
                         "on any device, the paged self-attention on the CPU too; off: transformers' loop, the "
                         "forward eager)")
+    p.add_argument("--no-whole-step", action="store_true",
+                   help="CascadeConfig(whole_step=False): transformers' decode loop with the replayed forward (what "
+                        "the cascade ran before the whole step served encoder-decoder models)")
     p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
     args.output = args.output or str(harness.results_path("encdec_gpu"))
@@ -234,9 +237,12 @@ def main(argv=None) -> int:
         kv, cross_kv, peak, tokens, new, whole = {}, {}, {}, {}, {}, {}
         # (on the CPU, backend="auto" keeps a one-token decoder prompt's self-attention dense: "eager" pages it so
         # that the whole step runs there too)
-        extra = {} if args.cuda_graphs == "default" else dict(hf_cascade_config=hf_cascade.CascadeConfig(
+        options = {} if args.cuda_graphs == "default" else dict(
             cuda_graphs="eager" if args.cuda_graphs == "eager" else False,
-            backend="reference" if args.cuda_graphs == "eager" and args.device == "cpu" else "auto"))
+            backend="reference" if args.cuda_graphs == "eager" and args.device == "cpu" else "auto")
+        if args.no_whole_step:
+            options["whole_step"] = False
+        extra = dict(hf_cascade_config=hf_cascade.CascadeConfig(**options)) if options else {}
         calls = {"stock": (long, short), "cascade": (dict(long, **extra), dict(short, **extra))}
         for side, model in (("stock", stock), ("cascade", cascade)):      # warm-up at the measured shape
             timed(model, calls[side][0], args.device)
