@@ -3,8 +3,9 @@
 BART, mBART, PLBart, Pegasus, Blenderbot, Marian, M2M100/NLLB and Whisper: the decoder's ids and positions advanced
 on the device, the cross-attention K/V fixed for the call, token choice by :mod:`hf_cascade.device_select` with the
 processors these checkpoints' own generation configs use (bart-large-cnn: 4 beams, no_repeat_ngram_size 3,
-length_penalty 2.0, min_length, forced BOS/EOS, early stopping; mBART/NLLB/M2M100: forced BOS; Whisper: its
-SuppressTokens / SuppressTokensAtBegin processor objects). On the CPU the loop runs with ``cuda_graphs="eager"`` (the
+length_penalty 2.0, min_length, forced BOS/EOS, early stopping; mBART/NLLB/M2M100: forced BOS; opus-mt: its pad token
+as a bad word; Blenderbot: encoder_no_repeat_ngram_size; Whisper: its SuppressTokens / SuppressTokensAtBegin
+processor objects). On the CPU the loop runs with ``cuda_graphs="eager"`` (the
 step a GPU captures, run eagerly); every test checks ``runner.device_steps`` (a silent fallback to transformers' loop
 cannot pass), and the BART-family tests freeze the host's cache length inside the decoder (tests/test_seq2seq_graphs.py
 ``frozen_host_length``) so that positions taken from the host would give other tokens. Tiny random models in float64,
