@@ -151,11 +151,26 @@ def inputs(name, model, batch, source, device, dtype):
 
 class KV:
     """The most attention K/V bytes a generate call's cache held (decoder forward hook): in all (``peak``)
-    and its cross-attention part alone (``cross``: stock's k copies per input vs the cascade's one)."""
+    and its cross-attention part alone (``cross``: stock's k copies per input vs the cascade's one). The whole step's
+    replays run no forward hook: the cascade's self-attention peak is also read from its cache when the call resets
+    it (its stats hold the device steps' peak by then)."""
 
     def __init__(self, model):
-        self.peak = self.cross = 0
+        self.peak = self.cross = self.own_at_end = 0
         self.handle = model.get_decoder().register_forward_hook(self.hook, with_kwargs=True)
+        self._reset = real = hf_cascade.CascadeCache.reset
+
+        def reset(cache, *args, **kwargs):
+            self.own_at_end = max(self.own_at_end, cache.stats().peak_kv_bytes_in_use)
+            return real(cache, *args, **kwargs)
+
+        hf_cascade.CascadeCache.reset = reset
+
+    def remove(self) -> None:
+        self.handle.remove()
+        hf_cascade.CascadeCache.reset = self._reset
+        if self.cross:          # (a cascade call: its cross K/V plus the self-attention cache's peak)
+            self.peak = max(self.peak, self.cross + self.own_at_end)
 
     @staticmethod
     def _dense(cache):
@@ -255,7 +270,7 @@ def main(argv=None) -> int:
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
             seconds, out = timed(model, calls[side][0], args.device)
-            meter.handle.remove()
+            meter.remove()
             if side == "cascade":
                 whole.update(runners.last())
             times[side]["long"].append(seconds)
