@@ -1,18 +1,28 @@
-"""Encoder-decoder generate on a GPU: stock sdpa vs cascade, side by side (issue 11's H200 targets).
+"""Encoder-decoder generate on a GPU: stock sdpa vs cascade, side by side (issues 11 and 21's H200 targets).
 
-Random-weight models shaped like whisper-large-v3 (batch 16 x 5 beams, 30 s of audio = 1500 encoder
-frames), bart-large-cnn (1024-token sources, batch 16 x 4 beams) and flan-t5-large (512-token sources,
-batch 32 x 4 beams), bf16. Per model: one warm-up of each at the measured shape, then ``--rounds``
-interleaved rounds (stock, cascade, stock, cascade, ...) of ``generate`` with 1 and with ``--new`` new
-tokens (``min_new_tokens`` = ``max_new_tokens``); medians. Reported per side: the step
-((t(new) - t(1)) / (new - 1)), the throughput (sequences x new tokens / t(new)), the attention K/V a
-generate call held (stock: its EncoderDecoderCache; cascade: the cross K/V once per input plus the paged
-self-attention cache), its cross-attention part alone, and peak memory allocated above the weights.
-Targets: whisper cross-attention K/V <= 0.2x (the floor is 1/beams = 0.2 at 5 beams, plus the last pool
-block's rounding of each input's 1500 frames: 1504 slots, 0.2005) and step <= 0.4x stock's; bart and
-flan-t5 throughput >= 2.5x stock's. Ends with a table and the total seconds (also in the JSON).
+Random-weight models of the real shapes, bf16, each with its checkpoint's own generation settings:
 
-    PYTHONPATH=. python benchmarks/encdec_gpu.py [--models whisper-large-v3,bart-large-cnn,flan-t5-large]
+- whisper-large-v3: 16 x 30 s of audio (1500 encoder frames), 5 beams, ``--new`` tokens;
+- bart-large-cnn: 16 articles of 1024 tokens (a varied length each), its generation config: 4 beams,
+  no_repeat_ngram_size 3, length_penalty 2.0, min_length 56, max_length 142, early stopping, forced BOS 0 / EOS 2;
+- opus-mt-en-de shape (Marian, 6+6 layers, d 512, vocab 58101): 32 sentences of 64-128 tokens (a third padded),
+  4 beams, 64-128 new tokens, its pad token banned (bad_words_ids, as the checkpoint's config);
+- nllb-600M shape (M2M100, 12+12 layers, d 1024, vocab 256206): the same sentences, 4 beams, 64-128 new tokens,
+  the target language's token forced first (forced_bos_token_id);
+- flan-t5-large: 32 sources of 512 tokens, 4 beams, ``--new`` tokens (its decoder self-attention stays dense).
+
+Per model: one warm-up of each at the measured shape, then ``--rounds`` interleaved rounds (stock, cascade, stock,
+cascade, ...) of ``generate`` with the model's settings and with one new token; medians. Reported per side: the step
+((t(settings) - t(1)) / (new - 1), new = the decoder tokens that call made), the throughput (sequences x new tokens
+/ t(settings)), the attention K/V a generate call held (stock: its EncoderDecoderCache; cascade: the cross K/V once
+per input plus the paged self-attention cache), its cross-attention part alone, and peak memory allocated above the
+weights; for the cascade, how many decode steps ran as the whole step on the device (``hf_cascade.whole_step``; 0:
+transformers' loop, the reason in the log) and the graph captures. Targets: whisper cross-attention K/V <= 0.2x (the
+floor is 1/beams = 0.2 at 5 beams, plus the last pool block's rounding of each input's 1500 frames: 1504 slots,
+0.2005) and step <= 0.4x stock's; bart-large-cnn, opus-mt and nllb throughput >= 3x stock's (issue 21), flan-t5
+>= 2.5x. Ends with a table and the total seconds (also in the JSON).
+
+    PYTHONPATH=. python benchmarks/encdec_gpu.py [--models whisper-large-v3,bart-large-cnn,opus-mt-en-de,...]
     python benchmarks/encdec_gpu.py --device cpu --dtype float32 --scale tiny --rounds 1   # a smoke test
 """
 from __future__ import annotations
@@ -30,20 +40,44 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import hf_cascade  # noqa: E402
 from hf_cascade.encoder_decoder import CascadeEncoderDecoderCache  # noqa: E402
+from hf_cascade.session import DecodeSession  # noqa: E402
 import harness  # noqa: E402
 
-SHAPES = {   # (config kwargs, batch, beams, source length)
+SHAPES = {   # (config kwargs, batch, beams, source length: the longest; see inputs)
     "whisper-large-v3": (dict(d_model=1280, encoder_layers=32, decoder_layers=32, encoder_attention_heads=20,
                               decoder_attention_heads=20, encoder_ffn_dim=5120, decoder_ffn_dim=5120,
                               num_mel_bins=128, vocab_size=51866), 16, 5, 1500),
     "bart-large-cnn": (dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
                             decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096,
                             vocab_size=50264), 16, 4, 1024),
+    "opus-mt-en-de": (dict(d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+                           decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, vocab_size=58101,
+                           decoder_vocab_size=58101), 32, 4, 128),
+    "nllb-600M": (dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                       decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096, vocab_size=256206),
+                  32, 4, 128),
     "flan-t5-large": (dict(d_model=1024, d_kv=64, num_heads=16, num_layers=24, num_decoder_layers=24, d_ff=2816,
                            feed_forward_proj="gated-gelu", vocab_size=32128), 32, 4, 512),
 }
-TARGETS = {"whisper-large-v3": dict(kv=0.2, step=0.4), "bart-large-cnn": dict(throughput=2.5),
+TARGETS = {"whisper-large-v3": dict(kv=0.2, step=0.4), "bart-large-cnn": dict(throughput=3.0),
+           "opus-mt-en-de": dict(throughput=3.0), "nllb-600M": dict(throughput=3.0),
            "flan-t5-large": dict(throughput=2.5)}
+OPUS_PAD, NLLB_DEU = 58100, 256047      # opus-mt-en-de's pad token (its config bans it); NLLB's deu_Latn
+
+
+def settings(name, new: int, scale: str) -> dict:
+    """The generation settings of the model's checkpoint (its generation_config.json), lengths shortened at
+    ``--scale tiny``; ``new``: the fixed number of new tokens of the models measured so."""
+    tiny = scale == "tiny"
+    if name.startswith("bart"):        # facebook/bart-large-cnn
+        return dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, min_length=6 if tiny else 56,
+                    max_length=12 if tiny else 142, early_stopping=True, forced_bos_token_id=0, forced_eos_token_id=2)
+    if name.startswith(("opus", "nllb")):   # 64-128 new tokens
+        lengths = dict(min_new_tokens=4, max_new_tokens=8) if tiny else dict(min_new_tokens=64, max_new_tokens=128)
+        own = dict(bad_words_ids=[[OPUS_PAD]]) if name.startswith("opus") else dict(forced_bos_token_id=NLLB_DEU)
+        return dict(num_beams=4, **lengths, **own)
+    beams = SHAPES[name][2]
+    return dict(num_beams=beams, max_new_tokens=new, min_new_tokens=new)
 
 
 def _tiny(name, kw):
@@ -84,6 +118,14 @@ def build(name, attn, dtype, device, scale):
             config = T.BartConfig(**kw, max_position_embeddings=1024, forced_bos_token_id=None,
                                   forced_eos_token_id=None)
             model = T.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        elif name.startswith("opus"):
+            config = T.MarianConfig(**kw, max_position_embeddings=512, pad_token_id=OPUS_PAD, eos_token_id=0,
+                                    decoder_start_token_id=OPUS_PAD, forced_eos_token_id=0)
+            model = T.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        elif name.startswith("nllb"):
+            config = T.M2M100Config(**kw, max_position_embeddings=1024, pad_token_id=1, bos_token_id=0,
+                                    eos_token_id=2, decoder_start_token_id=2, scale_embedding=True)
+            model = T.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=attn, dtype=dtype)
         else:
             config = T.T5Config(**kw, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
             model = T.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=attn, dtype=dtype)
@@ -99,17 +141,36 @@ def inputs(name, model, batch, source, device, dtype):
     ids = torch.randint(5, 32000, (batch, source), generator=g)
     lengths = torch.randint(source // 2, source + 1, (batch,), generator=g)
     lengths[0] = source
+    if name.startswith(("opus", "nllb")):   # sentences of 64-128 tokens, a third of them shorter than the batch's
+        lengths[:] = source
+        lengths[::3] = torch.randint(source // 2, source, (len(lengths[::3]),), generator=g)
     mask = (torch.arange(source)[None, :] < lengths[:, None]).long()   # right-padded sources of varied length
-    return dict(input_ids=ids.masked_fill(mask == 0, 0).to(device), attention_mask=mask.to(device))
+    pad = model.config.pad_token_id or 0
+    return dict(input_ids=ids.masked_fill(mask == 0, pad).to(device), attention_mask=mask.to(device))
 
 
 class KV:
     """The most attention K/V bytes a generate call's cache held (decoder forward hook): in all (``peak``)
-    and its cross-attention part alone (``cross``: stock's k copies per input vs the cascade's one)."""
+    and its cross-attention part alone (``cross``: stock's k copies per input vs the cascade's one). The whole step's
+    replays run no forward hook: the cascade's self-attention peak is also read from its cache when the call resets
+    it (its stats hold the device steps' peak by then)."""
 
     def __init__(self, model):
-        self.peak = self.cross = 0
+        self.peak = self.cross = self.own_at_end = 0
         self.handle = model.get_decoder().register_forward_hook(self.hook, with_kwargs=True)
+        self._reset = real = hf_cascade.CascadeCache.reset
+
+        def reset(cache, *args, **kwargs):
+            self.own_at_end = max(self.own_at_end, cache.stats().peak_kv_bytes_in_use)
+            return real(cache, *args, **kwargs)
+
+        hf_cascade.CascadeCache.reset = reset
+
+    def remove(self) -> None:
+        self.handle.remove()
+        hf_cascade.CascadeCache.reset = self._reset
+        if self.cross:          # (a cascade call: its cross K/V plus the self-attention cache's peak)
+            self.peak = max(self.peak, self.cross + self.own_at_end)
 
     @staticmethod
     def _dense(cache):
@@ -129,6 +190,27 @@ class KV:
         self.peak, self.cross = max(self.peak, cross + own), max(self.cross, cross)
 
 
+class Runners:
+    """The graph runners the cascade's generate calls make (whole-step device steps, captures)."""
+
+    def __init__(self):
+        self.made = []
+        real = DecodeSession.decode_runner
+
+        def spy(session, *args, **kwargs):
+            runner = real(session, *args, **kwargs)
+            self.made.append(runner)
+            return runner
+
+        DecodeSession.decode_runner = spy
+
+    def last(self) -> dict:
+        runner = self.made[-1] if self.made else None
+        if runner is None:
+            return dict(device_steps=0, captures=0, replays=0)
+        return dict(device_steps=runner.device_steps, captures=runner.captures, replays=runner.replays)
+
+
 def timed(model, kwargs, device):
     with torch.no_grad():
         return harness.timed(lambda: model.generate(**kwargs), device)
@@ -142,23 +224,43 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--scale", default="real", choices=["real", "tiny"])
+    p.add_argument("--cuda-graphs", default="default", choices=["default", "eager", "off"],
+                   help="the cascade's CascadeConfig.cuda_graphs (eager: the whole step's static path without capture, "
+                        "on any device, the paged self-attention on the CPU too; off: transformers' loop, the "
+                        "forward eager)")
+    p.add_argument("--no-whole-step", action="store_true",
+                   help="CascadeConfig(whole_step=False): transformers' decode loop with the replayed forward (what "
+                        "the cascade ran before the whole step served encoder-decoder models)")
     p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
     args.output = args.output or str(harness.results_path("encdec_gpu"))
     dtype = getattr(torch, args.dtype)
     started = time.perf_counter()
     rows = []
+    runners = Runners()
     for name in args.models.split(","):
         stock, batch, beams, source = build(name, "sdpa", dtype, args.device, args.scale)
         cascade, *_ = build(name, "cascade", dtype, args.device, args.scale)
         cascade.load_state_dict(stock.state_dict())
-        base = dict(inputs(name, stock, batch, source, args.device, dtype), num_beams=beams)
-        long = dict(base, max_new_tokens=args.new, min_new_tokens=args.new)
-        short = dict(base, max_new_tokens=1, min_new_tokens=1)
+        base = inputs(name, stock, batch, source, args.device, dtype)
+        own = settings(name, args.new, args.scale)
+        long = dict(base, **own)
+        short = dict(base, **{k: v for k, v in own.items() if k not in ("min_length", "max_length", "min_new_tokens",
+                                                                  "max_new_tokens")},
+                     max_new_tokens=1)
         times = {side: {"long": [], "short": []} for side in ("stock", "cascade")}
-        kv, cross_kv, peak, tokens = {}, {}, {}, {}
-        for model in (stock, cascade):                # warm-up at the measured shape
-            timed(model, long, args.device)
+        kv, cross_kv, peak, tokens, new, whole = {}, {}, {}, {}, {}, {}
+        # (on the CPU, backend="auto" keeps a one-token decoder prompt's self-attention dense: "eager" pages it so
+        # that the whole step runs there too)
+        options = {} if args.cuda_graphs == "default" else dict(
+            cuda_graphs="eager" if args.cuda_graphs == "eager" else False,
+            backend="reference" if args.cuda_graphs == "eager" and args.device == "cpu" else "auto")
+        if args.no_whole_step:
+            options["whole_step"] = False
+        extra = dict(hf_cascade_config=hf_cascade.CascadeConfig(**options)) if options else {}
+        calls = {"stock": (long, short), "cascade": (dict(long, **extra), dict(short, **extra))}
+        for side, model in (("stock", stock), ("cascade", cascade)):      # warm-up at the measured shape
+            timed(model, calls[side][0], args.device)
         models = {"stock": stock, "cascade": cascade}
 
         def one_round(side, _):
@@ -167,23 +269,30 @@ def main(argv=None) -> int:
             if args.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-            seconds, out = timed(model, long, args.device)
-            meter.handle.remove()
+            seconds, out = timed(model, calls[side][0], args.device)
+            meter.remove()
+            if side == "cascade":
+                whole.update(runners.last())
             times[side]["long"].append(seconds)
-            times[side]["short"].append(timed(model, short, args.device)[0])
+            times[side]["short"].append(timed(model, calls[side][1], args.device)[0])
             kv[side], cross_kv[side] = meter.peak, meter.cross
             tokens[side] = out
+            # new tokens: fixed where min = max; else the longest returned sequence's, less its start token
+            fixed = own.get("min_new_tokens") == own.get("max_new_tokens") is not None
+            new[side] = own["max_new_tokens"] if fixed else out.shape[1] - 1
             if args.device.startswith("cuda"):
                 peak[side] = torch.cuda.max_memory_allocated() - before
 
         harness.interleave(list(models), one_round, args.rounds)
-        row = dict(model=name, batch=batch, beams=beams, source=source, new_tokens=args.new, dtype=args.dtype,
+        row = dict(model=name, batch=batch, beams=beams, source=source, settings=own, dtype=args.dtype,
                    same_tokens=bool(tokens["stock"].shape == tokens["cascade"].shape
-                                    and torch.equal(tokens["stock"], tokens["cascade"])))
+                                    and torch.equal(tokens["stock"], tokens["cascade"])),
+                   cascade_whole_step=whole)
         for side in ("stock", "cascade"):
             t_long, t_short = harness.median(times[side]["long"]), harness.median(times[side]["short"])
-            row[f"{side}_step_ms"] = round(1000 * (t_long - t_short) / max(args.new - 1, 1), 2)
-            row[f"{side}_throughput_tok_s"] = round(batch * args.new / t_long, 1)
+            row[f"{side}_new_tokens"] = new[side]
+            row[f"{side}_step_ms"] = round(1000 * (t_long - t_short) / max(new[side] - 1, 1), 2)
+            row[f"{side}_throughput_tok_s"] = round(batch * new[side] / t_long, 1)
             row[f"{side}_kv_gib"] = round(kv[side] / 2**30, 3)
             row[f"{side}_cross_kv_gib"] = round(cross_kv[side] / 2**30, 3)
             row[f"{side}_peak_above_weights_gib"] = round(peak.get(side, 0) / 2**30, 3)
@@ -211,15 +320,17 @@ def main(argv=None) -> int:
                   total_s=round(time.perf_counter() - started, 1), rows=rows)
     harness.write_json(args.output, result)
     print(f"| model | batch x beams | step ms stock / cascade | step ratio | throughput tok/s stock / cascade | "
-          f"throughput ratio | cross K/V GiB stock / cascade | cross K/V ratio | same tokens | targets |\n"
-          f"|---|---|---|---|---|---|---|---|---|---|")
+          f"throughput ratio | cross K/V GiB stock / cascade | cross K/V ratio | peak GiB stock / cascade | "
+          f"same tokens | whole-step steps | targets |\n"
+          f"|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         met = ", ".join(f"{k} {t['value']} ({'<=' if k != 'throughput' else '>='} {t['limit']}: "
                         f"{'met' if t['met'] else 'not met'})" for k, t in r["targets"].items())
         print(f"| {r['model']} | {r['batch']} x {r['beams']} | {r['stock_step_ms']} / {r['cascade_step_ms']} | "
               f"{r['step_ratio']} | {r['stock_throughput_tok_s']} / {r['cascade_throughput_tok_s']} | "
               f"{r['throughput_ratio']} | {r['stock_cross_kv_gib']} / {r['cascade_cross_kv_gib']} | "
-              f"{r['cross_kv_ratio']} | {r['same_tokens']} | {met} |")
+              f"{r['cross_kv_ratio']} | {r['stock_peak_above_weights_gib']} / {r['cascade_peak_above_weights_gib']} | "
+              f"{r['same_tokens']} | {r['cascade_whole_step']['device_steps']} | {met} |")
     print(f"total {result['total_s']} s; JSON: {args.output}")
     return 0
 

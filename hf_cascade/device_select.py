@@ -15,8 +15,9 @@ buffer and masks by the current length instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import transformers
@@ -35,9 +36,8 @@ class UnsupportedSelection(ValueError):
 
 # GenerationConfig fields whose processors or criteria have no device variant here, with the value meaning "off".
 _OFF_VALUES = {
-    "sequence_bias": None, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "remove_invalid_values": False,
-    "exponential_decay_length_penalty": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "sequence_bias": None, "encoder_repetition_penalty": 1.0,
+    "remove_invalid_values": False, "exponential_decay_length_penalty": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "watermarking_config": None,
     "renormalize_logits": False, "guidance_scale": 1.0, "max_time": None, "stop_strings": None,
     "num_beam_groups": 1, "diversity_penalty": 0.0, "constraints": None, "force_words_ids": None,
@@ -63,12 +63,21 @@ class SelectionConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    encoder_no_repeat_ngram_size: int = 0   # (Blenderbot's config: its n-grams come from the processor, see new_state)
     min_length: int = 0
     min_new_tokens: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    # the seq2seq checkpoints' own processors (mBART/NLLB/M2M100 forced_bos, BART forced_eos, Whisper's suppressions)
+    forced_bos_token_id: int | None = None
+    forced_eos_token_ids: tuple[int, ...] | None = None
+    suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_index: int | None = None     # None: where transformers puts it for the generation config
+    bad_words_ids: tuple[int, ...] | None = None    # single-token bad words (opus-mt bans its pad token), eos left out
 
     def __post_init__(self):
+        self._default_begin_index()
         if self.eos_token_ids and self.pad_token_id is None:   # what generate does (with a warning)
             object.__setattr__(self, "pad_token_id", self.eos_token_ids[0])
         if self.is_beam and self.num_return_sequences > self.num_beams:
@@ -112,16 +121,20 @@ class SelectionConfig:
             temperature=gc.temperature if gc.temperature is not None else 1.0, top_k=gc.top_k,
             top_p=gc.top_p if gc.top_p is not None else 1.0, min_p=gc.min_p,
             repetition_penalty=gc.repetition_penalty if gc.repetition_penalty is not None else 1.0,
-            no_repeat_ngram_size=gc.no_repeat_ngram_size or 0, min_length=gc.min_length or 0,
+            no_repeat_ngram_size=gc.no_repeat_ngram_size or 0,
+            encoder_no_repeat_ngram_size=gc.encoder_no_repeat_ngram_size or 0, min_length=gc.min_length or 0,
             min_new_tokens=gc.min_new_tokens or 0, length_penalty=gc.length_penalty,
-            early_stopping=gc.early_stopping)
+            early_stopping=gc.early_stopping, forced_bos_token_id=gc.forced_bos_token_id,
+            forced_eos_token_ids=_token_tuple(gc.forced_eos_token_id), suppress_tokens=_token_tuple(gc.suppress_tokens),
+            begin_suppress_tokens=_token_tuple(gc.begin_suppress_tokens),
+            bad_words_ids=_single_token_bad_words(gc.bad_words_ids, eos))
 
     def check_against(self, logits_processor, stopping_criteria) -> None:
         """Raise UnsupportedSelection unless transformers' prepared lists are exactly what this config reproduces:
         the same processor and criterion types (exact types: a subclass may compute anything) with the same
         parameters (a user's object replaces the default one of its type)."""
         from transformers.generation import logits_process, stopping_criteria as criteria_module
-        names = tuple(type(p).__name__ for p in logits_processor)
+        names = _commuted(tuple(type(p).__name__ for p in logits_processor))
         if names != self.processor_names():
             raise UnsupportedSelection(f"device selection off: processors {names} (reproduced: "
                                        f"{self.processor_names()})")
@@ -147,7 +160,9 @@ class SelectionConfig:
         keep = self.min_tokens_to_keep
         return {
             "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty},
+            "NoBadWordsLogitsProcessor": {"sequence_bias": {(t,): -math.inf for t in self.bad_words_ids or ()}},
             "NoRepeatNGramLogitsProcessor": {"ngram_size": self.no_repeat_ngram_size},
+            "EncoderNoRepeatNGramLogitsProcessor": {"ngram_size": self.encoder_no_repeat_ngram_size},
             "MinLengthLogitsProcessor": {"min_length": self.min_length, "eos_token_id": self.eos_token_ids},
             "MinNewTokensLengthLogitsProcessor": {"prompt_length_to_skip": self.prompt_length,
                                                   "min_new_tokens": self.min_new_tokens,
@@ -156,7 +171,34 @@ class SelectionConfig:
             "TopKLogitsWarper": {"top_k": max(self.top_k or 0, keep), "filter_value": -math.inf},
             "TopPLogitsWarper": {"top_p": self.top_p, "min_tokens_to_keep": keep, "filter_value": -math.inf},
             "MinPLogitsWarper": {"min_p": self.min_p, "min_tokens_to_keep": keep, "filter_value": -math.inf},
+            "ForcedBOSTokenLogitsProcessor": {"bos_token_id": self.forced_bos_token_id},
+            "ForcedEOSTokenLogitsProcessor": {"max_length": self.max_length, "eos_token_id": self.forced_eos_token_ids},
+            "SuppressTokensLogitsProcessor": {"suppress_tokens": self.suppress_tokens},
+            "SuppressTokensAtBeginLogitsProcessor": {"begin_suppress_tokens": self.begin_suppress_tokens,
+                                                     "begin_index": self.begin_suppress_index},
         }[processor_name]
+
+    def _default_begin_index(self) -> None:
+        """Where transformers' SuppressTokensAtBegin applies for the generation config: the first generated
+        position, or the one after a forced BOS token (a one-token prompt)."""
+        if self.begin_suppress_tokens is not None and self.begin_suppress_index is None:
+            forced = self.prompt_length == 1 and self.forced_bos_token_id is not None
+            object.__setattr__(self, "begin_suppress_index", self.prompt_length + int(forced))
+
+    def adopting_suppressions(self, logits_processor) -> "SelectionConfig":
+        """This config plus the token suppressions that a caller's list brings as processor objects (Whisper's
+        generate makes its SuppressTokens / SuppressTokensAtBegin processors itself, the generation config's fields
+        unset): their parameters read from the objects, which :meth:`check_against` then compares as usual."""
+        from transformers.generation import logits_process
+        changes = {}
+        for processor in logits_processor:
+            if type(processor) is logits_process.SuppressTokensLogitsProcessor and self.suppress_tokens is None:
+                changes["suppress_tokens"] = _token_tuple(processor.suppress_tokens)
+            elif (type(processor) is logits_process.SuppressTokensAtBeginLogitsProcessor
+                  and self.begin_suppress_tokens is None):
+                changes["begin_suppress_tokens"] = _token_tuple(processor.begin_suppress_tokens)
+                changes["begin_suppress_index"] = int(processor.begin_index)
+        return dataclasses.replace(self, **changes) if changes else self
 
     def processor_names(self) -> tuple[str, ...]:
         """The transformers processors this config applies, in transformers' order (``_get_logits_processor``)."""
@@ -165,10 +207,22 @@ class SelectionConfig:
             names.append("RepetitionPenaltyLogitsProcessor")
         if self.no_repeat_ngram_size > 0:
             names.append("NoRepeatNGramLogitsProcessor")
+        if self.encoder_no_repeat_ngram_size > 0:
+            names.append("EncoderNoRepeatNGramLogitsProcessor")
+        if self.bad_words_ids is not None:
+            names.append("NoBadWordsLogitsProcessor")
         if self.min_length > 0 and self.eos_token_ids:
             names.append("MinLengthLogitsProcessor")
         if self.min_new_tokens > 0 and self.eos_token_ids:
             names.append("MinNewTokensLengthLogitsProcessor")
+        if self.forced_bos_token_id is not None:
+            names.append("ForcedBOSTokenLogitsProcessor")
+        if self.forced_eos_token_ids is not None:
+            names.append("ForcedEOSTokenLogitsProcessor")
+        if self.suppress_tokens is not None:
+            names.append("SuppressTokensLogitsProcessor")
+        if self.begin_suppress_tokens is not None:
+            names.append("SuppressTokensAtBeginLogitsProcessor")
         if self.do_sample:
             if self.temperature != 1.0:
                 names.append("TemperatureLogitsWarper")
@@ -194,6 +248,12 @@ class SelectionState:
     eos_ids: torch.Tensor               # [n_eos] int64
     prompt_start: torch.Tensor          # [rows] int64: first non-pad prompt position (repetition penalty skips pads)
     generator: torch.Generator | None = None
+    # the token ids of the forcing / suppressing processors the config applies, by role (int64 tensors)
+    token_ids: dict[str, torch.Tensor] = field(default_factory=dict)
+    # encoder_no_repeat_ngram_size: each row's encoder n-grams, [rows, G, n - 1] prefixes and [rows, G] last tokens
+    # (vocab-free padding: -1 prefixes never match a written token, padded last tokens are -1 and masked)
+    encoder_ngram_prefixes: torch.Tensor | None = None
+    encoder_ngram_lasts: torch.Tensor | None = None
     # beam search only
     beam_scores: torch.Tensor | None = None         # [B, nb] float32: running beams' summed log-probs
     finished_sequences: torch.Tensor | None = None  # [B, nb, max_length] int64: the best finished hypotheses
@@ -207,13 +267,18 @@ class SelectionState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's buffers by name (what a captured graph must keep alive and in place)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        tensors.update({f"token_ids.{role}": ids for role, ids in self.token_ids.items()})
+        return tensors
 
 
 def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              generator: torch.Generator | None = None) -> SelectionState:
+              generator: torch.Generator | None = None, encoder_ngrams: list[dict] | None = None) -> SelectionState:
     """The state for one call. ``input_ids`` / ``attention_mask`` are ``[rows, prompt_length]``, expanded as
-    transformers expands them (each prompt repeated num_beams or num_return_sequences times, prompt-major)."""
+    transformers expands them (each prompt repeated num_beams or num_return_sequences times, prompt-major).
+    ``encoder_ngrams``: with ``encoder_no_repeat_ngram_size``, the call's EncoderNoRepeatNGramLogitsProcessor's
+    ``generated_ngrams`` (one dict per prompt: n-gram prefix -> the tokens that complete it in that encoder input)."""
     rows, prompt_length = input_ids.shape
     if rows != config.rows or prompt_length != config.prompt_length:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the config's {config.rows} rows of "
@@ -235,6 +300,14 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
         row_ids=torch.arange(rows, device=device),
         eos_ids=torch.tensor(config.eos_token_ids, dtype=torch.int64, device=device),
         prompt_start=prompt_start, generator=generator)
+    for role, ids in (("forced_bos", None if config.forced_bos_token_id is None else (config.forced_bos_token_id,)),
+                      ("forced_eos", config.forced_eos_token_ids), ("suppress", config.suppress_tokens),
+                      ("begin_suppress", config.begin_suppress_tokens), ("bad_words", config.bad_words_ids)):
+        if ids is not None:
+            state.token_ids[role] = torch.tensor(ids, dtype=torch.int64, device=device)
+    if config.encoder_no_repeat_ngram_size > 0:
+        state.encoder_ngram_prefixes, state.encoder_ngram_lasts = _encoder_ngram_tensors(
+            config, encoder_ngrams, rows, device)
     if config.is_beam:
         batch, beams = config.batch_size, config.num_beams
         state.beam_scores = torch.zeros((batch, beams), dtype=torch.float32, device=device)
@@ -388,10 +461,24 @@ def process_logits(state: SelectionState, scores: torch.Tensor) -> torch.Tensor:
         scores = _repetition_penalty(state, scores, config.repetition_penalty)
     if config.no_repeat_ngram_size > 0:
         scores = _no_repeat_ngram(state, scores, config.no_repeat_ngram_size)
+    if config.encoder_no_repeat_ngram_size > 0:
+        scores = _encoder_no_repeat_ngram(state, scores, config.encoder_no_repeat_ngram_size)
+    if config.bad_words_ids is not None:       # (a bias of -inf added, as SequenceBiasLogitsProcessor adds it)
+        scores = scores + torch.where(_token_mask(scores, state.token_ids["bad_words"]), -math.inf, 0.0).to(
+            scores.dtype)
     if config.min_length > 0 and config.eos_token_ids:
         scores = _ban_eos_while(state, scores, state.cur_len < config.min_length)
     if config.min_new_tokens > 0 and config.eos_token_ids:
         scores = _ban_eos_while(state, scores, state.cur_len - config.prompt_length < config.min_new_tokens)
+    if config.forced_bos_token_id is not None:
+        scores = _force_while(scores, state.token_ids["forced_bos"], state.cur_len == 1)
+    if config.forced_eos_token_ids is not None:
+        scores = _force_while(scores, state.token_ids["forced_eos"], state.cur_len == config.max_length - 1)
+    if config.suppress_tokens is not None:
+        scores = _suppress_while(scores, state.token_ids["suppress"], None)
+    if config.begin_suppress_tokens is not None:
+        scores = _suppress_while(scores, state.token_ids["begin_suppress"],
+                                 state.cur_len == config.begin_suppress_index)
     if config.do_sample:
         keep = config.min_tokens_to_keep
         if config.temperature != 1.0:
@@ -422,6 +509,8 @@ def _no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> 
     """NoRepeatNGramLogitsProcessor: a token that would complete an n-gram already in the sequence is banned.
     Windows over the whole buffer; only those ending before cur_len count (none while cur_len < n)."""
     vocab, sequences = scores.shape[-1], state.sequences
+    if sequences.shape[1] < size:       # max_length shorter than an n-gram: none is ever complete (a static shape)
+        return scores
     windows = sequences.unfold(dimension=1, size=size, step=1)            # [rows, max_length - n + 1, n]
     starts = torch.arange(windows.shape[1], device=scores.device)
     complete = starts <= state.cur_len - size
@@ -433,11 +522,59 @@ def _no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> 
     return scores.masked_fill(banned[:, :vocab], -float("inf"))
 
 
+def _encoder_no_repeat_ngram(state: SelectionState, scores: torch.Tensor, size: int) -> torch.Tensor:
+    """EncoderNoRepeatNGramLogitsProcessor: a token that would complete an n-gram of the row's encoder input is banned
+    once the sequence holds n - 1 tokens (its last n - 1 against the input's n-gram prefixes)."""
+    vocab = scores.shape[-1]
+    positions = (state.cur_len - size + 1 + torch.arange(size - 1, device=scores.device)).clamp(min=0)
+    recent = state.sequences.index_select(1, positions)                   # [rows, n - 1]
+    matches = (state.encoder_ngram_prefixes == recent[:, None, :]).all(dim=-1) & (state.cur_len >= size - 1)
+    lasts = torch.where(matches & (state.encoder_ngram_lasts >= 0), state.encoder_ngram_lasts, vocab)
+    banned = torch.zeros((scores.shape[0], vocab + 1), dtype=torch.bool, device=scores.device)
+    banned.scatter_(1, lasts.clamp(max=vocab), True)
+    return scores.masked_fill(banned[:, :vocab], -float("inf"))
+
+
+def _encoder_ngram_tensors(config: SelectionConfig, encoder_ngrams, rows: int, device):
+    """Each row's encoder n-grams as ``([rows, G, n - 1] prefixes, [rows, G] last tokens)``, padded with -1 (built
+    once per call, on the host, from the processor's dicts; rows of one prompt share its input's)."""
+    if encoder_ngrams is None or len(encoder_ngrams) != config.batch_size:
+        raise ValueError(f"encoder_no_repeat_ngram_size={config.encoder_no_repeat_ngram_size} needs the call's "
+                         f"EncoderNoRepeatNGramLogitsProcessor n-grams, one dict per prompt ({config.batch_size})")
+    entries = [[(prefix, last) for prefix, lasts in ngrams.items() for last in lasts] for ngrams in encoder_ngrams]
+    width, prefix_length = max(1, max(len(e) for e in entries)), config.encoder_no_repeat_ngram_size - 1
+    prefixes = [[list(p) for p, _ in e] + [[-1] * prefix_length] * (width - len(e)) for e in entries]
+    lasts = [[t for _, t in e] + [-1] * (width - len(e)) for e in entries]
+    per_prompt = rows // config.batch_size
+    prefixes = torch.tensor(prefixes, dtype=torch.int64).view(config.batch_size, width, prefix_length)
+    lasts = torch.tensor(lasts, dtype=torch.int64)
+    return (prefixes.repeat_interleave(per_prompt, dim=0).to(device),
+            lasts.repeat_interleave(per_prompt, dim=0).to(device))
+
+
 def _ban_eos_while(state: SelectionState, scores: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
     """MinLength / MinNewTokensLength: eos scores are -inf while ``condition`` (a device bool) holds."""
     vocab_ids = torch.arange(scores.shape[-1], device=scores.device)
     eos_mask = (vocab_ids[:, None] == state.eos_ids[None, :]).any(dim=-1)
     return torch.where(eos_mask & condition, -math.inf, scores)
+
+
+def _token_mask(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[vocab]`` bool, true at the token ids ``ids`` (a state tensor: no host read, nothing uploaded)."""
+    return torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device).index_fill_(0, ids, True)
+
+
+def _force_while(scores: torch.Tensor, ids: torch.Tensor, condition: torch.Tensor) -> torch.Tensor:
+    """ForcedBOSToken / ForcedEOSToken: while ``condition`` (a device bool), every score is -inf but those of
+    ``ids`` (0)."""
+    forced = torch.where(_token_mask(scores, ids), 0.0, -math.inf).to(scores.dtype)
+    return torch.where(condition, forced, scores)
+
+
+def _suppress_while(scores: torch.Tensor, ids: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
+    """SuppressTokens (always: ``condition`` None) / SuppressTokensAtBegin: the scores of ``ids`` are -inf."""
+    mask = _token_mask(scores, ids)
+    return torch.where(mask if condition is None else mask & condition, -math.inf, scores)
 
 
 def _top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -470,6 +607,37 @@ def _stopping_hits(state: SelectionState, tokens: torch.Tensor, new_len: torch.T
     if state.config.eos_token_ids:
         hits = hits | (tokens[..., None] == state.eos_ids).any(dim=-1)
     return hits
+
+
+def _single_token_bad_words(bad_words_ids, eos: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The tokens NoBadWordsLogitsProcessor bans for ``bad_words_ids`` (a sequence that is one eos token is left
+    out, as transformers leaves it out); UnsupportedSelection where a bad word has several tokens."""
+    if bad_words_ids is None:
+        return None
+    sequences = [tuple(int(t) for t in sequence) for sequence in bad_words_ids]
+    if any(len(sequence) != 1 for sequence in sequences):
+        raise UnsupportedSelection(f"device selection off: bad_words_ids={bad_words_ids!r} is not supported "
+                                   "(only single-token bad words are)")
+    return tuple(sequence[0] for sequence in sequences if sequence[0] not in eos)
+
+
+def _commuted(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` with SuppressTokensAtBegin before SuppressTokens swapped into transformers' order (Whisper lists
+    them so): both only set scores to -inf, so either order gives the same scores."""
+    names = list(names)
+    for i in range(len(names) - 1):
+        if names[i:i + 2] == ["SuppressTokensAtBeginLogitsProcessor", "SuppressTokensLogitsProcessor"]:
+            names[i:i + 2] = names[i + 1], names[i]
+    return tuple(names)
+
+
+def _token_tuple(value) -> tuple[int, ...] | None:
+    """A generation config's token id setting (an int, a list, a tensor) as a tuple; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return tuple(int(v) for v in value.reshape(-1))
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
 def _plain(value):

@@ -22,7 +22,9 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   decoder_position_ids as stock's generate builds them; for the BART family, which computes them from the cache
   length on the host, decoder_position_ids of stock's values that ``hf_cascade.patches.positions`` makes the
   decoder read (``EncoderSide._positions_as_input``);
-- what differs per model_type comes from its adapter (``seq2seq_models.family_of``).
+- what differs per model_type comes from its adapter (``seq2seq_models.family_of``);
+- the decode loop is :func:`hf_cascade.whole_step.decode`'s, as for decoder-only models: the whole step on the
+  device where it can serve the call, else transformers' loop with the graph runner (the reason logged once).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a
@@ -37,7 +39,7 @@ import logging
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import cross_attention, graphs
+from . import cross_attention, graphs, whole_step
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -137,9 +139,14 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                        source_mask, decoder_mask, n)
     call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config)     # nothing kept for a next call: encoder outputs differ
+
+    def stock():            # transformers' loop (model_kwargs as the session's prepare left them)
+        return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                      synced_gpus=synced_gpus, **model_kwargs)
+
     try:
-        result = call.run(lambda: decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                         synced_gpus=synced_gpus, **model_kwargs))
+        result = call.run(lambda: whole_step.decode(call, input_ids, logits_processor, stopping_criteria,
+                                                    generation_config, model_kwargs, synced_gpus, stock))
         return _without_cache(result)
     except PoolExhausted as err:
         if cap is None or not side.paged or isinstance(err, KVCapExceeded):

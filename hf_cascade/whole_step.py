@@ -1,8 +1,12 @@
 """Generate's decode loop with the whole step on the device: block bookkeeping, forward and token choice.
 
-Where a decoder-only call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling
-and beam search with the processors and criteria transformers uses by default and the common ones; see
-:func:`decode`), the session runs :func:`decode` instead of transformers' ``_sample`` / ``_beam_search``. One step:
+Where a call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling and beam
+search with the processors and criteria transformers uses by default and the common ones, the seq2seq checkpoints'
+forced BOS/EOS, bad words and suppressed tokens; see :func:`decode`), the session runs :func:`decode` instead of
+transformers' ``_sample`` / ``_beam_search``. Encoder-decoder models too, where their decoder's self-attention is
+paged and its positions are a step input (the BART family through ``hf_cascade.patches.positions``, Whisper from its
+decoder mask): the decoder's ids and positions are advanced like a decoder-only model's, and the encoder side (the
+cross-attention K/V stored once per input, the placeholder encoder outputs) is fixed for the call. One step:
 
 1. block bookkeeping (:mod:`hf_cascade.device_blocks`): the beam reorder by the last step's parents, one token
    appended per row (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and
@@ -30,7 +34,7 @@ import traceback
 
 import torch
 
-from . import device_blocks, device_select, graphs
+from . import device_blocks, device_select, graphs, seq2seq_models
 from .blocks import PoolExhausted
 from .logs import log_once
 
@@ -42,8 +46,25 @@ CHECK_EVERY = 8
 
 _ADVANCED = ("input_ids", "position_ids", "cache_position")   # the decode inputs a step advances on the device
 # not an input of a static step: its attention reads each row's stored tokens (pads are never stored) and takes
-# positions from position_ids (the graph runner leaves it out too)
+# positions from position_ids; an encoder-decoder's cross-attention reads each input's stored (unpadded) K/V (the
+# graph runner leaves them out too)
 _DROPPED = ("attention_mask",)
+# an encoder-decoder model's decode forward names its decoder inputs so; its encoder outputs and cross K/V are
+# fixed for the call (objects the step passes through as they are)
+_DECODER_NAMES = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
+                  "inputs_embeds": "decoder_inputs_embeds", "attention_mask": "decoder_attention_mask"}
+
+
+class _Names:
+    """The decode step's input names: the decoder-only ones, or an encoder-decoder model's ``decoder_*``."""
+
+    def __init__(self, model):
+        self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        rename = _DECODER_NAMES if self.encoder_decoder else {}
+        self.ids, self.positions, self.embeds, self.mask = (rename.get(name, name) for name in (
+            "input_ids", "position_ids", "inputs_embeds", "attention_mask"))
+        self.advanced = (self.ids, self.positions, "cache_position")
+        self.dropped = ("attention_mask", "decoder_attention_mask") if self.encoder_decoder else _DROPPED
 
 
 def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
@@ -52,9 +73,7 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     model, cache = session.model, session.cache
     if not cache.cascade_config.whole_step:
         return "CascadeConfig(whole_step=False)"
-    if getattr(model.config, "is_encoder_decoder", False):
-        return "an encoder-decoder model (its decode loop stays transformers')"
-    if cache.blocks.max_blocks is not None:
+    if cache.cascade_config.max_kv_bytes is not None or cache.blocks.max_blocks is not None:
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
@@ -64,8 +83,9 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
         return "synced_gpus"
     if getattr(generation_config, "prefill_chunk_size", None) is not None:
         return "prefill_chunk_size"
-    if model_kwargs.get("inputs_embeds") is not None:
-        return "inputs_embeds"
+    names = _Names(model)
+    if model_kwargs.get(names.embeds) is not None:
+        return names.embeds
     return None
 
 
@@ -77,7 +97,12 @@ def _selection_config(input_ids, logits_processor, stopping_criteria, generation
     try:
         config = device_select.SelectionConfig.from_generation_config(
             generation_config, input_ids.shape[0] // per_prompt, input_ids.shape[1])
+        config = config.adopting_suppressions(logits_processor)
         config.check_against(logits_processor, stopping_criteria)
+        ngrams = _encoder_ngrams(logits_processor)
+        if config.encoder_no_repeat_ngram_size and len(ngrams) != config.batch_size:
+            return None, (f"EncoderNoRepeatNGramLogitsProcessor holds {len(ngrams)} encoder inputs' n-grams for "
+                          f"{config.batch_size} prompts")
     except device_select.UnsupportedSelection as err:
         return None, str(err).replace("device selection off: ", "")
     return config, None
@@ -99,26 +124,43 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
                  "choice on the host): %s", reason)
         return stock()
-    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get("attention_mask"), inputs)
+    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs,
+                         _encoder_ngrams(logits_processor))
     return loop.run()
+
+
+def _encoder_ngrams(logits_processor) -> list[dict] | None:
+    """The encoder n-grams of the call's EncoderNoRepeatNGramLogitsProcessor (built by generate from the encoder
+    input), or None."""
+    from transformers.generation.logits_process import EncoderNoRepeatNGramLogitsProcessor
+    found = [p for p in logits_processor if type(p) is EncoderNoRepeatNGramLogitsProcessor]
+    return found[0].generated_ngrams if found else None
 
 
 def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, str | None]:
     """The first decode step's forward arguments, as transformers' first iteration makes them, or the reason the
     loop cannot advance them on the device."""
     past = cache.get_seq_length()
+    names = _Names(model)
     inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=input_ids.shape[1] - past,
                                                  is_first_iteration=True, **model_kwargs)
     unknown = sorted(k for k, v in inputs.items()
-                     if isinstance(v, torch.Tensor) and k not in _ADVANCED + _DROPPED)
+                     if isinstance(v, torch.Tensor) and k not in names.advanced + names.dropped)
     if unknown:
         return None, f"the decode forward takes {', '.join(unknown)}, which the device loop does not advance"
-    ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+    ids, positions = inputs.get(names.ids), inputs.get(names.positions)
     if not (isinstance(ids, torch.Tensor) and ids.shape == (input_ids.shape[0], 1)):
         return None, "the first decode step is not one token per row"
-    if not (isinstance(positions, torch.Tensor) and positions.shape == ids.shape):
+    # (an encoder-decoder's positions may be one row for all: the BART family's cache length, pads included)
+    if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] == 1
+            and positions.shape[0] in ((ids.shape[0], 1) if names.encoder_decoder else (ids.shape[0],))):
         return None, "the decoder's positions are not an input of the step (computed on the host)"
-    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items() if k not in _DROPPED}
+    if names.encoder_decoder:      # the BART family reads them only where hf_cascade.patches.positions serves it
+        reason = seq2seq_models.step_positions_reason(model, inputs)
+        if reason is not None:
+            return None, reason
+    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+              if k not in names.dropped}
     return {**inputs, "return_dict": True}, None
 
 
@@ -143,9 +185,11 @@ class WholeStepLoop:
     """One call's decode loop (see the module docstring). ``inputs``: the first step's forward arguments; their
     tensors are the loop's static inputs, advanced in place by every step."""
 
-    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict):
+    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict,
+                 encoder_ngrams: list[dict] | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
-        state = device_select.new_state(config, input_ids, attention_mask)
+        self.names = _Names(self.model)
+        state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
         call_key = (config, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
         kept = self.runner.whole_step_kept
         if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values
@@ -174,6 +218,7 @@ class WholeStepLoop:
         compiled = self.runner.compiled
         self.advance = _Compiled(advance, "block bookkeeping") if compiled else advance
         self.choose = _Compiled(choose, "token choice") if compiled and not config.do_sample else choose
+        self.host_steps = 0
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self) -> torch.Tensor:
@@ -204,6 +249,7 @@ class WholeStepLoop:
         self.runner.eager_calls += 1
         self._choose(out.logits)
         self.made += 1
+        self.host_steps += 1
         self.host_planned = True
 
     def _hold_on_device(self) -> None:
@@ -211,6 +257,10 @@ class WholeStepLoop:
         cache, layout = self.cache, self.cache.layout
         ctx = cache.step
         if ctx is None or layout is None or ctx.plan.layout is not layout:
+            if self.host_steps == 1:
+                # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
+                # rows empty, a padded prompt's last token a write mask); its second is
+                return
             reason = "the step was not planned on a static decode layout"
         else:       # the device writes the plan into the layout's buffers: every layer must read it from there
             reason = self.runner.replay_refusal(ctx)
@@ -298,9 +348,9 @@ class WholeStepLoop:
 
     def _choose(self, logits: torch.Tensor) -> None:
         """Token choice on the last position's logits; the next step's inputs and parents, in place."""
-        positions = tuple(self.inputs[name] for name in ("position_ids", "cache_position")
+        positions = tuple(self.inputs[name] for name in self.names.advanced[1:]
                           if isinstance(self.inputs.get(name), torch.Tensor))
-        self.choose(self.state, logits[:, -1], self.parents, self.inputs["input_ids"], positions)
+        self.choose(self.state, logits[:, -1], self.parents, self.inputs[self.names.ids], positions)
 
     def _warm_up_and_capture(self) -> None:
         """This step eagerly (a side stream, as the capture runs on one), then the same step captured."""

@@ -341,6 +341,9 @@ def no_host_reads(monkeypatch):
     dict(num_beams=3, do_sample=True, top_k=6, early_stopping=True),
     dict(do_sample=True, temperature=0.8, top_k=9, top_p=0.9, min_p=0.05, num_return_sequences=2,
          repetition_penalty=1.1, no_repeat_ngram_size=3, min_length=8),
+    # the seq2seq checkpoints' processors (forced BOS/EOS, suppressed tokens, single-token bad words)
+    dict(num_beams=3, forced_bos_token_id=4, forced_eos_token_id=EOS, suppress_tokens=[5, 6],
+         begin_suppress_tokens=[7], bad_words_ids=[[8], [EOS]], no_repeat_ngram_size=2, min_length=6),
     dict(),
 ])
 def test_step_reads_nothing_on_the_host_and_keeps_its_buffers(no_host_reads, generate_kwargs):
@@ -380,8 +383,9 @@ def test_steps_after_done_change_nothing(generate_kwargs):
     assert torch.equal(finalize(state).sequences, reference.sequences)
 
 
-@pytest.mark.parametrize("setting", [dict(bad_words_ids=[[9]]), dict(typical_p=0.5, do_sample=True),
-                                     dict(suppress_tokens=[4]), dict(forced_eos_token_id=3)])
+@pytest.mark.parametrize("setting", [dict(bad_words_ids=[[9, 10]]), dict(typical_p=0.5, do_sample=True),
+                                     dict(sequence_bias={(4,): 1.0}),
+                                     dict(exponential_decay_length_penalty=(2, 1.5), eos_token_id=3)])
 def test_settings_without_a_device_variant_are_refused_by_name(setting):
     model = make_model()
     ids, mask = prompts((4,))
