@@ -73,6 +73,9 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     model, cache = session.model, session.cache
     if not cache.cascade_config.whole_step:
         return "CascadeConfig(whole_step=False)"
+    if getattr(cache, "blocks", None) is None:
+        return ("a dense decoder self-attention cache (T5's relative position bias: "
+                "dense_cache.StaticSelfAttentionCache), which has no block state for the device to carry")
     if cache.cascade_config.max_kv_bytes is not None or cache.blocks.max_blocks is not None:
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
     if generation_config.return_dict_in_generate:
