@@ -82,6 +82,9 @@ def test_notebook_runs(name, offline_env):
         assert "falling back to a built-in random BART" in text
         assert "cascade predictions identical to sdpa's: True" in text and "rougeL" in text
         assert _ratio(r"attention KV held, cascade / stock: ([\d.]+)", text) < 0.5
+        assert "falling back to a built-in random Marian" in text and "'bleu'" in text
+        assert "translation: cascade predictions identical to sdpa's: True" in text
+        assert _ratio(r"translation: attention KV held, cascade / stock: ([\d.]+)", text) < 0.5
     if name == "whisper_beam_search.ipynb":
         assert "falling back to a built-in random Whisper" in text
         assert "identical tokens: True" in text and "identical tokens with timestamps: True" in text

@@ -81,6 +81,37 @@ def test_translation_predictions_equal_sdpa_with_less_kv():
     assert cascade_metrics["kv_mib"] < 0.5 * stock_metrics["kv_mib"]
 
 
+def _word_tokenizer(vocab_size: int, pad: int):
+    """A word-level tokenizer over the built-in sentence pairs' words, ids below the random Marian's vocabulary
+    (eos 0, unk 1, pad its last id): the online path (text in, text scored) without the Hub."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = sorted({w for pair in seq2seq_eval.SENTENCES for text in pair
+                    for w, _ in pre_tokenizers.Whitespace().pre_tokenize_str(text)})
+    assert len(words) + 4 < vocab_size
+    vocab = {"</s>": 0, "<unk>": 1, "<pad>": pad, **{w: i + 4 for i, w in enumerate(words)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
+
+
+def test_translation_with_a_tokenizer_scores_text():
+    stock, cascade, _, _ = seq2seq_eval.load_pair(None, torch.float64, task="translation")
+    tokenizer = _word_tokenizer(stock.config.vocab_size, stock.config.pad_token_id)
+    data = seq2seq_eval.make_dataset(tokenizer, stock.config.vocab_size, 4, task="translation")
+    german = tokenizer.decode(data[0]["labels"], skip_special_tokens=True)
+    assert german == "Der Zug nach Berlin fährt um acht Uhr ab ."
+    assert tokenizer.decode(data[1]["input_ids"], skip_special_tokens=True).startswith("I would like a cup")
+    want, stock_metrics = seq2seq_eval.evaluate(stock, data, tokenizer, batch_size=2, num_beams=4, max_new_tokens=6,
+                                                task="translation")
+    got, cascade_metrics = seq2seq_eval.evaluate(cascade, data, tokenizer, batch_size=2, num_beams=4,
+                                                 max_new_tokens=6, task="translation")
+    assert got == want and len(got) == 4
+    assert cascade_metrics["bleu"] == stock_metrics["bleu"]
+    assert cascade_metrics["kv_mib"] < stock_metrics["kv_mib"]    # ~10-token sources: the paged self part weighs
+
+
 def test_bad_task_or_shape_is_refused():
     with pytest.raises(ValueError, match="not a translation shape"):
         seq2seq_eval.load_pair(None, task="translation", shape="bart-large-cnn")
