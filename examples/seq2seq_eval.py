@@ -132,8 +132,9 @@ def load_pair(model_id: str | None, dtype=torch.float32, shape: str = "tiny", de
             return stock, cascade, tokenizer, model_id
         except Exception as err:                     # no network, offline mode, ...
             print(f"Could not load {model_id!r} ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
-            print(f"-> falling back to a built-in random {family} (2+2 layers, width 64, random weights, "
-                  "no tokenizer): token ids instead of text.")
+            size = "2+2 layers, width 64" if shape == "tiny" else f"{shape} shape"
+            print(f"-> falling back to a built-in random {family} ({size}, random weights, no tokenizer): "
+                  "token ids instead of text.")
     torch.manual_seed(0)
     make = SHAPES[task][shape]
     with torch.device(device or "cpu"):
