@@ -33,6 +33,7 @@ from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
 from conftest import RunnerSpy, assert_replay_equals_eager
+from test_seq2seq_graphs import assert_same, assert_served   # (the same NEW: 10 tokens)
 
 VOCAB = 96
 NEW = 10
@@ -98,23 +99,6 @@ def generate(model, mode, config=None, **inputs):
     extra = {} if config is None else {"hf_cascade_config": config}
     return model.generate(**inputs, max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True,
                           **MODES[mode], **extra)
-
-
-def assert_same(want, got, mode):
-    """Stock's tokens, and its scores of every step (float64: equal to 1e-9)."""
-    assert torch.equal(want.sequences, got.sequences), (want.sequences, got.sequences)
-    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), rtol=0, atol=1e-9)
-    if mode == "beam":
-        torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-9)
-
-
-def assert_served(spy, min_replays=NEW - 3):
-    """The call's runner ran the decode steps on its static path (replays), never refused them."""
-    runners = [r for r in spy.runners if r is not None]
-    assert runners, "no graph runner was made"
-    for runner in runners:
-        assert runner.disabled is None, runner.disabled
-        assert runner.replays >= min_replays, (runner.replays, runner.eager_calls)
 
 
 class StaticSteps:
