@@ -328,7 +328,7 @@ class CascadeCache(Cache):
         return ctx
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.logical_length
+        return self._mask_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self._mask_length() + query_length, 0
@@ -337,10 +337,12 @@ class CascadeCache(Cache):
         return self._mask_length()
 
     def _mask_length(self) -> int:
-        """The length the model's mask function is told: the logical length, except in a compiled static decode step,
-        whose attention builds no mask (it reads each row's tokens from the pool; a dense path there is refused): the
-        layout's token limit, fixed for the layout, so that the compiled forward does not depend on the length,
-        which changes every step."""
+        """The length the model is told (its mask function, ``get_seq_length``): the logical length, except in a
+        compiled static decode step, whose attention builds no mask (it reads each row's tokens from the pool; a dense
+        path there is refused) and whose positions are inputs (the graph runner serves no model that computes them
+        from the cache length: a captured step would replay the first step's): the layout's token limit, fixed for the
+        layout, so that the compiled forward does not depend on the length, which changes every step (BART's decoder
+        reads it, for positions the device positions replace: patches/positions.py)."""
         ctx = self._context
         if _is_compiling() and ctx is not None and ctx.plan.static:
             return ctx.plan.layout.token_limit

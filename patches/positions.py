@@ -106,6 +106,15 @@ def _wrap_decoder(original):
         positions = kwargs.pop("decoder_position_ids", None)
         if not isinstance(positions, torch.Tensor) or self.config._attn_implementation != "cascade":
             return original(self, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace a context variable: while it traces, the positions ride on the embedding itself (the
+            # compiled graph takes them as its input; nothing reads the attribute when the graph runs)
+            embedding = self.embed_positions
+            embedding.hf_cascade_positions = positions
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                embedding.hf_cascade_positions = None
         token = _positions.set((self.embed_positions, positions))
         try:
             return original(self, *args, **kwargs)
@@ -118,6 +127,8 @@ def _wrap_decoder(original):
 
 def _override(embedding) -> torch.Tensor | None:
     """The device positions for ``embedding`` in this forward, or None (stock's own)."""
+    if torch.compiler.is_compiling():
+        return getattr(embedding, "hf_cascade_positions", None)
     entry = _positions.get()
     return entry[1] if entry is not None and entry[0] is embedding else None
 

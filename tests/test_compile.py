@@ -210,6 +210,30 @@ def test_the_cache_write_is_one_in_place_operator_on_the_pool(fresh_dynamo, monk
     assert all(re.fullmatch(r"arg\d+_1", pool) for pool in writes), writes     # a graph input, not a copy of one
 
 
+@pytest.mark.parametrize("family", ["bart", "marian", "m2m_100"])
+def test_seq2seq_whole_step_compiles_and_gives_stock_tokens(fresh_dynamo, monkeypatch, caplog, family):
+    """BART-family decoders compile whole too (float64, beam search with bart-large-cnn's settings): the device
+    positions reach the embedding while dynamo traces (patches/positions.py), and the cache length the decoder reads
+    is the layout's, so nothing recompiles per step: the forward, the bookkeeping and the token choice, one graph
+    each, every device step compiled; stock's tokens."""
+    from test_seq2seq_graphs import MODES, pair, sources
+    monkeypatch.setattr(logs, "_logged", set())         # every log-once line shows again
+    stock, cascade = pair(family)
+    ids, mask = sources()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **MODES["beam"])
+    want = stock.generate(**kw)
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", cuda_graphs="eager",
+                                                                     compile=True))
+    assert torch.equal(want, got)
+    runner, = spy.runners
+    assert runner.device_steps >= NEW - 2, runner.device_steps
+    compiled_calls.check(calls=runner.device_steps)
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    assert not [r.getMessage() for r in caplog.records if "compile" in r.getMessage() and "fail" in r.getMessage()]
+
+
 def test_a_static_layout_binds_each_layer_once(monkeypatch):
     """Eager static steps choose each layer's backend once for the layout (then one lookup per layer and step); the
     window decision holds for the layout (Mistral's window of 12 is passed during the call)."""
