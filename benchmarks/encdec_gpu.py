@@ -231,6 +231,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-whole-step", action="store_true",
                    help="CascadeConfig(whole_step=False): transformers' decode loop with the replayed forward (what "
                         "the cascade ran before the whole step served encoder-decoder models)")
+    p.add_argument("--compile", action="store_true",
+                   help="CascadeConfig(compile=True): the decode forward, bookkeeping and token choice compiled (the "
+                        "warm-up call compiles)")
     p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
     args.output = args.output or str(harness.results_path("encdec_gpu"))
@@ -257,10 +260,14 @@ def main(argv=None) -> int:
             backend="reference" if args.cuda_graphs == "eager" and args.device == "cpu" else "auto")
         if args.no_whole_step:
             options["whole_step"] = False
+        if args.compile:
+            options["compile"] = True
         extra = dict(hf_cascade_config=hf_cascade.CascadeConfig(**options)) if options else {}
         calls = {"stock": (long, short), "cascade": (dict(long, **extra), dict(short, **extra))}
         for side, model in (("stock", stock), ("cascade", cascade)):      # warm-up at the measured shape
             timed(model, calls[side][0], args.device)
+            if args.compile:        # the short call's token choice (another max_length) compiles a graph of its own
+                timed(model, calls[side][1], args.device)
         models = {"stock": stock, "cascade": cascade}
 
         def one_round(side, _):
