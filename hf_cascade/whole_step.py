@@ -14,7 +14,8 @@ cross-attention K/V stored once per input, the placeholder encoder outputs) is f
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
-On CUDA the three are captured as one graph per decode layout and replayed (``cuda_graphs="eager"``: the same step
+With ``CascadeConfig(compile=True)`` each of the three is also one compiled graph (the token choice of a sampling
+call stays eager: its generator). On CUDA the three are captured as one graph per decode layout and replayed (``cuda_graphs="eager"``: the same step
 runs eagerly, on any device). The host replays and reads two scalars every :data:`CHECK_EVERY` steps (has the call
 finished? did a step overflow?); it does no block bookkeeping and never waits on the device in between.
 
