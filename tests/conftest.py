@@ -159,3 +159,16 @@ def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwarg
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
         assert torch.equal(sa, sb)
+
+
+def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
+    """Generate 32 tokens with stock and with the cascade's captured decode steps (float32 with TF32 off: the
+    ``no_tf32`` fixture): the same tokens, and the runner captured and replayed without refusing."""
+    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **generate_kwargs)
+    want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    spy = RunnerSpy(monkeypatch)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(want.sequences, got.sequences)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 18, \
+        (runner.disabled, runner.captures, runner.replays)

@@ -32,7 +32,7 @@ from hf_cascade import cross_kv, dense_cache, logs, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
-from conftest import RunnerSpy, assert_replay_equals_eager
+from conftest import RunnerSpy, assert_captured_matches_stock, assert_replay_equals_eager
 from test_seq2seq_graphs import assert_same, assert_served   # (the same NEW: 10 tokens)
 
 VOCAB = 96
@@ -420,19 +420,10 @@ _GPU_MODES = {"beam": dict(num_beams=4, num_return_sequences=2, no_repeat_ngram_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(_GPU_MODES))
-def test_gpu_float32_captured_steps_match_stock(mode, monkeypatch):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def test_gpu_float32_captured_steps_match_stock(mode, monkeypatch, no_tf32):
     stock, cascade = _gpu_pair(torch.float32)
     ids, mask = _gpu_sources()
-    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **_GPU_MODES[mode])
-    want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
-    spy = RunnerSpy(monkeypatch)
-    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
-    assert torch.equal(want.sequences, got.sequences)
-    runner, = spy.runners
-    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 18, \
-        (runner.disabled, runner.captures, runner.replays)
+    assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **_GPU_MODES[mode])
 
 
 @pytest.mark.gpu
