@@ -555,8 +555,12 @@ def _side_stream(device: int) -> "torch.cuda.Stream":
         return _side_streams[device]
 
 
+# how every compiled part of a decode step compiles (the forward here, the whole step's bookkeeping and token choice)
+COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, mode="default")
+
+
 def _compiled(forward):
     """``forward`` compiled for a fixed shape as one graph (``fullgraph``: a graph break would compile each layer's
     frames apart, one recompile per layer; a model that breaks runs uncompiled instead) in the default mode: inductor
     without its own CUDA graphs, which would copy the cache's pools; ours captures the compiled forward."""
-    return torch.compile(forward, dynamic=False, fullgraph=True, mode="default")
+    return torch.compile(forward, **COMPILE_OPTIONS)

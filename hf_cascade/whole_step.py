@@ -15,9 +15,10 @@ cross-attention K/V stored once per input, the placeholder encoder outputs) is f
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
 With ``CascadeConfig(compile=True)`` each of the three is also one compiled graph (the token choice of a sampling
-call stays eager: its generator). On CUDA the three are captured as one graph per decode layout and replayed (``cuda_graphs="eager"``: the same step
-runs eagerly, on any device). The host replays and reads two scalars every :data:`CHECK_EVERY` steps (has the call
-finished? did a step overflow?); it does no block bookkeeping and never waits on the device in between.
+call stays eager: its generator). On CUDA the three are captured as one graph per decode layout and replayed
+(``cuda_graphs="eager"``: the same step runs eagerly, on any device). The host replays and reads two scalars every
+:data:`CHECK_EVERY` steps (has the call finished? did a step overflow?); it does no block bookkeeping and never waits
+on the device in between.
 
 The first step of a layout runs on the host path: the block manager's append and ``DecodeLayout.step``, the host
 beam reorder and the eager forward, which builds the kernel backends' layout metadata that a capture needs. The device
@@ -45,27 +46,21 @@ logger = logging.getLogger("hf_cascade")
 # to CHECK_EVERY - 1 steps after the end are wasted (benchmarks/generate_gpu.py --whole-step measures the choice)
 CHECK_EVERY = 8
 
-_ADVANCED = ("input_ids", "position_ids", "cache_position")   # the decode inputs a step advances on the device
-# not an input of a static step: its attention reads each row's stored tokens (pads are never stored) and takes
-# positions from position_ids; an encoder-decoder's cross-attention reads each input's stored (unpadded) K/V (the
-# graph runner leaves them out too)
-_DROPPED = ("attention_mask",)
-# an encoder-decoder model's decode forward names its decoder inputs so; its encoder outputs and cross K/V are
-# fixed for the call (objects the step passes through as they are)
-_DECODER_NAMES = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
-                  "inputs_embeds": "decoder_inputs_embeds", "attention_mask": "decoder_attention_mask"}
-
-
 class _Names:
-    """The decode step's input names: the decoder-only ones, or an encoder-decoder model's ``decoder_*``."""
+    """The decode step's input names: the decoder-only ones, or an encoder-decoder model's ``decoder_*`` (its encoder
+    outputs and cross K/V are fixed for the call: objects the step passes through as they are)."""
 
     def __init__(self, model):
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-        rename = _DECODER_NAMES if self.encoder_decoder else {}
-        self.ids, self.positions, self.embeds, self.mask = (rename.get(name, name) for name in (
-            "input_ids", "position_ids", "inputs_embeds", "attention_mask"))
-        self.advanced = (self.ids, self.positions, "cache_position")
-        self.dropped = ("attention_mask", "decoder_attention_mask") if self.encoder_decoder else _DROPPED
+        rename = graphs._DECODER if self.encoder_decoder else {}
+        self.ids, self.positions, self.embeds = (rename.get(name, name) for name in (
+            "input_ids", "position_ids", "inputs_embeds"))
+        self.mask = "decoder_attention_mask" if self.encoder_decoder else "attention_mask"
+        self.advanced = (self.ids, self.positions, "cache_position")      # the inputs a step advances on the device
+        # not inputs of a static step (the graph runner leaves them out too): its attention reads each row's stored
+        # tokens (pads are never stored) and takes positions from the position ids; an encoder-decoder's
+        # cross-attention reads each input's stored (unpadded) K/V
+        self.dropped = graphs._IGNORED if self.encoder_decoder else ("attention_mask",)
 
 
 def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
@@ -413,11 +408,11 @@ def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: t
 
 
 class _Compiled:
-    """``fn`` compiled as one graph for fixed shapes (:func:`graphs._compiled`'s settings); where it fails to compile,
+    """``fn`` compiled as one graph for fixed shapes (``graphs.COMPILE_OPTIONS``); where it fails to compile,
     ``fn`` itself from then on, logged once (a failure leaves no state changed: dynamo raises before the graph runs)."""
 
     def __init__(self, fn, what: str):
-        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, dynamic=False, fullgraph=True)
+        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, **graphs.COMPILE_OPTIONS)
 
     def __call__(self, *args):
         if self.compiled is not None:
