@@ -216,6 +216,23 @@ def timed(model, kwargs, device):
         return harness.timed(lambda: model.generate(**kwargs), device)
 
 
+def kernel_table(model, kwargs, new_tokens: int) -> dict:
+    """GPU time per new token of one generate call, by kernel (the encoder's and prefill's share included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_kernel = {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        model.generate(**kwargs)
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = event.name[:90]
+            per_kernel[name] = per_kernel.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / max(new_tokens, 1)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]
+    return {"kernel_ms_per_token": round(sum(per_kernel.values()), 3),
+            "top_ms_per_token": {name: round(ms, 4) for name, ms in top}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(SHAPES))
@@ -234,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true",
                    help="CascadeConfig(compile=True): the decode forward, bookkeeping and token choice compiled (the "
                         "warm-up call compiles)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the rounds, one more cascade call under torch.profiler: kernel time per new token, "
+                        "the largest kernels (where the step goes)")
     p.add_argument("--output", help="JSON path (default: benchmarks/results/<sm90|cpu>/encdec_gpu.json)")
     args = p.parse_args(argv)
     args.output = args.output or str(harness.results_path("encdec_gpu"))
@@ -316,6 +336,8 @@ def main(argv=None) -> int:
         row["targets"] = {k: dict(limit=v, value=round(ratio[k], 4),
                                   met=bool(ratio[k] >= v if k == "throughput" else ratio[k] <= v))
                           for k, v in target.items()}
+        if args.profile and args.device.startswith("cuda"):
+            row["cascade_kernels"] = kernel_table(cascade, calls["cascade"][0], row["cascade_new_tokens"])
         rows.append(row)
         print(json.dumps(row), flush=True)
         del stock, cascade, models

@@ -2,22 +2,28 @@
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
 which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
-stopped.
+stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--profile`` also lists the kernels of
+one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
+replay's time outside kernels (the gaps between the graph's kernels).
 
-    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy
+    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy --compile --profile
 """
 from __future__ import annotations
 
 import argparse
 import time
 
+import collections
+
 import torch
 from rich.console import Console
+from torch.profiler import ProfilerActivity, profile
 
 import harness
 import hf_cascade
 from hf_cascade import whole_step
 from generate_gpu import _mode_kwargs, _model_and_prompt
+from step_breakdown_gpu import category
 
 
 class _Stop(Exception):
@@ -31,7 +37,27 @@ def _graph(fn):
     return graph
 
 
-def time_parts(loop, reps: int) -> dict:
+def kernel_profile(graph, reps: int) -> dict:
+    """Kernel time per replay of ``graph``: by category (attention, matmul, other), the largest kernels, and the
+    replay's wall time (CUDA events) less its kernel time: the gaps between the graph's kernels."""
+    per_kernel = collections.Counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name[:100]] += event.time_range.elapsed_us() / reps
+    by_category = collections.Counter()
+    for name, us in per_kernel.items():
+        by_category[category(name)] += us
+    kernels = sum(per_kernel.values())
+    return {"kernel_us": kernels, **{f"{c}_us": by_category[c] for c in ("attention", "matmul", "other")},
+            "kernels_per_replay": sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events()) / reps,
+            "top_kernels_us": dict((n, round(us, 1)) for n, us in per_kernel.most_common(25))}
+
+
+def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
     logits = {}
 
     def forward():
@@ -59,6 +85,11 @@ def time_parts(loop, reps: int) -> dict:
     kv = loop.cache.stats().kv_bytes_in_use
     out["floor_us"] = (weights + kv) / 4.8e12 * 1e6
     out["whole_vs_floor"] = out["whole_us"] / out["floor_us"]
+    # bytes every step must read: the weights at the 8B shape's 4.8 TB/s are the matrix products' floor
+    out["weights_floor_us"] = weights / 4.8e12 * 1e6
+    if with_profile:
+        out.update(kernel_profile(loop.graph, reps))
+        out["gaps_us"] = out["whole_us"] - out["kernel_us"]
     return out
 
 
@@ -66,6 +97,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True)")
+    parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models, results = {}, []
@@ -79,7 +112,7 @@ def main():
         def chunk(self, steps):
             done = real_chunk(self, steps)
             if self.graph is not None and self.blocks is not None:
-                found.update(time_parts(self, args.reps))
+                found.update(time_parts(self, args.reps, args.profile))
                 raise _Stop
             return done
 
@@ -93,7 +126,7 @@ def main():
             walls.append(((time.perf_counter() - started) / steps * 1e6, steps, self.graph is not None))
             return done
 
-        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True)
+        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=args.compile)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
@@ -112,7 +145,14 @@ def main():
             pass
         finally:
             whole_step.WholeStepLoop._chunk = real_chunk
-        results.append({"shape": shape, "prompt": prompt, "mode": mode, **found})
+        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, **found})
+        if args.profile:
+            console = Console(width=160)
+            console.print(f"{entry}: kernels of one whole-step replay (µs): " + ", ".join(
+                f"{k} {found[k]:.0f}" for k in ("kernel_us", "attention_us", "matmul_us", "other_us", "gaps_us",
+                                                "weights_floor_us", "kernels_per_replay")))
+            for name, us in found["top_kernels_us"].items():
+                console.print(f"  {us:8.1f}  {name}")
     harness.table("whole step parts (µs, CUDA events, median)", ["shape", "prompt", "mode", "blocks_us", "forward_us",
                                                                 "choose_us", "whole_us", "chunk_wall_us_per_step", "host_us_per_step",
                                                                 "floor_us", "whole_vs_floor"], results,
