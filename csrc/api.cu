@@ -1,5 +1,5 @@
 // The C ABI of the kernel library (declared in csrc/include/hfc/api.h): thin wrappers over the component
-// launchers of csrc/prefix.cu, csrc/suffix.cu and csrc/merge.cu, so that Python loads one shared library
+// launchers of csrc/prefix.cu, csrc/suffix.cu, csrc/merge.cu and csrc/write.cu, so that Python loads one shared library
 // with ctypes (hf_cascade/kernels/cuda_binding.py), plus the struct layout table and the error messages.
 // Build: see hf_cascade/kernels/_build.py (sources, nvcc flags).
 
@@ -74,6 +74,14 @@ HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream) {
   hfc::clear_error();
   if (params == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "hfc_merge: params is NULL");
   return (int)hfc::merge_launch(*params, reinterpret_cast<cudaStream_t>(stream));
+}
+
+HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,
+                      const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                      int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::write_launch(pool, key, value, write_block, write_offset, tokens, copy_src, copy_dst, copies,
+                                block_size, token_bytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // extern "C"

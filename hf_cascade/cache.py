@@ -24,6 +24,7 @@ from . import kernels
 from .blocks import BlockManager
 from .config import CascadeConfig
 from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_context, set_context
+from .kernels import cuda_library
 from .kernels.base import with_kv_scale
 from .memory import make_storage
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
@@ -34,8 +35,18 @@ logger = logging.getLogger("hf_cascade")
 def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
                  write_offset: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor, copies: bool) -> None:
     """The cache write of one layer: the block copies ``pool[copy_dst] = pool[copy_src]`` (copy-on-write, when
-    ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. A quantized
-    pool's bytes move as bytes (index copies of float8 are not implemented everywhere)."""
+    ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. On a GPU
+    whose kernel library is loaded (the cuda backend's), one kernel for the copies and one for K and V
+    (``csrc/write.cu``); else :func:`_write_slots_torch`'s four."""
+    if pool.is_cuda and cuda_library.write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
+                                                 copies):
+        return
+    _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies)
+
+
+def _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:
+    """:func:`_write_slots` in torch ops. A quantized pool's bytes move as bytes (index copies of float8 are not
+    implemented everywhere)."""
     quantized = pool.element_size() == 1          # float8
     target = pool.view(torch.uint8) if quantized else pool
     if copies:

@@ -357,3 +357,39 @@ def test_three_levels_long(D, ratio):
     st = states(plan)[0]
     assert st.three and st.max_chunks >= 1 and st.mid.max_chunks >= 1
     assert (st.row_nmid.cpu().numpy() > 0).sum() == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("tokens, copies", [(8, 8), (1, 1), (13, 3), (8, 0), (0, 2)])
+def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies):
+    """csrc/write.cu (copy-on-write copies, then each token's K and V) leaves the pool byte for byte as the torch
+    write does: real copies, a static step's padding (pair 0 repeated, a block copied onto itself), writes into the
+    copied blocks, eagerly and replayed from a CUDA graph."""
+    from hf_cascade import cache as cache_module
+    from hf_cascade.kernels import cuda_library
+    cuda_backend.library(torch.device("cuda"))          # loaded, as the cuda backend loads it
+    g = torch.Generator(device="cuda").manual_seed(tokens * 10 + copies)
+    blocks, bs, H, D = 40, 16, 8, 128
+    pool = torch.randn(blocks, 2, bs, H, D, device="cuda", generator=g).to(dtype)
+    key = torch.randn(tokens, H, D, device="cuda", generator=g).to(dtype)
+    value = torch.randn(tokens, H, D, device="cuda", generator=g).to(dtype)
+    ids = torch.randperm(blocks, device="cuda", generator=g)
+    real = max(copies - 2, min(copies, 1))             # the rest pads: pair 0 repeated, one self-copy
+    src, dst = ids[:real], ids[real:2 * real]
+    copy_src = torch.cat([src, src[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    copy_dst = torch.cat([dst, dst[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous() if tokens else dst[:0].contiguous()
+    write_offset = torch.randint(0, bs, (tokens,), device="cuda", generator=g)
+    want, got = pool.clone(), pool.clone()
+    args = (key, value, write_block, write_offset, copy_src, copy_dst, copies > 0)
+    cache_module._write_slots_torch(want, *args)
+    assert cuda_library.write_slots(got, *args)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    replayed = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert cuda_library.write_slots(replayed, *args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))

@@ -44,6 +44,11 @@ int hfc_prefix_setup(int32_t a, int32_t b, int32_t c, int32_t t, void* d) {
 int hfc_prefix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
 int hfc_suffix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
 int hfc_merge(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
+int hfc_write(void* a, const void* b, const void* c, const void* d, const void* e, int64_t f, const void* g,
+              const void* h, int64_t i, int64_t j, int64_t k, uintptr_t s) {
+  (void)a; (void)b; (void)c; (void)d; (void)e; (void)f; (void)g; (void)h; (void)i; (void)j; (void)k; (void)s;
+  return 0;
+}
 """
 
 
@@ -174,3 +179,31 @@ def test_a_dtype_without_kernels_is_named(tmp_path):
     with pytest.raises(TypeError, match=r"dtype torch.float32 has no instantiation \(compiled: torch.bfloat16, "
                                         r"torch.float16\)"):
         lib.merge(out, out, out, out, 0, 1, 0)
+
+
+def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
+    """cuda_library.write_slots (the cache write on csrc/write.cu) writes only with a loaded library and tensors the
+    kernel reads as they are: contiguous, int64 indices, the pool's element size, whole 16-byte vectors per token;
+    anything else is left to the torch write (False), never launched with a wrong layout."""
+    launches = []
+
+    class Loaded:
+        def write(self, *args):
+            launches.append(args)
+
+    pool = torch.zeros(4, 2, 16, 2, 8, dtype=torch.bfloat16)          # a token: 2 x 8 x 2 = 32 bytes
+    key, value = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
+    index = torch.zeros(3, dtype=torch.long)
+    args = (index, index, index, index, True)
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: None)
+    assert not cuda_library.write_slots(pool, key, value, *args)          # no library loaded: none is loaded for it
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: Loaded())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 0}))
+    assert cuda_library.write_slots(pool, key, value, *args) and len(launches) == 1
+    strided = torch.randn(2, 3, 8).bfloat16().transpose(0, 1)
+    assert not cuda_library.write_slots(pool, strided, value, *args)
+    assert not cuda_library.write_slots(pool, key, value, index.int(), index, index, index, True)
+    assert not cuda_library.write_slots(pool.to(torch.float8_e4m3fn), key, value, *args)
+    odd = torch.zeros(4, 2, 16, 2, 6, dtype=torch.bfloat16)              # 24-byte tokens
+    assert not cuda_library.write_slots(odd, key[..., :6].contiguous(), value[..., :6].contiguous(), *args)
+    assert len(launches) == 1

@@ -26,7 +26,7 @@ KV_DTYPE_CODES = {torch.float8_e4m3fn: 1}
 
 __all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAMS_STRUCTS"]
 
-ABI_VERSION = 7                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+ABI_VERSION = 8                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 
 # Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch outside a CUDA
 # graph capture; never in production. A plain flag: read per launch, written only by tests and debugging sessions.
@@ -158,6 +158,8 @@ class _Lib:
         lib.hfc_sync.argtypes = []
         lib.hfc_prefix_setup.restype = ctypes.c_int
         lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
+        lib.hfc_write.restype = ctypes.c_int
+        lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -280,3 +282,13 @@ class _Lib:
                               None if row_nmid is None else row_nmid.data_ptr(), mid_slot0,
                               None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
+
+    def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
+        """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),
+        then ``key[i]``, ``value[i]`` ``[tokens, Hkv, D]`` into ``pool[write_block[i], 0|1, write_offset[i]]``; raw
+        bytes (the pool's and K/V's element size must agree), int64 indices, everything contiguous on one device."""
+        tokens, heads, dim = key.shape
+        n_copies = copy_src.shape[0] if copies else 0
+        self.check(self.lib.hfc_write(pool.data_ptr(), key.data_ptr(), value.data_ptr(), write_block.data_ptr(),
+                                      write_offset.data_ptr(), tokens, copy_src.data_ptr(), copy_dst.data_ptr(),
+                                      n_copies, pool.shape[2], heads * dim * key.element_size(), stream), "write")

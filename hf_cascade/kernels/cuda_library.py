@@ -8,7 +8,9 @@ compiled with nvcc (:mod:`hf_cascade.kernels._build`) for the present GPU on fir
 version; else the backend is unavailable (the reason starts with "CUDA kernels unavailable", on which
 :func:`hf_cascade.kernels.select` WARNs once with what to do) and the next backend runs.
 
-Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``.
+The cache write (:func:`write_slots`) uses the library where a backend has loaded it, for any backend's pool.
+
+Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``; ``_arch_of``.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
+_arch_of: dict[int, str] = {}                 # device index -> its "sm_XY" (read once: loaded() runs per layer)
 _find_nvcc = _build.find_nvcc                 # (hf_cascade.diagnostics reports it)
 
 
@@ -132,6 +135,35 @@ def library(device) -> _Lib:
     if isinstance(found, str):
         raise RuntimeError(found)
     return found
+
+
+def loaded(device: torch.device) -> _Lib | None:
+    """The library if it is already loaded for ``device``'s architecture (by a backend that uses it), else None;
+    never loads or builds one (callers with a torch fallback, such as the cache write, use it only where it is)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch_of.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _arch_of[index] = f"sm_{major}{minor}"
+    found = _libs.get(arch)
+    return found if isinstance(found, _Lib) else None
+
+
+def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> bool:
+    """The cache write of one layer on the library's kernel (two launches: the block copies, then every new token's
+    K and V; four torch kernels otherwise) where the library is loaded for the pool's device and the tensors fit it
+    (contiguous, int64 indices, whole 16-byte vectors per token); returns False where it did not write (the caller
+    writes with torch ops; a library not loaded yet is not loaded for this). Shapes: :func:`hf_cascade.cache._write_slots`."""
+    lib = loaded(pool.device)
+    if lib is None or key.element_size() != pool.element_size() or key.dtype != value.dtype:
+        return False
+    if (key.shape[1] * key.shape[2] * key.element_size()) % 16 or not all(
+            t.is_contiguous() for t in (pool, key, value, write_block, write_offset, copy_src, copy_dst)) or any(
+            t.dtype != torch.int64 for t in (write_block, write_offset, copy_src, copy_dst)):
+        return False
+    lib.write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies,
+              torch.cuda.current_stream(pool.device).cuda_stream)
+    return True
 
 
 def availability() -> tuple[bool, str]:

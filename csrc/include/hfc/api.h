@@ -7,8 +7,8 @@
  *
  *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
- *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge are: they only launch on
- *                     `stream` (a cudaStream_t as an integer), with grids computed from the params alone.
+ *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write are: they only launch
+ *                     on `stream` (a cudaStream_t as an integer), with grids computed from the params alone.
  */
 #pragma once
 
@@ -17,7 +17,7 @@
 #include "hfc/layout.h"
 #include "hfc/params.h"
 
-#define HFC_ABI_VERSION 7
+#define HFC_ABI_VERSION 8
 
 #if defined(_WIN32)
 #define HFC_API __declspec(dllexport)
@@ -38,6 +38,11 @@ HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, in
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream);
 HFC_API int hfc_suffix(const hfc_suffix_params* params, uintptr_t stream);
 HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream);
+/* the cache write of one layer (csrc/write.cu): pool [num_blocks, 2, block_size, Hkv, D] of any element type;
+   key, value [tokens, Hkv, D] contiguous; token_bytes = Hkv x D x element size (a multiple of 16); copies may be 0 */
+HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,
+                      const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                      int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream);
 
 #ifdef __cplusplus
 }

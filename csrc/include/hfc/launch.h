@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "hfc/params.h"
 
 namespace hfc {
@@ -14,6 +16,10 @@ cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_pref
 cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
+// csrc/write.cu: the cache write of one layer (copy-on-write block copies, then the new tokens' K/V), raw bytes
+cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
+                         const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                         int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream);
 
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU

@@ -1,0 +1,79 @@
+// The cache write of one layer (the paged pool's K/V): the copy-on-write block copies, then the step's new tokens
+// into their slots, in two launches on one stream (every copy lands before any write into the copied blocks), all
+// moved as 16-byte vectors of raw bytes (any element type: bf16, fp16, an fp8 pool's encoded bytes).
+// Semantics: hf_cascade/cache.py `_write_slots` (pool[copy_dst] = pool[copy_src]; then
+// pool[write_block[i], 0|1, write_offset[i]] = key[i] | value[i]); layout: csrc/include/hfc/params.h.
+
+#include "hfc/errors.h"
+#include "hfc/launch.h"
+
+#include <cstdint>
+
+namespace hfc {
+namespace {
+
+constexpr int kWriteThreads = 128;
+
+// CTA (pair i, part y): part y of block copy i. A pair copying a block onto itself, or repeating pair 0 (a static
+// step pads its pairs so), does nothing: the copies of one step are simultaneous (no id is both a source and a
+// destination), so skipping an exact repeat changes nothing.
+__global__ void __launch_bounds__(kWriteThreads)
+    copy_blocks_kernel(uint4* pool, const int64_t* __restrict__ src, const int64_t* __restrict__ dst,
+                       int64_t block_vecs) {
+  const int i = blockIdx.x;
+  const int64_t s = __ldg(src + i), d = __ldg(dst + i);
+  if (s == d || (i > 0 && s == __ldg(src) && d == __ldg(dst))) return;
+  const uint4* from = pool + s * block_vecs;
+  uint4* to = pool + d * block_vecs;
+  for (int64_t v = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; v < block_vecs; v += (int64_t)gridDim.y * blockDim.x)
+    to[v] = from[v];
+}
+
+// CTA (token i, kv): token i's K (kv 0) or V (kv 1), token_vecs vectors, into its slot of the pool
+// [num_blocks, 2, block_size, Hkv, D].
+__global__ void __launch_bounds__(kWriteThreads)
+    write_tokens_kernel(uint4* pool, const uint4* __restrict__ key, const uint4* __restrict__ value,
+                        const int64_t* __restrict__ write_block, const int64_t* __restrict__ write_offset,
+                        int64_t token_vecs, int64_t block_size) {
+  const int64_t i = blockIdx.x;
+  const int kv = blockIdx.y;
+  const uint4* from = (kv ? value : key) + i * token_vecs;
+  uint4* to = pool + ((__ldg(write_block + i) * 2 + kv) * block_size + __ldg(write_offset + i)) * token_vecs;
+  for (int64_t v = threadIdx.x; v < token_vecs; v += blockDim.x) to[v] = from[v];
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
+                         const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                         int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream) {
+  if (tokens < 0 || copies < 0 || block_size < 1 || token_bytes < 16 || token_bytes % 16 != 0)
+    return fail(cudaErrorInvalidValue, "write: tokens %lld, copies %lld, block_size %lld, token_bytes %lld (a multiple "
+                "of 16 needed)", (long long)tokens, (long long)copies, (long long)block_size, (long long)token_bytes);
+  if (tokens > 0x7fffffff || copies > 0x7fffffff)
+    return fail(cudaErrorInvalidConfiguration, "write: %lld tokens, %lld copies in one launch",
+                (long long)tokens, (long long)copies);
+  if (pool == nullptr || !aligned16(pool) || (tokens > 0 && (!aligned16(key) || !aligned16(value) ||
+                                                             write_block == nullptr || write_offset == nullptr)) ||
+      (copies > 0 && (copy_src == nullptr || copy_dst == nullptr)))
+    return fail(cudaErrorInvalidValue, "write: a NULL or not 16-byte aligned pointer");
+  const int64_t token_vecs = token_bytes / 16;
+  if (copies > 0) {
+    const int64_t block_vecs = 2 * block_size * token_vecs;
+    const int64_t parts = (block_vecs + 4 * kWriteThreads - 1) / (4 * kWriteThreads);  // ~4 vectors per thread
+    const dim3 grid((unsigned)copies, (unsigned)(parts < 16 ? parts : 16));
+    copy_blocks_kernel<<<grid, kWriteThreads, 0, stream>>>(static_cast<uint4*>(pool), copy_src, copy_dst,
+                                                           block_vecs);
+  }
+  if (tokens > 0) {
+    const dim3 grid((unsigned)tokens, 2);
+    write_tokens_kernel<<<grid, kWriteThreads, 0, stream>>>(static_cast<uint4*>(pool), static_cast<const uint4*>(key),
+                                                            static_cast<const uint4*>(value), write_block,
+                                                            write_offset, token_vecs, block_size);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace hfc
