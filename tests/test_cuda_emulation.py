@@ -369,3 +369,46 @@ def test_three_levels_chunked(window, softcap):
     assert st.three == (window is None)
     if st.three:
         assert st.max_chunks > 1 and st.mid.max_chunks > 1
+
+
+def emulated_write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:
+    """csrc/write.cu transliterated: the pool, K and V as arrays of 16-byte vectors; the copy kernel's CTAs (pair i,
+    its parts) then the write kernel's (token i, K or V), with the same skips and vector offsets."""
+    vec = lambda t: t.view(torch.uint8).reshape(-1, 16).numpy()         # noqa: E731 (a view: writes land in t)
+    pool_v, key_v, value_v = vec(pool), vec(key), vec(value)
+    token_vecs = key.shape[1] * key.shape[2] * key.element_size() // 16
+    block_size = pool.shape[2]
+    block_vecs = 2 * block_size * token_vecs
+    src, dst = copy_src.numpy(), copy_dst.numpy()
+    for i in range(len(src) if copies else 0):
+        s, d = src[i], dst[i]
+        if s == d or (i > 0 and s == src[0] and d == dst[0]):
+            continue
+        pool_v[d * block_vecs:(d + 1) * block_vecs] = pool_v[s * block_vecs:(s + 1) * block_vecs]
+    for i in range(key.shape[0]):
+        for kv, source in enumerate((key_v, value_v)):
+            at = ((int(write_block[i]) * 2 + kv) * block_size + int(write_offset[i])) * token_vecs
+            pool_v[at:at + token_vecs] = source[i * token_vecs:(i + 1) * token_vecs]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_the_write_kernel_addresses_the_slots_the_torch_write_does(dtype):
+    """The cache write kernel's vector arithmetic (csrc/write.cu, emulated) leaves the pool byte for byte as the torch
+    write (hf_cascade/cache.py) does: copy-on-write copies (with a static step's padding: pair 0 repeated, a block
+    copied onto itself), then tokens written into the copied blocks and others."""
+    from hf_cascade import cache as cache_module
+    g = torch.Generator().manual_seed(5)
+    blocks, bs, H, D = 12, 4, 2, 16 if dtype == torch.float8_e4m3fn else 8
+    pool = torch.randn(blocks, 2, bs, H, D, generator=g).to(dtype)
+    key, value = (torch.randn(5, H, D, generator=g).to(dtype) for _ in range(2))
+    ids = torch.randperm(blocks, generator=g)
+    copy_src = torch.stack([ids[0], ids[1], ids[0], ids[9]])
+    copy_dst = torch.stack([ids[2], ids[3], ids[2], ids[9]])
+    write_block = torch.stack([ids[2], ids[3], ids[4], ids[4], ids[5]])
+    write_offset = torch.tensor([3, 1, 0, 2, 3])
+    args = (key, value, write_block, write_offset, copy_src, copy_dst, True)
+    want, got = pool.clone(), pool.clone()
+    cache_module._write_slots_torch(want, *args)
+    emulated_write(got, *args)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(got.view(torch.uint8), pool.view(torch.uint8))

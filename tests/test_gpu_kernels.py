@@ -362,12 +362,13 @@ def test_three_levels_long(D, ratio):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tokens, copies", [(8, 8), (1, 1), (13, 3), (8, 0), (0, 2)])
-def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies):
+def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies, monkeypatch):
     """csrc/write.cu (copy-on-write copies, then each token's K and V) leaves the pool byte for byte as the torch
     write does: real copies, a static step's padding (pair 0 repeated, a block copied onto itself), writes into the
     copied blocks, eagerly and replayed from a CUDA graph."""
     from hf_cascade import cache as cache_module
     from hf_cascade.kernels import cuda_library
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
     cuda_backend.library(torch.device("cuda"))          # loaded, as the cuda backend loads it
     g = torch.Generator(device="cuda").manual_seed(tokens * 10 + copies)
     blocks, bs, H, D = 40, 16, 8, 128

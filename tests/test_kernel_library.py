@@ -195,9 +195,13 @@ def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
     key, value = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
     index = torch.zeros(3, dtype=torch.long)
     args = (index, index, index, index, True)
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
     monkeypatch.setattr(cuda_library, "loaded", lambda device: None)
     assert not cuda_library.write_slots(pool, key, value, *args)          # no library loaded: none is loaded for it
     monkeypatch.setattr(cuda_library, "loaded", lambda device: Loaded())
+    monkeypatch.setattr(cuda_library, "write_kernel", False)
+    assert not cuda_library.write_slots(pool, key, value, *args)          # opt-in ($HF_CASCADE_WRITE_KERNEL)
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 0}))
     assert cuda_library.write_slots(pool, key, value, *args) and len(launches) == 1
     strided = torch.randn(2, 3, 8).bfloat16().transpose(0, 1)
