@@ -37,7 +37,7 @@ def time_parts(loop, reps: int) -> dict:
     def forward():
         logits["out"] = loop._forward()
 
-    parts = {"blocks": _graph(loop._advance_blocks), "forward": _graph(forward)}
+    parts = {"blocks": _graph(loop._advance), "forward": _graph(forward)}
     parts["choose"] = _graph(lambda: loop._choose(logits["out"]))
     parts["whole"] = loop.graph
     out = {}
@@ -78,7 +78,7 @@ def main():
 
         def chunk(self, steps):
             done = real_chunk(self, steps)
-            if self.graph is not None and self.blocks is not None:
+            if self.graph is not None and self.held is not None:
                 found.update(time_parts(self, args.reps))
                 raise _Stop
             return done
