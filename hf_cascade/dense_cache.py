@@ -6,7 +6,9 @@ do not take) and for one-token decoder prompts on the CPU (``seq2seq_models.page
 - Where the call's decode steps run on the graph runner (a GPU, or ``cuda_graphs="eager"``), the relative-bias
   families run on :class:`StaticSelfAttentionCache`: K/V buffers of a fixed room (widened geometrically up to the
   call's max_length), written at a device position, the beams' histories followed by a gather table on the device,
-  the step's length and mask device tensors: a fixed-shape step that a CUDA graph replays.
+  the step's length and mask device tensors: a fixed-shape step that a CUDA graph replays. In the whole step on the
+  device (hf_cascade.whole_step) :class:`DenseHold` holds it: each step's position, beam reorder and mask computed on
+  the device (:func:`advance`), the host taking it back at the end of the room.
 - Otherwise on the CPU, :class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step
   instead of stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is
   set (:func:`capped_dynamic_cache`, also used for both halves of stock's cache on the dense fallback path).
@@ -280,6 +282,10 @@ class StaticSelfAttentionCache(Cache):
       written; a layer then gathers its rows' histories into one spare pair shared by all layers (one
       ``index_select`` per K and V: what stock's reorder copies, without stock's second copy in ``torch.cat``).
 
+    In the whole step on the device (:class:`DenseHold`) the device writes the position and the mask (:func:`advance`,
+    the same values) and :meth:`begin_planned_step` begins the step; the host's counts follow when it takes the cache
+    back.
+
     Any other forward (the decoder prompt's, or every step where the runner is off) runs on the host's lengths,
     returning the written positions only, as stock's DynamicCache would, with stock's mask.
 
@@ -535,7 +541,7 @@ class StaticSelfAttentionCache(Cache):
 
     def begin_planned_step(self, device=None) -> StaticStep:
         """Begin a static step whose position and mask the device wrote (:func:`advance`, the whole step on the
-        device): nothing is written here, and the host's counts stay until :meth:`take_back_device_steps`."""
+        device): nothing is written here, and the host's counts stay until :meth:`DenseHold.take_back`."""
         if self._keys is None:
             raise RuntimeError("begin_planned_step needs the buffers of a decode in progress")
         self._step = StaticStep(self)
