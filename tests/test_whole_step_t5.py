@@ -208,11 +208,46 @@ def test_compile_advances_the_dense_cache_compiled(monkeypatch, whole_step_logs)
         counters.clear()
 
 
+def test_interrupt_in_a_device_step_leaves_the_model_usable(monkeypatch, whole_step_logs):
+    """Ctrl-C in a device step: the model's forward is restored, the call's cache emptied, and the next call gives
+    stock's tokens."""
+    stock, cascade = pair("t5")
+    ids, mask = sources()
+    real, calls = dense_cache.advance, []
+
+    def interrupted(state, parents):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        real(state, parents)
+
+    made = _record_caches(monkeypatch)
+    monkeypatch.setattr(dense_cache.DenseHold, "advance_fn", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        _generate(cascade, EAGER, input_ids=ids, attention_mask=mask, **MODES["beam"])
+    monkeypatch.setattr(dense_cache.DenseHold, "advance_fn", staticmethod(real))
+    assert "forward" not in cascade.__dict__
+    cache, = made
+    assert cache.kv_bytes == 0 and cache.step is None and cache.logical_length == 0
+    spy = RunnerSpy(monkeypatch)
+    _assert_whole_step_equals_stock(stock, cascade, spy, whole_step_logs, input_ids=ids, attention_mask=mask,
+                                    min_device_steps=5, **MODES["beam"])
+
+
+def _record_caches(monkeypatch) -> list:
+    made = []
+    init = dense_cache.StaticSelfAttentionCache.__init__
+    monkeypatch.setattr(dense_cache.StaticSelfAttentionCache, "__init__",
+                        lambda self, *a, **k: (made.append(self), init(self, *a, **k))[1])
+    return made
+
+
 class _Captured(Exception):
     """Ends a call after its first capture."""
 
 
-def test_the_captured_step_only_launches(monkeypatch, whole_step_logs, emulated_capture):  # noqa: F811
+@pytest.mark.parametrize("mode", ["beam", "greedy", "sample"])
+def test_the_captured_step_only_launches(mode, monkeypatch, whole_step_logs, emulated_capture):  # noqa: F811
     """The whole step's capture (the dense cache's bookkeeping, the forward, the token choice), emulated on the CPU:
     captured without error and without a host sync inside it. The emulated capture runs the step and its replay does
     nothing, so the call ends after the capture (tokens are compared on the GPU)."""
@@ -227,7 +262,7 @@ def test_the_captured_step_only_launches(monkeypatch, whole_step_logs, emulated_
     ids, mask = sources()
     spy = RunnerSpy(monkeypatch)
     with pytest.raises(_Captured):
-        cascade.generate(input_ids=ids, attention_mask=mask, **MODES["beam"],
+        cascade.generate(input_ids=ids, attention_mask=mask, **MODES[mode],
                          hf_cascade_config=dataclasses.replace(EAGER, cuda_graphs=True))
     runner, = spy.runners
     assert runner.captures == 1
