@@ -633,8 +633,10 @@ class DenseHold:
     positions_in_cache = True   # the decoder's positions are the cache's device position (its relative bias)
     flags = None
 
-    def __init__(self, cache: StaticSelfAttentionCache, tensors: DenseDeviceState, room: int, advance_fn):
+    def __init__(self, cache: StaticSelfAttentionCache, tensors: DenseDeviceState, room: int, advance_fn,
+                 replay_refusal):
         self.cache, self.tensors, self.room, self._advance = cache, tensors, room, advance_fn
+        self._replay_refusal = replay_refusal
         self.steps = 0
         tracked = [*cache._keys, *cache._values, *(cache._spares or ()), *(t for t in vars(tensors).values()
                                                                             if t is not None)]
@@ -655,7 +657,7 @@ class DenseHold:
         cache._position.fill_(length - 1)
         tensors = DenseDeviceState(cache._position, cache._valid, cache._step_mask, cache._columns,
                                    cache._gather if cache.reordered else None)
-        return cls(cache, tensors, room, loop.advance_fn), None
+        return cls(cache, tensors, room, loop.advance_fn, loop.runner.replay_refusal), None
 
     @staticmethod
     def host_forward(cache: StaticSelfAttentionCache, forward, inputs: dict, first: bool):
@@ -677,6 +679,11 @@ class DenseHold:
 
     def count_step(self) -> None:
         self.steps += 1
+
+    def capture_refusal(self, step: StaticStep) -> str | None:
+        """Why a device step that ran as ``step`` cannot be captured: the graph runner's answer (every layer wrote, each
+        backend it ran can be captured: the cross-attention's is known only once a static step ran, the warm-up's)."""
+        return self._replay_refusal(step)
 
     def take_back(self) -> None:
         """The host's counts past the device steps run (every layer wrote one token per row in each)."""

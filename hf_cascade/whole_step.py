@@ -222,6 +222,7 @@ class WholeStepLoop:
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
         self.max_length = config.max_length
         self.held: DeviceHold | None = None    # set while the device holds the cache's state
+        self.step_context = None               # the last device step's (its layers' writes, its backends)
         self.graph = None
         self.capture = self.runner.capture_enabled
         self.room = 0
@@ -331,7 +332,7 @@ class WholeStepLoop:
     def _forward(self) -> torch.Tensor:
         """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
         with the step context as its argument; else the model's own)."""
-        self.cache.begin_planned_step(self.device)
+        self.step_context = self.cache.begin_planned_step(self.device)     # (what the step ran: see capture_refusal)
         try:
             return self.runner.forward_step(self.inputs).logits
         finally:
@@ -352,6 +353,11 @@ class WholeStepLoop:
                 self._device_step()
             torch.cuda.current_stream().wait_stream(side)
             self.runner.eager_calls += 1
+            reason = self.held.capture_refusal(self.step_context)
+            if reason is not None:
+                self.capture = False
+                log_once(("whole step capture", reason), logging.INFO, "the whole decode step runs eagerly: %s", reason)
+                return
             started = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             try:
@@ -405,6 +411,9 @@ class DeviceHold(Protocol):
 
     def count_step(self) -> None:
         """On the host, once per device step (outside any graph)."""
+
+    def capture_refusal(self, step_context) -> str | None:
+        """Why a device step that ran on ``step_context`` cannot be captured (None when it can)."""
 
     def take_back(self) -> None:
         """The host takes the state back (the end of the room, or of the call)."""
@@ -471,6 +480,9 @@ class BlocksHold:
 
     def count_step(self) -> None:
         self.cache.logical_length += 1
+
+    def capture_refusal(self, step_context) -> None:
+        return None         # (the host step's context was asked when the device took the state: take)
 
     def take_back(self) -> None:
         tables, lengths, refcount = device_blocks.host_state(self.tensors)

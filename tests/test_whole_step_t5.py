@@ -271,6 +271,23 @@ def test_the_captured_step_only_launches(mode, monkeypatch, whole_step_logs, emu
     assert emulated_capture.gc_enabled == [False]
 
 
+def test_a_cross_attention_backend_that_cannot_be_captured_runs_eagerly(monkeypatch, whole_step_logs,
+                                                                         emulated_capture):  # noqa: F811
+    """The cross-attention's backend is known once a static step ran (the capture's warm-up): one that cannot be
+    captured leaves the whole step eager (logged), with stock's tokens (the emulated capture never replays)."""
+    from hf_cascade.kernels import reference
+    monkeypatch.setattr(reference.ReferenceBackend, "graph_safe", False)
+    stock, cascade = pair("t5")
+    ids, mask = sources()
+    spy = RunnerSpy(monkeypatch)
+    _assert_whole_step_equals_stock(stock, cascade, spy, whole_step_logs, dataclasses.replace(EAGER, cuda_graphs=True),
+                                    input_ids=ids, attention_mask=mask, min_device_steps=10, **MODES["beam"])
+    runner, = spy.runners
+    assert runner.captures == 0 and runner.replays == 0
+    assert [r for r in whole_step_logs.records if "whole decode step runs eagerly" in r.getMessage()
+            and "reference" in r.getMessage()]
+
+
 # ---- GPU: the captured whole step -----------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
