@@ -496,7 +496,7 @@ def hold_kind(cache) -> type:
     return getattr(cache, "device_hold", None) or BlocksHold
 
 
-
+# ---- token choice ------------------------------------------------------------------------------------------------
 def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor,
            positions: tuple) -> None:
     """Token choice on ``logits [rows, vocab]``; the next step's ``input_ids [rows, 1]``, ``positions`` and

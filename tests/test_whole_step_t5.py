@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -69,6 +70,39 @@ def _assert_whole_step_equals_stock(stock, cascade, spy, caplog, config=EAGER, m
     assert not [r.getMessage() for r in caplog.records if KEPT_LOOP in r.getMessage()]
     assert _device_steps(spy) >= min_device_steps, "the whole step did not run (transformers' loop served the call)"
     return got
+
+
+# ---- the device's bookkeeping against the host's ---------------------------------------------------------------------
+def _filled_cache(prompt_mask):
+    cache = dense_cache.StaticSelfAttentionCache(4, 1, 16, EAGER, prompt_mask)
+    k = torch.randn(4, 2, prompt_mask.shape[1], 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    cache.update(k, k.clone(), 0)
+    return cache
+
+
+def test_device_advance_equals_the_hosts_reorder_and_step():
+    """Step after step with random parents (any row, across prompts too: the pads of a padded decoder prompt follow
+    them), the device's :func:`dense_cache.advance` leaves the gather table, the pad rows, the position and the mask
+    exactly as the host's ``reorder_cache`` and ``prepare_step`` do."""
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1]])
+    host, device = _filled_cache(prompt_mask), _filled_cache(prompt_mask)
+    loop = types.SimpleNamespace(cache=device, beam=True, advance_fn=dense_cache.advance,
+                                 runner=types.SimpleNamespace(replay_refusal=None))
+    held, reason = dense_cache.DenseHold.take(loop)
+    assert reason is None and held.room == 16 - 3
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(held.room):
+        parents = torch.randint(0, 4, (4,), generator=generator)
+        host.reorder_cache(parents)
+        step = host.prepare_step(4, 1)
+        held.count_step()
+        held.advance(parents, torch.tensor(False))
+        for name in ("_gather", "_valid", "_step_mask", "_position"):
+            assert torch.equal(getattr(host, name), getattr(device, name)), name
+        step.finish()
+        host.end_step()
+    held.take_back()
+    assert device.logical_length == host.logical_length == 16
 
 
 # ---- stock's tokens -------------------------------------------------------------------------------------------------
