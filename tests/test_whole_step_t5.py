@@ -10,8 +10,11 @@ same weights, right-padded sources of different lengths; flan-T5's usual setting
 length_penalty 2, min_length), greedy and sampling; decoder prompts of several tokens, padded; calls past the first
 room (64 positions), and past several small rooms.
 
-A control shows the device's beam reorder is what gives stock's tokens (without it they differ), and an emulated
-capture on the CPU that the captured step makes no host sync.
+The device's bookkeeping is also compared value for value with the host's (``reorder_cache`` + ``prepare_step``) under
+random parents; a control shows the device's beam reorder is what gives stock's tokens (without it they differ); an
+emulated capture on the CPU shows the captured step makes no host sync, and that a step whose cross-attention backend
+cannot be captured runs eagerly. Ctrl-C in a device step leaves the model usable; ``compile=True`` compiles the
+dense bookkeeping and the token choice.
 
 The ``gpu`` test (on the GPU machine: ``pytest -m gpu tests/test_whole_step_t5.py``): a flan-T5-shaped model, the
 captured whole step equals the eager whole step bitwise in bf16, and float32 (TF32 off) equals stock, past the first
