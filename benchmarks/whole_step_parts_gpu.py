@@ -63,7 +63,7 @@ def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
     def forward():
         logits["out"] = loop._forward()
 
-    parts = {"blocks": _graph(loop._advance_blocks), "forward": _graph(forward)}
+    parts = {"blocks": _graph(loop._advance), "forward": _graph(forward)}
     parts["choose"] = _graph(lambda: loop._choose(logits["out"]))
     parts["whole"] = loop.graph
     out = {}
@@ -111,7 +111,7 @@ def main():
 
         def chunk(self, steps):
             done = real_chunk(self, steps)
-            if self.graph is not None and self.blocks is not None:
+            if self.graph is not None and self.held is not None:
                 found.update(time_parts(self, args.reps, args.profile))
                 raise _Stop
             return done

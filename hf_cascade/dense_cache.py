@@ -6,7 +6,9 @@ do not take) and for one-token decoder prompts on the CPU (``seq2seq_models.page
 - Where the call's decode steps run on the graph runner (a GPU, or ``cuda_graphs="eager"``), the relative-bias
   families run on :class:`StaticSelfAttentionCache`: K/V buffers of a fixed room (widened geometrically up to the
   call's max_length), written at a device position, the beams' histories followed by a gather table on the device,
-  the step's length and mask device tensors: a fixed-shape step that a CUDA graph replays.
+  the step's length and mask device tensors: a fixed-shape step that a CUDA graph replays. In the whole step on the
+  device (hf_cascade.whole_step) :class:`DenseHold` holds it: each step's position, beam reorder and mask computed on
+  the device (:func:`advance`), the host taking it back at the end of the room.
 - Otherwise on the CPU, :class:`ReorderedCache` replaces stock's DynamicCache: one copy of the self K/V per beam step
   instead of stock's two. Elsewhere stock's DynamicCache, its growth counted against ``max_kv_bytes`` where one is
   set (:func:`capped_dynamic_cache`, also used for both halves of stock's cache on the dense fallback path).
@@ -280,6 +282,10 @@ class StaticSelfAttentionCache(Cache):
       written; a layer then gathers its rows' histories into one spare pair shared by all layers (one
       ``index_select`` per K and V: what stock's reorder copies, without stock's second copy in ``torch.cat``).
 
+    In the whole step on the device (:class:`DenseHold`) the device writes the position and the mask (:func:`advance`,
+    the same values) and :meth:`begin_planned_step` begins the step; the host's counts follow when it takes the cache
+    back.
+
     Any other forward (the decoder prompt's, or every step where the runner is off) runs on the host's lengths,
     returning the written positions only, as stock's DynamicCache would, with stock's mask.
 
@@ -473,6 +479,11 @@ class StaticSelfAttentionCache(Cache):
         if self._valid.shape[0] > 1:
             self._valid.copy_(self._valid.index_select(0, index))
         self._host_gather = None
+        self._read_through_gather()
+
+    def _read_through_gather(self) -> None:
+        """From now on the layers read their rows' histories through the gather table (the spare pair made: a new
+        layout)."""
         if not self.reordered:
             keys = self._keys[0]
             if self._cap is not None:
@@ -523,6 +534,19 @@ class StaticSelfAttentionCache(Cache):
         """A static step finished: every layer wrote one token per row."""
         self._stored = [stored + 1 for stored in self._stored]
 
+    @property
+    def device_hold(self) -> type:
+        """How the whole step on the device (hf_cascade.whole_step) holds this cache: :class:`DenseHold`."""
+        return DenseHold
+
+    def begin_planned_step(self, device=None) -> StaticStep:
+        """Begin a static step whose position and mask the device wrote (:func:`advance`, the whole step on the
+        device): nothing is written here, and the host's counts stay until :meth:`DenseHold.take_back`."""
+        if self._keys is None:
+            raise RuntimeError("begin_planned_step needs the buffers of a decode in progress")
+        self._step = StaticStep(self)
+        return self._step
+
     def static_step_mask(self) -> torch.Tensor | None:
         """The self-attention mask of the static step in progress ``[rows or 1, 1, 1, room]`` (bool: True where a key
         counts), or None outside one (the model builds stock's from the decoder mask)."""
@@ -564,3 +588,106 @@ def static_self_attention_cache(rows: int, num_layers: int, generation_config, c
         capacity = max(capacity, decoder_mask.shape[1] + 1)
     return StaticSelfAttentionCache(rows, num_layers, max(capacity, 2), cascade_config,
                                     decoder_mask if padded else None, cap)
+
+
+# ---- the whole decode step on the device (hf_cascade.whole_step) over a StaticSelfAttentionCache --------------------
+@dataclasses.dataclass
+class DenseDeviceState:
+    """The tensors of a :class:`StaticSelfAttentionCache` that a device step advances: the cache's own, so that the
+    layers of a captured step read them where the device wrote them."""
+
+    position: torch.Tensor          # int64 [1]: the last position written; a step's advance moves it to its own
+    valid: torch.Tensor             # bool [rows or 1, room]: not a decoder-prompt pad
+    step_mask: torch.Tensor         # bool [rows or 1, 1, 1, room]: the step's self-attention mask
+    columns: torch.Tensor           # int64 [room]
+    gather: torch.Tensor | None     # int64 [rows, room] where beams reorder rows (None: greedy, sampling)
+
+
+def advance(state: DenseDeviceState, parents: torch.Tensor) -> None:
+    """One device step's bookkeeping, device ops only: the write position moved on; the beam reorder by ``parents``
+    (int64 [rows]: row i continues row ``parents[i]``) of the gather table's written positions and of a padded decoder
+    prompt's rows; the step's mask (not a pad, not past the position). The values of the host's ``reorder_cache`` and
+    ``prepare_step``: positions at and past the write position keep each row's own slot, as the host leaves them (a
+    host step after the device's writes at its position through that slot)."""
+    state.position.add_(1)
+    if state.gather is not None:
+        written = state.columns < state.position
+        state.gather.copy_(torch.where(written, state.gather.index_select(0, parents), state.gather))
+        if state.valid.shape[0] > 1:
+            state.valid.copy_(state.valid.index_select(0, parents))
+    state.step_mask.view(state.valid.shape).copy_(state.valid & (state.columns <= state.position))
+
+
+class DenseHold:
+    """A :class:`StaticSelfAttentionCache` while the device runs its decode steps: the interface
+    ``hf_cascade.whole_step.WholeStepLoop`` uses of a held cache (see ``whole_step.DeviceHold``).
+
+    The device holds the cache from a host step on, for the steps its buffers' room allows (``room`` positions per row
+    minus those written): each step's :func:`advance` moves the position, follows the beams and writes the mask, the
+    layers write at the position (:meth:`StaticSelfAttentionCache.begin_planned_step`). Nothing can overflow between
+    two checks (the host bounds the steps by the room), so there are no flags. At the end of the room (or of the call)
+    the host takes the cache back: its counts advance by the steps run, and the next host step (a static step run
+    eagerly, :meth:`host_forward`) widens the buffers."""
+
+    advance_fn = staticmethod(advance)    # what the loop runs (compiled with CascadeConfig(compile=True))
+    positions_in_cache = True   # the decoder's positions are the cache's device position (its relative bias)
+    flags = None
+
+    def __init__(self, cache: StaticSelfAttentionCache, tensors: DenseDeviceState, room: int, advance_fn,
+                 replay_refusal):
+        self.cache, self.tensors, self.room, self._advance = cache, tensors, room, advance_fn
+        self._replay_refusal = replay_refusal
+        self.steps = 0
+        tracked = [*cache._keys, *cache._values, *(cache._spares or ()), *(t for t in vars(tensors).values()
+                                                                            if t is not None)]
+        # a captured step reads and writes these tensors by address
+        self.key = ("dense", cache.layout.serial, tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tracked))
+
+    @classmethod
+    def take(cls, loop) -> tuple["DenseHold | None", str | None]:
+        """The cache of ``loop`` (a WholeStepLoop after a host step) held by the device, or ``(None, None)`` where its
+        buffers have no room for another step (the next host step widens them)."""
+        cache = loop.cache
+        length = cache.logical_length
+        room = cache.room - length
+        if room < 1 or cache._keys is None:
+            return None, None
+        if loop.beam:
+            cache._read_through_gather()      # every device step may reorder the rows
+        cache._position.fill_(length - 1)
+        tensors = DenseDeviceState(cache._position, cache._valid, cache._step_mask, cache._columns,
+                                   cache._gather if cache.reordered else None)
+        return cls(cache, tensors, room, loop.advance_fn, loop.runner.replay_refusal), None
+
+    @staticmethod
+    def host_forward(cache: StaticSelfAttentionCache, forward, inputs: dict, first: bool):
+        """One step on the host: the decoder prompt's forward as stock runs it (``first``), later a static step run
+        eagerly (its buffers widened where the rows reached their room)."""
+        if first:
+            return forward(**inputs)
+        step = cache.prepare_step(cache.rows, 1)
+        try:
+            out = forward(**inputs)
+            step.finish()
+        finally:
+            cache.end_step()
+        return out
+
+    def advance(self, parents: torch.Tensor, done: torch.Tensor) -> None:
+        # (steps after the call finished write on within the room the host counted: the cache is dropped after)
+        self._advance(self.tensors, parents)
+
+    def count_step(self) -> None:
+        self.steps += 1
+
+    def capture_refusal(self, step: StaticStep) -> str | None:
+        """Why a device step that ran as ``step`` cannot be captured: the graph runner's answer (every layer wrote, each
+        backend it ran can be captured: the cross-attention's is known only once a static step ran, the warm-up's)."""
+        return self._replay_refusal(step)
+
+    def take_back(self) -> None:
+        """The host's counts past the device steps run (every layer wrote one token per row in each)."""
+        cache = self.cache
+        cache.end_step()
+        cache._stored = [stored + self.steps for stored in cache._stored]
+        cache._host_gather = None

@@ -3,14 +3,18 @@
 Where a call chooses its tokens in a way :mod:`hf_cascade.device_select` reproduces (greedy, sampling and beam
 search with the processors and criteria transformers uses by default and the common ones, the seq2seq checkpoints'
 forced BOS/EOS, bad words and suppressed tokens; see :func:`decode`), the session runs :func:`decode` instead of
-transformers' ``_sample`` / ``_beam_search``. Encoder-decoder models too, where their decoder's self-attention is
+transformers' ``_sample`` / ``_beam_search``. Encoder-decoder models too: where their decoder's self-attention is
 paged and its positions are a step input (the BART family through ``hf_cascade.patches.positions``, Whisper from its
-decoder mask): the decoder's ids and positions are advanced like a decoder-only model's, and the encoder side (the
-cross-attention K/V stored once per input, the placeholder encoder outputs) is fixed for the call. One step:
+decoder mask), the decoder's ids and positions are advanced like a decoder-only model's; the T5 family (relative
+position bias) decodes on ``dense_cache.StaticSelfAttentionCache``, whose device position is the decoder's position.
+The encoder side (the cross-attention K/V stored once per input, the placeholder encoder outputs) is fixed for the
+call. One step:
 
-1. block bookkeeping (:mod:`hf_cascade.device_blocks`): the beam reorder by the last step's parents, one token
-   appended per row (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and
-   copies written into the static decode layout's plan buffers;
+1. the cache's bookkeeping, by the :class:`DeviceHold` of its kind: for a paged cache (:class:`BlocksHold`,
+   :mod:`hf_cascade.device_blocks`) the beam reorder by the last step's parents, one token appended per row
+   (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and copies written into the
+   static decode layout's plan buffers; for a dense one (``dense_cache.DenseHold``) the write position moved on, the
+   beam reorder of its gather table and the step's mask;
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
@@ -20,12 +24,13 @@ call stays eager: its generator). On CUDA the three are captured as one graph pe
 :data:`CHECK_EVERY` steps (has the call finished? did a step overflow?); it does no block bookkeeping and never waits
 on the device in between.
 
-The first step of a layout runs on the host path: the block manager's append and ``DecodeLayout.step``, the host
-beam reorder and the eager forward, which builds the kernel backends' layout metadata that a capture needs. The device
-then holds the block state (``DeviceBlocks.from_host``) while the layout has room; when its capacity is reached the
-host takes the state back (``CascadeCache.restore_blocks``) and the next host step widens the layout. Steps queued
-after the call finished change nothing (their writes go to a scratch block, the selection state stays): at most
-``CHECK_EVERY - 1`` forwards are wasted at the end.
+The first step of a layout runs on the host path: for a paged cache the block manager's append and
+``DecodeLayout.step``, the host beam reorder and the eager forward, which builds the kernel backends' layout metadata
+that a capture needs (for a dense one the decoder prompt's forward, or a static step run eagerly). The device then
+holds the cache's state (``DeviceHold``) while the layout has room; when its room is used up the host takes the state
+back and the next host step widens the layout. Steps queued after the call finished change nothing that is read again
+(a paged cache's writes go to a scratch block, a dense cache's to positions past the end; the selection state stays):
+at most ``CHECK_EVERY - 1`` forwards are wasted at the end.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import dataclasses
 import logging
 import time
 import traceback
+from typing import Protocol
 
 import torch
 
@@ -69,10 +75,8 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     model, cache = session.model, session.cache
     if not cache.cascade_config.whole_step:
         return "CascadeConfig(whole_step=False)"
-    if getattr(cache, "blocks", None) is None:
-        return ("a dense decoder self-attention cache (T5's relative position bias: "
-                "dense_cache.StaticSelfAttentionCache), which has no block state for the device to carry")
-    if cache.cascade_config.max_kv_bytes is not None or cache.blocks.max_blocks is not None:
+    blocks = getattr(cache, "blocks", None)
+    if blocks is not None and (cache.cascade_config.max_kv_bytes is not None or blocks.max_blocks is not None):
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
@@ -117,14 +121,15 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     config = inputs = None
     if reason is None:
         config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config)
+    kind = hold_kind(session.cache)
     if reason is None:
-        inputs, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs)
+        inputs, first, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs, kind)
     if reason is not None:
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
                  "choice on the host): %s", reason)
         return stock()
     loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs,
-                         _encoder_ngrams(logits_processor))
+                         _encoder_ngrams(logits_processor), first_inputs=first)
     return loop.run()
 
 
@@ -136,9 +141,10 @@ def _encoder_ngrams(logits_processor) -> list[dict] | None:
     return found[0].generated_ngrams if found else None
 
 
-def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, str | None]:
-    """The first decode step's forward arguments, as transformers' first iteration makes them, or the reason the
-    loop cannot advance them on the device."""
+def _first_inputs(model, cache, input_ids, model_kwargs, kind) -> tuple[dict | None, dict | None, str | None]:
+    """``(inputs, first, reason)``: the decode steps' forward arguments, as transformers' first iteration makes them
+    (``first``: the first step's own where they differ: a dense cache's decoder prompt, all its tokens and its mask),
+    or the reason the loop cannot advance them on the device."""
     past = cache.get_seq_length()
     names = _Names(model)
     inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=input_ids.shape[1] - past,
@@ -146,33 +152,40 @@ def _first_inputs(model, cache, input_ids, model_kwargs) -> tuple[dict | None, s
     unknown = sorted(k for k, v in inputs.items()
                      if isinstance(v, torch.Tensor) and k not in names.advanced + names.dropped)
     if unknown:
-        return None, f"the decode forward takes {', '.join(unknown)}, which the device loop does not advance"
+        return None, None, f"the decode forward takes {', '.join(unknown)}, which the device loop does not advance"
     ids, positions = inputs.get(names.ids), inputs.get(names.positions)
+    first = None
+    if kind.positions_in_cache and isinstance(ids, torch.Tensor) and ids.dim() == 2 \
+            and ids.shape[0] == input_ids.shape[0]:
+        # the decoder prompt (and its mask) in the first forward, as transformers runs it; one token per row after
+        first = {**inputs, "return_dict": True}
+        ids = ids[:, -1:]
     if not (isinstance(ids, torch.Tensor) and ids.shape == (input_ids.shape[0], 1)):
-        return None, "the first decode step is not one token per row"
+        return None, None, "the first decode step is not one token per row"
     # (an encoder-decoder's positions may be one row for all: the BART family's cache length, pads included)
-    if not (isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] == 1
+    if not kind.positions_in_cache and not (
+            isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] == 1
             and positions.shape[0] in ((ids.shape[0], 1) if names.encoder_decoder else (ids.shape[0],))):
-        return None, "the decoder's positions are not an input of the step (computed on the host)"
+        return None, None, "the decoder's positions are not an input of the step (computed on the host)"
     if names.encoder_decoder:      # the BART family reads them only where hf_cascade.patches.positions serves it
         reason = seq2seq_models.step_positions_reason(model, inputs)
         if reason is not None:
-            return None, reason
-    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+            return None, None, reason
+    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
               if k not in names.dropped}
-    return {**inputs, "return_dict": True}, None
+    return {**inputs, "return_dict": True}, first, None
 
 
 class _Captured:
     """A captured whole step and the tensors it reads and writes, kept on the graph runner for the model's next call:
     a call of the same shape (same selection settings, inputs, decode layout, pools) fills the same tensors with its
     own values and replays the graph without capturing. ``call_key`` covers the selection state, inputs and parents
-    (decided before the first step); ``step_key`` the block state, layout and pools (decided when the device takes
-    the blocks)."""
+    (decided before the first step); ``step_key`` the held cache state, layout and pools (decided when the device
+    takes the state: ``DeviceHold.key``)."""
 
     def __init__(self, call_key, state, inputs: dict, parents, peak):
         self.call_key, self.state, self.inputs, self.parents, self.peak = call_key, state, inputs, parents, peak
-        self.step_key = self.blocks = self.graph = None
+        self.step_key = self.held_tensors = self.graph = None
 
 
 def _fill(kept: dict, fresh: dict) -> None:
@@ -181,13 +194,15 @@ def _fill(kept: dict, fresh: dict) -> None:
 
 
 class WholeStepLoop:
-    """One call's decode loop (see the module docstring). ``inputs``: the first step's forward arguments; their
-    tensors are the loop's static inputs, advanced in place by every step."""
+    """One call's decode loop (see the module docstring). ``inputs``: the decode steps' forward arguments; their
+    tensors are the loop's static inputs, advanced in place by every step. ``first_inputs``: the first step's, where
+    they differ (a dense cache's decoder prompt)."""
 
     def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict,
-                 encoder_ngrams: list[dict] | None = None):
+                 encoder_ngrams: list[dict] | None = None, first_inputs: dict | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
         self.names = _Names(self.model)
+        self.kind = hold_kind(self.cache)
         state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
         call_key = (config, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
         kept = self.runner.whole_step_kept
@@ -201,21 +216,22 @@ class WholeStepLoop:
                              torch.zeros((), dtype=torch.int64, device=input_ids.device))
         self.runner.whole_step_kept = self.kept = kept
         self.state, self.inputs, self.parents, self.peak = kept.state, kept.inputs, kept.parents, kept.peak
+        self.first_inputs = first_inputs or self.inputs
         self.device = input_ids.device
         self.beam = config.is_beam
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
         self.max_length = config.max_length
-        self.blocks: device_blocks.DeviceBlocks | None = None   # set while the device holds the block state
+        self.held: DeviceHold | None = None    # set while the device holds the cache's state
+        self.step_context = None               # the last device step's (its layers' writes, its backends)
         self.graph = None
         self.capture = self.runner.capture_enabled
         self.room = 0
-        self.base_length = 0
-        self.device_ok = True       # False: a layer's step cannot be planned on the device (see _hold_on_device)
+        self.device_ok = True       # False: a step cannot be planned on the device (see _hold_on_device)
         self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
         # with compile, the bookkeeping and (but for sampling: its generator stays eager) the token choice each run as
         # one compiled graph too: a hundred small kernels fused into a few
         compiled = self.runner.compiled
-        self.advance = _Compiled(advance, "block bookkeeping") if compiled else advance
+        self.advance_fn = _Compiled(self.kind.advance_fn, "cache bookkeeping") if compiled else self.kind.advance_fn
         self.choose = _Compiled(choose, "token choice") if compiled and not config.do_sample else choose
         self.host_steps = 0
 
@@ -225,26 +241,27 @@ class WholeStepLoop:
             self._host_step(first=True)
             finished = bool(self.state.done)
             while not finished:
-                if self.blocks is None and self.device_ok and self.host_planned:
+                if self.held is None and self.device_ok and self.host_planned:
                     self._hold_on_device()
-                if self.blocks is None:
+                if self.held is None:
                     self._host_step()
                     finished = bool(self.state.done)
                 else:
                     finished = self._chunk(max(1, min(CHECK_EVERY, self.room, self.max_length - self.made)))
         except BaseException:
-            self.blocks = None          # the session empties the cache: nothing to take back
+            self.held = None            # the session empties the cache: nothing to take back
             self.runner.whole_step_kept = None      # a step may have stopped half way: keep nothing of it
             raise
         self._take_back()
         return device_select.finalize(self.state).sequences
 
     def _host_step(self, first: bool = False) -> None:
-        """One step on the host path (the block manager plans it; a layout that is outgrown widens here)."""
+        """One step on the host path (a layout that is outgrown widens here)."""
         self._take_back()
         if self.beam and not first:
             self.cache.reorder_cache(self.parents)
-        out = self.runner.original(**self.inputs)
+        out = self.kind.host_forward(self.cache, self.runner.original, self.first_inputs if first else self.inputs,
+                                     first)
         self.runner.eager_calls += 1
         self._choose(out.logits)
         self.made += 1
@@ -252,52 +269,26 @@ class WholeStepLoop:
         self.host_planned = True
 
     def _hold_on_device(self) -> None:
-        """Hand the block state to the device where the layout in force has room for another step."""
-        cache, layout = self.cache, self.cache.layout
-        ctx = cache.step
-        if ctx is None or layout is None or ctx.plan.layout is not layout:
-            if self.host_steps == 1:
-                # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
-                # rows empty, a padded prompt's last token a write mask); its second is
-                return
-            reason = "the step was not planned on a static decode layout"
-        else:       # the device writes the plan into the layout's buffers: every layer must read it from there
-            reason = self.runner.replay_refusal(ctx)
+        """Hand the cache's state to the device where the layout in force has room for another step."""
+        held, reason = self.kind.take(self)
         if reason is not None:
             self.device_ok = False
             log_once(("whole step host", reason), logging.INFO, "decode steps are planned on the host: %s", reason)
             return
-        manager = cache.blocks
-        bs = layout.block_size
-        room = layout.room(manager.lengths)
-        if room < 1:
+        if held is None:
             return
-        # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
-        # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
-        R = manager.num_rows
-        pool_blocks = max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
-        for layer in cache.layers:
-            if layer.storage is not None:
-                layer.storage.ensure(pool_blocks + 1)     # + the scratch block
-        blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=self.device)
-        pools = graphs.pool_signature(cache)
-        scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width",
-                                                    "token_limit"))
-        step_key = (layout.serial, scalars, _signature(_block_tensors(blocks)), pools)
         kept = self.kept
-        if kept.step_key == step_key:     # the captured step fits: this call's block state into its tensors
-            _fill(_block_tensors(kept.blocks), _block_tensors(blocks))
+        if kept.step_key == held.key:     # the captured step fits: this call's state into its tensors
+            _fill(_tensors(kept.held_tensors), _tensors(held.tensors))
+            held.tensors = kept.held_tensors
         else:
-            kept.step_key, kept.blocks, kept.graph = step_key, blocks, None
-        self.blocks, self.graph = kept.blocks, kept.graph
-        self.device_plan = layout.device_plan(self.device)
-        self.room, self.base_length = room, cache.logical_length
-        self.peak.zero_()
+            kept.step_key, kept.held_tensors, kept.graph = held.key, held.tensors, None
+        self.held, self.graph, self.room = held, kept.graph, held.room
 
     def _chunk(self, steps: int) -> bool:
         """``steps`` device steps, then one read of the flags; returns whether the call has finished."""
         for _ in range(steps):
-            self.cache.logical_length += 1
+            self.held.count_step()
             if self.graph is not None:
                 self.graph.replay()
                 self.runner.replays += 1
@@ -310,7 +301,10 @@ class WholeStepLoop:
         self.made += steps
         self.host_planned = False
         self.runner.device_steps += steps
-        flags, done = torch.stack((self.blocks.flags.long(), self.state.done.long())).tolist()   # the one read
+        if self.held.flags is None:
+            flags, done = 0, bool(self.state.done)      # the one read
+        else:
+            flags, done = torch.stack((self.held.flags.long(), self.state.done.long())).tolist()   # the one read
         if flags & device_blocks.POOL_EXHAUSTED:
             raise PoolExhausted("KV block pool exhausted in a decode step on the device")
         if flags:
@@ -321,25 +315,24 @@ class WholeStepLoop:
         return bool(done)
 
     def _take_back(self) -> None:
-        """The host takes the block state back from the device (the end of a layout's room, or of the call)."""
-        if self.blocks is None:
+        """The host takes the cache's state back from the device (the end of a layout's room, or of the call)."""
+        if self.held is None:
             return
-        blocks, self.blocks, self.graph = self.blocks, None, None     # (the graph stays in self.kept)
-        tables, lengths, refcount = device_blocks.host_state(blocks)
-        self.cache.restore_blocks(tables, lengths, refcount, self.base_length + int(blocks.steps), int(self.peak))
+        held, self.held, self.graph = self.held, None, None     # (the graph stays in self.kept)
+        held.take_back()
 
     # ---- one device step ------------------------------------------------------------------------------------
     def _device_step(self) -> None:
-        self._advance_blocks()
+        self._advance()
         self._choose(self._forward())
 
-    def _advance_blocks(self) -> None:
-        self.advance(self.blocks, self.device_plan, self.parents, self.state.done, self.peak)
+    def _advance(self) -> None:
+        self.held.advance(self.parents, self.state.done)
 
     def _forward(self) -> torch.Tensor:
         """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
         with the step context as its argument; else the model's own)."""
-        self.cache.begin_planned_step(self.device)
+        self.step_context = self.cache.begin_planned_step(self.device)     # (what the step ran: see capture_refusal)
         try:
             return self.runner.forward_step(self.inputs).logits
         finally:
@@ -360,6 +353,11 @@ class WholeStepLoop:
                 self._device_step()
             torch.cuda.current_stream().wait_stream(side)
             self.runner.eager_calls += 1
+            reason = self.held.capture_refusal(self.step_context)
+            if reason is not None:
+                self.capture = False
+                log_once(("whole step capture", reason), logging.INFO, "the whole decode step runs eagerly: %s", reason)
+                return
             started = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             try:
@@ -380,6 +378,7 @@ class WholeStepLoop:
             self.runner.capture_seconds += time.perf_counter() - started
 
 
+# ---- the cache's state on the device: one kind per cache kind --------------------------------------------------
 def advance(blocks: device_blocks.DeviceBlocks, plan, parents: torch.Tensor, done: torch.Tensor,
             peak: torch.Tensor) -> None:
     """The step's block bookkeeping: beam reorder by ``parents``, one token appended per row unless the call is
@@ -394,6 +393,110 @@ def advance(blocks: device_blocks.DeviceBlocks, plan, parents: torch.Tensor, don
     torch.maximum(peak, (blocks.refcount > 0).sum(), out=peak)
 
 
+class DeviceHold(Protocol):
+    """A cache's per-step state while the device holds it: what :class:`WholeStepLoop` needs of it. One kind per cache
+    kind (:func:`hold_kind`): :class:`BlocksHold` for a paged CascadeCache, ``dense_cache.DenseHold`` for the T5
+    family's StaticSelfAttentionCache. A kind also says how its cache takes the call's first inputs
+    (``positions_in_cache``: the decoder's positions are the cache's, not a step input), how a step runs on the host
+    (``host_forward``), which function advances it (``advance_fn``: compiled with ``compile``) and when the device can
+    take it (``take(loop)``: the hold, or None with the reason it never can, or None and None: not now)."""
+
+    room: int                         # device steps it may run before the host takes it back
+    key: tuple                        # what a captured step bakes in of it (shapes, addresses)
+    tensors: object                   # what its steps advance (a dataclass of tensors, kept with the captured step)
+    flags: torch.Tensor | None        # sticky overflow bits the host reads with the finished flag (None: no overflow)
+
+    def advance(self, parents: torch.Tensor, done: torch.Tensor) -> None:
+        """The step's bookkeeping from the last step's ``parents``: device ops only."""
+
+    def count_step(self) -> None:
+        """On the host, once per device step (outside any graph)."""
+
+    def capture_refusal(self, step_context) -> str | None:
+        """Why a device step that ran on ``step_context`` cannot be captured (None when it can)."""
+
+    def take_back(self) -> None:
+        """The host takes the state back (the end of the room, or of the call)."""
+
+
+class BlocksHold:
+    """A CascadeCache's block state while the device holds it (:mod:`hf_cascade.device_blocks`): the tables, lengths
+    and reference counts, the layout's plan buffers the steps write, the peak of blocks in use."""
+
+    advance_fn = staticmethod(advance)    # what the loop runs (compiled with CascadeConfig(compile=True))
+    positions_in_cache = False
+
+    def __init__(self, cache, blocks: device_blocks.DeviceBlocks, plan, room: int, key: tuple, peak, advance_fn):
+        self.cache, self.tensors, self.plan, self.room, self.key = cache, blocks, plan, room, key
+        self.peak, self._advance = peak, advance_fn
+        self.base_length = cache.logical_length
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.tensors.flags
+
+    @classmethod
+    def take(cls, loop) -> tuple["BlocksHold | None", str | None]:
+        """The block state of ``loop``'s cache handed to the device where the layout in force has room for another
+        step."""
+        cache, layout = loop.cache, loop.cache.layout
+        ctx = cache.step
+        if ctx is None or layout is None or ctx.plan.layout is not layout:
+            if loop.host_steps == 1:
+                # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
+                # rows empty, a padded prompt's last token a write mask); its second is
+                return None, None
+            return None, "the step was not planned on a static decode layout"
+        # the device writes the plan into the layout's buffers: every layer must read it from there
+        reason = loop.runner.replay_refusal(ctx)
+        if reason is not None:
+            return None, reason
+        manager = cache.blocks
+        bs = layout.block_size
+        room = layout.room(manager.lengths)
+        if room < 1:
+            return None, None
+        # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
+        # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
+        R = manager.num_rows
+        pool_blocks = max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
+        for layer in cache.layers:
+            if layer.storage is not None:
+                layer.storage.ensure(pool_blocks + 1)     # + the scratch block
+        blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device)
+        scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width",
+                                                    "token_limit"))
+        key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
+        loop.peak.zero_()
+        return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn), None
+
+    @staticmethod
+    def host_forward(cache, forward, inputs: dict, first: bool):
+        """One step on the host path (the block manager plans it; a layout that is outgrown widens here)."""
+        return forward(**inputs)
+
+    def advance(self, parents: torch.Tensor, done: torch.Tensor) -> None:
+        self._advance(self.tensors, self.plan, parents, done, self.peak)
+
+    def count_step(self) -> None:
+        self.cache.logical_length += 1
+
+    def capture_refusal(self, step_context) -> None:
+        return None         # (the host step's context was asked when the device took the state: take)
+
+    def take_back(self) -> None:
+        tables, lengths, refcount = device_blocks.host_state(self.tensors)
+        self.cache.restore_blocks(tables, lengths, refcount, self.base_length + int(self.tensors.steps),
+                                  int(self.peak))
+
+
+def hold_kind(cache) -> type:
+    """The :class:`DeviceHold` kind of ``cache``: the one it names (``device_hold``: a dense cache's), else the paged
+    cache's (asked so, not by the cache's type: whole_step stays below the dense caches' module)."""
+    return getattr(cache, "device_hold", None) or BlocksHold
+
+
+# ---- token choice ------------------------------------------------------------------------------------------------
 def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor,
            positions: tuple) -> None:
     """Token choice on ``logits [rows, vocab]``; the next step's ``input_ids [rows, 1]``, ``positions`` and
@@ -436,5 +539,6 @@ def _signature(tensors: dict) -> tuple:
     return tuple(sorted((k, one(v)) for k, v in tensors.items()))
 
 
-def _block_tensors(blocks: device_blocks.DeviceBlocks) -> dict:
-    return {name: value for name, value in vars(blocks).items() if isinstance(value, torch.Tensor)}
+def _tensors(held_tensors) -> dict:
+    """The tensors of a held state's dataclass (DeviceBlocks, dense_cache.DenseDeviceState), by name."""
+    return {name: value for name, value in vars(held_tensors).items() if isinstance(value, torch.Tensor)}

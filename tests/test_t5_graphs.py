@@ -8,7 +8,8 @@ tensor (the bias is computed from it on the device), follows beam reorders by a 
 gives the step's mask, which hf_cascade.patches.t5_mask hands to the decoder stack. On the CPU the runner's eager form
 (``cuda_graphs="eager"``) runs that static path without capture; the tests also freeze every host length the decoder
 could read in a decode step (as a replayed graph would) and still get stock's tokens. Every test checks that the
-runner served the steps (no "disabled" reason, replays). Tiny random models in float64 (stock sdpa and eager, and
+runner served the steps (no "disabled" reason, replays) inside transformers' loop (``whole_step=False``; the whole
+step on the device: tests/test_whole_step_t5.py). Tiny random models in float64 (stock sdpa and eager, and
 cascade, same weights); beam search with flan-t5's usual settings (4 beams, no_repeat_ngram_size, length_penalty),
 greedy and sampling, padded sources, decoder prompts longer than one token (padded too).
 
@@ -28,7 +29,7 @@ import transformers as T
 from transformers import AutoModelForSeq2SeqLM
 
 import hf_cascade  # noqa: F401  registers "cascade", applies the patches
-from hf_cascade import cross_kv, dense_cache, logs, seq2seq_models
+from hf_cascade import cross_kv, dense_cache, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
@@ -37,7 +38,8 @@ from test_seq2seq_graphs import assert_same, assert_served   # (the same NEW: 10
 
 VOCAB = 96
 NEW = 10
-_STATIC = CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4)
+# transformers' loop around the runner's static steps (the whole step on the device: tests/test_whole_step_t5.py)
+_STATIC = CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4, whole_step=False)
 
 
 def _t5_like(cls, **extra):
@@ -356,25 +358,6 @@ def test_patch_relies_on_what_it_checks():
         assert hasattr(stack_cls.forward, "__hf_cascade_original__")
     for family in ("t5", "mt5", "umt5"):
         assert seq2seq_models.static_mask_reason(pair(family)[1]) is None
-
-
-def test_whole_step_refused_for_the_dense_cache_with_the_reason(monkeypatch, caplog):
-    """Without per-step outputs a call would go to the whole step on the device; T5's dense self-attention cache has
-    no block state for it, so the call keeps transformers' loop on the runner (logged), with stock's tokens."""
-    stock, cascade = pair("t5")
-    ids, mask = sources()
-    spy = RunnerSpy(monkeypatch)
-    monkeypatch.setattr(logs, "_logged", set())         # the reason shows though an earlier test logged it
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **MODES["beam"])
-    torch.manual_seed(1234)
-    want = stock.generate(**kw)
-    torch.manual_seed(1234)
-    with caplog.at_level("INFO", logger="hf_cascade"):
-        got = cascade.generate(**kw, hf_cascade_config=_STATIC)
-    assert torch.equal(want, got)
-    assert_served(spy)
-    assert all(r.device_steps == 0 for r in spy.runners if r is not None)
-    assert any("dense decoder self-attention cache" in r.getMessage() for r in caplog.records)
 
 
 def test_longt5_is_refused_with_the_reason():

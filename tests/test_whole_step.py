@@ -219,7 +219,7 @@ def test_a_second_call_of_the_same_shape_reuses_the_kept_step(llama_pair, runner
                          # vmm pools stay: tests/test_gpu_whole_step.py checks that a second call captures nothing)
     first = _generate(cascade, ids, mask, config=config, **kw)
     kept = runner_spy.runners[-1].whole_step_kept
-    assert kept is not None and kept.blocks is not None
+    assert kept is not None and kept.held_tensors is not None
     sequences = kept.state.sequences
     other_ids = torch.randint(4, VOCAB, ids.shape, generator=torch.Generator().manual_seed(3)).masked_fill(mask == 0, 0)
     second = _generate(cascade, other_ids, mask, config=config, **kw)
