@@ -9,7 +9,8 @@ Random-weight models of the real shapes, bf16, each with its checkpoint's own ge
   4 beams, 64-128 new tokens, its pad token banned (bad_words_ids, as the checkpoint's config);
 - nllb-600M shape (M2M100, 12+12 layers, d 1024, vocab 256206): the same sentences, 4 beams, 64-128 new tokens,
   the target language's token forced first (forced_bos_token_id);
-- flan-t5-large: 32 sources of 512 tokens, 4 beams, ``--new`` tokens (its decoder self-attention stays dense).
+- flan-t5-large: 32 sources of 512 tokens, 4 beams, ``--new`` tokens (its decoder self-attention on the static dense
+  cache, held on the device by the whole step).
 
 Per model: one warm-up of each at the measured shape, then ``--rounds`` interleaved rounds (stock, cascade, stock,
 cascade, ...) of ``generate`` with the model's settings and with one new token; medians. Reported per side: the step
