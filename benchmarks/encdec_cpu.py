@@ -8,7 +8,8 @@ length); Whisper through its own generate on 30 s of audio (1500 encoder frames)
 cascade, stock, cascade, ...; default 1), medians of each side. Reported: CPU seconds of the generating thread,
 wall seconds, peak RSS above the RSS at the start of generate (sampled every millisecond; the script re-executes
 itself with MALLOC_MMAP_THRESHOLD_=65536 so freed tensors go back to the OS), and whether the tokens are the same.
-Targets (issue 11): whisper-base time <= 0.3x and peak <= 0.2x stock's; t5-small and bart-base time <= 0.45x.
+Targets: whisper-base time <= 0.3x and peak <= 0.2x stock's (issue 11); t5-small and bart-base time <= 0.4x (issue 21;
+0.45x in issue 11).
 
     python benchmarks/encdec_cpu.py [--models whisper-base,t5-small,bart-base] [--new 64] [--beams 8] [--rounds 1]
 """
@@ -36,7 +37,7 @@ import harness  # noqa: E402
 import hf_cascade  # noqa: E402,F401  registers "cascade"
 
 SOURCE_LEN, BATCH = 512, 2
-TARGETS = {"whisper-base": dict(time=0.3, peak=0.2), "t5-small": dict(time=0.45), "bart-base": dict(time=0.45)}
+TARGETS = {"whisper-base": dict(time=0.3, peak=0.2), "t5-small": dict(time=0.4), "bart-base": dict(time=0.4)}
 
 
 def _config(name):
