@@ -9,8 +9,8 @@ Random-weight models of the real shapes, bf16, each with its checkpoint's own ge
   4 beams, 64-128 new tokens, its pad token banned (bad_words_ids, as the checkpoint's config);
 - nllb-600M shape (M2M100, 12+12 layers, d 1024, vocab 256206): the same sentences, 4 beams, 64-128 new tokens,
   the target language's token forced first (forced_bos_token_id);
-- flan-t5-large: 32 sources of 512 tokens, 4 beams, ``--new`` tokens (its decoder self-attention on the static dense
-  cache, held on the device by the whole step).
+- flan-t5-large: 32 sources of 512 tokens, 4 beams, 64-128 new tokens (its decoder self-attention on the static
+  dense cache, held on the device by the whole step).
 
 Per model: one warm-up of each at the measured shape, then ``--rounds`` interleaved rounds (stock, cascade, stock,
 cascade, ...) of ``generate`` with the model's settings and with one new token; medians. Reported per side: the step
@@ -74,9 +74,10 @@ def settings(name, new: int, scale: str) -> dict:
     if name.startswith("bart"):        # facebook/bart-large-cnn
         return dict(num_beams=4, no_repeat_ngram_size=3, length_penalty=2.0, min_length=6 if tiny else 56,
                     max_length=12 if tiny else 142, early_stopping=True, forced_bos_token_id=0, forced_eos_token_id=2)
-    if name.startswith(("opus", "nllb")):   # 64-128 new tokens
+    if name.startswith(("opus", "nllb", "flan")):   # 64-128 new tokens (issue 21's shapes)
         lengths = dict(min_new_tokens=4, max_new_tokens=8) if tiny else dict(min_new_tokens=64, max_new_tokens=128)
-        own = dict(bad_words_ids=[[OPUS_PAD]]) if name.startswith("opus") else dict(forced_bos_token_id=NLLB_DEU)
+        own = (dict(bad_words_ids=[[OPUS_PAD]]) if name.startswith("opus") else
+               dict(forced_bos_token_id=NLLB_DEU) if name.startswith("nllb") else {})
         return dict(num_beams=4, **lengths, **own)
     beams = SHAPES[name][2]
     return dict(num_beams=beams, max_new_tokens=new, min_new_tokens=new)
