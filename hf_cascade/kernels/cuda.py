@@ -9,6 +9,10 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
+With ``$HF_CASCADE_FUSED_MERGE=1`` (:data:`fused_merge`) a layer whose suffix runs in one split launches the suffix
+kernel with the merge fused into its epilogue (``hf_cascade::suffix_merge``): two launches a layer instead of three,
+and the suffix partial never goes to memory.
+
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
 bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +80,12 @@ __all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebu
 logger = logging.getLogger("hf_cascade")
 
 LOG2E = 1.0 / math.log(2.0)
+
+# The merge fused into the suffix kernel where the suffix runs in one split ("1"). Opt-in until it has run on a GPU
+# (tests/test_gpu_kernels.py test_fused_merge_equals_suffix_then_merge, then the generate tests): it was written in a
+# session without one. A plain flag, read per launch and per launch state (tests set it).
+FUSED_MERGE_ENV = "HF_CASCADE_FUSED_MERGE"
+fused_merge = os.environ.get(FUSED_MERGE_ENV, "") == "1"
 
 
 @dataclass
@@ -330,6 +341,11 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
                        mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
                        st.max_chunks, softcap, 0, mid.tune, **kv)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
+    if fused_merge and st.nsplit == 1:     # the merge in the suffix kernel's epilogue: one launch and round trip less
+        kernels.suffix_merge(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.row_nchunks, out,
+                             st.split_tokens, st.suffix_slot0, scale_log2, softcap, window,
+                             st.row_nmid if three else None, st.max_chunks, sinks, **kv)
+        return
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
     kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
