@@ -477,6 +477,48 @@ def test_the_fused_merge_needs_one_split(monkeypatch):
     check_launches(emu, False)
 
 
+def _as_static(plan, device="cpu"):
+    """``plan`` as a static decode step sees it (``static`` True) with its per-step device tensors (a stand-in for a
+    DecodeLayout's buffers: _step_state reads only ``static`` and the tables' width)."""
+    plan.on(device)
+    plan.layout = object()
+    assert plan.static
+    return plan
+
+
+@pytest.mark.parametrize("width_blocks", [24, 32, 33, 80])
+def test_a_static_layout_takes_one_split_for_the_fused_merge(width_blocks, monkeypatch):
+    """cuda_tuning.FUSED_ONE_SPLIT_TOKENS: with the flag on, a static layout whose suffix capacity is at most that many
+    tokens runs its suffix in one split (so the merge is fused); a longer one, or the flag off, keeps the split rule."""
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", cuda_tuning.choose_suffix_split)
+    bs = 16
+    lay = random_layout(74, groups=((4, 200),), lone_rows=4, suffix=(1, 20), Lq=1, Hkv=2, ratio=4, D=64, bs=bs,
+                        dtype=torch.float32)
+    splits = {}
+    for flag in (False, True):
+        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
+        plan = step_plan(lay)
+        plan.suffix_table = np.concatenate(       # the static capacity: a wider table, its extra entries unused
+            [plan.suffix_table, np.full((plan.suffix_table.shape[0], width_blocks - plan.suffix_table.shape[1]), -1,
+                                        plan.suffix_table.dtype)], axis=1)
+        st = cuda_backend.BACKEND.build(_as_static(plan), lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16),
+                                        lib=_FakeLib())
+        splits[flag] = (st.split_tokens, st.nsplit)
+        assert st.split_tokens * st.nsplit >= width_blocks * bs
+    # a step's launch states are keyed by the flag too: a state built with it off is not reused with it on
+    keys = []
+    for flag in (False, True):
+        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
+        keys.append(cuda_backend.BACKEND.metadata_key(lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16), Quirks()))
+    assert keys[0] != keys[1]
+    capacity = width_blocks * bs
+    assert splits[False][1] > 1          # the split rule (16 SMs here) splits every one of these capacities
+    if capacity <= cuda_tuning.FUSED_ONE_SPLIT_TOKENS:
+        assert splits[True] == (capacity, 1)
+    else:
+        assert splits[True] == splits[False]
+
+
 def emulated_write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:
     """csrc/write.cu transliterated: the pool, K and V as arrays of 16-byte vectors; the copy kernel's CTAs (pair i,
     its parts) then the write kernel's (token i, K or V), with the same skips and vector offsets."""
