@@ -2,11 +2,13 @@
 // middle-level chunks' slots [mid_slot0, mid_slot0 + row_nmid[r]), and its suffix slots [slot0, slot0 + nsplit))
 // into the output in q's dtype; one warp per (row, query, head). An attention sink is one more partial (O = 0,
 // LSE = sinks[h] x log2 e): it joins the maximum and the weight sum only. All -inf (and no sink) -> 0, never NaN.
-// Semantics: hf_cascade/kernels/reference.py (merge_state, merge_sink); layouts: csrc/include/hfc/params.h.
+// The merge's math (slot order, weights): csrc/include/hfc/merge_math.cuh, shared with the suffix kernel's fused
+// epilogue. Semantics: hf_cascade/kernels/reference.py (merge_state, merge_sink); layouts: csrc/include/hfc/params.h.
 
 #include "hfc/common.cuh"
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
+#include "hfc/merge_math.cuh"
 
 namespace hfc {
 namespace {
@@ -32,15 +34,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const __grid_constant__
   // slot s of the row's list: prefix chunks, then (three levels) middle chunks, then suffix splits
   const int nmid = (EXTRA && row_nmid != nullptr) ? row_nmid[r] : 0;
   const int nslots = npre + nmid + nsplit;
-  auto slot_of = [&](int s) {
-    return s < npre ? s : s < npre + nmid ? mid_slot0 + (s - npre) : slot0 + (s - npre - nmid);
-  };
+  const RowSlots slots{npre, nmid, mid_slot0, slot0};
 
-  float mx = neg_inf();
-  for (int s = lane; s < nslots; s += 32) mx = fmaxf(mx, part_lse[(int64_t)slot_of(s) * total + item]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
-  const float sink = (EXTRA && sinks != nullptr) ? sinks[item % Hq] * 1.4426950408889634f : neg_inf();
+  float mx = warp_max_lse(part_lse, total, item, slots, nslots, lane);
+  const float sink = EXTRA ? sink_lse(sinks, (int)(item % Hq)) : neg_inf();
   if (EXTRA) mx = fmaxf(mx, sink);
 
   float acc[EPL];
@@ -49,31 +46,25 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const __grid_constant__
   float wsum = 0.0f;
   if (mx != neg_inf()) {
     if (EXTRA && sink != neg_inf()) wsum = exp2f(sink - mx);  // the sink's weight, with no value
-    for (int s = 0; s < nslots; ++s) {
-      const int slot = slot_of(s);
-      const int64_t at = (int64_t)slot * total + item;
-      const float lse = part_lse[at];
-      if (lse == neg_inf()) continue;  // same for the whole warp
-      const float w = exp2f(lse - mx);
-      wsum += w;
+    merge_slots(part_lse, total, item, slots, nslots, mx, wsum, acc, [&](int64_t at, float (&v)[EPL]) {
       const float* src = part_o + at * D + lane * EPL;
       if constexpr (EPL == 2) {
-        const float2 v = *reinterpret_cast<const float2*>(src);
-        acc[0] = fmaf(w, v.x, acc[0]);
-        acc[1] = fmaf(w, v.y, acc[1]);
+        const float2 v2 = *reinterpret_cast<const float2*>(src);
+        v[0] = v2.x;
+        v[1] = v2.y;
       } else {
 #pragma unroll
         for (int e4 = 0; e4 < EPL / 4; ++e4) {
-          const float4 v = *reinterpret_cast<const float4*>(src + e4 * 4);
-          acc[e4 * 4 + 0] = fmaf(w, v.x, acc[e4 * 4 + 0]);
-          acc[e4 * 4 + 1] = fmaf(w, v.y, acc[e4 * 4 + 1]);
-          acc[e4 * 4 + 2] = fmaf(w, v.z, acc[e4 * 4 + 2]);
-          acc[e4 * 4 + 3] = fmaf(w, v.w, acc[e4 * 4 + 3]);
+          const float4 v4 = *reinterpret_cast<const float4*>(src + e4 * 4);
+          v[e4 * 4 + 0] = v4.x;
+          v[e4 * 4 + 1] = v4.y;
+          v[e4 * 4 + 2] = v4.z;
+          v[e4 * 4 + 3] = v4.w;
         }
       }
-    }
+    });
   }
-  const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+  const float inv = merge_norm(wsum);
   T* dst = out + item * D + lane * EPL;
 #pragma unroll
   for (int e = 0; e < EPL; ++e) dst[e] = Cvt<T>::from_float(acc[e] * inv);

@@ -4,11 +4,15 @@
 // Grid: one CTA per (suffix split x query block, KV head, row). A CTA takes up to kQB = 4 query vectors of the row
 // for that KV head against the row's suffix tokens [split range), query (lq) seeing the first q_limit[r, lq] of
 // them. Each token is read by D/8 lanes (16 bytes each), several tokens per warp, online softmax per lane group,
-// warp and CTA reductions at the end. Writes one partial into slot `slot0 + split`.
+// warp and CTA reductions at the end. Writes one partial into slot `slot0 + split`; or, with the merge fused in
+// (hfc_suffix_params.fuse_merge, one split), merges it as the row's last partial with the row's prefix partials and
+// writes the output (csrc/include/hfc/merge_math.cuh: the merge kernel's steps in its order), saving the merge's
+// launch and the round trip of the suffix partial.
 
 #include "hfc/common.cuh"
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
+#include "hfc/merge_math.cuh"
 
 #include <type_traits>
 
@@ -21,7 +25,9 @@ constexpr int kQB = 4;  // query vectors per CTA (SUFFIX_QB in hf_cascade/kernel
 // softcap, logit = cap_out x tanh(cap_in x s) with s the log2-domain dot product; window > 0: query lq sees
 // the suffix tokens [q_limit - window, q_limit). F8: the pool holds float8_e4m3fn (HFC_KV_FP8_E4M3): a lane loads
 // its 8 elements as 8 bytes and converts them; K's scale of the CTA's KV head joins the query's, V's the output's.
-template <typename T, int D, bool VAR, bool F8 = false>
+// FUSE: the merge fused in (nsplit 1): the output instead of a partial (the instantiations without it are the code
+// from before it).
+template <typename T, int D, bool VAR, bool F8 = false, bool FUSE = false>
 __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant__ hfc_suffix_params p) {
   using KV = std::conditional_t<F8, uint8_t, T>;     // a pool element
   using Raw = std::conditional_t<F8, uint2, uint4>;  // a lane's 8 elements of one token
@@ -194,15 +200,13 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
       }
     }
   }
-  __syncthreads();
-  for (int idx = tid; idx < kQB * D; idx += kThreads) {
-    const int qi = idx / D, d = idx % D;
-    const int qidx = qb * kQB + qi;
-    if (qidx >= nq) continue;
-    float mx = neg_inf();
+  // the CTA's state of query qi at element d, its warps' merged: maximum mx, weight sum L, output sum O
+  auto cta_state = [&](int qi, int d, float& mx, float& L, float& O) {
+    mx = neg_inf();
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][qi]);
-    float L = 0.0f, O = 0.0f;
+    L = 0.0f;
+    O = 0.0f;
     if (mx != neg_inf()) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
@@ -212,12 +216,76 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
         O += a * red_o[w][qi][d];
       }
     }
-    const bool any = L > 0.0f;
-    const int lq = qidx / grp, j = qidx - lq * grp;
-    const int64_t item = (((int64_t)(slot0 + split) * R + r) * Lq + lq) * Hq + (int64_t)h * grp + j;
-    part_o[item * D + d] = any ? (F8 ? O / L * v_scale : O / L) : 0.0f;
-    if (d == 0) part_lse[item] = any ? mx + log2f(L) : neg_inf();
+  };
+  if constexpr (FUSE) {
+    // the merge kernel's steps (csrc/include/hfc/merge_math.cuh) per (query, d): the row's prefix slots, its middle
+    // slots, then this CTA's suffix state as the last partial (the values the unfused kernel writes), against the
+    // maximum over all of them and the sink. First the maximum of the slots and the sink, one warp per query as the
+    // merge kernel's warp finds it (the suffix LSE joins it per element below).
+    static_assert(kWarps == kQB, "the fused merge takes one warp per query of the CTA for its maximum");
+    __shared__ float slots_mx[kQB];
+    const int64_t total = (int64_t)R * Lq * Hq;
+    const int npre = __ldg(p.row_nchunks + r);
+    const int nmid = p.row_nmid != nullptr ? __ldg(p.row_nmid + r) : 0;
+    const RowSlots slots{npre, nmid, (int)p.mid_slot0, 0};
+    const int qidx_w = qb * kQB + warp;
+    if (qidx_w < nq) {  // the whole warp
+      const int lq = qidx_w / grp, j = qidx_w - lq * grp;
+      const int64_t item = ((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j;
+      const float mx = warp_max_lse(part_lse, total, item, slots, npre + nmid, lane);
+      if (lane == 0) slots_mx[warp] = fmaxf(mx, sink_lse(p.sinks, h * grp + j));
+    }
+    __syncthreads();
+    T* __restrict__ out = static_cast<T*>(p.out);
+    for (int idx = tid; idx < kQB * D; idx += kThreads) {
+      const int qi = idx / D, d = idx % D;
+      const int qidx = qb * kQB + qi;
+      if (qidx >= nq) continue;
+      float mx, L, O;
+      cta_state(qi, d, mx, L, O);
+      const bool any = L > 0.0f;
+      const float lse_s = any ? mx + log2f(L) : neg_inf();
+      const float o_s[1] = {any ? (F8 ? O / L * v_scale : O / L) : 0.0f};
+      const int lq = qidx / grp, j = qidx - lq * grp;
+      const int64_t item = ((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j;
+      const float m_all = fmaxf(slots_mx[qi], lse_s);
+      float acc[1] = {0.0f};
+      float wsum = 0.0f;
+      if (m_all != neg_inf()) {
+        const float sink = sink_lse(p.sinks, h * grp + j);
+        if (sink != neg_inf()) wsum = exp2f(sink - m_all);  // the sink's weight, with no value
+        merge_slots(part_lse, total, item, slots, npre + nmid, m_all, wsum, acc,
+                    [&](int64_t at, float (&v)[1]) { v[0] = part_o[at * D + d]; });
+        if (lse_s != neg_inf()) merge_add(lse_s, o_s, m_all, wsum, acc);
+      }
+      out[item * D + d] = Cvt<T>::from_float(acc[0] * merge_norm(wsum));
+    }
+  } else {
+    __syncthreads();
+    for (int idx = tid; idx < kQB * D; idx += kThreads) {
+      const int qi = idx / D, d = idx % D;
+      const int qidx = qb * kQB + qi;
+      if (qidx >= nq) continue;
+      float mx, L, O;
+      cta_state(qi, d, mx, L, O);
+      const bool any = L > 0.0f;
+      const int lq = qidx / grp, j = qidx - lq * grp;
+      const int64_t item = (((int64_t)(slot0 + split) * R + r) * Lq + lq) * Hq + (int64_t)h * grp + j;
+      part_o[item * D + d] = any ? (F8 ? O / L * v_scale : O / L) : 0.0f;
+      if (d == 0) part_lse[item] = any ? mx + log2f(L) : neg_inf();
+    }
   }
+}
+
+template <typename T, int D, bool FUSE>
+void launch_kernel(const hfc_suffix_params& p, dim3 grid, cudaStream_t stream) {
+  const bool var = p.softcap > 0.0f || p.window > 0;
+  if (p.kv_dtype == HFC_KV_FP8_E4M3)
+    (var ? suffix_kernel<T, D, true, true, FUSE>
+         : suffix_kernel<T, D, false, true, FUSE>)<<<grid, kThreads, 0, stream>>>(p);
+  else
+    (var ? suffix_kernel<T, D, true, false, FUSE>
+         : suffix_kernel<T, D, false, false, FUSE>)<<<grid, kThreads, 0, stream>>>(p);
 }
 
 template <typename T, int D>
@@ -226,11 +294,10 @@ cudaError_t launch_t(const hfc_suffix_params& p, cudaStream_t stream) {
   const long long gx = (long long)p.nsplit * nqb;
   if (!fits_int(gx) || p.Hkv > 65535 || p.R > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.R);
-  const bool var = p.softcap > 0.0f || p.window > 0;
-  if (p.kv_dtype == HFC_KV_FP8_E4M3)
-    (var ? suffix_kernel<T, D, true, true> : suffix_kernel<T, D, false, true>)<<<grid, kThreads, 0, stream>>>(p);
+  if (p.fuse_merge)
+    launch_kernel<T, D, true>(p, grid, stream);
   else
-    (var ? suffix_kernel<T, D, true> : suffix_kernel<T, D, false>)<<<grid, kThreads, 0, stream>>>(p);
+    launch_kernel<T, D, false>(p, grid, stream);
   return cudaGetLastError();
 }
 
@@ -249,6 +316,18 @@ cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream) {
                 (int)p.kv_dtype, HFC_KV_SAME, HFC_KV_FP8_E4M3);
   if (p.kv_dtype == HFC_KV_FP8_E4M3 && p.kv_scale == nullptr)
     return fail(cudaErrorInvalidValue, "suffix: a float8_e4m3fn pool needs kv_scale");
+  if (p.fuse_merge != 0) {
+    if (p.fuse_merge != 1)
+      return fail(cudaErrorInvalidValue, "suffix: fuse_merge %d (0: off, 1: the merge fused in)", (int)p.fuse_merge);
+    if (p.nsplit != 1)
+      return fail(cudaErrorInvalidValue, "suffix: the fused merge takes one suffix split, got nsplit %lld (launch "
+                  "the suffix unfused and the merge kernel after it)", (long long)p.nsplit);
+    if (p.row_nchunks == nullptr || p.out == nullptr)
+      return fail(cudaErrorInvalidValue, "suffix: the fused merge needs row_nchunks and out");
+    if (!fits_int(p.mid_slot0) || !fits_int(p.R * p.Lq * p.Hq))
+      return fail(cudaErrorInvalidValue, "suffix: the fused merge's mid_slot0 %lld or R x Lq x Hq %lld exceeds int",
+                  (long long)p.mid_slot0, (long long)(p.R * p.Lq * p.Hq));
+  }
   if (p.R == 0) return cudaSuccess;
   HFC_DISPATCH_DTYPE(p.dtype, T, HFC_DISPATCH_HEAD_DIM(p.head_dim, D, return launch_t<T, D>(p, stream);))
 }

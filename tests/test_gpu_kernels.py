@@ -13,6 +13,10 @@ sinks x GQA ratio x head_dim x dtype, prefixes up to 4k, suffixes up to 300) aga
 three-level plans (a shared system prompt, each prompt's rest, each row's suffix) against the reference's
 three-level attention.
 
+The merge fused into the suffix kernel ($HF_CASCADE_FUSED_MERGE) runs on the same kinds of layouts (shape grid,
+variants, three levels, fp8) against the unfused suffix + merge (bitwise: the same steps in the same order), eagerly
+and replayed from a CUDA graph.
+
 Run on the GPU machine:  PYTHONPATH=. python -m pytest -q -m gpu tests/test_gpu_kernels.py
 """
 from __future__ import annotations
@@ -394,3 +398,136 @@ def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies, monkeypa
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))
+
+
+# ------------------------------------------------------------- the merge fused into the suffix kernel (GPU)
+
+def _one_split(monkeypatch):
+    """Every suffix in one split, so that both paths run on the same launch state shape (the fused merge takes one)."""
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, **kw: (max(tmax, 1), 1))
+
+
+def _fused_and_unfused(q, pool, plan, scale, quirks, monkeypatch):
+    """The layer with $HF_CASCADE_FUSED_MERGE off (suffix, then merge) and on (one launch less): both outputs, each
+    checked against the float32 reference."""
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
+        metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
+        assert metadata.nsplit == 1
+        outs.append(cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs()))
+        torch.cuda.synchronize()
+        ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(
+            softcap=quirks.softcap, window=quirks.window, sinks=None if quirks.sinks is None else quirks.sinks.float()))
+        compare(outs[-1], ref, q)
+    return outs
+
+
+def _same_as_unfused(fused, unfused) -> None:
+    """The fused epilogue runs the merge kernel's steps in its order on the same float32 values (the suffix partial the
+    unfused kernel stores): bitwise equal (within bf16 rounding would do; the assertion is the stronger claim)."""
+    diff = (fused.float() - unfused.float()).abs().max().item()
+    assert torch.equal(fused, unfused), f"fused merge differs from suffix + merge by up to {diff:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("ratio", [1, 8])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+def test_fused_merge_equals_suffix_then_merge(dtype, D, ratio, Lq, monkeypatch):
+    """$HF_CASCADE_FUSED_MERGE (csrc/suffix.cu FUSE): the shape grid's layouts (groups of different sizes, an empty
+    prefix, rows in no group, prefixes ending inside a block, NaN in unused slots; Lq 3 with random limits)."""
+    _one_split(monkeypatch)
+    Hkv = {1: 8, 8: 2}[ratio]
+    q, pool, plan, scale = make_case(2000 + D + ratio + Lq + (dtype == FP), dtype=dtype, D=D, Hkv=Hkv, ratio=ratio,
+                                     bs=16, Lq=Lq, random_limits=Lq > 1, lone_rows=2, suffix=(1, 100),
+                                     groups=((8, 16 * 7 * 2 + 5), (3, 17), (2, 0), (5, 1500)))
+    _same_as_unfused(*reversed(_fused_and_unfused(q, pool, plan, scale, Quirks(), monkeypatch)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,softcap,with_sinks", [(None, None, True), (37, None, False), (None, SOFTCAP, True),
+                                                       (1000, SOFTCAP, True), (1, None, False)])
+def test_fused_merge_with_variants(window, softcap, with_sinks, monkeypatch):
+    _one_split(monkeypatch)
+    q, pool, plan, scale = make_case(2100, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, Lq=3, random_limits=True,
+                                     lone_rows=2, suffix=(1, 300), groups=((4, 3000), (2, 200), (2, 0)))
+    sinks = (2.0 * torch.randn(q.shape[2], generator=torch.Generator().manual_seed(7))).cuda() if with_sinks else None
+    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
+    _same_as_unfused(*reversed(_fused_and_unfused(q, pool, plan, scale, quirks, monkeypatch)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_fused_merge_three_levels_and_fp8(D, monkeypatch):
+    """A three-level plan (the middle level's slots from mid_slot0) with sinks, and an fp8 pool (V's scale applied to
+    the suffix state before the merge, as the unfused kernel applies it to its partial)."""
+    from test_reference_kernels import make_three_level
+    from test_gpu_fp8 import case as fp8_case
+    _one_split(monkeypatch)
+    lay = make_three_level(2200 + D, Lq=2, Hkv=2, ratio=4, D=D, bs=16, dtype=torch.float32)
+    q, pool = lay.q.to("cuda", BF), lay.pool.to("cuda", BF)
+    plan = step_plan(lay)
+    quirks = Quirks(sinks=lay.sinks.cuda(), softcap=SOFTCAP)
+    _same_as_unfused(*reversed(_fused_and_unfused(q, pool, plan, lay.scale, quirks, monkeypatch)))
+    assert states(plan)[0].three
+    q8, pool8, plan8, scale8 = fp8_case(2300 + D, D=D, groups=((4, 700), (3, 40)), suffix=(1, 200))
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
+        outs.append(cuda_attend(q8, pool8, plan8, scale8))
+    torch.cuda.synchronize()
+    _same_as_unfused(outs[1], outs[0])
+
+
+@pytest.mark.gpu
+def test_fused_merge_replays_from_a_cuda_graph(monkeypatch):
+    """The fused launch captured in a CUDA graph replays what it computes eagerly, after the queries change."""
+    monkeypatch.setattr(cuda_binding, "debug_sync", False)   # no device synchronisation inside a capture
+    _one_split(monkeypatch)
+    monkeypatch.setattr(cuda_backend, "fused_merge", True)
+    q, pool, plan, scale = make_case(2400, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((4, 700), (3, 40)),
+                                     lone_rows=1, suffix=(1, 300))
+    sinks = torch.randn(q.shape[2], device="cuda")
+    quirks = Quirks(sinks=sinks)
+    cuda_attend(q, pool, plan, scale, quirks)             # the step state and the prefix kernel's setup
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_attend(q, pool, plan, scale, quirks)
+    for seed in (1, 2):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = cuda_attend(q.clone(), pool, plan, scale, quirks)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        monkeypatch.setattr(cuda_backend, "fused_merge", False)
+        _same_as_unfused(out, cuda_attend(q.clone(), pool, plan, scale, quirks))
+        monkeypatch.setattr(cuda_backend, "fused_merge", True)
+
+
+@pytest.mark.gpu
+def test_the_suffix_launcher_refuses_a_fused_merge_it_cannot_run():
+    """csrc/suffix.cu's launcher: the fused merge takes one split, and needs row_nchunks and out."""
+    q, pool, plan, scale = make_case(2500, dtype=BF, D=64, Hkv=2, ratio=2, bs=16, groups=((2, 40),), lone_rows=1,
+                                     suffix=(1, 20))
+    st = cuda_backend.BACKEND.build(plan, q, pool)
+    lib = cuda_backend.library(q.device)
+    dp, out = st.dp, torch.empty_like(q)
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (q, pool, dp.suffix_table, dp.q_limit, st.part_o, st.part_lse, st.split_tokens)
+    with pytest.raises(RuntimeError, match="the fused merge takes one suffix split, got nsplit 2"):
+        lib.suffix(*args, 2, st.suffix_slot0, 0.1, stream, merge=(st.row_nchunks, out, None, 0, None))
+    with pytest.raises(RuntimeError, match="the fused merge needs row_nchunks and out"):
+        lib.suffix(*args, 1, st.suffix_slot0, 0.1, stream,
+                   merge=(st.row_nchunks, _NoTensor(), None, 0, None))
+
+
+class _NoTensor:
+    """A stand-in for a tensor at address 0 (NULL: a fused launch without its output)."""
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0

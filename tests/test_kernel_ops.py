@@ -50,6 +50,11 @@ def call(name, a):
         return torch.ops.hf_cascade.suffix(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
                                            a["part_lse"], a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"],
                                            a["softcap"], a["window"])
+    if name == "suffix_merge":     # the suffix in one split with the merge fused in
+        return torch.ops.hf_cascade.suffix_merge(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
+                                                 a["part_lse"], a["row_nchunks"], a["out"], a["split_tokens"],
+                                                 a["slot0"], a["scale_log2"], a["softcap"], a["window"], a["row_nmid"],
+                                                 a["mid_slot0"], a["sinks"])
     return torch.ops.hf_cascade.merge(a["part_o"], a["part_lse"], a["row_nchunks"], a["out"], a["slot0"], a["nsplit"],
                                       a["row_nmid"], a["mid_slot0"], a["sinks"])
 
@@ -84,7 +89,7 @@ def test_fake_implementations_take_consistent_shapes(dtype, D, m_tile, Lq, Hq, H
     with FakeTensorMode():
         a = layout(dtype=dtype, D=D, m_tile=m_tile, Lq=Lq, Hq=Hq, Hkv=Hkv)
         shapes = {k: tuple(v.shape) for k, v in a.items() if isinstance(v, torch.Tensor)}
-        for name in ("prefix", "suffix", "merge"):
+        for name in ("prefix", "suffix", "merge", "suffix_merge"):
             assert call(name, a) is None
         # the operators write into the buffers they are given: nothing is reshaped or replaced
         assert {k: tuple(v.shape) for k, v in a.items() if isinstance(v, torch.Tensor)} == shapes
@@ -121,6 +126,16 @@ BAD = [  # (operator, argument, how it is wrong, exception) -> the message must 
     ("merge", "sinks", lambda a: torch.empty(5, device=a["out"].device), ValueError),
     ("merge", "sinks", lambda a: torch.empty(8, dtype=torch.bfloat16, device=a["out"].device), TypeError),
     ("merge", "row_nmid", lambda a: _shaped(a["row_nchunks"], 4), ValueError),
+    # the suffix with the merge fused in: the suffix's arguments and the merge's
+    ("suffix_merge", "q_limit", lambda a: _shaped(a["q_limit"], 6, 2), ValueError),
+    ("suffix_merge", "out", lambda a: a["out"].half(), TypeError),
+    ("suffix_merge", "out", lambda a: _shaped(a["out"], 6, 1, 8, 64), ValueError),
+    ("suffix_merge", "row_nchunks", lambda a: _shaped(a["row_nchunks"], 5), ValueError),
+    ("suffix_merge", "row_nmid", lambda a: _shaped(a["row_nchunks"], 4), ValueError),
+    ("suffix_merge", "sinks", lambda a: torch.empty(5, device=a["out"].device), ValueError),
+    ("suffix_merge", "part_o", lambda a: _shaped(a["part_o"], 10), ValueError),
+    ("suffix_merge", "split_tokens", 0, ValueError),
+    ("suffix_merge", "window", -3, ValueError),
 ]
 
 
@@ -135,6 +150,16 @@ def test_fake_implementations_name_the_wrong_argument(op, arg, value, exc):
             call(op, bad)
 
 
+def test_the_fused_suffix_merge_refuses_a_middle_level_after_the_suffix():
+    with FakeTensorMode():
+        a = layout()
+        nmid = torch.empty_like(a["row_nchunks"])
+        call("suffix_merge", {**a, "row_nmid": nmid})
+        with pytest.raises(ValueError, match=r"hf_cascade::suffix_merge: the middle level's slots \(from 3\) must come "
+                                             r"before the suffix's \(2\)"):
+            call("suffix_merge", {**a, "row_nmid": nmid, "mid_slot0": 3})
+
+
 def test_m_tile_64_needs_head_dim_at_most_128():
     with FakeTensorMode():
         a = layout(D=256, m_tile=32)
@@ -146,15 +171,21 @@ def test_m_tile_64_needs_head_dim_at_most_128():
 class _Layer(torch.nn.Module):
     """A projection, the three kernels through hf_cascade.kernels.ops (as attend calls them), a reduction."""
 
-    def __init__(self, D):
+    def __init__(self, D, fused=False):
         super().__init__()
         self.proj = torch.nn.Linear(D, D, dtype=torch.bfloat16)
+        self.fused = fused          # the suffix with the merge fused in (one split) instead of suffix + merge
 
     def forward(self, x, a):
         q = self.proj(x).view(a["q"].shape)
         ops.prefix(None, 0, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], a["part_o"],
                    a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"],
                    a["q_limit"])
+        if self.fused:
+            out = torch.empty_like(q)
+            ops.suffix_merge(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
+                             a["row_nchunks"], out, a["split_tokens"], a["slot0"], a["scale_log2"])
+            return (out.float() * 2).sum()
         ops.suffix(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
                    a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"])
         out = torch.empty_like(q)
@@ -169,7 +200,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_torch_compile_traces_a_layer_around_the_operators(fresh_dynamo):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_torch_compile_traces_a_layer_around_the_operators(fused, fresh_dynamo):
     a = layout(device="cpu")
     x = torch.randn(a["q"].numel() // a["q"].shape[-1], a["q"].shape[-1], dtype=torch.bfloat16)
     graphs = []
@@ -178,15 +210,47 @@ def test_torch_compile_traces_a_layer_around_the_operators(fresh_dynamo):
         graphs.append(gm)
         return gm.forward
 
-    compiled = torch.compile(_Layer(a["q"].shape[-1]), backend=capture, fullgraph=True)
+    compiled = torch.compile(_Layer(a["q"].shape[-1], fused), backend=capture, fullgraph=True)
     # the operators have CUDA implementations only: running the graph on the CPU stops at the first one
     with pytest.raises(NotImplementedError, match="hf_cascade::prefix"):
         compiled(x, a)
     assert len(graphs) == 1      # fullgraph: no graph break around the kernels
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     kernels = [t for t in targets if t.startswith("hf_cascade.")]
-    assert kernels == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
+    want = ["hf_cascade.prefix", "hf_cascade.suffix_merge"] if fused else \
+        ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
+    assert kernels == want
     assert any("linear" in t for t in targets)
+
+
+def test_the_backend_traces_the_fused_merge_to_one_operator(fresh_dynamo, monkeypatch):
+    """$HF_CASCADE_FUSED_MERGE with a one-split state: the cuda backend's forward inside a compiled graph (fake CUDA
+    tensors on the CPU) holds the prefix and the fused suffix_merge, no merge; the flag's value is read per launch."""
+    from types import SimpleNamespace
+    graphs_seen = []
+
+    def keep(gm, example_inputs):
+        graphs_seen.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(cuda_backend, "fused_merge", True)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        a = layout(device="cuda", nsplit=1)
+        dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
+                             suffix_table=a["suffix_table"], q_limit=a["q_limit"])
+        state = cuda_backend._StepState(
+            has_prefix=True, m_tile=a["m_tile"], row_tiles=a["row_tiles"], chunk_tokens=a["chunk_tokens"],
+            max_chunks=a["max_chunks"], split_tokens=a["split_tokens"], nsplit=1, slots=a["max_chunks"] + 1,
+            row_nchunks=a["row_nchunks"], part_o=a["part_o"], part_lse=a["part_lse"], dp=dp)
+        sinks = torch.empty(a["q"].shape[2], device="cuda")
+
+        def layer(q, pool):
+            return cuda_backend.BACKEND.forward(q * 2, pool, state, 0.1, softcap=30.0, window=64, sinks=sinks)
+
+        out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
+    assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
+    kernels = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
+    assert kernels == ["hf_cascade.prefix", "hf_cascade.suffix_merge"]
 
 
 def test_tracing_reports_a_bad_shape_by_name(fresh_dynamo):
@@ -226,22 +290,27 @@ def _real_case(dtype=torch.bfloat16, D=128):
              m_tile=st.m_tile, row_tiles=st.row_tiles, chunk_tokens=st.chunk_tokens, max_chunks=st.max_chunks,
              split_tokens=st.split_tokens, nsplit=st.nsplit, slot0=st.max_chunks, scale_log2=scale * cuda_backend.LOG2E,
              pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=st.max_chunks, sinks=None,
+             suffix_tokens=st.split_tokens * st.nsplit,      # the fused suffix_merge's one split
              tune=st.tune)     # the prefix kernel's variant the backend launched (bf16 head_dim 128: the production one)
     assert st.has_prefix and st.max_chunks >= 1
     return a, eager
 
 
 @gpu
-@pytest.mark.parametrize("op", ["prefix", "suffix", "merge"])
+@pytest.mark.parametrize("op", ["prefix", "suffix", "merge", "suffix_merge"])
 def test_opcheck(op):
     a, _ = _real_case()
+    a["split_tokens"] = a["suffix_tokens"] if op == "suffix_merge" else a["split_tokens"]
     args = {"prefix": ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse", "m_tile",
                        "row_tiles", "chunk_tokens", "max_chunks", "scale_log2", "q_limit", "pslot0", "softcap",
                        "window"),
             "suffix": ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse", "split_tokens", "nsplit",
                        "slot0", "scale_log2", "softcap", "window"),
             "merge": ("part_o", "part_lse", "row_nchunks", "out", "slot0", "nsplit", "row_nmid", "mid_slot0",
-                      "sinks")}[op]
+                      "sinks"),
+            "suffix_merge": ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse", "row_nchunks", "out",
+                             "split_tokens", "slot0", "scale_log2", "softcap", "window", "row_nmid", "mid_slot0",
+                             "sinks")}[op]
     torch.library.opcheck(getattr(torch.ops.hf_cascade, op).default, tuple(a[k] for k in args))
 
 

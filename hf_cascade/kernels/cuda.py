@@ -9,6 +9,11 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
+With ``$HF_CASCADE_FUSED_MERGE=1`` (:data:`fused_merge`) a layer whose suffix runs in one split launches the suffix
+kernel with the merge fused into its epilogue (``hf_cascade::suffix_merge``): two launches a layer instead of three,
+and the suffix partial never goes to memory; a static decode layout then runs its suffix in one split up to
+``cuda_tuning.FUSED_ONE_SPLIT_TOKENS`` of capacity.
+
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
 bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
@@ -47,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +66,8 @@ from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _Prefix
                            _SuffixParams)
 from .cuda_library import (PREBUILT, RETIRED_PREFIX_KERNEL_ENV, _check_retired_choice,  # noqa: F401 (re-exported)
                            _find_nvcc, availability, build_library, library, prebuilt_library)
-from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, HOPPER_KERNEL, MIN_CHUNK_TOKENS,  # noqa: F401 (re-exported)
+from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, FUSED_ONE_SPLIT_TOKENS,  # noqa: F401 (re-exported)
+                          HOPPER_KERNEL, MIN_CHUNK_TOKENS,
                           MIN_SPLIT_TOKENS, PREFER_CHUNK_TOKENS, PREFIX_TUNE_ENV, PREFIX_VARIANTS, SUFFIX_CTAS_PER_SM,
                           SUFFIX_QB, PrefixTune, choose_chunk_blocks, choose_suffix_split, parse_prefix_tune,
                           prefix_tune, set_prefix_tune)
@@ -75,6 +82,12 @@ __all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebu
 logger = logging.getLogger("hf_cascade")
 
 LOG2E = 1.0 / math.log(2.0)
+
+# The merge fused into the suffix kernel where the suffix runs in one split ("1"). Opt-in until it has run on a GPU
+# (tests/test_gpu_kernels.py test_fused_merge_equals_suffix_then_merge, then the generate tests): it was written in a
+# session without one. A plain flag, read per launch and per launch state (tests set it).
+FUSED_MERGE_ENV = "HF_CASCADE_FUSED_MERGE"
+fused_merge = os.environ.get(FUSED_MERGE_ENV, "") == "1"
 
 
 @dataclass
@@ -177,7 +190,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
     # replays the launch; CTAs past a row's length write empty partials)
     tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
-    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
+    # the fused merge needs one split: a short static capacity takes one (cuda_tuning.FUSED_ONE_SPLIT_TOKENS says why)
+    one_split = {"one_split_tokens": FUSED_ONE_SPLIT_TOKENS} if fused_merge and plan.static else {}
+    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM, **one_split)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
     return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
@@ -255,8 +270,9 @@ class CudaBackend(Backend):
         plain = quirks.softcap is None and quirks.window is None
         # a layer with a window reads a three-level plan as two levels (build): its own state only then
         three = quirks.window is None and plan is not None and _has_middle(plan)
+        # fused_merge: a static layout's suffix split depends on it (one split for the fused merge)
         return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, pool.dtype, three,
-                plain and tune.splits_by_plainness(q.dtype, D), tune)
+                plain and tune.splits_by_plainness(q.dtype, D), tune, fused_merge)
 
     def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:
         """The launch state of ``plan`` for layers like ``q`` with ``quirks`` (``lib``: the kernels' library, by
@@ -330,6 +346,11 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
                        mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
                        st.max_chunks, softcap, 0, mid.tune, **kv)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
+    if fused_merge and st.nsplit == 1:     # the merge in the suffix kernel's epilogue: one launch and round trip less
+        kernels.suffix_merge(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.row_nchunks, out,
+                             st.split_tokens, st.suffix_slot0, scale_log2, softcap, window,
+                             st.row_nmid if three else None, st.max_chunks, sinks, **kv)
+        return
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
     kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,

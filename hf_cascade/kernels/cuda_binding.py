@@ -26,7 +26,7 @@ KV_DTYPE_CODES = {torch.float8_e4m3fn: 1}
 
 __all__ = ["ABI_VERSION", "LayoutMismatch", "check_layout", "debug_sync", "PARAMS_STRUCTS"]
 
-ABI_VERSION = 8                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
+ABI_VERSION = 9                                       # HFC_ABI_VERSION in csrc/include/hfc/api.h
 
 # Set True (tests do, or $HF_CASCADE_CUDA_DEBUG) to synchronise and check for errors after every launch outside a CUDA
 # graph capture; never in production. A plain flag: read per launch, written only by tests and debugging sessions.
@@ -52,7 +52,10 @@ class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
     _fields_ = [(n, _vp) for n in ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse")] + \
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
                [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32),
-                ("kv_dtype", _i32), ("kv_scale", _vp)]
+                ("kv_dtype", _i32), ("kv_scale", _vp),
+                # the merge fused in (fuse_merge 1, one split): the merge's arguments
+                ("fuse_merge", _i32), ("row_nchunks", _vp), ("out", _vp), ("row_nmid", _vp), ("mid_slot0", _i64),
+                ("sinks", _vp)]
 
 
 class _MergeParams(ctypes.Structure):      # hfc_merge_params
@@ -258,7 +261,10 @@ class _Lib:
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
+               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None,
+               merge=None) -> None:
+        """``merge``: None, or (row_nchunks, out, row_nmid, mid_slot0, sinks) as :meth:`merge` takes them: the merge
+        fused into the suffix kernel (one split), which then writes ``out`` instead of its partial."""
         R, Lq, Hq, D = q.shape
         try:
             dtype_code = DTYPE_CODES[q.dtype]
@@ -268,7 +274,13 @@ class _Lib:
                                part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
                                suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
                                softcap, window, *_kv_code(pool, kv_scale))
-        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
+        if merge is not None:
+            row_nchunks, out, row_nmid, mid_slot0, sinks = merge
+            params.fuse_merge, params.row_nchunks, params.out = 1, row_nchunks.data_ptr(), out.data_ptr()
+            params.row_nmid = None if row_nmid is None else row_nmid.data_ptr()
+            params.mid_slot0, params.sinks = mid_slot0, None if sinks is None else sinks.data_ptr()
+        what = "suffix" if merge is None else "suffix (merge fused in)"
+        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), what)
 
     def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
               mid_slot0: int = 0, sinks=None) -> None:

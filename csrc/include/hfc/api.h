@@ -17,7 +17,7 @@
 #include "hfc/layout.h"
 #include "hfc/params.h"
 
-#define HFC_ABI_VERSION 8
+#define HFC_ABI_VERSION 9
 
 #if defined(_WIN32)
 #define HFC_API __declspec(dllexport)

@@ -55,7 +55,10 @@ typedef struct {
   HFC_LAYOUT_FIELD(hfc_suffix_params, scale_log2), HFC_LAYOUT_FIELD(hfc_suffix_params, dtype),                   \
   HFC_LAYOUT_FIELD(hfc_suffix_params, head_dim), HFC_LAYOUT_FIELD(hfc_suffix_params, softcap),                   \
   HFC_LAYOUT_FIELD(hfc_suffix_params, window), HFC_LAYOUT_FIELD(hfc_suffix_params, kv_dtype),                   \
-  HFC_LAYOUT_FIELD(hfc_suffix_params, kv_scale),                                                                 \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, kv_scale), HFC_LAYOUT_FIELD(hfc_suffix_params, fuse_merge),               \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, row_nchunks), HFC_LAYOUT_FIELD(hfc_suffix_params, out),                    \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, row_nmid), HFC_LAYOUT_FIELD(hfc_suffix_params, mid_slot0),                 \
+  HFC_LAYOUT_FIELD(hfc_suffix_params, sinks),                                                                    \
   HFC_LAYOUT_STRUCT(hfc_merge_params), HFC_LAYOUT_FIELD(hfc_merge_params, part_o),                               \
   HFC_LAYOUT_FIELD(hfc_merge_params, part_lse), HFC_LAYOUT_FIELD(hfc_merge_params, row_nchunks),                 \
   HFC_LAYOUT_FIELD(hfc_merge_params, out), HFC_LAYOUT_FIELD(hfc_merge_params, R),                                \

@@ -69,7 +69,8 @@ typedef struct {
   int32_t tile_tokens;  /* tokens per K/V tile: chunks should be a multiple of it */
 } hfc_prefix_info;
 
-/* level 1: one CTA per (split x query block, KV head, row); writes slots [slot0, slot0 + nsplit) */
+/* level 1: one CTA per (split x query block, KV head, row); writes slots [slot0, slot0 + nsplit), or with fuse_merge
+ * the merged output */
 typedef struct {
   const void* q;
   const void* pool;
@@ -87,6 +88,17 @@ typedef struct {
   int32_t window;
   int32_t kv_dtype;       /* as in hfc_prefix_params */
   const float* kv_scale;
+  /* the merge fused into the suffix kernel (1; 0: off, the suffix writes its partial into slot slot0). One split only
+   * (nsplit 1; the launcher refuses more): each CTA merges its queries' suffix state, as the row's last partial, with
+   * the row's prefix partials (slots [0, row_nchunks[r]) and, three levels, [mid_slot0, mid_slot0 + row_nmid[r]))
+   * and the head's sink, as hfc_merge_params does, and writes out [R, Lq, Hq, D] in the dtype; no partial of its
+   * own. row_nchunks, row_nmid, mid_slot0, sinks: as in hfc_merge_params. */
+  int32_t fuse_merge;
+  const int32_t* row_nchunks;
+  void* out;
+  const int32_t* row_nmid;
+  int64_t mid_slot0;
+  const float* sinks;
 } hfc_suffix_params;
 
 /* merge: one warp per (row, query, head) over slots [0, row_nchunks[r]), [mid_slot0, mid_slot0 + row_nmid[r])

@@ -1,0 +1,63 @@
+// The log-sum-exp merge of partials (O, LSE base 2) into one output: which slots a row merges and in what order, the
+// maximum, each partial's weight and the final scale. csrc/merge.cu runs it per (row, query, head); the suffix
+// kernel's fused epilogue (csrc/suffix.cu, hfc_suffix_params.fuse_merge) runs the same steps in the same order with
+// its own suffix state as the row's last partial, so that the fused output equals suffix + merge.
+// Semantics: hf_cascade/kernels/reference.py (merge_state, merge_sink).
+#pragma once
+
+#include "hfc/common.cuh"
+
+namespace hfc {
+
+// A row's partial slots in merge order: its prefix chunks [0, npre), its middle-level chunks [mid_slot0, mid_slot0 +
+// nmid) (three levels), then its suffix splits [slot0, ...).
+struct RowSlots {
+  int npre, nmid, mid_slot0, slot0;
+  __device__ __forceinline__ int operator()(int s) const {
+    return s < npre ? s : s < npre + nmid ? mid_slot0 + (s - npre) : slot0 + (s - npre - nmid);
+  }
+};
+
+// An attention sink as one more partial's LSE (O = 0): sinks[hq] (natural log) in base 2; -inf without sinks.
+__device__ __forceinline__ float sink_lse(const float* sinks, int hq) {
+  return sinks != nullptr ? sinks[hq] * 1.4426950408889634f : neg_inf();
+}
+
+// The warp's maximum LSE of item's slots [0, nslots) (lanes stride over them; every lane of the warp must call it).
+__device__ __forceinline__ float warp_max_lse(const float* part_lse, int64_t total, int64_t item, const RowSlots& slots,
+                                              int nslots, int lane) {
+  float mx = neg_inf();
+  for (int s = lane; s < nslots; s += 32) mx = fmaxf(mx, part_lse[(int64_t)slots(s) * total + item]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
+  return mx;
+}
+
+// One partial (lse > -inf, N values of its o) into the weight sum and the accumulators, against the maximum mx.
+template <int N>
+__device__ __forceinline__ void merge_add(float lse, const float (&o)[N], float mx, float& wsum, float (&acc)[N]) {
+  const float w = exp2f(lse - mx);
+  wsum += w;
+#pragma unroll
+  for (int e = 0; e < N; ++e) acc[e] = fmaf(w, o[e], acc[e]);
+}
+
+// item's slots [0, nslots) in order into wsum and acc (empty partials skipped); load(at, v) reads the N values of
+// slot-item `at` (at x D + the caller's offset) that the caller accumulates.
+template <int N, typename Load>
+__device__ __forceinline__ void merge_slots(const float* part_lse, int64_t total, int64_t item, const RowSlots& slots,
+                                            int nslots, float mx, float& wsum, float (&acc)[N], Load load) {
+  for (int s = 0; s < nslots; ++s) {
+    const int64_t at = (int64_t)slots(s) * total + item;
+    const float lse = part_lse[at];
+    if (lse == neg_inf()) continue;  // the same for every thread of an item
+    float v[N];
+    load(at, v);
+    merge_add(lse, v, mx, wsum, acc);
+  }
+}
+
+// The factor of the accumulators: 1 / wsum, or 0 where nothing was seen (all -inf and no sink: 0, never NaN).
+__device__ __forceinline__ float merge_norm(float wsum) { return wsum > 0.0f ? 1.0f / wsum : 0.0f; }
+
+}  // namespace hfc
