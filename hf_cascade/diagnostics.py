@@ -18,6 +18,8 @@ ENV_VARS = {
     "HF_CASCADE_PREFIX_TUNE": "the prefix kernel's launch for a tuning sweep: auto (default), default, or knobs "
                               "(variant=n64w8,m=64,chunk=2048)",
     "HF_CASCADE_CUDA_DEBUG": "non-empty: synchronise and check for errors after every CUDA kernel (slow)",
+    "HF_CASCADE_FUSED_MERGE": "1: the merge fused into the suffix kernel where the suffix runs in one split "
+                              "(opt-in until it has run on a GPU)",
     "HF_CASCADE_WRITE_KERNEL": "1: the cache write on csrc/write.cu where the cuda backend's kernels are loaded "
                                "(opt-in until it has run on a GPU)",
     "NVCC": "the nvcc that builds the CUDA kernels (default: nvcc on PATH, $CUDA_HOME/bin/nvcc)",
