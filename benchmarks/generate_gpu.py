@@ -100,7 +100,8 @@ def run_one(model, ids, beams, new_tokens, variant):
     kw = dict(num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
               return_dict_in_generate=True, early_stopping=False)
     if variant != "stock":
-        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=variant)
+        # transformers' loop: the ForwardTimer times each forward (the whole step's replays would call none)
+        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=variant, whole_step=False)
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

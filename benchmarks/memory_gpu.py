@@ -91,8 +91,9 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
     else:
         model.set_attn_implementation("cascade")
         cap = static_bytes(sc, args.block_size, model.dtype) if policy == "static" else None
+        # transformers' loop: the StepProbe reads memory after each forward (the whole step's replays call none)
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(memory=policy, max_kv_bytes=cap, backend=args.backend,
-                                                           block_size=args.block_size)
+                                                           block_size=args.block_size, whole_step=False)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base_reserved = torch.cuda.memory_reserved(device)
