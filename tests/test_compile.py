@@ -254,10 +254,12 @@ def test_a_static_layout_binds_each_layer_once(monkeypatch):
     assert static == [12]
 
 
-def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
+@pytest.mark.parametrize("fused", [False, True], ids=["suffix + merge", "fused merge"])
+def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo, monkeypatch, fused):
     """The cuda backend's forward inside a compiled graph, on the CPU with fake CUDA tensors: one graph (fullgraph)
-    holding the three operators, whose fake implementations check the launch arguments; nothing of the eager path
-    (the library, the stream, an address) is touched, which fake tensors would refuse."""
+    holding its operators (prefix, suffix, merge; with $HF_CASCADE_FUSED_MERGE and a one-split state prefix and the
+    fused suffix_merge, no merge: the flag is read per launch), whose fake implementations check the launch arguments;
+    nothing of the eager path (the library, the stream, an address) is touched, which fake tensors would refuse."""
     from types import SimpleNamespace
     from torch._subclasses.fake_tensor import FakeTensorMode
     from hf_cascade.kernels import cuda as cuda_backend
@@ -269,8 +271,9 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
         graphs_seen.append(gm)
         return gm.forward
 
+    monkeypatch.setattr(cuda_backend, "fused_merge", fused)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        a = layout(device="cuda")
+        a = layout(device="cuda", **(dict(nsplit=1) if fused else {}))
         dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
                              suffix_table=a["suffix_table"], q_limit=a["q_limit"])
         state = cuda_backend._StepState(
@@ -286,7 +289,8 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
         out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
     assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
     kernels_in_graph = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
-    assert kernels_in_graph == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
+    assert kernels_in_graph == (["hf_cascade.prefix", "hf_cascade.suffix_merge"] if fused else
+                                ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"])
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

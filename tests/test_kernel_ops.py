@@ -223,36 +223,6 @@ def test_torch_compile_traces_a_layer_around_the_operators(fused, fresh_dynamo):
     assert any("linear" in t for t in targets)
 
 
-def test_the_backend_traces_the_fused_merge_to_one_operator(fresh_dynamo, monkeypatch):
-    """$HF_CASCADE_FUSED_MERGE with a one-split state: the cuda backend's forward inside a compiled graph (fake CUDA
-    tensors on the CPU) holds the prefix and the fused suffix_merge, no merge; the flag's value is read per launch."""
-    from types import SimpleNamespace
-    graphs_seen = []
-
-    def keep(gm, example_inputs):
-        graphs_seen.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(cuda_backend, "fused_merge", True)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        a = layout(device="cuda", nsplit=1)
-        dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
-                             suffix_table=a["suffix_table"], q_limit=a["q_limit"])
-        state = cuda_backend._StepState(
-            has_prefix=True, m_tile=a["m_tile"], row_tiles=a["row_tiles"], chunk_tokens=a["chunk_tokens"],
-            max_chunks=a["max_chunks"], split_tokens=a["split_tokens"], nsplit=1, slots=a["max_chunks"] + 1,
-            row_nchunks=a["row_nchunks"], part_o=a["part_o"], part_lse=a["part_lse"], dp=dp)
-        sinks = torch.empty(a["q"].shape[2], device="cuda")
-
-        def layer(q, pool):
-            return cuda_backend.BACKEND.forward(q * 2, pool, state, 0.1, softcap=30.0, window=64, sinks=sinks)
-
-        out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
-    assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
-    kernels = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
-    assert kernels == ["hf_cascade.prefix", "hf_cascade.suffix_merge"]
-
-
 def test_tracing_reports_a_bad_shape_by_name(fresh_dynamo):
     a = layout(device="cpu")
     a["q_limit"] = a["q_limit"][:2]
