@@ -35,10 +35,9 @@ logger = logging.getLogger("hf_cascade")
 def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
                  write_offset: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor, copies: bool) -> None:
     """The cache write of one layer: the block copies ``pool[copy_dst] = pool[copy_src]`` (copy-on-write, when
-    ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. With
-    ``$HF_CASCADE_WRITE_KERNEL=1`` on a GPU whose kernel library is loaded (the cuda backend's), one kernel for the
-    copies and one for K and V (``csrc/write.cu``, opt-in until it has run on a GPU); else
-    :func:`_write_slots_torch`'s four."""
+    ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. On a GPU
+    whose kernel library is loaded (the cuda backend's), one kernel for the copies and one for K and V
+    (``csrc/write.cu``; ``$HF_CASCADE_WRITE_KERNEL=0`` turns it off); else :func:`_write_slots_torch`'s four."""
     if pool.is_cuda and cuda_library.write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
                                                  copies):
         return

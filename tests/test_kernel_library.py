@@ -200,7 +200,7 @@ def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
     assert not cuda_library.write_slots(pool, key, value, *args)          # no library loaded: none is loaded for it
     monkeypatch.setattr(cuda_library, "loaded", lambda device: Loaded())
     monkeypatch.setattr(cuda_library, "write_kernel", False)
-    assert not cuda_library.write_slots(pool, key, value, *args)          # opt-in ($HF_CASCADE_WRITE_KERNEL)
+    assert not cuda_library.write_slots(pool, key, value, *args)          # turned off ($HF_CASCADE_WRITE_KERNEL=0)
     monkeypatch.setattr(cuda_library, "write_kernel", True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 0}))
     assert cuda_library.write_slots(pool, key, value, *args) and len(launches) == 1

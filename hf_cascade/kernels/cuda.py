@@ -83,9 +83,9 @@ logger = logging.getLogger("hf_cascade")
 
 LOG2E = 1.0 / math.log(2.0)
 
-# The merge fused into the suffix kernel where the suffix runs in one split ("1"). Opt-in until it has run on a GPU
-# (tests/test_gpu_kernels.py test_fused_merge_equals_suffix_then_merge, then the generate tests): it was written in a
-# session without one. A plain flag, read per launch and per launch state (tests set it).
+# The merge fused into the suffix kernel where the suffix runs in one split ("1"). Opt-in: on the H200 it is correct
+# (tests/test_gpu_kernels.py) but slower, its one-split suffix costing more than the merge launch it saves
+# (benchmarks/RESULTS.md, "What the compiled whole step is made of"). A plain flag, read per launch (tests set it).
 FUSED_MERGE_ENV = "HF_CASCADE_FUSED_MERGE"
 fused_merge = os.environ.get(FUSED_MERGE_ENV, "") == "1"
 

@@ -33,10 +33,10 @@ logger = logging.getLogger("hf_cascade")
 
 PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
-# the cache write's kernel (csrc/write.cu) is opt-in ("1") until it has run on a GPU (tests/test_gpu_kernels.py
-# test_the_write_kernel_equals_the_torch_write, then the generate tests): it was written in a session without one
+# the cache write's kernel (csrc/write.cu) is on unless "0": on the H200 it equals the torch write byte for byte
+# (tests/test_gpu_kernels.py) and took the 8B 16k x 8 whole step from 7.07 to 6.76 ms (benchmarks/RESULTS.md)
 WRITE_KERNEL_ENV = "HF_CASCADE_WRITE_KERNEL"
-write_kernel = os.environ.get(WRITE_KERNEL_ENV, "") == "1"      # read per write; tests set it
+write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1") != "0"     # read per write; tests set it
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
@@ -158,8 +158,8 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
     """The cache write of one layer on the library's kernel (two launches: the block copies, then every new token's
     K and V; four torch kernels otherwise) where the library is loaded for the pool's device and the tensors fit it
     (contiguous, int64 indices, whole 16-byte vectors per token); returns False where it did not write (the caller
-    writes with torch ops; a library not loaded yet is not loaded for this). Opt-in for now: ``$HF_CASCADE_WRITE_KERNEL=1``
-    (:data:`write_kernel`). Shapes: :func:`hf_cascade.cache._write_slots`."""
+    writes with torch ops; a library not loaded yet is not loaded for this). ``$HF_CASCADE_WRITE_KERNEL=0`` turns it
+    off (:data:`write_kernel`). Shapes: :func:`hf_cascade.cache._write_slots`."""
     lib = loaded(pool.device) if write_kernel else None
     if lib is None or key.element_size() != pool.element_size() or key.dtype != value.dtype:
         return False
