@@ -10,6 +10,8 @@ one :class:`~hf_cascade.context.StepContext` per cross plan: the backend per lay
 """
 from __future__ import annotations
 
+import torch
+
 from .context import StepContext
 from .kernels.base import NO_QUIRKS
 
@@ -35,11 +37,16 @@ class CrossContext:
         layer = cross.layers[layer_idx]
         return layer if key is layer.keys else None
 
-    def step(self, plan) -> StepContext:
-        """The step context of ``plan`` (kept with the plan: its id names only it)."""
-        entry = self.steps.get(id(plan))
-        if entry is None or entry.plan is not plan:
-            entry = self.steps[id(plan)] = StepContext(None, plan, 0)
+    def step(self, cross_cache, rows: int, q_len: int) -> StepContext:
+        """The step context of ``rows`` x ``q_len`` query tokens over ``cross_cache`` (its plan is fixed for the call).
+        Keyed by the shape, never by an object's identity: a compiled forward would guard on that identity and
+        recompile for every call's new plan."""
+        entry = self.steps.get((rows, q_len))
+        if entry is None:
+            if torch.compiler.is_compiling():   # built in the layout's first (eager) step; a trace would bake it in
+                raise RuntimeError("a compiled step reached cross-attention that no eager step has planned; it runs "
+                                   "on the eager forward instead")
+            entry = self.steps[(rows, q_len)] = StepContext(None, cross_cache.plan(rows, q_len), 0)
         return entry
 
 
@@ -75,8 +82,7 @@ def cross_attention(context: CrossContext, layer, module, query, dropout, scalin
             and query.shape[1] == layer.kv.shape[2] and query.shape[0] % cache.batch == 0:
         return cache.sdpa_in_place(layer, query, scale), None
     q = query.transpose(1, 2)                                          # [R, q, H, D]
-    plan = cache.plan(q.shape[0], q.shape[1])
-    step = context.step(plan)
+    step = context.step(cache, q.shape[0], q.shape[1])
     backend = step.backend(cache.cascade_config.backend, q, layer.pool, NO_QUIRKS)
     decoder_step = getattr(getattr(context.cache, "self_attention_cache", None), "step", None)
     if decoder_step is not None:   # the decoder's step: a graph runner checks that this backend can be captured too

@@ -214,22 +214,25 @@ def test_the_cache_write_is_one_in_place_operator_on_the_pool(fresh_dynamo, monk
 def test_seq2seq_whole_step_compiles_and_gives_stock_tokens(fresh_dynamo, monkeypatch, caplog, family):
     """BART-family decoders compile whole too (float64, beam search with bart-large-cnn's settings): the device
     positions reach the embedding while dynamo traces (patches/positions.py), and the cache length the decoder reads
-    is the layout's, so nothing recompiles per step: the forward, the bookkeeping and the token choice, one graph
-    each, every device step compiled; stock's tokens."""
+    is the layout's, so nothing recompiles per step or per call: the forward, the bookkeeping and the token choice, one
+    graph each, every device step compiled; stock's tokens."""
     from test_seq2seq_graphs import MODES, pair, sources
     monkeypatch.setattr(logs, "_logged", set())         # every log-once line shows again
     stock, cascade = pair(family)
-    ids, mask = sources()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **MODES["beam"])
-    want = stock.generate(**kw)
     spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", cuda_graphs="eager",
-                                                                     compile=True))
-    assert torch.equal(want, got)
-    runner, = spy.runners
-    assert runner.device_steps >= NEW - 2, runner.device_steps
-    compiled_calls.check(calls=runner.device_steps)
+    # a second call of other sources (other tokens and lengths, the same batch shape) reuses the compiled graphs:
+    # its cross-attention plan is new, and nothing guards on the first call's
+    for lengths, seed in (((13, 9, 5), 0), ((7, 13, 11), 1)):
+        ids, mask = sources(lengths, seed=seed)
+        kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, **MODES["beam"])
+        want = stock.generate(**kw)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference", cuda_graphs="eager",
+                                                                         compile=True))
+        assert torch.equal(want, got)
+    for runner in spy.runners:
+        assert runner.device_steps >= NEW - 2, runner.device_steps
+    compiled_calls.check(calls=sum(runner.device_steps for runner in spy.runners))
     assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
     assert not [r.getMessage() for r in caplog.records if "compile" in r.getMessage() and "fail" in r.getMessage()]
 
