@@ -267,6 +267,7 @@ def whole_step(args, dtype, console):
                 row["step_vs_stock"] = row["step_ms"] / row_stock["step_ms"]
                 row["t2_vs_stock"] = row["t2_s"] / row_stock["t2_s"]
             results.append(row)
+        _write(args, results)       # after every shape: a command stopped at its time limit keeps the shapes done
     harness.table(f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
                   ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "t2_s", "t2_vs_stock",
                    "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "captures", "capture_s", "second_call_captures",
@@ -327,11 +328,12 @@ def main(argv=None):
     _write(args, results, console)
 
 
-def _write(args, results, console):
+def _write(args, results, console=None):
     # meta: the harness's record (date, commit, command, hardware, versions) and, as before, the GPU's name
     meta = {**harness.run_record(__file__), "gpu": torch.cuda.get_device_name()}
     harness.write_json(args.out, {"meta": meta, "results": results})
-    console.print(f"wrote {args.out}")
+    if console is not None:
+        console.print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
