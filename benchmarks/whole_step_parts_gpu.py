@@ -71,7 +71,7 @@ def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
         median_us, min_us = harness.cuda_time_us(graph.replay, reps=reps, warmup=3)
         out[name + "_us"] = median_us
         out[name + "_min_us"] = min_us
-    # the host's part of a step: what the loop does between two replays (the device is kept busy meanwhile)
+    # the host's part of a step: what the loop does between two replays (the device is kept busy meanwhile) ...
     torch.cuda.synchronize()
     started = time.perf_counter()
     for _ in range(reps):
@@ -80,6 +80,17 @@ def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
         loop.runner.replays += 1
     out["host_us_per_step"] = (time.perf_counter() - started) / reps * 1e6
     torch.cuda.synchronize()
+    # ... which can include waiting for room in the launch queue; the host's own work is one step on an idle device
+    own = []
+    for _ in range(min(reps, 10)):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        loop.cache.logical_length += 1
+        loop.graph.replay()
+        loop.runner.replays += 1
+        own.append((time.perf_counter() - started) * 1e6)
+    torch.cuda.synchronize()
+    out["host_own_us_per_step"] = harness.median(own)
     # the memory floor: every weight and every stored K/V byte read once at the H200's 4.8 TB/s
     weights = sum(p.numel() * p.element_size() for p in loop.model.parameters())
     kv = loop.cache.stats().kv_bytes_in_use
@@ -153,10 +164,10 @@ def main():
                                                 "weights_floor_us", "kernels_per_replay")))
             for name, us in found["top_kernels_us"].items():
                 console.print(f"  {us:8.1f}  {name}")
-    harness.table("whole step parts (µs, CUDA events, median)", ["shape", "prompt", "mode", "blocks_us", "forward_us",
-                                                                "choose_us", "whole_us", "chunk_wall_us_per_step", "host_us_per_step",
-                                                                "floor_us", "whole_vs_floor"], results,
-                  console=Console(width=160))
+    harness.table("whole step parts (µs, CUDA events, median)",
+                  ["shape", "prompt", "mode", "blocks_us", "forward_us", "choose_us", "whole_us",
+                   "chunk_wall_us_per_step", "host_us_per_step", "host_own_us_per_step", "floor_us", "whole_vs_floor"],
+                  results, console=Console(width=180))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),
                        {**harness.run_record("whole_step_parts_gpu.py"), "results": results})
 
