@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import harness
 import hf_cascade
-from generate_gpu import SHAPES, _spying, build
+from generate_gpu import SHAPES, build, collecting_runners
 
 VARIANTS = {
     "stock": None,
@@ -57,15 +57,7 @@ def run_loop(model, prompts, variant: str, beams: int, new_tokens: int, device: 
     if VARIANTS[variant] is not None:
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**VARIANTS[variant])
     calls, runners = [], []
-
-    def spy_runner(real):
-        def spy(*a, **k):
-            runner = real(*a, **k)
-            runners.append(runner)
-            return runner
-        return spy
-
-    with _spying(getattr(getattr(hf_cascade, "session", None), "DecodeSession", None), "decode_runner", spy_runner):
+    with collecting_runners(runners):
         for ids in prompts:
             before = len(runners)
             seconds, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), device)

@@ -169,19 +169,27 @@ def _spying(owner, name: str, wrap):
         setattr(owner, name, original)
 
 
-def _timed_generate(model, ids, new_tokens, mode, variant, info):
-    model.set_attn_implementation(model.stock_attention if variant == "stock" else "cascade")
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
-    if WHOLE_VARIANTS[variant] is not None:
-        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
-    runners = []
-
+@contextlib.contextmanager
+def collecting_runners(runners: list):
+    """Inside the block, every decode runner a generate call makes is appended to ``runners`` (its captures,
+    replays and device steps are read after the call)."""
     def spy_runner(real):
         def spy(*a, **k):
             runner = real(*a, **k)
             runners.append(runner)
             return runner
         return spy
+
+    with _spying(getattr(getattr(hf_cascade, "session", None), "DecodeSession", None), "decode_runner", spy_runner):
+        yield runners
+
+
+def _timed_generate(model, ids, new_tokens, mode, variant, info):
+    model.set_attn_implementation(model.stock_attention if variant == "stock" else "cascade")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
+    if WHOLE_VARIANTS[variant] is not None:
+        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
+    runners = []
 
     def spy_prepare(real_prepare):
         def prepare(cache, *a, **k):        # the first decode step's attention reads (per layer and KV head)
@@ -197,9 +205,7 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        with _spying(getattr(getattr(hf_cascade, "session", None), "DecodeSession", None), "decode_runner",
-                        spy_runner), \
-                _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
+        with collecting_runners(runners), _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
