@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import pathlib
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +19,7 @@ from typing import Callable
 import pytest
 import torch
 import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from hf_cascade import CascadeCache
@@ -293,6 +296,19 @@ def test_table_is_consistent():
     for name, family in FAMILIES.items():
         assert family.status in ("exact", "refused", "load error"), name
         assert (family.error is not None) == (family.status != "exact"), name
+
+
+def test_the_readme_shows_this_matrix():
+    """README's family table is tools/support_table.py's output for FAMILIES as they stand (rerun the tool and paste
+    its output when a family changes). The README shows the newest transformers' matrix (5.17 tests two families in
+    float32)."""
+    if Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("the README's table is made on transformers >= 5.24")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("support_table", root / "tools" / "support_table.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.table() in (root / "README.md").read_text(encoding="utf-8")
 
 
 def test_refusals_name_an_attention_the_model_has():
