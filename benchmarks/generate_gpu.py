@@ -141,6 +141,7 @@ WHOLE_VARIANTS = {
     "whole": dict(backend="cuda", cuda_graphs=True, whole_step=True),      # the whole step on the device
     "compile": dict(backend="cuda", cuda_graphs=True, whole_step=False, compile=True),
     "whole-compile": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True),
+    "whole-autotune": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile="max-autotune"),
 }
 
 

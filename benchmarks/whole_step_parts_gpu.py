@@ -108,7 +108,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=[True, "max-autotune"],
+                        help="CascadeConfig(compile=True); --compile max-autotune: compile='max-autotune'")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

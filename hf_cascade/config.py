@@ -71,8 +71,10 @@ class CascadeConfig:
             device (for debugging and CPU tests).
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
             shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
-            norms, rotary and MLP glue. The first call of a shape compiles (8-31 s for the H200 benchmarks); off by
-            default for that reason.
+            norms, rotary and MLP glue. The first call of a shape compiles (5-41 s for the H200 benchmarks); off by
+            default for that reason. ``"max-autotune"``: as True, with inductor's max-autotune (it times its own
+            matrix-product kernels against cuBLAS's at each product's shape and keeps the fastest; longer first
+            compile; never inductor's own CUDA graphs: ours captures the step).
         static_decode: inside generate, plan decode steps on a layout fixed for the call
             (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
         whole_step: where decode steps run on the graph runner, run generate's decode loop with the token choice
@@ -98,7 +100,7 @@ class CascadeConfig:
     min_saved_tokens: int | None = None
     cuda_graphs: bool | str | None = None
     static_decode: bool = True
-    compile: bool = False
+    compile: bool | str = False
     whole_step: bool = True
     kv_dtype: str | None = None
 
@@ -107,8 +109,9 @@ class CascadeConfig:
             error = ValueError if isinstance(self.cuda_graphs, str) else ConfigTypeError
             raise error(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
                         f"got {self.cuda_graphs!r}.")
-        if not isinstance(self.compile, bool):
-            raise ConfigTypeError(f"CascadeConfig.compile must be a bool, got {self.compile!r}.")
+        if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
+            error = ValueError if isinstance(self.compile, str) else ConfigTypeError
+            raise error(f"CascadeConfig.compile must be True, False or 'max-autotune', got {self.compile!r}.")
         if not isinstance(self.whole_step, bool):
             raise ConfigTypeError(f"CascadeConfig.whole_step must be a bool, got {self.whole_step!r}.")
         if not isinstance(self.static_decode, bool):

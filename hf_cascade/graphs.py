@@ -177,7 +177,7 @@ class DecodeGraphRunner:
             self.original = plain_forward(model)      # never a dispatcher: a concurrent call may have installed one
             # the whole decode forward as one compiled graph (cache write and cascade attention included: see
             # _run), inside the captured graph: inductor fuses the norms, rotary and MLP glue
-            self.forward_fn = _compiled(self.original) if self.compiled else self.original
+            self.forward_fn = _compiled(self.original, self.compiled) if self.compiled else self.original
 
     def detach(self) -> None:
         """Drop every strong reference to the model (its bound forward); the graph and static tensors stay."""
@@ -557,10 +557,17 @@ def _side_stream(device: int) -> "torch.cuda.Stream":
 
 # how every compiled part of a decode step compiles (the forward here, the whole step's bookkeeping and token choice)
 COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, mode="default")
+# CascadeConfig.compile -> inductor's mode; never one with inductor's own CUDA graphs, which would copy the cache's
+# pools (ours captures the compiled step)
+COMPILE_MODES = {True: "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
-def _compiled(forward):
+def compile_options(compile) -> dict:
+    """``torch.compile``'s arguments for a ``CascadeConfig.compile`` that is not False."""
+    return {**COMPILE_OPTIONS, "mode": COMPILE_MODES[compile]}
+
+
+def _compiled(forward, compile=True):
     """``forward`` compiled for a fixed shape as one graph (``fullgraph``: a graph break would compile each layer's
-    frames apart, one recompile per layer; a model that breaks runs uncompiled instead) in the default mode: inductor
-    without its own CUDA graphs, which would copy the cache's pools; ours captures the compiled forward."""
-    return torch.compile(forward, **COMPILE_OPTIONS)
+    frames apart, one recompile per layer; a model that breaks runs uncompiled instead), in ``compile``'s mode."""
+    return torch.compile(forward, **compile_options(compile))

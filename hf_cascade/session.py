@@ -113,7 +113,7 @@ class GraphDescriptor:
         return self.cascade_config.cuda_graphs != "eager"
 
     @property
-    def compile(self) -> bool:
+    def compile(self) -> bool | str:
         return self.cascade_config.compile
 
     def fits_pools(self, other: "GraphDescriptor") -> bool:

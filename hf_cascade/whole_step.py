@@ -231,8 +231,9 @@ class WholeStepLoop:
         # with compile, the bookkeeping and (but for sampling: its generator stays eager) the token choice each run as
         # one compiled graph too: a hundred small kernels fused into a few
         compiled = self.runner.compiled
-        self.advance_fn = _Compiled(self.kind.advance_fn, "cache bookkeeping") if compiled else self.kind.advance_fn
-        self.choose = _Compiled(choose, "token choice") if compiled and not config.do_sample else choose
+        self.advance_fn = (_Compiled(self.kind.advance_fn, "cache bookkeeping", compiled) if compiled
+                           else self.kind.advance_fn)
+        self.choose = _Compiled(choose, "token choice", compiled) if compiled and not config.do_sample else choose
         self.host_steps = 0
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -514,8 +515,8 @@ class _Compiled:
     """``fn`` compiled as one graph for fixed shapes (``graphs.COMPILE_OPTIONS``); where it fails to compile,
     ``fn`` itself from then on, logged once (a failure leaves no state changed: dynamo raises before the graph runs)."""
 
-    def __init__(self, fn, what: str):
-        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, **graphs.COMPILE_OPTIONS)
+    def __init__(self, fn, what: str, compile=True):
+        self.fn, self.what, self.compiled = fn, what, torch.compile(fn, **graphs.compile_options(compile))
 
     def __call__(self, *args):
         if self.compiled is not None:

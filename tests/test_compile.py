@@ -53,8 +53,8 @@ class CompiledCalls:
         self.calls, self.failures = 0, []
         real = graphs._compiled
 
-        def compiled(forward):
-            fn = real(forward)
+        def compiled(forward, compile=True):
+            fn = real(forward, compile)
 
             def counted(*args, **kwargs):
                 try:
@@ -130,6 +130,26 @@ def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, fa
     assert not counters["graph_break"], dict(counters["graph_break"])
     # the forward; in the whole step also its block bookkeeping and its token choice, one graph each
     assert counters["stats"]["unique_graphs"] == (3 if whole_step else 1)
+
+
+def test_max_autotune_reaches_every_compiled_part_without_inductors_graphs(monkeypatch):
+    """``compile="max-autotune"``: the forward, the bookkeeping and the token choice are compiled in inductor's
+    max-autotune mode without its CUDA graphs (ours capture the step); stock's tokens. (torch.compile is replaced by a
+    recorder that returns the plain function: the modes are what this checks; compiling itself is tested above.)"""
+    modes = []
+
+    def recording_compile(fn, **options):
+        modes.append((options["mode"], options["fullgraph"], options["dynamic"]))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    stock, cascade = _pair("Llama")
+    ids, mask = padded_batch(seed=2, lengths=PROMPTS)
+    want = _generate(stock, ids, mask, "beam")
+    got = _generate(cascade, ids, mask, "beam", CascadeConfig(backend="reference", cuda_graphs="eager",
+                                                               compile="max-autotune"))
+    assert torch.equal(want, got)
+    assert modes == [("max-autotune-no-cudagraphs", True, False)] * 3, modes
 
 
 def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch, caplog):
