@@ -42,11 +42,14 @@ class CrossContext:
         Keyed by the shape, never by an object's identity: a compiled forward would guard on that identity and
         recompile for every call's new plan."""
         entry = self.steps.get((rows, q_len))
-        if entry is None:
-            if torch.compiler.is_compiling():   # built in the layout's first (eager) step; a trace would bake it in
+        if torch.compiler.is_compiling():
+            if entry is None:       # built in the layout's first (eager) step; a trace would bake it in
                 raise RuntimeError("a compiled step reached cross-attention that no eager step has planned; it runs "
                                    "on the eager forward instead")
-            entry = self.steps[(rows, q_len)] = StepContext(None, cross_cache.plan(rows, q_len), 0)
+            return entry
+        plan = cross_cache.plan(rows, q_len)
+        if entry is None or entry.plan is not plan:     # (eagerly: the cache's plan is the one the context holds)
+            entry = self.steps[(rows, q_len)] = StepContext(None, plan, 0)
         return entry
 
 
