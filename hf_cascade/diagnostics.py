@@ -20,6 +20,8 @@ ENV_VARS = {
     "HF_CASCADE_CUDA_DEBUG": "non-empty: synchronise and check for errors after every CUDA kernel (slow)",
     "HF_CASCADE_FUSED_MERGE": "1: the merge fused into the suffix kernel where the suffix runs in one split "
                               "(opt-in: slower on the H200, its one-split suffix costs more than the merge it saves)",
+    "HF_CASCADE_CONCURRENT_SUFFIX": "1: each layer's prefix launches on a side stream beside its suffix kernel "
+                                    "(opt-in until it is measured on a GPU)",
     "HF_CASCADE_WRITE_KERNEL": "0: the cache write in torch index kernels instead of csrc/write.cu (default: the "
                                "kernel where the cuda backend's kernels are loaded)",
     "NVCC": "the nvcc that builds the CUDA kernels (default: nvcc on PATH, $CUDA_HOME/bin/nvcc)",

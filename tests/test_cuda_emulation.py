@@ -422,6 +422,81 @@ def test_three_levels(ratio, Lq, softcap, fused):
     check_launches(emu_w, fused)
 
 
+class _StreamsSeen(Emulated):
+    """The emulation, noting each launch's stream beside the fork's steps (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def prefix(self, lib, stream, *args, **kwargs):
+        self.seen.append(("prefix", stream))
+        return super().prefix(lib, stream, *args, **kwargs)
+
+    def suffix(self, lib, stream, *args, **kwargs):
+        self.seen.append(("suffix", stream))
+        return super().suffix(lib, stream, *args, **kwargs)
+
+    def merge(self, lib, stream, *args, **kwargs):
+        self.seen.append(("merge", stream))
+        return super().merge(lib, stream, *args, **kwargs)
+
+
+class _NotedFork:
+    SIDE = 99        # the side stream's handle
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def fork(self):
+        self.seen.append("fork")
+        return self.SIDE
+
+    def join(self):
+        self.seen.append("join")
+
+
+@pytest.mark.parametrize("three", [False, True], ids=["two levels", "three levels"])
+def test_a_forked_layer_runs_its_prefix_beside_its_suffix(three, monkeypatch):
+    """$HF_CASCADE_CONCURRENT_SUFFIX: the prefix launches (both levels' of a three-level plan) go to the side stream
+    after the fork, the suffix to the layer's stream, the merge after the join; the same output. No fork where the
+    suffix reads the prefix's partials (a fused merge in one split) or where there is no prefix."""
+    if three:
+        lay = make_three_level(71, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
+    else:
+        lay = random_layout(72, groups=((3, 300), (2, 90)), lone_rows=1, suffix=(1, 60), Hkv=2, ratio=4, D=64,
+                            bs=16, dtype=torch.float32)
+    q, pool = lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16)
+    st = cuda_backend.BACKEND.build(step_plan(lay), q, pool, lib=_FakeLib())
+    assert st.has_prefix and st.three == three
+
+    def launch(kernels, fork=None):
+        out = torch.zeros(q.shape, dtype=torch.float64)
+        cuda_backend._launch(_FakeLib(), 0, q, pool, st, lay.scale, out, kernels=kernels, fork=fork)
+        return out
+
+    plain = launch(Emulated())
+    kernels = _StreamsSeen()
+    assert torch.equal(launch(kernels, _NotedFork(kernels.seen)), plain)
+    side = _NotedFork.SIDE
+    assert kernels.seen == ["fork"] + [("prefix", side)] * (2 if three else 1) + [("suffix", 0), "join", ("merge", 0)]
+
+    assert not cuda_backend._forks_the_suffix(st)               # opt-in
+    monkeypatch.setattr(cuda_backend, "concurrent_suffix", True)
+    assert cuda_backend._forks_the_suffix(st)
+    no_prefix = random_layout(73, groups=(), lone_rows=3, suffix=(1, 30), Hkv=2, ratio=4, D=64, bs=16,
+                              dtype=torch.float32)
+    assert not cuda_backend._forks_the_suffix(cuda_backend.BACKEND.build(
+        step_plan(no_prefix), no_prefix.q.to(torch.bfloat16), no_prefix.pool.to(torch.bfloat16), lib=_FakeLib()))
+    monkeypatch.setattr(cuda_backend, "fused_merge", True)
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, **kw: (max(tmax, 1), 1))
+    fused_state = cuda_backend.BACKEND.build(step_plan(lay), q, pool, lib=_FakeLib())
+    assert fused_state.nsplit == 1 and not cuda_backend._forks_the_suffix(fused_state)
+    with pytest.raises(ValueError, match="the suffix reads the prefix's partials"):
+        cuda_backend._launch(_FakeLib(), 0, q, pool, fused_state, lay.scale, torch.zeros(q.shape, dtype=torch.float64),
+                             kernels=Emulated(), fork=_NotedFork([]))
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (None, 10.0), (100, None)])
 def test_three_levels_chunked(window, softcap, fused):
     # a system prompt and each prompt's own part long enough for several chunks each

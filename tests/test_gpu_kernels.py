@@ -531,3 +531,46 @@ class _NoTensor:
     @staticmethod
     def data_ptr() -> int:
         return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("three", [False, True], ids=["two levels", "three levels"])
+def test_concurrent_suffix_equals_one_stream_eager_and_captured(three, monkeypatch):
+    """$HF_CASCADE_CONCURRENT_SUFFIX: the prefix on a side stream beside the suffix writes the same partials (disjoint
+    slots), so the layer's output is bitwise the one-stream output, eagerly and replayed from a CUDA graph (the fork
+    and join captured as edges), replays after the inputs changed in place included."""
+    from test_reference_kernels import make_three_level
+    if three:
+        lay = make_three_level(2400, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
+        q, pool, plan, scale = lay.q.to("cuda", BF), lay.pool.to("cuda", BF), step_plan(lay), lay.scale
+    else:
+        q, pool, plan, scale = make_case(2401, D=128, Hkv=8, ratio=4, lone_rows=1, suffix=(1, 64),
+                                         groups=((8, 4096), (2, 700)))
+    outs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(cuda_backend, "concurrent_suffix", flag)
+        metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, Quirks())
+        assert cuda_backend._forks_the_suffix(metadata) == flag and metadata.three == three
+        outs[flag] = cuda_backend.BACKEND.forward(q, pool, metadata, scale)
+        torch.cuda.synchronize()
+    assert torch.equal(outs[True], outs[False])
+    # captured with the fork: a replay equals the eager layer, also after q changed in place
+    monkeypatch.setattr(cuda_backend, "concurrent_suffix", True)
+    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, Quirks())
+    static_q = q.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        cuda_backend.BACKEND.forward(static_q, pool, metadata, scale)        # warm-up on the capture's stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_backend.BACKEND.forward(static_q, pool, metadata, scale)
+    for seed in (0, 1):
+        static_q.copy_(q if seed == 0 else q.flip(0))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(cuda_backend, "concurrent_suffix", False)
+        eager = cuda_backend.BACKEND.forward(static_q, pool, metadata, scale)
+        monkeypatch.setattr(cuda_backend, "concurrent_suffix", True)
+        assert torch.equal(captured, eager)

@@ -12,7 +12,9 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
 With ``$HF_CASCADE_FUSED_MERGE=1`` (:data:`fused_merge`) a layer whose suffix runs in one split launches the suffix
 kernel with the merge fused into its epilogue (``hf_cascade::suffix_merge``): two launches a layer instead of three,
 and the suffix partial never goes to memory; a static decode layout then runs its suffix in one split up to
-``cuda_tuning.FUSED_ONE_SPLIT_TOKENS`` of capacity.
+``cuda_tuning.FUSED_ONE_SPLIT_TOKENS`` of capacity. With ``$HF_CASCADE_CONCURRENT_SUFFIX=1``
+(:data:`concurrent_suffix`) the prefix launches go to a side stream forked from the layer's (:class:`_Fork`), beside
+the suffix, and the merge waits for both.
 
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
@@ -53,6 +55,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +91,13 @@ LOG2E = 1.0 / math.log(2.0)
 # (benchmarks/RESULTS.md, "What the compiled whole step is made of"). A plain flag, read per launch (tests set it).
 FUSED_MERGE_ENV = "HF_CASCADE_FUSED_MERGE"
 fused_merge = os.environ.get(FUSED_MERGE_ENV, "") == "1"
+# The suffix kernel beside the prefix kernel ("1"): the prefix launches go to a side stream forked from the layer's
+# stream, the suffix runs on the layer's stream meanwhile, and the merge waits for both. They write disjoint partial
+# slots. The suffix (about 10 us a layer on the H200, bound by latency, not bytes) could then hide behind the prefix
+# where the prefix leaves SMs free (a lone row's context, greedy). Opt-in until it is measured on a GPU; the eager
+# launches only (a compiled forward launches every operator on its stream).
+CONCURRENT_SUFFIX_ENV = "HF_CASCADE_CONCURRENT_SUFFIX"
+concurrent_suffix = os.environ.get(CONCURRENT_SUFFIX_ENV, "") == "1"
 
 
 @dataclass
@@ -283,7 +293,10 @@ class CudaBackend(Backend):
         plain = quirks.softcap is None and quirks.window is None
         # on q's device: the prefix variants' one-time setup applies to the current device
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
+            state = _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
+            if q.is_cuda and _forks_the_suffix(state):
+                _fork(q.device)         # the side stream and events made here, before any capture
+            return state
 
     def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
         pool_ok = pool.dtype == q.dtype or (is_quantized(pool) and kv_scale(pool) is not None)
@@ -310,7 +323,8 @@ class CudaBackend(Backend):
         with torch.cuda.device(q.device):
             lib = library(q.device)
             _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, metadata, scale, out,
-                    softcap=softcap, window=window, sinks=sinks)
+                    softcap=softcap, window=window, sinks=sinks,
+                    fork=_fork(q.device) if _forks_the_suffix(metadata) else None)
         return out
 
 
@@ -323,8 +337,9 @@ def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
 
 
 def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=None, window=None, sinks=None,
-            kernels=ops) -> None:
-    """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
+            kernels=ops, fork: "_Fork | None" = None) -> None:
+    """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests). With
+    ``fork`` (:data:`concurrent_suffix`) the prefix launches go to its side stream, beside the suffix."""
     scale_log2 = float(scale) * LOG2E
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
     # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
@@ -336,25 +351,70 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
     dp = st.dp
     # an fp8 pool's scales (float32 [2, Hkv], the pool's own tensor: a captured graph reads it by address)
     kv = {"kv_scale": kv_scale(pool)} if is_quantized(pool) else {}
+    fused = fused_merge and st.nsplit == 1
+    if fork is not None and (fused or not st.has_prefix):
+        raise ValueError("cuda backend: a fork for the prefix launches, but the suffix reads the prefix's partials "
+                         "(fused merge) or there is no prefix")
+    prefix_stream = fork.fork() if fork is not None else stream
     if st.has_prefix:
-        kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse,
-                       st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap,
-                       window, st.tune, **kv)
+        kernels.prefix(lib, prefix_stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o,
+                       st.part_lse, st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0,
+                       softcap, window, st.tune, **kv)
     if three and st.mid.has:
         mid = st.mid
-        kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse,
-                       mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit,
-                       st.max_chunks, softcap, 0, mid.tune, **kv)
+        kernels.prefix(lib, prefix_stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o,
+                       st.part_lse, mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2,
+                       dp.q_limit, st.max_chunks, softcap, 0, mid.tune, **kv)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
-    if fused_merge and st.nsplit == 1:     # the merge in the suffix kernel's epilogue: one launch and round trip less
+    if fused:     # the merge in the suffix kernel's epilogue: one launch and round trip less
         kernels.suffix_merge(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.row_nchunks, out,
                              st.split_tokens, st.suffix_slot0, scale_log2, softcap, window,
                              st.row_nmid if three else None, st.max_chunks, sinks, **kv)
         return
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
+    if fork is not None:
+        fork.join()                      # the merge reads the prefix's partials
     kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
                   st.row_nmid if three else None, st.max_chunks, sinks)
+
+
+def _forks_the_suffix(st: _StepState) -> bool:
+    """Whether the layer's prefix launches go beside its suffix (:data:`concurrent_suffix`): where there is a prefix
+    and the suffix does not read its partials (a fused merge does)."""
+    return concurrent_suffix and st.has_prefix and not (fused_merge and st.nsplit == 1)
+
+
+class _Fork:
+    """A side stream for a layer's prefix launches, forked from the layer's stream and joined before its merge
+    (``wait_stream``: an event recorded on one stream, waited for on the other, which a CUDA graph captures as an edge,
+    the fork-join torch's graph capture documents). One per thread and device, made before any capture
+    (:meth:`CudaBackend.build`)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def fork(self) -> int:
+        """The side stream's handle, after what the layer's stream has queued so far (q, the cache write)."""
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        return self.side.cuda_stream
+
+    def join(self) -> None:
+        """The layer's stream waits for what the side stream has queued (the prefix launches)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+
+
+_fork_local = threading.local()
+
+
+def _fork(device) -> _Fork:
+    """This thread's fork for ``device`` (two threads never share events: each waits on its own layer's prefix)."""
+    device = torch.device(device)
+    forks = _fork_local.__dict__.setdefault("forks", {})
+    if device not in forks:
+        forks[device] = _Fork(device)
+    return forks[device]
 
 
 def _quirks(softcap, window, sinks, q) -> tuple[float, int, torch.Tensor | None]:
