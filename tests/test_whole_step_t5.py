@@ -227,19 +227,29 @@ def test_control_without_the_device_reorder_the_tokens_differ(monkeypatch):
 def test_compile_advances_the_dense_cache_compiled(monkeypatch, whole_step_logs):
     """``CascadeConfig(compile=True)``: the dense cache's bookkeeping and the token choice run compiled (each one
     graph, no break); T5's forward does not compile (its static step's dense attention refuses a compiled trace), runs
-    uncompiled, logged; stock's tokens."""
+    uncompiled, logged; stock's tokens. A second call of other sources (the same shapes) compiles nothing more."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     try:
         stock, cascade = pair("t5")
+        config = dataclasses.replace(EAGER, compile=True)
         ids, mask = sources()
         spy = RunnerSpy(monkeypatch)
-        _assert_whole_step_equals_stock(stock, cascade, spy, whole_step_logs, dataclasses.replace(EAGER, compile=True),
+        _assert_whole_step_equals_stock(stock, cascade, spy, whole_step_logs, config,
                                         input_ids=ids, attention_mask=mask, min_device_steps=10, **MODES["beam"])
         messages = [r.getMessage() for r in whole_step_logs.records]
         assert not [m for m in messages if "whole step's" in m and "failed to compile" in m], messages
-        assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 2 and not counters["graph_break"]
+        ids, mask = sources((7, 13, 11), seed=1)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            _assert_whole_step_equals_stock(stock, cascade, RunnerSpy(monkeypatch), whole_step_logs, config,
+                                            input_ids=ids, attention_mask=mask, min_device_steps=10,
+                                            **MODES["beam"])
+        messages = [r.getMessage() for r in whole_step_logs.records]
+        assert not [m for m in messages if "whole step's" in m and "failed to compile" in m], messages
+        assert counters["stats"]["unique_graphs"] == graphs
     finally:
         torch._dynamo.reset()
         counters.clear()
