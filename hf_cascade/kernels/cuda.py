@@ -295,7 +295,7 @@ class CudaBackend(Backend):
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             state = _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
             if q.is_cuda and _forks_the_suffix(state):
-                _fork(q.device)         # the side stream and events made here, before any capture
+                _fork(q.device)         # the side stream made here, before any capture
             return state
 
     def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
@@ -351,7 +351,7 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
     dp = st.dp
     # an fp8 pool's scales (float32 [2, Hkv], the pool's own tensor: a captured graph reads it by address)
     kv = {"kv_scale": kv_scale(pool)} if is_quantized(pool) else {}
-    fused = fused_merge and st.nsplit == 1
+    fused = _merges_in_suffix(st)
     if fork is not None and (fused or not st.has_prefix):
         raise ValueError("cuda backend: a fork for the prefix launches, but the suffix reads the prefix's partials "
                          "(fused merge) or there is no prefix")
@@ -379,10 +379,15 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
                   st.row_nmid if three else None, st.max_chunks, sinks)
 
 
+def _merges_in_suffix(st: _StepState) -> bool:
+    """Whether the layer's suffix kernel merges (:data:`fused_merge`, one split): it then reads the prefix's partials."""
+    return fused_merge and st.nsplit == 1
+
+
 def _forks_the_suffix(st: _StepState) -> bool:
     """Whether the layer's prefix launches go beside its suffix (:data:`concurrent_suffix`): where there is a prefix
-    and the suffix does not read its partials (a fused merge does)."""
-    return concurrent_suffix and st.has_prefix and not (fused_merge and st.nsplit == 1)
+    and the suffix does not read its partials."""
+    return concurrent_suffix and st.has_prefix and not _merges_in_suffix(st)
 
 
 class _Fork:
@@ -409,7 +414,7 @@ _fork_local = threading.local()
 
 
 def _fork(device) -> _Fork:
-    """This thread's fork for ``device`` (two threads never share events: each waits on its own layer's prefix)."""
+    """This thread's fork for ``device`` (two threads never share a side stream: each waits on its own prefix)."""
     device = torch.device(device)
     forks = _fork_local.__dict__.setdefault("forks", {})
     if device not in forks:
