@@ -57,7 +57,7 @@ def kernel_profile(graph, reps: int) -> dict:
             "top_kernels_us": dict((n, round(us, 1)) for n, us in per_kernel.most_common(25))}
 
 
-def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
+def time_parts(loop, reps: int) -> dict:
     logits = {}
 
     def forward():
@@ -98,10 +98,27 @@ def time_parts(loop, reps: int, with_profile: bool = False) -> dict:
     out["whole_vs_floor"] = out["whole_us"] / out["floor_us"]
     # bytes every step must read: the weights at the 8B shape's 4.8 TB/s are the matrix products' floor
     out["weights_floor_us"] = weights / 4.8e12 * 1e6
-    if with_profile:
-        out.update(kernel_profile(loop.graph, reps))
-        out["gaps_us"] = out["whole_us"] - out["kernel_us"]
     return out
+
+
+def _stopped_call(model, ids, config, kw, at_first_replay) -> None:
+    """A generate call stopped at its first device chunk that has a captured step: ``at_first_replay(loop)`` there."""
+    real_chunk = whole_step.WholeStepLoop._chunk
+
+    def chunk(self, steps):
+        done = real_chunk(self, steps)
+        if self.graph is not None and self.held is not None:
+            at_first_replay(self)
+            raise _Stop
+        return done
+
+    whole_step.WholeStepLoop._chunk = chunk
+    try:
+        model.generate(input_ids=ids, hf_cascade_config=config, **kw)
+    except _Stop:
+        pass
+    finally:
+        whole_step.WholeStepLoop._chunk = real_chunk
 
 
 def main():
@@ -113,21 +130,13 @@ def main():
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    models, results = {}, []
+    models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
     for entry in args.configs:
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
         model.set_attn_implementation("cascade")
         found = {}
-
-        def chunk(self, steps):
-            done = real_chunk(self, steps)
-            if self.graph is not None and self.held is not None:
-                found.update(time_parts(self, args.reps, args.profile))
-                raise _Stop
-            return done
-
         # a plain call first: the wall time of each chunk of device steps (replays and the flag read), per step
         walls = []
 
@@ -150,21 +159,20 @@ def main():
         replayed = [w for w, n, graph in walls if graph and n > 1]
         found["chunk_wall_us_per_step"] = sorted(replayed)[len(replayed) // 2] if replayed else None
         found["chunks"] = [(round(w), n) for w, n, _ in walls]
-        whole_step.WholeStepLoop._chunk = chunk
-        try:
-            model.generate(input_ids=ids, hf_cascade_config=config, **kw)
-        except _Stop:
-            pass
-        finally:
-            whole_step.WholeStepLoop._chunk = real_chunk
+        _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, **found})
-        if args.profile:
-            console = Console(width=160)
-            console.print(f"{entry}: kernels of one whole-step replay (µs): " + ", ".join(
-                f"{k} {found[k]:.0f}" for k in ("kernel_us", "attention_us", "matmul_us", "other_us", "gaps_us",
-                                                "weights_floor_us", "kernels_per_replay")))
-            for name, us in found["top_kernels_us"].items():
-                console.print(f"  {us:8.1f}  {name}")
+        calls.append((entry, model, ids, config, kw, found))
+    # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
+    # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
+    for entry, model, ids, config, kw, found in calls if args.profile else ():
+        _stopped_call(model, ids, config, kw, lambda loop: found.update(kernel_profile(loop.graph, args.reps)))
+        found["gaps_us"] = found["whole_us"] - found["kernel_us"]
+        console = Console(width=160)
+        console.print(f"{entry}: kernels of one whole-step replay (µs): " + ", ".join(
+            f"{k} {found[k]:.0f}" for k in ("kernel_us", "attention_us", "matmul_us", "other_us", "gaps_us",
+                                            "weights_floor_us", "kernels_per_replay")))
+        for name, us in found["top_kernels_us"].items():
+            console.print(f"  {us:8.1f}  {name}")
     harness.table("whole step parts (µs, CUDA events, median)",
                   ["shape", "prompt", "mode", "blocks_us", "forward_us", "choose_us", "whole_us",
                    "chunk_wall_us_per_step", "host_us_per_step", "host_own_us_per_step", "floor_us", "whole_vs_floor"],
