@@ -3,7 +3,7 @@ with the cache in the model's dtype and in ``kv_dtype="float8_e4m3fn"``.
 
 Per scenario and cache dtype, one ``generate()`` call (beam search, ``--new-tokens`` new tokens): its wall time, the
 cache's peak K/V bytes (``CascadeCache.stats().peak_kv_bytes_in_use``, scales included), the GPU memory allocated
-above the weights at its peak, the device's free memory at that peak ("room to spare"), and the share of new tokens
+above the weights at its peak, the device memory torch had not reserved at the peak ("room to spare"), and the share of new tokens
 equal to the bf16 cache's. Random weights: near-flat logits, so the agreement is a weak signal (see
 fp8_agreement.py); the bytes are the point.
 
@@ -62,7 +62,7 @@ def one_call(model, ids, beams: int, new_tokens: int, kv_dtype, device: str) -> 
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()      # (max_memory_reserved restarts from what is reserved now)
         before = torch.cuda.memory_allocated()
     peaks = []
     with cache_peaks(peaks):
@@ -73,10 +73,9 @@ def one_call(model, ids, beams: int, new_tokens: int, kv_dtype, device: str) -> 
                peak_kv_bytes=max(peaks, default=None), peak_kv_gib=round(max(peaks) / 2**30, 4) if peaks else None)
     if cuda:
         peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        row.update(peak_above_weights_gib=round((peak - before) / 2**30, 3),
-                   room_at_peak_gib=round((total - (torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-                                           - peak) / 2**30, 1))
+        total = torch.cuda.mem_get_info()[1]
+        row.update(peak_above_weights_gib=round((peak - before) / 2**30, 3),      # room: the device less the most
+                   room_at_peak_gib=round((total - torch.cuda.max_memory_reserved()) / 2**30, 1))  # torch reserved
     return row, out[:, ids.shape[1]:]
 
 
