@@ -3,8 +3,8 @@ with the cache in the model's dtype and in ``kv_dtype="float8_e4m3fn"``.
 
 Per scenario and cache dtype, one ``generate()`` call (beam search, ``--new-tokens`` new tokens): its wall time, the
 cache's peak K/V bytes (``CascadeCache.stats().peak_kv_bytes_in_use``, scales included), the GPU memory allocated
-above the weights at its peak, the device memory torch had not reserved at the peak ("room to spare"), and the share of new tokens
-equal to the bf16 cache's. Random weights: near-flat logits, so the agreement is a weak signal (see
+above the weights at its peak, the device memory torch had not reserved at the peak ("room to spare"), and the share
+of new tokens equal to the bf16 cache's. Random weights: near-flat logits, so the agreement is a weak signal (see
 fp8_agreement.py); the bytes are the point.
 
     PYTHONPATH=.:benchmarks python benchmarks/fp8_capacity_gpu.py
