@@ -38,10 +38,17 @@ def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wri
     ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. On a GPU
     whose kernel library is loaded (the cuda backend's), one kernel for the copies and one for K and V
     (``csrc/write.cu``; ``$HF_CASCADE_WRITE_KERNEL=0`` turns it off); else :func:`_write_slots_torch`'s four."""
-    if pool.is_cuda and cuda_library.write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
-                                                 copies):
+    if pool.is_cuda and _write_slots_kernel(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies):
         return
     _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies)
+
+
+def _write_slots_kernel(pool, key, value, *indices_and_copies) -> bool:
+    """:func:`_write_slots` on the library's kernel where it can (:func:`cuda_library.write_slots`), K/V made
+    contiguous first: with fused projections (:mod:`hf_cascade.fused_linears`) V is a column slice of the fused
+    q|k|v product, its tokens strided by the fused width. A copy of the new tokens is one small kernel; the torch
+    write it would fall back to is four."""
+    return cuda_library.write_slots(pool, key.contiguous(), value.contiguous(), *indices_and_copies)
 
 
 def _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:

@@ -89,6 +89,13 @@ class CascadeConfig:
             one float32 scale per layer, K/V and KV head fixed by the first K/V written after a reset (the prefill:
             :mod:`hf_cascade.memory`); the cuda and reference backends read it (FlashInfer does not: refused). An
             encoder-decoder's cross-attention K/V stay in the model's dtype.
+        fuse_projections: store each layer's ``q_proj``/``k_proj``/``v_proj`` weights as row slices of one buffer, and
+            ``gate_proj``/``up_proj`` of another, so that each group is one matrix product
+            (:mod:`hf_cascade.fused_linears`): fewer, larger products that read the weights closer to the device's
+            rate. Done in place by the first generate call that asks for it (the Parameters stay, as views; state_dict
+            unchanged); plain ``nn.Linear`` members only (LoRA wrappers, quantized linears are left as they are). A
+            later call finds weights that moved off their buffer (``model.to(dtype)``, a new Parameter), unfuses, logs
+            it once, and fuses again. Off by default until measured on a GPU.
     """
 
     backend: str = "auto"
@@ -104,6 +111,7 @@ class CascadeConfig:
     compile: bool | str = False
     whole_step: bool = True
     kv_dtype: str | None = None
+    fuse_projections: bool = False
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
@@ -115,6 +123,8 @@ class CascadeConfig:
             raise error(f"CascadeConfig.compile must be True, False or 'max-autotune', got {self.compile!r}.")
         if not isinstance(self.whole_step, bool):
             raise ConfigTypeError(f"CascadeConfig.whole_step must be a bool, got {self.whole_step!r}.")
+        if not isinstance(self.fuse_projections, bool):
+            raise ConfigTypeError(f"CascadeConfig.fuse_projections must be a bool, got {self.fuse_projections!r}.")
         if not isinstance(self.static_decode, bool):
             raise ConfigTypeError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import encoder_decoder, graphs, seq2seq_models, whole_step
+from . import encoder_decoder, fused_linears, graphs, seq2seq_models, session, whole_step
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -399,6 +399,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
     key = _cache_key(model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+        _fuse_projections(model, hf_cascade_config)     # (it refuses a cache of the caller's: this is the call's config)
         states = model_kwargs.get("encoder_outputs")
         states = states[0] if states is not None and len(states) else None
         if isinstance(states, torch.Tensor) and states.dim() != 3:
@@ -416,6 +417,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                              "was made with, so hf_cascade_config would be ignored. Make the cache with it "
                              "(CascadeCache(model.config, hf_cascade_config)) or pass only one of them.")
         hf_cascade_config = existing.cascade_config
+    _fuse_projections(model, hf_cascade_config)
     _warn_unused_compile(model, hf_cascade_config)
     capped = hf_cascade_config.max_kv_bytes is not None
     mask = model_kwargs.get("attention_mask")
@@ -529,6 +531,17 @@ def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> No
     if isinstance(positions, torch.Tensor) and positions.dim() == 2 and tuple(positions.shape) != (rows, width):
         raise ValueError(f"generate got position_ids of shape {as_passed(positions)} (generate derives them from "
                          f"attention_mask where not given); attention_mask and position_ids must have {expected}.")
+
+
+def _fuse_projections(model, cascade_config: CascadeConfig) -> None:
+    """``CascadeConfig.fuse_projections``: fuse the model's projections before anything is compiled or captured; a
+    model whose fusion no longer holds (:func:`fused_linears.check` unfuses it) or is fused now drops the graphs
+    kept for it, which point at the weights' old storage."""
+    if not cascade_config.fuse_projections:
+        return
+    held = fused_linears.check(model)
+    if fused_linears.fuse(model) or not held:
+        session.release(model)
 
 
 def _warn_unused_compile(model, cascade_config: CascadeConfig) -> None:

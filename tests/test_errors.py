@@ -43,6 +43,7 @@ GEN = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
     (dict(blocksize=16), TypeError, "'blocksize': did you mean 'block_size'"),
     (dict(compile="max_autotune"), ValueError, "compile must be True, False or 'max-autotune'"),
     (dict(compile=1), TypeError, "compile must be True, False or 'max-autotune'"),
+    (dict(fuse_projections=1), TypeError, "fuse_projections must be a bool"),
 ])
 def test_config_refuses_wrong_types_and_values(kwargs, error, match):
     with pytest.raises(error, match=match) as info:

@@ -1,0 +1,186 @@
+"""Each layer's q/k/v projections as one matrix product, and gate/up as another (``CascadeConfig.fuse_projections``).
+
+A decode step of a large model is a few rows against every weight: its matrix products are bound by reading the
+weights, and the small ones (k_proj and v_proj of a GQA model) read far below the device's rate, with split-K reduce
+kernels of their own. :func:`fuse` stores the members of a group (``q_proj``/``k_proj``/``v_proj`` of an attention,
+``gate_proj``/``up_proj`` of an MLP) as row slices of one buffer, so that one product over the buffer serves them
+all; nothing else changes: each member stays an ``nn.Linear`` with its own ``weight`` Parameter (the same object,
+now a view of the buffer), so ``state_dict``, optimizers and hooks see what they saw before.
+
+Compute (:class:`_FusedLinear`): without gradients for the weights, the group's first member computes the fused
+product of its input and keeps it on the group; a later member given the very same input tensor returns its column
+slice of it (the last one drops it), any other input gets the member's own product. With gradients for the weights,
+every member computes its own product on its view, so gradients land on each Parameter and optimizer steps in place
+land in the buffer.
+
+Anything that moves a member's weight off the buffer (``model.to(dtype)`` sets ``param.data``; a new Parameter) is
+found by :func:`check`, which then unfuses the whole model. The module imports nothing of the cache, plan or kernels.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .logs import log_once
+
+# (children names) of a group, the first computing the fused product; the names of Llama-like decoder layers
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# a cross-attention's q_proj and k/v_proj take different inputs: the fused product would compute k/v's rows for
+# nothing at every step
+_CROSS = re.compile(r"cross|encoder_attn")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _Group:
+    """One fused group: the buffers its members' weight (and bias) Parameters are row slices of, each member's row
+    range, and the fused product of the last input (``stash``: (input, output), one attribute so that a thread
+    reads both at once) until the last member takes its slice."""
+
+    def __init__(self, where: str, names: tuple, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple):
+        self.where, self.names, self.weight, self.bias, self.rows = where, names, weight, bias, rows
+        self.stash = None
+
+
+class _FusedLinear(nn.Linear):
+    """An ``nn.Linear`` member of a fused group (``__class__`` swapped in place, so isinstance, state_dict and hooks
+    are as before); ``_fused_group`` and ``_fused_index`` say where its rows are."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group, index = self._fused_group, self._fused_index
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)      # gradients for this Parameter: its own product
+        low, high = group.rows[index]
+        if index == 0:
+            out = F.linear(x, group.weight, group.bias)
+            group.stash = (x, out)
+        else:
+            stash = group.stash
+            if stash is None or stash[0] is not x:
+                group.stash = None          # the first member's input was another: nothing to keep it for
+                return F.linear(x, self.weight, self.bias)
+            out = stash[1]
+            if index == len(group.rows) - 1:
+                group.stash = None
+        return out[..., low:high]
+
+
+def _eligible(module: nn.Module, names: tuple, shared: set) -> bool:
+    """All of ``names`` are plain ``nn.Linear`` children with plain, unshared Parameters alike in device, dtype, input
+    width and bias (wrappers such as PEFT's LoRA, quantized linears, tensor subclasses, meta and offloaded weights,
+    tied weights are left as they are)."""
+    members = [getattr(module, name, None) for name in names]
+    if any(type(m) is not nn.Linear or hasattr(m, "_hf_hook") for m in members):
+        return False
+    params = [m.weight for m in members] + [m.bias for m in members if m.bias is not None]
+    if any(type(p) is not nn.Parameter or p.is_meta or p.layout != torch.strided or id(p) in shared for p in params):
+        return False
+    first = members[0].weight
+    return (first.dtype in _DTYPES
+            and all(p.device == first.device and p.dtype == first.dtype for p in params)
+            and all(m.in_features == members[0].in_features for m in members)
+            and len({m.bias is None for m in members}) == 1)
+
+
+def _stack(params: list) -> tuple[torch.Tensor, tuple]:
+    """One buffer holding ``params`` one after another along dim 0 (copied in), each Parameter's ``data`` then set to
+    its slice (the Parameter object, its requires_grad and its hooks kept; its old storage freed)."""
+    first = params[0]
+    buffer = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    rows, low = [], 0
+    with torch.no_grad():
+        for p in params:
+            high = low + p.shape[0]
+            buffer[low:high].copy_(p)
+            p.data = buffer[low:high]
+            rows.append((low, high))
+            low = high
+    return buffer, tuple(rows)
+
+
+def fuse(model: nn.Module) -> int:
+    """Fuse every eligible group of ``model`` (see the module docstring); the number of groups fused now (0 on a
+    second call). Peak memory: one group's weights more while it is copied."""
+    counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    shared = {key for key, n in counts.items() if n > 1}
+    fused = 0
+    for name, module in model.named_modules():
+        for names in GROUPS:
+            if not _eligible(module, names, shared) or (names[0] == "q_proj" and _CROSS.search(name)):
+                continue
+            members = [getattr(module, n) for n in names]
+            weight, rows = _stack([m.weight for m in members])
+            bias = _stack([m.bias for m in members])[0] if members[0].bias is not None else None
+            group = _Group(name, names, weight, bias, rows)
+            for index, member in enumerate(members):
+                member.__class__ = _FusedLinear
+                member._fused_group, member._fused_index = group, index
+            fused += 1
+    return fused
+
+
+def _groups(model: nn.Module) -> dict:
+    """id(group) -> (group, its members in order), for the fused members found in ``model``."""
+    found = {}
+    for module in model.modules():
+        if type(module) is _FusedLinear:
+            group = module._fused_group
+            found.setdefault(id(group), (group, [None] * len(group.rows)))[1][module._fused_index] = module
+    return found
+
+
+def _views(param, buffer: torch.Tensor, rows: tuple) -> bool:
+    """``param`` is still rows ``rows`` of ``buffer`` (not a copy of them, not another dtype or device)."""
+    low, high = rows
+    return (param is not None and param.dtype == buffer.dtype and param.device == buffer.device
+            and param.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            and param.storage_offset() == buffer.storage_offset() + low * buffer.stride(0)
+            and param.shape == buffer[low:high].shape and param.stride() == buffer.stride())
+
+
+def _broken(group: _Group, members: list) -> str | None:
+    """Why ``group`` no longer holds (a member gone or moved off the buffer), or None."""
+    for name, member, rows in zip(group.names, members, group.rows):
+        name = f"{group.where}.{name}" if group.where else name
+        if member is None:
+            return f"{name} is no longer in the model"
+        if not _views(member.weight, group.weight, rows):
+            return f"{name}.weight is no longer a view of its fused buffer (model.to(), a new Parameter, ...)"
+        if (member.bias is None) != (group.bias is None) or (group.bias is not None
+                                                              and not _views(member.bias, group.bias, rows)):
+            return f"{name}.bias is no longer a view of its fused buffer"
+    return None
+
+
+def check(model: nn.Module) -> bool:
+    """Whether every fused group of ``model`` still holds. If one does not, unfuse the whole model (the reason
+    logged once) and return False; a model with nothing fused returns True."""
+    for group, members in _groups(model).values():
+        reason = _broken(group, members)
+        if reason is not None:
+            unfuse(model)
+            log_once(("fuse_projections undone", reason), logging.WARNING,
+                     "fuse_projections: unfused the model's projections: %s. A later generate call with "
+                     "fuse_projections=True fuses them again.", reason)
+            return False
+    return True
+
+
+def unfuse(model: nn.Module) -> None:
+    """Give every fused member of ``model`` its own storage again (a member still on the buffer gets a copy of its
+    rows; one that moved off it keeps what it has) and its ``nn.Linear`` class back."""
+    for group, members in _groups(model).values():
+        with torch.no_grad():
+            for member, rows in zip(members, group.rows):
+                if member is None:
+                    continue
+                for param, buffer in ((member.weight, group.weight), (member.bias, group.bias)):
+                    if buffer is not None and _views(param, buffer, rows):
+                        param.data = param.data.clone()
+                member.__class__ = nn.Linear
+                del member._fused_group, member._fused_index
+        group.stash = group.weight = group.bias = None
