@@ -69,6 +69,18 @@ def build(shape: str, dtype) -> torch.nn.Module:
     return model.eval()
 
 
+def _model_of(models: dict, shape: str, dtype, variant: str):
+    """The model a variant runs on: the shape's model, or for a variant that fuses projections a second one of the
+    same weights (same seed), built on first use and kept with the shape's. Fusing changes a model in place (its
+    products, and unfusing it for the next variant would recompile and recapture every round): the other variants
+    must not see it. Twice the weights' memory while both are held."""
+    if not (WHOLE_VARIANTS[variant] or {}).get("fuse_projections"):
+        return models[shape]
+    if (shape, "fused") not in models:
+        models[(shape, "fused")] = build(shape, dtype)
+    return models[(shape, "fused")]
+
+
 def parse_prompt(prompt: str) -> tuple[int, int, int]:
     """"16384" (one prompt) or "4096+512x8" (8 prompts: a 4096-token system prompt they share, then 512 tokens
     of their own) -> (shared tokens, own tokens, prompts)."""
@@ -142,6 +154,8 @@ WHOLE_VARIANTS = {
     "compile": dict(backend="cuda", cuda_graphs=True, whole_step=False, compile=True),
     "whole-compile": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True),
     "whole-autotune": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile="max-autotune"),
+    # q/k/v and gate/up as one product each (CascadeConfig.fuse_projections), on a twin model: see _model_of
+    "whole-fused": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True, fuse_projections=True),
 }
 
 
@@ -231,8 +245,9 @@ def whole_step(args, dtype, console):
             # t(2) - not t(1) - as the base: the whole step captures its graph at the second step of a call (the first
             # runs on the host path), transformers' loop at the first; from 2 on, both calls of a pair hold the same
             # one-off costs (a capture, or none where the kept graph serves), which the difference cancels
-            r1 = _timed_generate(model, ids, 2, mode, v, {})
-            rn = _timed_generate(model, ids, n, mode, v, info[v] if rnd == 0 else {})
+            m = _model_of(models, shape, dtype, v)
+            r1 = _timed_generate(m, ids, 2, mode, v, {})
+            rn = _timed_generate(m, ids, n, mode, v, info[v] if rnd == 0 else {})
             if "error" in r1 or "error" in rn:
                 return {"error": r1.get("error") or rn.get("error")}
             if rnd == 0:
@@ -245,9 +260,9 @@ def whole_step(args, dtype, console):
         for v in args.variants:             # a second call of the same shape in a row: the graph is reused
             if v in errors or WHOLE_VARIANTS[v] is None or not WHOLE_VARIANTS[v].get("cuda_graphs"):
                 continue
-            again = {}
-            _timed_generate(model, ids, n, mode, v, {})
-            second = _timed_generate(model, ids, n, mode, v, again)
+            again, m = {}, _model_of(models, shape, dtype, v)
+            _timed_generate(m, ids, n, mode, v, {})
+            second = _timed_generate(m, ids, n, mode, v, again)
             info[v].update(second_call_captures=again.get("captures"), second_call_wall_s=second.get("wall"),
                            second_call_replays=again.get("replays"))
         row_stock = None

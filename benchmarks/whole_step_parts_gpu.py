@@ -2,7 +2,8 @@
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
 which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
-stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--profile`` also lists the kernels of
+stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--fuse`` with
+``CascadeConfig(fuse_projections=True)`` (q/k/v and gate/up as one product each); ``--profile`` also lists the kernels of
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
 replay's time outside kernels (the gaps between the graph's kernels).
 
@@ -127,6 +128,8 @@ def main():
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--compile", nargs="?", const=True, default=False, choices=[True, "max-autotune"],
                         help="CascadeConfig(compile=True); --compile max-autotune: compile='max-autotune'")
+    parser.add_argument("--fuse", action="store_true",
+                        help="CascadeConfig(fuse_projections=True): q/k/v and gate/up as one matrix product each")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -147,7 +150,8 @@ def main():
             walls.append(((time.perf_counter() - started) / steps * 1e6, steps, self.graph is not None))
             return done
 
-        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=args.compile)
+        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=args.compile,
+                                          fuse_projections=args.fuse)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
@@ -160,7 +164,8 @@ def main():
         found["chunk_wall_us_per_step"] = sorted(replayed)[len(replayed) // 2] if replayed else None
         found["chunks"] = [(round(w), n) for w, n, _ in walls]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
-        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, **found})
+        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, "fuse": args.fuse,
+                        **found})
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
     # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
@@ -174,7 +179,7 @@ def main():
         for name, us in found["top_kernels_us"].items():
             console.print(f"  {us:8.1f}  {name}")
     harness.table("whole step parts (µs, CUDA events, median)",
-                  ["shape", "prompt", "mode", "blocks_us", "forward_us", "choose_us", "whole_us",
+                  ["shape", "prompt", "mode", "fuse", "blocks_us", "forward_us", "choose_us", "whole_us",
                    "chunk_wall_us_per_step", "host_us_per_step", "host_own_us_per_step", "floor_us", "whole_vs_floor"],
                   results, console=Console(width=180))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),
