@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -34,15 +36,18 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # nothing at every step
 _CROSS = re.compile(r"cross|encoder_attn")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_lock = threading.Lock()        # generate may run in several threads: one of them fuses or unfuses a model
 
 
 class _Group:
     """One fused group: the buffers its members' weight (and bias) Parameters are row slices of, each member's row
-    range, and the fused product of the last input (``stash``: (input, output), one attribute so that a thread
-    reads both at once) until the last member takes its slice."""
+    range, the members (weakly: they hold the group), and the fused product of the last input (``stash``:
+    (input, output), one attribute so that a thread reads both at once) until the last member takes its slice."""
 
-    def __init__(self, where: str, names: tuple, weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple):
+    def __init__(self, where: str, names: tuple, members: list, weight: torch.Tensor, bias: torch.Tensor | None,
+                 rows: tuple):
         self.where, self.names, self.weight, self.bias, self.rows = where, names, weight, bias, rows
+        self.members = tuple(weakref.ref(m) for m in members)
         self.stash = None
 
 
@@ -105,6 +110,11 @@ def _stack(params: list) -> tuple[torch.Tensor, tuple]:
 def fuse(model: nn.Module) -> int:
     """Fuse every eligible group of ``model`` (see the module docstring); the number of groups fused now (0 on a
     second call). Peak memory: one group's weights more while it is copied."""
+    with _lock:
+        return _fuse(model)
+
+
+def _fuse(model: nn.Module) -> int:
     counts = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     shared = {key for key, n in counts.items() if n > 1}
     fused = 0
@@ -115,7 +125,7 @@ def fuse(model: nn.Module) -> int:
             members = [getattr(module, n) for n in names]
             weight, rows = _stack([m.weight for m in members])
             bias = _stack([m.bias for m in members])[0] if members[0].bias is not None else None
-            group = _Group(name, names, weight, bias, rows)
+            group = _Group(name, names, members, weight, bias, rows)
             for index, member in enumerate(members):
                 member.__class__ = _FusedLinear
                 member._fused_group, member._fused_index = group, index
@@ -123,14 +133,14 @@ def fuse(model: nn.Module) -> int:
     return fused
 
 
-def _groups(model: nn.Module) -> dict:
-    """id(group) -> (group, its members in order), for the fused members found in ``model``."""
-    found = {}
+def _groups(model: nn.Module) -> tuple[list, set]:
+    """The fused groups whose members are found in ``model``, and the ids of the members found."""
+    groups, present = {}, set()
     for module in model.modules():
         if type(module) is _FusedLinear:
-            group = module._fused_group
-            found.setdefault(id(group), (group, [None] * len(group.rows)))[1][module._fused_index] = module
-    return found
+            groups[id(module._fused_group)] = module._fused_group
+            present.add(id(module))
+    return list(groups.values()), present
 
 
 def _views(param, buffer: torch.Tensor, rows: tuple) -> bool:
@@ -142,11 +152,12 @@ def _views(param, buffer: torch.Tensor, rows: tuple) -> bool:
             and param.shape == buffer[low:high].shape and param.stride() == buffer.stride())
 
 
-def _broken(group: _Group, members: list) -> str | None:
-    """Why ``group`` no longer holds (a member gone or moved off the buffer), or None."""
-    for name, member, rows in zip(group.names, members, group.rows):
+def _broken(group: _Group, present: set) -> str | None:
+    """Why ``group`` no longer holds (a member gone from the model or moved off the buffer), or None."""
+    for name, ref, rows in zip(group.names, group.members, group.rows):
+        member = ref()
         name = f"{group.where}.{name}" if group.where else name
-        if member is None:
+        if member is None or id(member) not in present or type(member) is not _FusedLinear:
             return f"{name} is no longer in the model"
         if not _views(member.weight, group.weight, rows):
             return f"{name}.weight is no longer a view of its fused buffer (model.to(), a new Parameter, ...)"
@@ -159,28 +170,38 @@ def _broken(group: _Group, members: list) -> str | None:
 def check(model: nn.Module) -> bool:
     """Whether every fused group of ``model`` still holds. If one does not, unfuse the whole model (the reason
     logged once) and return False; a model with nothing fused returns True."""
-    for group, members in _groups(model).values():
-        reason = _broken(group, members)
-        if reason is not None:
-            unfuse(model)
-            log_once(("fuse_projections undone", reason), logging.WARNING,
-                     "fuse_projections: unfused the model's projections: %s. A later generate call with "
-                     "fuse_projections=True fuses them again.", reason)
-            return False
-    return True
+    with _lock:
+        groups, present = _groups(model)
+        reason = next((r for r in (_broken(g, present) for g in groups) if r is not None), None)
+        if reason is None:
+            return True
+        _unfuse(groups)
+    log_once(("fuse_projections undone", reason), logging.WARNING,
+             "fuse_projections: unfused the model's projections: %s. A later generate call with "
+             "fuse_projections=True fuses them again.", reason)
+    return False
 
 
 def unfuse(model: nn.Module) -> None:
-    """Give every fused member of ``model`` its own storage again (a member still on the buffer gets a copy of its
-    rows; one that moved off it keeps what it has) and its ``nn.Linear`` class back."""
-    for group, members in _groups(model).values():
+    """Give every member of ``model``'s fused groups its own storage again (a member still on its buffer gets a copy
+    of its rows; one that moved off it keeps what it has) and its ``nn.Linear`` class back; a member no longer in
+    the model too."""
+    with _lock:
+        _unfuse(_groups(model)[0])
+
+
+def _unfuse(groups: list) -> None:
+    for group in groups:
         with torch.no_grad():
-            for member, rows in zip(members, group.rows):
-                if member is None:
+            for ref, rows in zip(group.members, group.rows):
+                member = ref()
+                if member is None or getattr(member, "_fused_group", None) is not group:
                     continue
                 for param, buffer in ((member.weight, group.weight), (member.bias, group.bias)):
                     if buffer is not None and _views(param, buffer, rows):
                         param.data = param.data.clone()
+                # a forward running in another thread meanwhile still finds the group's buffers (its values), so
+                # they are not dropped here: the group goes with its last reference
                 member.__class__ = nn.Linear
                 del member._fused_group, member._fused_index
-        group.stash = group.weight = group.bias = None
+        group.stash = None

@@ -80,6 +80,20 @@ def test_fused_generate_gives_stock_tokens_and_forward_logits(name):
     assert all(m._fused_group.stash is None for m in members)        # the last member dropped the fused product
 
 
+def test_bart_fuses_self_attention_and_leaves_cross_attention_alone():
+    """An encoder-decoder: self-attentions fused (encoder and decoder), cross-attentions not (their q_proj and k/v_proj
+    take different inputs: a fused product would compute k/v's rows for nothing); stock's beams."""
+    import test_encoder_decoder as encdec
+    stock, cascade = encdec.pair("bart")
+    ids, mask = encdec.sources()
+    want = encdec.run(stock, ids, mask, "beam")
+    got = encdec.run(cascade, ids, mask, "beam", hf_cascade_config=FUSED)
+    names = {name.rsplit(".", 1)[0] for name, m in cascade.named_modules() if isinstance(m, fused_linears._FusedLinear)}
+    assert names == {f"model.{side}.layers.{i}.self_attn" for side in ("encoder", "decoder") for i in range(2)}
+    assert torch.equal(want.sequences, got.sequences)
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores, rtol=0, atol=1e-9)
+
+
 def test_fuse_is_idempotent_and_keeps_the_parameters_and_state_dict():
     stock, model = pair("Qwen2")
     params = dict(model.named_parameters())
@@ -136,7 +150,8 @@ def test_a_moved_weight_unfuses_logs_and_fuses_again(fresh_logs, caplog, monkeyp
     assert torch.equal(beams(stock, ids, mask), got)
     assert released == [cascade]            # graphs kept for the model point at the old buffers
     new = cascade.model.layers[0].self_attn.q_proj._fused_group
-    assert new is not old and old.weight is None and fused_linears.check(cascade)
+    assert new is not old and fused_linears.check(cascade)
+    assert not any(getattr(m, "_fused_group", None) is old for m in cascade.modules())
 
 
 def test_a_new_parameter_unfuses(fresh_logs, caplog):
@@ -148,6 +163,20 @@ def test_a_new_parameter_unfuses(fresh_logs, caplog):
         assert not fused_linears.check(model)
     assert "model.layers.1.mlp.up_proj.weight" in caplog.text
     assert not fused_members(model) and type(mlp.gate_proj) is nn.Linear
+
+
+def test_a_replaced_member_unfuses_and_the_removed_one_works_alone(fresh_logs, caplog):
+    _, model = pair("Llama")
+    fused_linears.fuse(model)
+    attn = model.model.layers[0].self_attn
+    removed = attn.k_proj
+    attn.k_proj = nn.Linear(64, 32, bias=False, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="hf_cascade"):
+        assert not fused_linears.check(model)
+    assert "model.layers.0.self_attn.k_proj is no longer in the model" in caplog.text
+    assert type(removed) is nn.Linear and removed.weight.is_contiguous()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    torch.testing.assert_close(removed(x), x @ removed.weight.T)
 
 
 def test_training_gradients_and_optimizer_steps_match_the_unfused_model():
