@@ -2,9 +2,10 @@
 with the cache in the model's dtype and in ``kv_dtype="float8_e4m3fn"``.
 
 Per scenario and cache dtype, one ``generate()`` call (beam search, ``--new-tokens`` new tokens): its wall time, the
-cache's peak K/V bytes (``CascadeCache.stats().peak_kv_bytes_in_use``, scales included), the GPU memory allocated
-above the weights at its peak, the device memory torch had not reserved at the peak ("room to spare"), and the share
-of new tokens equal to the bf16 cache's. Random weights: near-flat logits, so the agreement is a weak signal (see
+cache's peak K/V bytes (``CascadeCache.stats().peak_kv_bytes_in_use``, scales included), the GPU memory torch
+allocated above the weights at its peak (activations: the K/V pool is mapped outside torch's allocator), the device
+memory left at the peak ("room to spare": the device less what torch reserved and the pool), and the share of new
+tokens equal to the bf16 cache's. Random weights: near-flat logits, so the agreement is a weak signal (see
 fp8_agreement.py); the bytes are the point.
 
     PYTHONPATH=.:benchmarks python benchmarks/fp8_capacity_gpu.py
@@ -74,8 +75,11 @@ def one_call(model, ids, beams: int, new_tokens: int, kv_dtype, device: str) -> 
     if cuda:
         peak = torch.cuda.max_memory_allocated()
         total = torch.cuda.mem_get_info()[1]
-        row.update(peak_above_weights_gib=round((peak - before) / 2**30, 3),      # room: the device less the most
-                   room_at_peak_gib=round((total - torch.cuda.max_memory_reserved()) / 2**30, 1))  # torch reserved
+        # room: the device less the most torch reserved, less the K/V pool, which memory="vmm" (the default on a
+        # GPU) maps outside torch's allocator (so peak_above_weights_gib leaves it out too)
+        outside = max(peaks, default=0) if hf_cascade.CascadeConfig().memory in ("auto", "vmm") else 0
+        row.update(peak_above_weights_gib=round((peak - before) / 2**30, 3),
+                   room_at_peak_gib=round((total - torch.cuda.max_memory_reserved() - outside) / 2**30, 1))
     return row, out[:, ids.shape[1]:]
 
 
