@@ -95,7 +95,8 @@ class CascadeConfig:
             rate. Done in place by the first generate call that asks for it (the Parameters stay, as views; state_dict
             unchanged); plain ``nn.Linear`` members only (LoRA wrappers, quantized linears are left as they are). A
             later call finds weights that moved off their buffer (``model.to(dtype)``, a new Parameter), unfuses, logs
-            it once, and fuses again. Off by default until measured on a GPU.
+            it once, and fuses again. Off by default until its GPU token test has run (H200: the compiled 8B 16k x 8
+            step 6.76 -> 6.26 ms).
     """
 
     backend: str = "auto"
