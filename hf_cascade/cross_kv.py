@@ -67,6 +67,14 @@ def held_bytes(cache) -> int:
                for t in (l.keys, l.values) if isinstance(t, torch.Tensor))
 
 
+def geometry(states: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+    """What a filled :class:`CrossAttentionCache`'s storages, tables and plans depend on besides the model: the
+    inputs, their padded width and each one's real encoder tokens (one host read of ``mask``)."""
+    batch, width = states.shape[:2]
+    lengths = (width,) * batch if mask is None else tuple(mask.detach().cpu().bool().sum(1).tolist())
+    return batch, width, lengths, states.dtype, str(states.device)
+
+
 def repeated_inputs(states: torch.Tensor, mask: torch.Tensor | None) -> int:
     """m > 1 when the inputs come in runs of m identical ones (Whisper's best-of-m repeats its features
     before generate sees them): their cross K/V is then stored and read once per run, exactly. A cheap
@@ -112,6 +120,19 @@ class CrossLayer(CacheLayerMixin):
         self.values = self.keys
         self.dtype, self.device, self.is_initialized = k.dtype, k.device, True
 
+    def refill(self, k: torch.Tensor, v: torch.Tensor, num_blocks: int, block: torch.Tensor, slot: torch.Tensor
+               ) -> None:
+        """:meth:`fill` of another call's K/V of the same geometry into the same memory (a kept decode graph reads
+        this pool by address): same blocks and slots, nothing allocated."""
+        _, heads, dim = k.shape
+        pool = self.pool
+        if pool is None or tuple(pool.shape) != (num_blocks, 2, self.cache.block_size, heads, dim) \
+                or pool.dtype != k.dtype or pool.device != k.device:
+            raise RuntimeError("hf_cascade internal error: cross-attention K/V refilled in place into a storage of "
+                               "another geometry; please report it")
+        pool[block, 0, slot] = k
+        pool[block, 1, slot] = v
+
     def lazy_initialization(self, key_states, value_states):
         raise RuntimeError("CrossAttentionCache is filled by hf_cascade's generate entry, never by the model.")
 
@@ -156,16 +177,22 @@ class CrossAttentionCache(Cache):
 
     @torch.no_grad()
     def fill(self, projections: list[CrossProjection], states: torch.Tensor, mask: torch.Tensor | None,
-             cap: KVCap | None = None) -> None:
+             cap: KVCap | None = None, in_place: bool = False) -> None:
         """Project and store each input's real encoder tokens with each layer's projection
         (``seq2seq_models.cross_projections``): ``states`` [B, S, d], ``mask`` [B, S] or None; their bytes are
-        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated."""
+        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated. ``in_place``: the cache
+        holds a last call's K/V of the same geometry (:func:`geometry`: inputs, width, each input's length): the new
+        K/V go into the same storages, and the plans (which depend on the geometry only) stay."""
         batch, width, _ = states.shape
         real = torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
         lengths = real.sum(1).numpy().astype(np.int64)            # one host read per generate call
         if (lengths == 0).any():
             raise ValueError("An input of the batch has no real encoder token (its attention_mask is all zeros); "
                              "remove it from the batch.")
+        if in_place and (self.batch, self.max_len, tuple(self.lengths.tolist())) != (batch, width,
+                                                                                     tuple(lengths.tolist())):
+            raise RuntimeError("hf_cascade internal error: cross-attention K/V refilled in place for another "
+                               "geometry; please report it")
         bs = self.block_size
         blocks = -(-lengths // bs)
         first = np.concatenate([[0], np.cumsum(blocks)[:-1]])
@@ -177,7 +204,7 @@ class CrossAttentionCache(Cache):
         device = states.device
         block = torch.from_numpy(first[owner] + order // bs).to(device)
         slot = torch.from_numpy(order % bs).to(device)
-        if cap is not None:
+        if cap is not None and not in_place:      # (in place: the bytes the last call's check passed, held already)
             need = sum(int(blocks.sum()) * bs * project.width * project.itemsize(states) for project in projections)
             cap.check(need, f"the cross-attention K/V ({int(lengths.sum())} encoder tokens of {batch} inputs, "
                             f"stored once per input in blocks of {bs}, {len(projections)} layers)")
@@ -191,7 +218,12 @@ class CrossAttentionCache(Cache):
                 on_device[dev] = (flat.to(dev), block.to(dev), slot.to(dev))
             states_d, block_d, slot_d = on_device[dev]
             k, v = project(states_d)
-            layer.fill(k, v, int(blocks.sum()), block_d, slot_d, batch, width)
+            if in_place:
+                layer.refill(k, v, int(blocks.sum()), block_d, slot_d)
+            else:
+                layer.fill(k, v, int(blocks.sum()), block_d, slot_d, batch, width)
+        if in_place:
+            return           # same geometry: same tables, starts and plans (their device copies are read by address)
         self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
         self.starts = (first * bs).tolist()
         self._plans = {}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
@@ -44,7 +45,7 @@ from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .logs import log_once
-from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded,
+from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded, geometry,
                        repeated_inputs)
 from .dense_cache import (StaticSelfAttentionCache, capped_dynamic_cache, self_attention_cache,
                           static_self_attention_cache)
@@ -55,6 +56,16 @@ from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross
 from .session import DecodeSession
 
 logger = logging.getLogger("hf_cascade")
+
+# opt-in (until measured on a GPU): a call of the same shape as the model's last encoder-decoder call reuses its
+# cross-attention storages, decoder cache and captured decode step (see EncoderSide.keep_key)
+KEEP_ENV = "HF_CASCADE_KEEP_SEQ2SEQ"
+
+
+def keep_enabled() -> bool:
+    """Whether ``$HF_CASCADE_KEEP_SEQ2SEQ`` asks to keep an encoder-decoder call's state for the next call."""
+    return os.environ.get(KEEP_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+
 
 # ---- the generate entry -----------------------------------------------------------------------------
 def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -136,9 +147,10 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     projections = cross_projections(model)
     cap = None if cascade_config.max_kv_bytes is None else KVCap(cascade_config.max_kv_bytes)
     side = EncoderSide(model, input_ids, generation_config, model_kwargs, key, cascade_config, cap, projections, states,
-                       source_mask, decoder_mask, n)
+                       source_mask, decoder_mask, n, keep=keep_enabled())
+    # kept for a next call only where asked (the encoder outputs differ: the next call refills the K/V in place)
     call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
-                         cascade_config=cascade_config)     # nothing kept for a next call: encoder outputs differ
+                         cascade_config=cascade_config, keep=side.keep_key is not None)
 
     def stock():            # transformers' loop (model_kwargs as the session's prepare left them)
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -164,7 +176,7 @@ class EncoderSide:
 
     def __init__(self, model, input_ids, generation_config, model_kwargs: dict, key: str,
                  cascade_config: CascadeConfig, cap: KVCap | None, projections: list, states, source_mask,
-                 decoder_mask, n: int):
+                 decoder_mask, n: int, keep: bool = False):
         self.model, self.input_ids, self.generation_config = model, input_ids, generation_config
         self.model_kwargs, self.key, self.cascade_config, self.cap = model_kwargs, key, cascade_config, cap
         self.projections, self.states, self.source_mask, self.decoder_mask, self.n = (
@@ -173,20 +185,65 @@ class EncoderSide:
         self.paged = paged_self_attention(model, input_ids, states.device, cascade_config, decoder_mask)
         self.static = not self.paged and _static_self_attention(model, cascade_config)
         self.self_cache = None
+        self.repeats = repeated_inputs(states, source_mask)     # rows of one input, n each, then the next input's
+        self.keep_key = self._keep_key() if keep else None
+        self._reused: KeptCross | None = None       # the model's last call's state, refilled by prepare
+        self._handed_over = False                   # kept_state() gave the caches to the session
 
-    def prepare(self, cache: None) -> CascadeCache | StaticSelfAttentionCache | None:
+    def _keep_key(self):
+        """What this call's kept state must match for the next call to reuse it (the session's KeptCall keys the
+        rest: rows, dtype, device, CascadeConfig): the stored inputs' geometry (the cross storages, tables and plans),
+        the decoder prompt's width and padding, each layer's projection. None where nothing is kept: the T5 family's
+        dense self-attention (its static cache is not kept). Under ``max_kv_bytes`` the same geometry holds the same
+        bytes: the kept caches passed this call's check already."""
+        if not self.paged:
+            return None
+        r, mask = self.repeats, self.source_mask
+        return (geometry(self.states[::r], None if mask is None else mask[::r]), r, self.n, self.input_ids.shape[1],
+                self.decoder_mask is None,
+                tuple((p.width, p.head_dim, str(p.device), p.key.weight.dtype) for p in self.projections))
+
+    def reuse(self, kept: "KeptCross") -> None:
+        """The model's last call's caches and cross-attention context (its keep_key was this call's): refilled with
+        this call's K/V by :meth:`prepare`, at the addresses the kept graph reads."""
+        self._reused = kept
+        self.cross = kept.cross
+
+    def kept_state(self) -> "KeptCross | None":
+        """At the end of a successful call: the caches and context to keep beside the session's cache and runner."""
+        if self.keep_key is None or self.self_cache is None:
+            return None
+        both = self.model_kwargs.get(self.key)
+        context = self.model_kwargs.get(cross_attention.CROSS_KWARG)
+        if not isinstance(both, CascadeEncoderDecoderCache) or context is None or context.cache is not both:
+            return None
+        self._handed_over = True
+        return KeptCross(self.cross, both, context)
+
+    def prepare(self, cache: CascadeCache | None) -> CascadeCache | StaticSelfAttentionCache | None:
+        """``cache``: None (this strategy makes the caches), or the kept self-attention cache of :meth:`reuse`."""
         model, input_ids, model_kwargs, n = self.model, self.input_ids, self.model_kwargs, self.n
         states, source_mask, decoder_mask, cap, cross = self.states, self.source_mask, self.decoder_mask, self.cap, \
             self.cross
         padded = decoder_mask is not None and not bool(decoder_mask.all())
         if cap is not None:
             cap.caches.append(cross)
-        repeats = repeated_inputs(states, source_mask)      # rows of one input, n each, then the next input's
-        cross.fill(self.projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap)
-        self.self_cache = self_cache = self._self_cache(input_ids.shape[0])
-        both = CascadeEncoderDecoderCache(self_cache, cross)
-        model_kwargs[self.key] = both
-        model_kwargs.update(cross_attention.forward_kwargs(both))
+        repeats, kept = self.repeats, self._reused
+        if kept is not None and (cache is None or kept.both.self_attention_cache is not cache):
+            raise RuntimeError("hf_cascade internal error: a kept encoder-decoder state without its own "
+                               "self-attention cache; please report it")
+        cross.fill(self.projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap,
+                   in_place=kept is not None)
+        if kept is not None:        # the same objects the kept step was captured on (the runner keys them by identity)
+            self.self_cache = self_cache = cache
+            both = kept.both
+            model_kwargs[self.key] = both
+            model_kwargs[cross_attention.CROSS_KWARG] = kept.context
+        else:
+            self.self_cache = self_cache = self._self_cache(input_ids.shape[0])
+            both = CascadeEncoderDecoderCache(self_cache, cross)
+            model_kwargs[self.key] = both
+            model_kwargs.update(cross_attention.forward_kwargs(both))
         # the decoder never reads the encoder states (is_updated is set): a placeholder of stock's shape
         encoder_outputs = model_kwargs["encoder_outputs"]
         if getattr(encoder_outputs, "hf_cascade_unexpanded", None) is None:   # not expanded (n = 1): a copy
@@ -240,9 +297,29 @@ class EncoderSide:
         pass
 
     def release(self, ok: bool) -> None:
+        if self._handed_over:
+            return               # kept for the model's next call (the session's KeptCall releases them)
         if self.self_cache is not None:
             self.self_cache.reset()
         self.cross.reset()
+        if self._reused is not None:
+            self._reused.context.steps.clear()
+
+
+@dataclasses.dataclass
+class KeptCross:
+    """What an encoder-decoder call keeps for the model's next call besides the decoder's cache and the runner
+    (:class:`~hf_cascade.session.KeptCall`): the cross-attention storages (refilled in place), the
+    EncoderDecoderCache pairing them with the decoder's cache, and the cross-attention context whose step contexts
+    (plans, backend metadata) the kept graph reads. Holds nothing of the model."""
+
+    cross: CrossAttentionCache
+    both: CascadeEncoderDecoderCache
+    context: "cross_attention.CrossContext"
+
+    def release(self) -> None:
+        self.cross.reset()
+        self.context.steps.clear()
 
 
 def _static_self_attention(model, config: CascadeConfig) -> bool:

@@ -264,10 +264,20 @@ class DecodeGraphRunner:
     def _key(self, kwargs):
         """What the captured graph baked in: input shapes and options, the layout, the pools' addresses."""
         inputs = tuple(sorted((k, tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor)
-                              else (k, v if _plain(v) else _Same(v))
+                              else (k, v if _plain(v) else self._object_key(k, v))
                               for k, v in kwargs.items() if k not in _IGNORED))
         layout = self.cache.layout
         return inputs, None if layout is None else layout.serial, pool_signature(self.cache)
+
+    def _object_key(self, name, value):
+        """An object argument in the key: the same live object; but an encoder-decoder's encoder outputs by their
+        fields' shapes, since the decoder never reads them (NaN placeholders: the cross K/V are stored) and each call
+        brings its own (a kept graph replays for the next call of the same shape)."""
+        if self.encoder_decoder and name == "encoder_outputs" and hasattr(value, "items"):
+            return ("encoder_outputs", type(value), tuple(
+                (field, tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else (field, type(t))
+                for field, t in value.items()))
+        return _Same(value)
 
     def _static_kwargs(self, kwargs):
         """The forward's tensor and plain arguments, the tensors copied into tensors the graph owns. The 2D

@@ -129,10 +129,16 @@ class KeptCall:
     descriptor: GraphDescriptor
     cache: CascadeCache
     runner: "graphs.DecodeGraphRunner"
+    # an encoder-decoder call's strategy's own kept state (its cross-attention storages and step context: the graph
+    # reads them too) and what it fits (DecodeStrategy.keep_key); None for a decoder-only call
+    extra: object = None
+    extra_key: object = None
 
     def release(self) -> None:
         self.cache.reset()
         self.runner.release()
+        if self.extra is not None:
+            self.extra.release()
 
 
 # model -> its last call's KeptCall (a kept state serves one call: a concurrent call makes its own)
@@ -147,6 +153,21 @@ def release(model=None) -> None:
     for each in kept:
         if each is not None:
             each.release()
+
+
+def _take_kept_exact(model, descriptor: GraphDescriptor, extra_key) -> KeptCall | None:
+    """An encoder-decoder call's kept state where everything it was kept for matches (the descriptor and the
+    strategy's ``keep_key``: cross-attention geometry, decoder prompt); anything else is freed and None returned
+    (never a partial reuse: the captured step reads the cross storages, whose addresses no runner key covers)."""
+    with _lock:
+        kept = _kept.pop(model, None)
+    if kept is None:
+        return None
+    if (kept.extra is not None and extra_key is not None and kept.descriptor == descriptor
+            and kept.extra_key == extra_key and kept.cache.get_seq_length() == 0):
+        return kept
+    kept.release()
+    return None
 
 
 def _take_kept(model, descriptor: GraphDescriptor) -> tuple[CascadeCache, "graphs.DecodeGraphRunner | None"]:
@@ -189,6 +210,12 @@ class DecodeStrategy(Protocol):
     def release(self, ok: bool) -> None:
         """At the end of the call, every exit path: give back what :meth:`prepare` made besides the cache."""
 
+    # Optional, for a strategy whose decode step reads more than the cache (an encoder-decoder's cross-attention):
+    #   keep_key: what its kept state must match for a next call to reuse it (None: it keeps nothing);
+    #   reuse(extra): before prepare, the kept state of the model's last call (its keep_key was equal);
+    #   kept_state(): at the end of a successful call, the state to keep beside the cache and runner (an object with
+    #   release()), or None (then nothing is kept); what it returns is no longer its own to release.
+
 
 # ---- the session -----------------------------------------------------------------------------------------------
 class DecodeSession:
@@ -212,7 +239,14 @@ class DecodeSession:
         self.owned, self.keep, self.hands_out = cache is None, keep, hands_out
         self.runner: graphs.DecodeGraphRunner | None = None
         self._kept_runner = None
-        if cache is None and keep:
+        if cache is None and keep and self.descriptor.encoder_decoder:
+            # the strategy makes its caches; the last call's (cross storages, step context) only where all fits
+            extra_key = getattr(strategy, "keep_key", None)
+            kept = None if extra_key is None else _take_kept_exact(model, self.descriptor, extra_key)
+            if kept is not None:
+                cache, self._kept_runner = kept.cache, kept.runner
+                strategy.reuse(kept.extra)
+        elif cache is None and keep:
             cache, self._kept_runner = _take_kept(model, self.descriptor)
         self.cache = cache
 
@@ -297,11 +331,17 @@ class DecodeSession:
             return
         if self.owned and not (ok and self.hands_out):
             # nobody else can reach an owned cache that is not handed out: every block goes back now
-            if self.keep and ok and runner is not None and (runner.graph is not None
-                                                            or runner.whole_step_kept is not None):
+            extra = extra_key = None
+            keeping = self.keep and ok and runner is not None and (runner.graph is not None
+                                                                   or runner.whole_step_kept is not None)
+            if keeping and self.descriptor.encoder_decoder:
+                extra_key = getattr(self.strategy, "keep_key", None)
+                extra = None if extra_key is None else self.strategy.kept_state()
+                keeping = extra is not None
+            if keeping:
                 cache.reset_for_reuse()
                 runner.detach()
-                kept = KeptCall(self.descriptor, cache, runner)
+                kept = KeptCall(self.descriptor, cache, runner, extra, extra_key)
                 with _lock:                     # (a concurrent call's kept state, if any, is replaced and freed)
                     _kept[self.model] = kept
             else:

@@ -254,6 +254,11 @@ class WholeStepLoop:
             self.runner.whole_step_kept = None      # a step may have stopped half way: keep nothing of it
             raise
         self._take_back()
+        # what is kept for the next call holds none of this call's objects (an encoder-decoder's encoder outputs keep
+        # its encoder states alive): a call that reuses the kept step puts its own in (same names: same call_key)
+        for name, value in self.kept.inputs.items():
+            if not isinstance(value, torch.Tensor) and not isinstance(value, (bool, int, float, str, type(None))):
+                self.kept.inputs[name] = None
         return device_select.finalize(self.state).sequences
 
     def _host_step(self, first: bool = False) -> None:
