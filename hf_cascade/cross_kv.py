@@ -175,14 +175,21 @@ class CrossAttentionCache(Cache):
         self.starts: list[int] = []                               # each input's first token in a layer's K run
         self._plans: dict = {}
 
-    @torch.no_grad()
     def fill(self, projections: list[CrossProjection], states: torch.Tensor, mask: torch.Tensor | None,
-             cap: KVCap | None = None, in_place: bool = False) -> None:
+             cap: KVCap | None = None) -> None:
         """Project and store each input's real encoder tokens with each layer's projection
         (``seq2seq_models.cross_projections``): ``states`` [B, S, d], ``mask`` [B, S] or None; their bytes are
-        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated. ``in_place``: the cache
-        holds a last call's K/V of the same geometry (:func:`geometry`: inputs, width, each input's length): the new
-        K/V go into the same storages, and the plans (which depend on the geometry only) stay."""
+        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated."""
+        self._store(projections, states, mask, cap, in_place=False)
+
+    def refill(self, projections: list[CrossProjection], states: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """:meth:`fill` where the cache holds a last call's K/V of the same geometry (:func:`geometry`: inputs,
+        width, each input's length): the new K/V go into the same storages (a kept decode graph reads them by
+        address), and the tables and plans, which depend on the geometry only, stay."""
+        self._store(projections, states, mask, None, in_place=True)
+
+    @torch.no_grad()
+    def _store(self, projections, states, mask, cap, in_place: bool) -> None:
         batch, width, _ = states.shape
         real = torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
         lengths = real.sum(1).numpy().astype(np.int64)            # one host read per generate call
@@ -204,7 +211,7 @@ class CrossAttentionCache(Cache):
         device = states.device
         block = torch.from_numpy(first[owner] + order // bs).to(device)
         slot = torch.from_numpy(order % bs).to(device)
-        if cap is not None and not in_place:      # (in place: the bytes the last call's check passed, held already)
+        if cap is not None:
             need = sum(int(blocks.sum()) * bs * project.width * project.itemsize(states) for project in projections)
             cap.check(need, f"the cross-attention K/V ({int(lengths.sum())} encoder tokens of {batch} inputs, "
                             f"stored once per input in blocks of {bs}, {len(projections)} layers)")

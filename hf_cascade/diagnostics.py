@@ -22,6 +22,9 @@ ENV_VARS = {
                               "(opt-in: slower on the H200, its one-split suffix costs more than the merge it saves)",
     "HF_CASCADE_CONCURRENT_SUFFIX": "1: each layer's prefix launches on a side stream beside its suffix kernel "
                                     "(opt-in until it is measured on a GPU)",
+    "HF_CASCADE_KEEP_SEQ2SEQ": "1/true/on/yes: an encoder-decoder generate call of the same shape as the model's "
+                               "last one reuses its cross-attention storages, decoder cache and captured decode step "
+                               "(held between calls until hf_cascade.release(model); opt-in until measured on a GPU)",
     "HF_CASCADE_WRITE_KERNEL": "0: the cache write in torch index kernels instead of csrc/write.cu (default: the "
                                "kernel where the cuda backend's kernels are loaded)",
     "NVCC": "the nvcc that builds the CUDA kernels (default: nvcc on PATH, $CUDA_HOME/bin/nvcc)",

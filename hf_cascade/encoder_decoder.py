@@ -24,7 +24,11 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   decoder read (``EncoderSide._positions_as_input``);
 - what differs per model_type comes from its adapter (``seq2seq_models.family_of``);
 - the decode loop is :func:`hf_cascade.whole_step.decode`'s, as for decoder-only models: the whole step on the
-  device where it can serve the call, else transformers' loop with the graph runner (the reason logged once).
+  device where it can serve the call, else transformers' loop with the graph runner (the reason logged once);
+- with ``$HF_CASCADE_KEEP_SEQ2SEQ`` on (opt-in), a call whose shape (``EncoderSide.keep_key`` and the session's
+  descriptor) equals the model's last call's takes that call's caches, cross-attention context and runner
+  (:class:`KeptCross` beside :class:`~hf_cascade.session.KeptCall`): its K/V are written into the same memory and
+  the kept decode step replays from the first decode step; any difference starts afresh.
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a
@@ -232,8 +236,11 @@ class EncoderSide:
         if kept is not None and (cache is None or kept.both.self_attention_cache is not cache):
             raise RuntimeError("hf_cascade internal error: a kept encoder-decoder state without its own "
                                "self-attention cache; please report it")
-        cross.fill(self.projections, states[::repeats], None if source_mask is None else source_mask[::repeats], cap,
-                   in_place=kept is not None)
+        stored = states[::repeats], None if source_mask is None else source_mask[::repeats]
+        if kept is not None:     # (the bytes of the last call's, whose max_kv_bytes check this geometry passed)
+            cross.refill(self.projections, *stored)
+        else:
+            cross.fill(self.projections, *stored, cap)
         if kept is not None:        # the same objects the kept step was captured on (the runner keys them by identity)
             self.self_cache = self_cache = cache
             both = kept.both

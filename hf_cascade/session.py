@@ -8,7 +8,8 @@ A session holds, for one call, everything that lives from the prefill to the end
 - the :class:`~hf_cascade.graphs.DecodeGraphRunner` standing in for ``model.forward`` during the decode loop,
   chosen by a :class:`GraphDescriptor` (what a captured graph depends on);
 - what is kept for the model's next call (:class:`KeptCall`: the emptied cache and its runner, in one registry
-  weakly keyed by model; :func:`release` drops it);
+  weakly keyed by model; :func:`release` drops it); for an encoder-decoder call (opt-in, ``$HF_CASCADE_KEEP_SEQ2SEQ``)
+  also its strategy's state (the cross-attention storages and context), reused only where everything matches;
 - the end of the call on every exit path (exceptions, KeyboardInterrupt): the model's forward restored, the cache
   reset, kept, or (the caller's) left with its tokens.
 
@@ -226,7 +227,9 @@ class DecodeSession:
         cache: the caller's CascadeCache (``owned=False``), or None where the session owns the cache: taken from
             what the model's last call kept (``keep=True``; see :class:`GraphDescriptor`) or made by the strategy.
         rows: the decode rows (prompts x beams or samples), for the descriptor.
-        keep: an owned cache whose graph was captured is kept for the model's next call when the call succeeds.
+        keep: an owned cache whose graph was captured is kept for the model's next call when the call succeeds (an
+            encoder-decoder call: with its strategy's ``kept_state()``, taken again only by a call whose descriptor
+            and strategy ``keep_key`` are equal).
         hands_out: the call returns its cache to the caller (``return_dict_in_generate``): not reset or kept.
     """
 
