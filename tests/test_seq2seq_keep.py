@@ -164,6 +164,39 @@ def test_on_values(value, monkeypatch):
     assert encoder_decoder.keep_enabled()
 
 
+def test_concurrent_calls_never_share_the_kept_state(keep_on, monkeypatch):
+    """Two threads' calls of the kept shape at once: one may take the kept state, the other starts afresh (the
+    kept state serves one call); both give stock's tokens."""
+    import threading
+    stock, cascade = _pair("bart")
+    hf_cascade.release(cascade)
+    spy = RunnerSpy(monkeypatch)
+    _generate(cascade, _inputs("bart", 1), hf_cascade_config=WHOLE)
+    first = spy.runners[-1]
+    wants = {seed: _generate(stock, _inputs("bart", seed)) for seed in (2, 3)}
+    gots, errors = {}, []
+    start = threading.Barrier(2)
+
+    def run(seed):
+        try:
+            start.wait()
+            gots[seed] = cascade.generate(**_inputs("bart", seed), hf_cascade_config=WHOLE)
+        except BaseException as err:  # noqa: BLE001 — reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in (2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for seed in (2, 3):
+        assert torch.equal(gots[seed], wants[seed])
+    a, b = spy.runners[-2:]
+    assert a is not b and (a is first) + (b is first) <= 1
+    assert _kept(cascade) is not None
+
+
 class _Boom(StoppingCriteria):
     def __init__(self, after):
         self.calls, self.after = 0, after
