@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from hf_cascade import CascadeConfig, cache as cache_module, fused_linears, logs, session
 from hf_cascade.kernels import cuda_library
@@ -342,18 +342,12 @@ def test_the_cache_write_takes_the_kernel_for_a_strided_value(monkeypatch):
 def test_gpu_fused_compiled_whole_step_gives_stock_tokens(monkeypatch, no_tf32):
     """A Llama of 12 small layers, float32 (TF32 off) on CUDA: the whole step, compiled and captured, of the fused
     model gives stock's beams; the same model in bf16 runs captured and compiled with its projections fused."""
-    from test_gpu_graphs import _batch
+    from test_gpu_graphs import _batch, float32_pair
     shape = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                  intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192, pad_token_id=0,
                  bos_token_id=None, eos_token_id=None)
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        stock = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="sdpa",
-                                                 dtype=torch.float32).eval()
-        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="cascade",
-                                                   dtype=torch.float32).eval()
-    cascade.load_state_dict(stock.state_dict())
+    stock, cascade = float32_pair(shape)
     ids, mask = _batch((300, 210), seed=2)
     kw = dict(max_new_tokens=24, pad_token_id=0, num_beams=4, num_return_sequences=2)
     config = CascadeConfig(cuda_graphs=True, compile=True, fuse_projections=True)

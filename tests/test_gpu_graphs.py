@@ -33,6 +33,18 @@ def model():
     return m.eval()
 
 
+def float32_pair(shape: dict):
+    """(stock sdpa, cascade) float32 Llamas of ``shape`` on CUDA with the same random weights."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        stock = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="sdpa",
+                                                 dtype=torch.float32).eval()
+        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="cascade",
+                                                   dtype=torch.float32).eval()
+    cascade.load_state_dict(stock.state_dict())
+    return stock, cascade
+
+
 def _batch(lengths, seed=0, shared=0):
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -86,13 +98,7 @@ def test_replay_equals_eager_bitwise(model, monkeypatch, case, backend, memory, 
 def test_float32_graphs_give_stock_tokens(monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        stock = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="sdpa",
-                                                 dtype=torch.float32).eval()
-        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="cascade",
-                                                   dtype=torch.float32).eval()
-    cascade.load_state_dict(stock.state_dict())
+    stock, cascade = float32_pair(SHAPE)
     ids, mask = _batch((300, 210), seed=2)
     spy = RunnerSpy(monkeypatch)
     for case in ("beam", "greedy"):
