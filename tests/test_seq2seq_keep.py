@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, StoppingCriteria, StoppingCriteriaList
 
 import hf_cascade
-from hf_cascade import cross_kv, encoder_decoder, session
+from hf_cascade import encoder_decoder, session
 from hf_cascade.config import CascadeConfig
 
 from conftest import RunnerSpy
