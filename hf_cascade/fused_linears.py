@@ -14,7 +14,8 @@ every member computes its own product on its view, so gradients land on each Par
 land in the buffer.
 
 Anything that moves a member's weight off the buffer (``model.to(dtype)`` sets ``param.data``; a new Parameter) is
-found by :func:`check`, which then unfuses the whole model. The module imports nothing of the cache, plan or kernels.
+found by :func:`check`, which then unfuses the whole model; a forward before that uses the member's own weight
+(:meth:`_Group.holds`; not for a same-dtype ``param.data =`` assignment, which only :func:`check` sees). The module imports nothing of the cache, plan or kernels.
 """
 from __future__ import annotations
 
@@ -48,7 +49,16 @@ class _Group:
                  rows: tuple):
         self.where, self.names, self.weight, self.bias, self.rows = where, names, weight, bias, rows
         self.members = tuple(weakref.ref(m) for m in members)
+        self.params = tuple(weakref.ref(m.weight) for m in members)     # the Parameters set to views of ``weight``
         self.stash = None
+
+    def holds(self, index: int, weight: torch.Tensor) -> bool:
+        """Whether member ``index``'s ``weight`` may still be the buffer's rows, by what a forward can see cheaply
+        (and dynamo guards): the same Parameter object, of the buffer's dtype and device. A new Parameter or
+        ``model.to()`` between two generate calls then never meets the stale buffer in a plain forward; the next
+        call's :func:`check` unfuses the model."""
+        return (self.params[index]() is weight and weight.dtype == self.weight.dtype
+                and weight.device == self.weight.device)
 
 
 class _FusedLinear(nn.Linear):
@@ -57,8 +67,8 @@ class _FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, index = self._fused_group, self._fused_index
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return F.linear(x, self.weight, self.bias)      # gradients for this Parameter: its own product
+        if (torch.is_grad_enabled() and self.weight.requires_grad) or not group.holds(index, self.weight):
+            return F.linear(x, self.weight, self.bias)      # gradients for this Parameter, or moved: its own product
         low, high = group.rows[index]
         if index == 0:
             out = F.linear(x, group.weight, group.bias)

@@ -165,6 +165,24 @@ def test_a_new_parameter_unfuses(fresh_logs, caplog):
     assert not fused_members(model) and type(mlp.gate_proj) is nn.Linear
 
 
+def test_a_plain_forward_after_a_weight_moved_never_reads_the_stale_buffer():
+    """Between two generate calls nothing runs check(): a forward of a model whose weights were replaced (a new
+    Parameter, as accelerate's loaders assign) or converted (``model.to``) computes with the new weights."""
+    stock, model = pair("Llama")
+    fused_linears.fuse(model)
+    ids = torch.randint(1, 100, (2, 7))
+    attn = model.model.layers[0].self_attn
+    new = torch.randn_like(attn.k_proj.weight)
+    attn.k_proj.weight = nn.Parameter(new.clone())
+    stock.model.layers[0].self_attn.k_proj.weight.data.copy_(new)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, rtol=0, atol=1e-12)
+        model.to(torch.float32)
+        stock.to(torch.float32)
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits)
+    assert fused_members(model)          # still marked fused: the next generate call's check unfuses
+
+
 def test_a_replaced_member_unfuses_and_the_removed_one_works_alone(fresh_logs, caplog):
     _, model = pair("Llama")
     fused_linears.fuse(model)
