@@ -28,6 +28,7 @@ from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_ma
 from . import cross_attention
 from .context import STEP_KWARG, BoundAttention, StepContext, get_context
 from .kernels.base import Quirks
+from .precision import as_computed, kernels_context
 
 NAME = "cascade"
 
@@ -207,7 +208,7 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
         return _dense_fallback(module, query, key, value, attention_mask, dropout, scaling, fresh=True, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = layer.step_pool
-    q = query.transpose(1, 2)                                          # [R, q, Hq, D]
+    q = as_computed(query)[0].transpose(1, 2)     # [R, q, Hq, D] (autocast: the pool's dtype, as sdpa casts it)
     softcap, window, sinks = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
     if plan.static:     # resolved once for the layout: one lookup per step (and all a compiled step traces)
         bound = ctx.bound_attention(layer_idx, softcap, window, sinks)
@@ -217,7 +218,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
         backend, quirks, metadata = bound.backend, bound.quirks, bound.metadata
         if metadata is None:
             metadata = ctx.backend_metadata(backend, q, pool, quirks)
-        return backend.forward(q, pool, metadata, scale, **bound.quirk_kwargs).contiguous(), None
+        with kernels_context(q.device):
+            return backend.forward(q, pool, metadata, scale, **bound.quirk_kwargs).contiguous(), None
     return _per_step_attention(ctx, q, pool, scale, softcap, window, sinks), None
 
 
@@ -229,7 +231,8 @@ def _per_step_attention(ctx: StepContext, q, pool, scale, softcap, window, sinks
     quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
     backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
     metadata = ctx.backend_metadata(backend, q, pool, quirks)
-    return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous()
+    with kernels_context(q.device):
+        return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous()
 
 
 def register() -> None:

@@ -27,6 +27,7 @@ from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_contex
 from .kernels import cuda_library
 from .kernels.base import with_kv_scale
 from .memory import make_storage
+from .precision import as_computed
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
 logger = logging.getLogger("hf_cascade")
@@ -299,7 +300,9 @@ class CascadeCache(Cache):
 
     # ---- transformers' Cache API ------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Store this step's K/V of layer ``layer_idx``; returns them unchanged (the attention reads the pool)."""
+        """Store this step's K/V of layer ``layer_idx``; returns them (in autocast's dtype under autocast: one pool
+        dtype for both, as stock's attention computes on them; :mod:`hf_cascade.precision`)."""
+        key_states, value_states = as_computed(key_states, value_states)
         ctx = self._context
         # a static decode step that began before this layer (its pools made ready then) takes no host work: tensor
         # writes and dict updates only, which a compiled forward traces; anything else begins or checks on the host

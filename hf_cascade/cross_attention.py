@@ -14,6 +14,7 @@ import torch
 
 from .context import StepContext
 from .kernels.base import NO_QUIRKS
+from .precision import as_computed, kernels_context
 
 # the forward (and so attention) keyword argument that carries the CrossContext
 CROSS_KWARG = "cascade_cross"
@@ -84,11 +85,12 @@ def cross_attention(context: CrossContext, layer, module, query, dropout, scalin
     if layer.kv is not None and cache.cascade_config.backend == "auto" \
             and query.shape[1] == layer.kv.shape[2] and query.shape[0] % cache.batch == 0:
         return cache.sdpa_in_place(layer, query, scale), None
-    q = query.transpose(1, 2)                                          # [R, q, H, D]
+    q = as_computed(query)[0].transpose(1, 2)        # [R, q, H, D] (autocast: the stored K/V's dtype)
     step = context.step(cache, q.shape[0], q.shape[1])
     backend = step.backend(cache.cascade_config.backend, q, layer.pool, NO_QUIRKS)
     decoder_step = getattr(getattr(context.cache, "self_attention_cache", None), "step", None)
     if decoder_step is not None:   # the decoder's step: a graph runner checks that this backend can be captured too
         decoder_step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
     metadata = step.backend_metadata(backend, q, layer.pool, NO_QUIRKS)
-    return backend.forward(q, layer.pool, metadata, scale).contiguous(), None
+    with kernels_context(q.device):
+        return backend.forward(q, layer.pool, metadata, scale).contiguous(), None

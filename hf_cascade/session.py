@@ -32,7 +32,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import graphs, memory
+from . import graphs, memory, precision
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .logs import log_once
@@ -99,6 +99,7 @@ class GraphDescriptor:
     dtype: torch.dtype | None
     device: str
     cascade_config: CascadeConfig      # every field: pools (memory, block size, cap), plan thresholds, backend, mode
+    autocast: tuple = (False, None)    # the casts a captured step baked in (precision.state)
 
     @classmethod
     def of(cls, model, cascade_config: CascadeConfig, rows: int) -> "GraphDescriptor":
@@ -107,7 +108,7 @@ class GraphDescriptor:
         except (AttributeError, StopIteration):       # no parameters: graphs are refused for it anyway
             dtype, device = None, ""
         return cls(_ModelRef(model), bool(getattr(model.config, "is_encoder_decoder", False)), int(rows), dtype,
-                   device, cascade_config)
+                   device, cascade_config, precision.state(device))
 
     @property
     def capture(self) -> bool:
