@@ -144,8 +144,11 @@ class ForwardTimer:
         self.events: list[list] = []          # CUDA events: [start, end] per forward
         self.wall_ms: list[float] = []        # host clock: per forward
         self._t0 = 0.0
+        from hf_cascade import generation   # (the cascade's once-per-prompt prefill runs forward without the hooks)
         self.handles = [model.register_forward_pre_hook(self._start, with_kwargs=True),
-                        model.register_forward_hook(self._end, with_kwargs=True)]
+                        model.register_forward_hook(self._end, with_kwargs=True),
+                        generation.register_prefill_hook(lambda m, kw: self._start(m, (), kw),
+                                                                    lambda m, kw, out: self._end(m, (), kw, out))]
 
     def _sync(self) -> None:
         for d in self.sync_devices:

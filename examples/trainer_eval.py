@@ -178,6 +178,9 @@ class KVMeter:
         self.rows: dict[int, int] = {}
         self._keep = []          # keep caches alive so ids stay unique
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+        # (generate's own once-per-prompt prefill runs the model's forward without its hooks: observed apart)
+        self.prefill_handle = hf_cascade.generation.register_prefill_hook(
+            post=lambda m, kwargs, output: self._hook(m, (), kwargs, output))
 
     def _hook(self, module, args, kwargs, output):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))    # generate passes its cache in
@@ -209,6 +212,7 @@ class KVMeter:
 
     def remove(self):
         self.handle.remove()
+        self.prefill_handle.remove()
 
 
 # ---- the comparison ----------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = 
         rows.append((args[0] if x is None else x).shape[0])
 
     hook = model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    prefill_hook = hf_cascade.generation.register_prefill_hook(pre=lambda model, kwargs: count_rows(model, (), kwargs))
     extra = {}
     if model.config._attn_implementation == "cascade":
         extra["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=backend)
@@ -119,6 +120,7 @@ def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = 
             seconds = time.perf_counter() - start
     finally:
         hook.remove()
+        prefill_hook.remove()
         bar.close()
     cache = getattr(out, "cache", None)       # transformers >= 5.24; older ones call it past_key_values
     if cache is None:

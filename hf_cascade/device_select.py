@@ -129,10 +129,12 @@ class SelectionConfig:
             begin_suppress_tokens=_token_tuple(gc.begin_suppress_tokens),
             bad_words_ids=_single_token_bad_words(gc.bad_words_ids, eos))
 
-    def check_against(self, logits_processor, stopping_criteria) -> None:
+    def check_against(self, logits_processor, stopping_criteria, attention_mask: torch.Tensor | None = None) -> None:
         """Raise UnsupportedSelection unless transformers' prepared lists are exactly what this config reproduces:
         the same processor and criterion types (exact types: a subclass may compute anything) with the same
-        parameters (a user's object replaces the default one of its type)."""
+        parameters, every attribute compared (a user's object replaces the default one of its type, and an attribute
+        this does not know, e.g. of a newer transformers, refuses). ``attention_mask``: the call's ``[rows, L]`` mask,
+        whose left padding the repetition penalty skips on transformers >= 5.24."""
         from transformers.generation import logits_process, stopping_criteria as criteria_module
         names = _commuted(tuple(type(p).__name__ for p in logits_processor))
         if names != self.processor_names():
@@ -141,10 +143,18 @@ class SelectionConfig:
         for processor in logits_processor:
             if type(processor) is not getattr(logits_process, type(processor).__name__):
                 raise UnsupportedSelection(f"device selection off: {type(processor).__qualname__} not supported")
-            expected = self._parameters_of(type(processor).__name__)
+            name = type(processor).__name__
+            expected = self._parameters_of(name)
+            unknown = sorted(set(vars(processor)) - set(expected) - set(_DERIVED_STATE.get(name, ())))
+            if unknown:
+                raise UnsupportedSelection(f"device selection off: {name} has attributes the device choice does not "
+                                           f"reproduce ({', '.join(unknown)})")
             found = {key: _plain(getattr(processor, key, None)) for key in expected}
+            if name == "RepetitionPenaltyLogitsProcessor":       # compared as the columns it ignores, per row
+                found["prompt_ignore_length"] = _ignored_columns(processor.prompt_ignore_length, self.rows)
+                expected["prompt_ignore_length"] = _plain(penalty_start(attention_mask, self.rows, "cpu"))
             if found != expected:
-                raise UnsupportedSelection(f"device selection off: {type(processor).__name__} {found} differs from "
+                raise UnsupportedSelection(f"device selection off: {name} {found} differs from "
                                            f"the generation config's {expected}")
         for criterion in stopping_criteria:
             name = type(criterion).__name__
@@ -159,10 +169,12 @@ class SelectionConfig:
     def _parameters_of(self, processor_name: str) -> dict:
         keep = self.min_tokens_to_keep
         return {
-            "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty},
+            "RepetitionPenaltyLogitsProcessor": {"penalty": self.repetition_penalty, "prompt_ignore_length": None,
+                                                 "logits_indices": None, "cu_seq_lens_q": None},
             "NoBadWordsLogitsProcessor": {"sequence_bias": {(t,): -math.inf for t in self.bad_words_ids or ()}},
             "NoRepeatNGramLogitsProcessor": {"ngram_size": self.no_repeat_ngram_size},
-            "EncoderNoRepeatNGramLogitsProcessor": {"ngram_size": self.encoder_no_repeat_ngram_size},
+            "EncoderNoRepeatNGramLogitsProcessor": {"ngram_size": self.encoder_no_repeat_ngram_size,
+                                                    "batch_size": self.batch_size},
             "MinLengthLogitsProcessor": {"min_length": self.min_length, "eos_token_id": self.eos_token_ids},
             "MinNewTokensLengthLogitsProcessor": {"prompt_length_to_skip": self.prompt_length,
                                                   "min_new_tokens": self.min_new_tokens,
@@ -243,6 +255,7 @@ class SelectionState:
     sequences: torch.Tensor             # [rows, max_length] int64: prompt, then the chosen tokens (running beams)
     cur_len: torch.Tensor               # [] int64: filled width of ``sequences``
     done: torch.Tensor                  # [] bool: the call has finished; later steps change nothing
+    invalid: torch.Tensor               # [] bool: a sampling step met NaN/inf probabilities (finalize raises, as stock)
     unfinished: torch.Tensor            # [rows] bool: sampling/greedy rows still generating
     row_ids: torch.Tensor               # [rows] int64: the identity parents
     eos_ids: torch.Tensor               # [n_eos] int64
@@ -288,14 +301,12 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
     device = input_ids.device
     sequences = torch.full((rows, config.max_length), _fill_value(config), dtype=torch.int64, device=device)
     sequences[:, :prompt_length] = input_ids
-    if attention_mask is None or not _TRANSFORMERS_5_24:
-        prompt_start = torch.zeros(rows, dtype=torch.int64, device=device)
-    else:                       # transformers' ``prompt_ignore_length`` (5.24): the left padding
-        prompt_start = (attention_mask != 0).int().argmax(dim=1).to(torch.int64)
+    prompt_start = penalty_start(attention_mask, rows, device)
     state = SelectionState(
         config=config, sequences=sequences,
         cur_len=torch.tensor(prompt_length, dtype=torch.int64, device=device),
         done=torch.zeros((), dtype=torch.bool, device=device),
+        invalid=torch.zeros((), dtype=torch.bool, device=device),
         unfinished=torch.ones(rows, dtype=torch.bool, device=device),
         row_ids=torch.arange(rows, device=device),
         eos_ids=torch.tensor(config.eos_token_ids, dtype=torch.int64, device=device),
@@ -339,8 +350,13 @@ class SelectionOutput:
 
 
 def finalize(state: SelectionState) -> SelectionOutput:
-    """What ``generate`` returns for the call (runs once, on the host: it reads lengths)."""
+    """What ``generate`` returns for the call (runs once, on the host: it reads lengths). Raises stock's error where a
+    sampling step drew from NaN or infinite probabilities (``torch.multinomial`` raises it there)."""
     config = state.config
+    if bool(state.invalid):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (a sampling step of "
+                           "generate met NaN or infinite scores, e.g. all -inf logits or a NaN in the model's "
+                           "output; stock's torch.multinomial raises this error at that step)")
     if not config.is_beam:
         return SelectionOutput(state.sequences[:, :int(state.cur_len)].clone(), None)
     returned = config.num_return_sequences
@@ -358,6 +374,7 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     scores = process_logits(state, logits.to(copy=True, dtype=torch.float32))
     if config.do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
+        _check_distribution(state, probs, active)
         tokens = _multinomial(probs, 1, state.generator).squeeze(1)
     else:
         tokens = torch.argmax(scores, dim=-1)
@@ -369,7 +386,7 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     hits = _stopping_hits(state, tokens, state.cur_len + 1)
     state.unfinished.copy_(state.unfinished & ~(hits & active))
     state.cur_len.add_(active.to(torch.int64))
-    state.done.copy_(state.done | ~state.unfinished.any())
+    state.done.copy_(state.done | ~state.unfinished.any() | state.invalid)
     return tokens, state.row_ids
 
 
@@ -384,7 +401,9 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
 
     # top-K continuations over beams x vocab (transformers' _get_top_k_continuations)
     if config.do_sample:
-        top_indices = _multinomial(torch.nn.functional.softmax(log_probs, dim=-1), candidates, state.generator)
+        probs = torch.nn.functional.softmax(log_probs, dim=-1)
+        _check_distribution(state, probs, active)
+        top_indices = _multinomial(probs, candidates, state.generator)
         top_log_probs = torch.gather(input=log_probs, dim=1, index=top_indices)
         if _TRANSFORMERS_5_24:
             top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
@@ -447,7 +466,7 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     next_tokens = torch.where(active, _gather_beams(top_tokens, next_indices).reshape(-1), _fill_value(config))
     parents = torch.where(active, parents, state.row_ids)
     state.cur_len.add_(active.to(torch.int64))
-    state.done.copy_(state.done | ~still_running)
+    state.done.copy_(state.done | ~still_running | state.invalid)
     return next_tokens, parents
 
 
@@ -640,6 +659,35 @@ def _token_tuple(value) -> tuple[int, ...] | None:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+# what a processor keeps besides its parameters that cannot change its result (caches it prepares from them on its
+# first call), or that the device loop reads from the object itself (the encoder n-grams)
+_DERIVED_STATE = {"NoBadWordsLogitsProcessor": ("length_1_bias", "multi_token_biases", "prepared_bias_variables",
+                                                "bad_word_ids"),      # (as given: its sequence_bias is what applies)
+                  "TopKLogitsWarper": ("min_tokens_to_keep",),       # folded into its top_k when it is made
+                  "EncoderNoRepeatNGramLogitsProcessor": ("generated_ngrams",)}
+
+
+def penalty_start(attention_mask: torch.Tensor | None, rows: int, device) -> torch.Tensor:
+    """``[rows]`` int64: the first prompt column the repetition penalty counts, as transformers' default processor
+    has it: the left padding from 5.24 (its ``prompt_ignore_length``), none before."""
+    if attention_mask is None or not _TRANSFORMERS_5_24:
+        return torch.zeros(rows, dtype=torch.int64, device=device)
+    return (attention_mask != 0).int().argmax(dim=1).to(device=device, dtype=torch.int64)
+
+
+
+def _ignored_columns(prompt_ignore_length, rows: int) -> tuple | str:
+    """A RepetitionPenaltyLogitsProcessor's ``prompt_ignore_length`` as the columns it skips per row (None: none; an
+    int: that many in every row; a tensor: per row), comparable with :func:`penalty_start`."""
+    if prompt_ignore_length is None:
+        return (0,) * rows
+    if isinstance(prompt_ignore_length, int):
+        return (prompt_ignore_length,) * rows
+    if isinstance(prompt_ignore_length, torch.Tensor) and prompt_ignore_length.shape == (rows,):
+        return _plain(prompt_ignore_length)
+    return f"an unexpected prompt_ignore_length {prompt_ignore_length!r}"
+
+
 def _plain(value):
     """A processor's parameter as a comparable Python value (eos ids as a tuple)."""
     if isinstance(value, torch.Tensor):
@@ -647,6 +695,13 @@ def _plain(value):
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+def _check_distribution(state: SelectionState, probs: torch.Tensor, active: torch.Tensor) -> None:
+    """What ATen's multinomial checks on the host before it draws, as a sticky device flag (no sync): a NaN or infinite
+    probability (softmax of NaN, or of a row of -inf scores) in a step that runs. The call then stops (``done``) and
+    :func:`finalize` raises."""
+    state.invalid.copy_(state.invalid | (active & ~torch.isfinite(probs).all()))
 
 
 def _multinomial(probs: torch.Tensor, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -130,11 +130,13 @@ def _cache_key(model_kwargs) -> str:
 @torch.no_grad()
 def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None = None,
             position_ids: torch.Tensor | None = None, cache_kwarg: str | None = None,
-            inputs_embeds: torch.Tensor | None = None, **model_inputs):
+            inputs_embeds: torch.Tensor | None = None, run_hooks: bool = True, **model_inputs):
     """Run ``model`` on ``input_ids`` [B, L] (or ``inputs_embeds`` [B, L, H]) into ``cache``, storing only
     the tokens where ``attention_mask`` [B, L] is 1. If the cache already holds tokens, the new ones follow
     them (and ``position_ids`` should say where). ``model_inputs`` (e.g. ``token_type_ids`` [B, L]) go to
-    the model's forward as they are. Returns the model output (logits of the last position only)."""
+    the model's forward as they are. ``run_hooks=False``: the model's ``forward`` without the hooks on the model itself
+(generate's own prefill, which stock's loop has no counterpart of: hooks on the model run once per chosen token, as
+in stock). Returns the model output (logits of the last position only)."""
     shape = tuple((input_ids if inputs_embeds is None else inputs_embeds).shape[:2])
     if attention_mask is not None:
         if tuple(attention_mask.shape) != shape:
@@ -153,8 +155,40 @@ def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, atte
     if inputs_embeds is not None:
         kwargs["inputs_embeds"] = inputs_embeds
         input_ids = None
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                 **{**model_inputs, **kwargs})
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                  **{**model_inputs, **kwargs})
+    if run_hooks:
+        return model(**kwargs)
+    hooks = list(_prefill_hooks.values())
+    for pre, _ in hooks:
+        if pre is not None:
+            pre(model, kwargs)
+    out = model.forward(**kwargs)
+    for _, post in hooks:
+        if post is not None:
+            post(model, kwargs, out)
+    return out
+
+
+# id -> (pre, post): observers of generate's own prefill forwards (register_prefill_hook)
+_prefill_hooks: dict = {}
+
+
+class _PrefillHookHandle:
+    def __init__(self, key):
+        self.key = key
+
+    def remove(self) -> None:
+        _prefill_hooks.pop(self.key, None)
+
+
+def register_prefill_hook(pre=None, post=None) -> _PrefillHookHandle:
+    """Observe generate's own once-per-prompt prefill forwards, which run ``model.forward`` without the hooks on the
+    model (those run once per chosen token, as in stock's loop): ``pre(model, kwargs)`` before each, ``post(model,
+    kwargs, output)`` after. For measurements (rows prefilled, prefill time); returns a handle with ``remove()``."""
+    handle = _PrefillHookHandle(object())
+    _prefill_hooks[handle.key] = (pre, post)
+    return handle
 
 
 def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, min_tokens: int,
@@ -219,19 +253,20 @@ def _shareable_length(model, block_size: int, prompts, mask, positions, inputs: 
 
 @torch.no_grad()
 def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor | None, mask: torch.Tensor | None,
-                    positions: torch.Tensor | None, cache_kwarg: str, **inputs) -> int:
+                    positions: torch.Tensor | None, cache_kwarg: str, run_hooks: bool = True, **inputs) -> int:
     """Prefill B left-padded prompts [B, L] once each; tokens they all begin with (a shared system
     prompt) are prefilled and stored once for the whole batch. ``inputs`` are per-row model inputs
     laid out like the prompt ([B, L, ...]: ``inputs_embeds``, ``token_type_ids``), sliced with it.
     Returns the shared length."""
     shared = _shareable_length(model, cache.block_size, prompts, mask, positions, inputs)
     if not shared:
-        prefill(model, cache, prompts, attention_mask=mask, position_ids=positions, cache_kwarg=cache_kwarg, **inputs)
+        prefill(model, cache, prompts, attention_mask=mask, position_ids=positions, cache_kwarg=cache_kwarg,
+                run_hooks=run_hooks, **inputs)
         return 0
     batch, width = prompts.shape
     start = 0 if mask is None else width - int(mask[0].sum())
     part = slice(start, start + shared)
-    prefill(model, cache, prompts[:1, part], cache_kwarg=cache_kwarg,
+    prefill(model, cache, prompts[:1, part], cache_kwarg=cache_kwarg, run_hooks=run_hooks,
             position_ids=(torch.arange(shared, device=prompts.device)[None] if positions is None
                           else positions[:1, part]),
             **{name: t[:1, part] for name, t in inputs.items()})
@@ -242,7 +277,7 @@ def prefill_prompts(model, cache: CascadeCache, prompts: torch.LongTensor | None
         rest_mask = None if mask is None else mask[:, : width - shared]
         rest_positions = None if positions is None else positions[:, shared:]
         prefill(model, cache, prompts[:, shared:], attention_mask=rest_mask, position_ids=rest_positions,
-                cache_kwarg=cache_kwarg, **{name: t[:, shared:] for name, t in inputs.items()})
+                cache_kwarg=cache_kwarg, run_hooks=run_hooks, **{name: t[:, shared:] for name, t in inputs.items()})
     return shared
 
 
@@ -385,6 +420,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     CascadeCache empty.
     """
     _check_counts(generation_config)
+    _check_no_dropout(model)
     given, hf_cascade_config = hf_cascade_config, CascadeConfig.coerce(hf_cascade_config)   # checked on every path
     mode = generation_config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
@@ -493,6 +529,33 @@ def _check_counts(generation_config) -> None:
     if isinstance(beams, numbers.Real) and not isinstance(beams, bool) and beams < 1:
         raise ValueError(f"num_beams must be a positive integer (1: greedy search or sampling, > 1: beam search), got "
                          f"{beams!r}.")
+
+
+def active_dropout(model) -> str | None:
+    """The dropout that would be active in ``model``'s forward (None in eval mode, or where every rate is 0): a dropout
+    module in training mode with p > 0, or a config rate the modeling file applies functionally (BART's ``dropout``)."""
+    if not model.training:
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            return f"{name or type(model).__name__} (p={module.p})"
+    for config in {id(c): c for c in (model.config, _text_config(model))}.values():
+        for field, value in vars(config).items():
+            if (("dropout" in field or "pdrop" in field) and "classifier" not in field
+                    and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                return f"config.{field}={value}"
+    return None
+
+
+def _check_no_dropout(model) -> None:
+    """A model in training mode with dropout active: stock's beams each draw their own dropout masks on their own copy
+    of the prompt, the cascade's prefill runs each prompt once, so the tokens would differ. Refused with the fix."""
+    dropout = active_dropout(model)
+    if dropout is not None:
+        raise ValueError(f"generate got a model in training mode with dropout active ({dropout}): the cascade prefills "
+                         "each prompt once for all its beams, so its tokens would not be stock's. Call model.eval() "
+                         "before generate (Trainer's evaluation does), or load the model with "
+                         f"attn_implementation='{stock_attention(model)}' to generate with dropout.")
 
 
 def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> None:
@@ -640,9 +703,9 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
         args = (None if mask is None else mask[::n, new], None if positions is None else positions[::n, new], key)
         sliced = {k: v[::n, new] for k, v in tensors.items()}
         if past:
-            prefill(model, cache, ids, *args, **sliced, **options)
+            prefill(model, cache, ids, *args, run_hooks=False, **sliced, **options)
         else:
-            prefill_prompts(model, cache, ids, *args, **sliced, **options)
+            prefill_prompts(model, cache, ids, *args, run_hooks=False, **sliced, **options)
     if cache.batch_size:
         cache.batch_repeat_interleave(n)
     if last_is_pad is not None:

@@ -46,6 +46,7 @@ import time
 import weakref
 
 import torch
+import torch.nn.modules.module as module_hooks
 
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -98,6 +99,31 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
     if device.type != "cuda" and mode != "eager":        # "eager": the static path without capture, any device
         return f"the model is on {device.type}, not CUDA"
     return None
+
+
+def _hooked(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def outer_hooks_reason(model) -> str | None:
+    """Why a decode step must go through ``model.__call__`` (None where nothing runs there but ``forward``): forward
+    hooks or pre-hooks on the model itself, or on every module (``register_module_forward_hook``). They run on the
+    host around each step's forward, as in stock's loop."""
+    if _hooked(model):
+        return "forward hooks on the model (they run around every step's forward, as stock's)"
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return "global module forward hooks (torch.nn.modules.module.register_module_forward_hook)"
+    return None
+
+
+def inner_hooks_reason(model) -> str | None:
+    """Why a decode step's forward must run eagerly (None where it may be captured or compiled): forward hooks on a
+    module inside the model (a captured graph would replay their tensor work and never run their Python) or global
+    ones."""
+    name = next((name for name, module in model.named_modules() if name and _hooked(module)), None)
+    if name is not None:
+        return f"forward hooks on {name} (a captured step would not run them)"
+    return outer_hooks_reason(model)
 
 
 def quantized_capture_reason(model) -> str | None:
@@ -389,11 +415,15 @@ class DecodeGraphRunner:
         return self.forward_fn(**static, **{STEP_KWARG: self.cache.step})
 
     def forward_step(self, static):
-        """:meth:`_call`, and where the compiled forward fails (dynamo, inductor, a recompile limit): the plain forward
-        from then on, logged once."""
+        """:meth:`_call`, and where the compiled forward fails to compile (:func:`compile_failure`): the plain forward
+        from then on, logged once. Any other error (the model's, a hook's) propagates as it is, once."""
+        if self.forward_fn is self.original:
+            return self.original(**static)
         try:
             return self._call(static)
-        except Exception as err:  # noqa: BLE001 — inductor/dynamo failures: fall back to the plain forward
+        except Exception as err:  # noqa: BLE001 — sorted by compile_failure; the rest is re-raised
+            if not compile_failure(err):
+                raise
             log_once(("compile", type(err).__name__), logging.WARNING,
                      "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
                      type(err).__name__, str(err)[:200])
@@ -575,6 +605,15 @@ COMPILE_MODES = {True: "default", "max-autotune": "max-autotune-no-cudagraphs"}
 def compile_options(compile) -> dict:
     """``torch.compile``'s arguments for a ``CascadeConfig.compile`` that is not False."""
     return {**COMPILE_OPTIONS, "mode": COMPILE_MODES[compile]}
+
+
+def compile_failure(err: BaseException) -> bool:
+    """Whether ``err`` is torch.compile's own failure, which a compiled part of the step answers by running uncompiled:
+    dynamo could not trace (a graph break under ``fullgraph``, a compiled static step refusing host work, an exception
+    met while tracing: the uncompiled run raises it again as itself) or inductor could not build. Errors a compiled
+    graph raises when it runs, and every error of an uncompiled forward, are the model's: they propagate."""
+    from torch._dynamo.exc import TorchDynamoException
+    return isinstance(err, TorchDynamoException) or type(err).__module__.startswith("torch._inductor")
 
 
 def _compiled(forward, compile=True):

@@ -100,6 +100,7 @@ class GraphDescriptor:
     device: str
     cascade_config: CascadeConfig      # every field: pools (memory, block size, cap), plan thresholds, backend, mode
     autocast: tuple = (False, None)    # the casts a captured step baked in (precision.state)
+    hooks: str | None = None           # forward hooks the steps must run (graphs.inner_hooks_reason): eager steps
 
     @classmethod
     def of(cls, model, cascade_config: CascadeConfig, rows: int) -> "GraphDescriptor":
@@ -108,15 +109,15 @@ class GraphDescriptor:
         except (AttributeError, StopIteration):       # no parameters: graphs are refused for it anyway
             dtype, device = None, ""
         return cls(_ModelRef(model), bool(getattr(model.config, "is_encoder_decoder", False)), int(rows), dtype,
-                   device, cascade_config, precision.state(device))
+                   device, cascade_config, precision.state(device), graphs.inner_hooks_reason(model))
 
     @property
     def capture(self) -> bool:
-        return self.cascade_config.cuda_graphs != "eager"
+        return self.cascade_config.cuda_graphs != "eager" and self.hooks is None
 
     @property
     def compile(self) -> bool | str:
-        return self.cascade_config.compile
+        return self.cascade_config.compile if self.hooks is None else False
 
     def fits_pools(self, other: "GraphDescriptor") -> bool:
         return dataclasses.replace(self, rows=other.rows) == other
@@ -317,6 +318,9 @@ class DecodeSession:
             return None
         log_once(("on", mode), logging.INFO, "decode steps run as %s",
                  "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
+        if self.descriptor.hooks is not None and (mode != "eager" or self.descriptor.cascade_config.compile):
+            log_once(("hooks", self.descriptor.hooks), logging.INFO, "decode steps run eagerly, not captured or "
+                     "compiled: %s", self.descriptor.hooks)
         runner = self._kept_runner
         if runner is None:
             runner = graphs.DecodeGraphRunner(self.model, self.cache, capture_guard.capturing,

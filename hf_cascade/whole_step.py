@@ -78,6 +78,9 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     blocks = getattr(cache, "blocks", None)
     if blocks is not None and (cache.cascade_config.max_kv_bytes is not None or blocks.max_blocks is not None):
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
+    reason = graphs.outer_hooks_reason(model)
+    if reason is not None:
+        return reason
     if generation_config.return_dict_in_generate:
         return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
     if model_kwargs.get("streamer") is not None:
@@ -92,7 +95,7 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     return None
 
 
-def _selection_config(input_ids, logits_processor, stopping_criteria, generation_config):
+def _selection_config(input_ids, logits_processor, stopping_criteria, generation_config, attention_mask=None):
     """``(config, None)``: the call's token choice as device_select reproduces it; ``(None, reason)`` where it does
     not."""
     per_prompt = generation_config.num_beams if generation_config.num_beams > 1 else (
@@ -101,7 +104,7 @@ def _selection_config(input_ids, logits_processor, stopping_criteria, generation
         config = device_select.SelectionConfig.from_generation_config(
             generation_config, input_ids.shape[0] // per_prompt, input_ids.shape[1])
         config = config.adopting_suppressions(logits_processor)
-        config.check_against(logits_processor, stopping_criteria)
+        config.check_against(logits_processor, stopping_criteria, attention_mask)
         ngrams = _encoder_ngrams(logits_processor)
         if config.encoder_no_repeat_ngram_size and len(ngrams) != config.batch_size:
             return None, (f"EncoderNoRepeatNGramLogitsProcessor holds {len(ngrams)} encoder inputs' n-grams for "
@@ -120,7 +123,8 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     reason = refusal(session, generation_config, model_kwargs, synced_gpus)
     config = inputs = None
     if reason is None:
-        config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config)
+        config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config,
+                                           model_kwargs.get(_Names(session.model).mask))
     kind = hold_kind(session.cache)
     if reason is None:
         inputs, first, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs, kind)
@@ -527,7 +531,9 @@ class _Compiled:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
-            except Exception as err:  # noqa: BLE001 — dynamo / inductor failures: run the plain function
+            except Exception as err:  # noqa: BLE001 — sorted by compile_failure; the rest is re-raised
+                if not graphs.compile_failure(err):
+                    raise
                 log_once(("compile", self.what, type(err).__name__), logging.WARNING,
                          "CascadeConfig(compile=True): the whole step's %s failed to compile (%s: %s); it runs "
                          "uncompiled", self.what, type(err).__name__, str(err)[:200])

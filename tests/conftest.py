@@ -85,11 +85,13 @@ def padded_batch(seed: int = 0, lengths=(23, 17)):
 
 
 class FirstForwardRows:
-    """Counts the batch rows of forwards (pre-hook) and keeps the cache each forward saw."""
+    """Counts the batch rows of forwards (a pre-hook, and generate's own prefill forwards, which run without the
+    model's hooks) and keeps the cache each forward saw."""
 
     def __init__(self, model):
         self.rows, self.caches = [], []
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.prefill_handle = generation.register_prefill_hook(pre=lambda model, kwargs: self._hook(model, (), kwargs))
 
     def _hook(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -98,6 +100,7 @@ class FirstForwardRows:
 
     def remove(self):
         self.handle.remove()
+        self.prefill_handle.remove()
 
 
 @pytest.fixture(autouse=True)

@@ -119,7 +119,8 @@ def compare(model, ids, mask, seed=0, **generate_kwargs):
     forwards = model.forwards
     generation_config, processors, criteria = model.seen[-1]
     config = SelectionConfig.from_generation_config(generation_config, ids.shape[0], ids.shape[1])
-    config.check_against(processors, criteria)
+    expand = config.num_beams if config.is_beam else config.num_return_sequences
+    config.check_against(processors, criteria, mask.repeat_interleave(expand, 0))
     torch.manual_seed(seed)
     model.forwards = 0
     state = device_loop(model, config, ids, mask)

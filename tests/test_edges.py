@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
+from hf_cascade.context import UPDATE_PASSES_KWARGS    # (transformers >= 5.24)
 from conftest import model_pair, padded_batch
 
 PATHS = {"default": None, "transformers-loop": dict(cuda_graphs=False), "eager-static": dict(cuda_graphs="eager")}
@@ -85,3 +86,281 @@ def test_autocast_encoder_decoder(family):
             want = _generate(stock, ids, mask, num_beams=3, max_new_tokens=8)
             got = _generate(cascade, ids, mask, path, num_beams=3, max_new_tokens=8)
         assert torch.equal(got, want), path
+
+
+# ---- forward hooks ----------------------------------------------------------------------------------------------------
+class _Hooks:
+    """Hooks that count, edit and record, put on a model (or one of its layers) and removed after."""
+
+    def __init__(self, module, edit_logits=False, pre=False, layer=None):
+        self.calls, self.handles = 0, []
+        target = module if layer is None else module.model.layers[layer]
+
+        def count(mod, args, kwargs, out):
+            self.calls += 1
+            if edit_logits:      # a logit bias by hook: token 5 always wins
+                out.logits[..., 5] += 1e3
+            return out
+
+        def edit_hidden(mod, args, out):      # a steering hook on a layer: scale its output
+            self.calls += 1
+            hidden = out[0] if isinstance(out, tuple) else out
+            return (hidden * 1.5, *out[1:]) if isinstance(out, tuple) else hidden * 1.5
+
+        def count_pre(mod, args, kwargs):
+            self.calls += 1
+            return None
+
+        if layer is not None:
+            self.handles.append(target.register_forward_hook(edit_hidden))
+        elif pre:
+            self.handles.append(target.register_forward_pre_hook(count_pre, with_kwargs=True))
+        else:
+            self.handles.append(target.register_forward_hook(count, with_kwargs=True))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+HOOKS = {"count": dict(), "edit-logits": dict(edit_logits=True), "pre": dict(pre=True), "layer": dict(layer=1)}
+
+
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+@pytest.mark.parametrize("setting", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_forward_hooks_run_every_step(hook, setting, path):
+    """A hook on the model runs once per chosen token, as stock's (its prefill and each decode step), and what it does
+    to the logits chooses the tokens; a hook on a layer edits every step's activations (the step then runs eagerly:
+    a captured graph would not run it)."""
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 7}
+    results = []
+    for model, p in ((stock, None), (cascade, PATHS[path])):
+        hooks = _Hooks(model, **HOOKS[hook])
+        try:
+            results.append((_generate(model, ids, mask, p, **kwargs), hooks.calls))
+        finally:
+            hooks.remove()
+    (want, want_calls), (got, got_calls) = results
+    assert torch.equal(got, want)
+    if hook == "edit-logits":
+        assert bool((want[:, -7:] == 5).all())
+    if hook != "layer":        # a layer's hook also runs in the cascade's once-per-prompt prefill forward
+        assert got_calls == want_calls
+    else:
+        assert got_calls >= want_calls
+
+
+def test_a_raising_hook_raises_once_and_leaves_the_model_usable():
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    calls = []
+
+    def boom(mod, args, out):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("from the hook")
+        return out
+
+    for p in PATHS.values():
+        calls.clear()
+        handle = cascade.register_forward_hook(boom)
+        try:
+            with pytest.raises(KeyError, match="from the hook"):
+                _generate(cascade, ids, mask, p, num_beams=3, max_new_tokens=6)
+        finally:
+            handle.remove()
+        assert len(calls) == 3
+        assert torch.equal(_generate(cascade, ids, mask, p, num_beams=3, max_new_tokens=6),
+                           _generate(stock, ids, mask, num_beams=3, max_new_tokens=6))
+
+
+# ---- exceptions from a decode forward ------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(PATHS) + ["eager-static-compiled"])
+def test_an_error_inside_a_decode_forward_propagates_once(path, caplog):
+    """An exception raised inside the model's forward in a decode step (here a layer's hook, at its 4th call) reaches
+    the caller unchanged, once, with no step re-run (the hook ran 4 times), nothing logged as a compile failure; the
+    model and a fresh call are fine after it."""
+    from hf_cascade import CascadeConfig
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    config = (CascadeConfig(cuda_graphs="eager", compile=True) if path == "eager-static-compiled" else PATHS[path])
+    calls = []
+
+    class StepFailed(Exception):
+        pass
+
+    def boom(mod, args, out):
+        calls.append(1)
+        if len(calls) == 4:
+            raise StepFailed("inside the forward")
+        return out
+
+    handle = cascade.model.layers[0].register_forward_hook(boom)
+    try:
+        with pytest.raises(StepFailed, match="inside the forward"):
+            _generate(cascade, ids, mask, config, num_beams=3, max_new_tokens=8)
+    finally:
+        handle.remove()
+    assert len(calls) == 4
+    assert not [r for r in caplog.records if "fail" in r.getMessage() and "compile" in r.getMessage()]
+    assert torch.equal(_generate(cascade, ids, mask, config, num_beams=3, max_new_tokens=8),
+                       _generate(stock, ids, mask, num_beams=3, max_new_tokens=8))
+
+
+@pytest.mark.parametrize("where", ["runner", "whole-step"])
+def test_an_error_of_an_uncompiled_static_step_is_not_called_a_compile_failure(where, monkeypatch, caplog):
+    """The eager static step (no hooks, so the whole step or the runner serves it) raising from the attention kernel
+    at its 3rd decode call: raised once, never retried as "compile failed"."""
+    from hf_cascade.kernels import reference
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    real, calls = reference.BACKEND.forward, []
+
+    def failing(q, pool, metadata, scale, **quirks):
+        if q.shape[1] == 1:                 # decode steps only
+            calls.append(1)
+            if len(calls) == 3 * cascade.config.num_hidden_layers:
+                raise FloatingPointError("kernel")
+        return real(q, pool, metadata, scale, **quirks)
+
+    monkeypatch.setattr(reference.BACKEND, "forward", failing)
+    extra = dict(return_dict_in_generate=True, output_scores=True) if where == "runner" else {}
+    with pytest.raises(FloatingPointError, match="kernel"):
+        _generate(cascade, ids, mask, PATHS["eager-static"], num_beams=3, max_new_tokens=8, **extra)
+    assert len(calls) == 3 * cascade.config.num_hidden_layers
+    assert not [r for r in caplog.records if "fail" in r.getMessage()]
+
+
+# ---- NaN and -inf under sampling -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["nan", "-inf"])
+@pytest.mark.parametrize("setting", ["sample", "beam-sample"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_sampling_from_nan_or_all_minus_inf_raises_stocks_error(bad, setting, path, runner_spy):
+    """From the 3rd step on the logits are NaN or all -inf (a hook on lm_head: the whole step still serves the call,
+    eagerly): stock's torch.multinomial raises; so does the cascade (a flag read with the finished flag), never
+    returning token 0 for every row."""
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    kwargs = (dict(do_sample=True, num_return_sequences=2) if setting == "sample"
+              else dict(do_sample=True, num_beams=3))
+    errors = []
+    for model, p in ((stock, None), (cascade, PATHS[path])):
+        calls = []
+
+        def poison(mod, args, out):
+            calls.append(1)
+            return out.fill_(float(bad)) if len(calls) >= 3 else out
+
+        handle = model.lm_head.register_forward_hook(poison)
+        try:
+            with pytest.raises(RuntimeError) as err:
+                _generate(model, ids, mask, p, max_new_tokens=8, **kwargs)
+            errors.append(str(err.value))
+        finally:
+            handle.remove()
+    assert "probability tensor contains either `inf`, `nan` or element < 0" in errors[0]
+    assert "probability tensor contains either `inf`, `nan` or element < 0" in errors[1]
+    if path == "eager-static":
+        assert sum(r.device_steps for r in runner_spy.runners if r is not None) > 0
+
+
+def test_nan_after_the_call_finished_changes_nothing(runner_spy):
+    """Steps the device queues after every row finished (up to CHECK_EVERY - 1) do not count: NaN logits there raise
+    nothing, as stock never runs those steps. From lm_head's 3rd call eos wins (every row ends), from its 5th the
+    logits are NaN. (Counted over lm_head's calls on all 4 rows: the cascade's own prefill runs on each prompt once.)"""
+    stock, cascade = model_pair("llama", seed=2)
+    ids, mask = padded_batch(lengths=(23, 17))
+    kwargs = dict(do_sample=True, num_return_sequences=2, max_new_tokens=20, eos_token_id=3, pad_token_id=0)
+    outs = []
+    for model, p in ((stock, None), (cascade, PATHS["eager-static"])):
+        calls = []
+
+        def end_then_poison(mod, args, out):
+            if out.shape[0] != 4:
+                return out
+            calls.append(1)
+            if len(calls) >= 5:
+                return out.fill_(float("nan"))
+            if len(calls) >= 3:
+                out[..., 3] += 1e3
+            return out
+
+        handle = model.lm_head.register_forward_hook(end_then_poison)
+        try:
+            outs.append(_generate(model, ids, mask, p, **kwargs))
+        finally:
+            handle.remove()
+    assert torch.equal(outs[1], outs[0])
+    assert sum(r.device_steps for r in runner_spy.runners if r is not None) > 0
+
+
+# ---- a user's processor in place of transformers' own --------------------------------------------------------------
+@pytest.mark.skipif(not UPDATE_PASSES_KWARGS, reason="transformers < 5.24 refuses a user processor of a default type")
+@pytest.mark.parametrize("ignore", [None, 5, "tensor"])
+@pytest.mark.parametrize("setting", ["greedy", "sample", "beam"])
+def test_a_users_repetition_penalty_is_compared_field_by_field(ignore, setting, runner_spy):
+    """A RepetitionPenaltyLogitsProcessor of the user's with the config's penalty (transformers 5.24 puts it in place
+    of its own) but its own prompt_ignore_length: stock's tokens; the device choice serves it only where every field
+    is what it reproduces."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+    from hf_cascade import device_select
+    stock, cascade = model_pair("llama", seed=3)
+    ids, mask = padded_batch(lengths=(23, 17))
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 10, "repetition_penalty": 1.5}
+    rows = ids.shape[0] * (4 if setting == "beam" else 3 if setting == "sample" else 1)
+    if ignore == "tensor":
+        ignore = torch.tensor([1, 4] * (rows // 2))
+    processor = RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=ignore)
+    outs = [_generate(model, ids, mask, p, logits_processor=LogitsProcessorList([processor]), **kwargs)
+            for model, p in ((stock, None), (cascade, PATHS["eager-static"]))]
+    assert torch.equal(outs[1], outs[0])
+    starts = device_select.penalty_start(mask.repeat_interleave(rows // 2, 0), rows, "cpu")
+    same = ignore is None and not bool(starts.any())
+    assert (sum(r.device_steps for r in runner_spy.runners if r is not None) > 0) == same
+
+
+def test_a_processor_with_an_attribute_the_device_does_not_know_is_refused():
+    """A field that a newer transformers adds to a default processor (not compared: it could change the result)
+    keeps the call on transformers' loop."""
+    from transformers import TemperatureLogitsWarper
+    from hf_cascade.device_select import SelectionConfig, UnsupportedSelection
+    from transformers import GenerationConfig
+    warper = TemperatureLogitsWarper(0.7)
+    warper.new_field = 3
+    config = SelectionConfig.from_generation_config(GenerationConfig(do_sample=True, temperature=0.7, max_length=9),
+                                                    1, 4)
+    with pytest.raises(UnsupportedSelection, match="new_field"):
+        config.check_against([warper], [])
+    del warper.new_field
+    config.check_against([warper], [])
+
+
+# ---- train mode -------------------------------------------------------------------------------------------------------
+def test_train_mode_with_dropout_is_refused_with_the_fix():
+    from test_encoder_decoder import pair, sources
+    stock, cascade = model_pair("llama", seed=2, attention_dropout=0.0)
+    ids, mask = padded_batch(lengths=(23, 17))
+    cascade.train()                            # Llama has no residual dropout: nothing is active, stock's tokens
+    try:
+        assert torch.equal(_generate(cascade, ids, mask, num_beams=3, max_new_tokens=5),
+                           _generate(stock, ids, mask, num_beams=3, max_new_tokens=5))
+        cascade.model.layers[0].mlp.register_module("drop", torch.nn.Dropout(0.1))    # a PEFT-like dropout
+        with pytest.raises(ValueError, match=r"training mode with dropout active \(model\.layers\.0\.mlp\.drop.*"
+                                             r"model\.eval\(\)"):
+            _generate(cascade, ids, mask, num_beams=3, max_new_tokens=5)
+        del cascade.model.layers[0].mlp.drop
+    finally:
+        cascade.eval()
+    stock, bart = pair("bart", dtype=torch.float32)       # BART applies config.dropout functionally
+    src, src_mask = sources()
+    bart.train()
+    try:
+        with pytest.raises(ValueError, match=r"config\.dropout=0\.1.*model\.eval\(\)"):
+            _generate(bart, src, src_mask, num_beams=2, max_new_tokens=4)
+    finally:
+        bart.eval()
+    assert torch.equal(_generate(bart, src, src_mask, num_beams=2, max_new_tokens=4),
+                       _generate(stock, src, src_mask, num_beams=2, max_new_tokens=4))

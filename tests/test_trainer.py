@@ -48,6 +48,8 @@ class CacheWatch:
         self.model, self.calls, self._current = model, [], None
         self.prefill_rows = []
         self.handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        # generate's own prefill runs the model's forward without its hooks (they run once per chosen token)
+        self.prefill_handle = hf_cascade.generation.register_prefill_hook(lambda m, kwargs: self._hook(m, (), kwargs))
         original = model.generate
 
         def generate(*args, **kwargs):
@@ -72,6 +74,7 @@ class CacheWatch:
 
     def remove(self):
         self.handle.remove()
+        self.prefill_handle.remove()
         del self.model.generate
 
 
