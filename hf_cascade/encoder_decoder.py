@@ -57,7 +57,7 @@ from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
 # unsupported_reason and COMPOSITE: also generation's checks before it calls this entry
 from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross_projections, device_positions_reason,
                              family_of, paged_self_attention, static_mask_reason, unsupported_reason)
-from .session import DecodeSession
+from .session import DecodeSession, prefill_forward
 
 logger = logging.getLogger("hf_cascade")
 
@@ -369,6 +369,6 @@ def _prefill_decoder_prompt(model, cache, ids: torch.Tensor, mask: torch.Tensor 
         if positions is not None:
             extra["decoder_position_ids"] = positions
     with torch.no_grad():
-        model(decoder_input_ids=ids, encoder_outputs=(placeholder(states, ids.shape[0]),),
-              attention_mask=source_mask, use_cache=True, **extra, **{key: cache},
-              **cross_attention.forward_kwargs(cache))
+        prefill_forward(model, decoder_input_ids=ids, encoder_outputs=(placeholder(states, ids.shape[0]),),
+                        attention_mask=source_mask, use_cache=True, **extra, **{key: cache},
+                        **cross_attention.forward_kwargs(cache))

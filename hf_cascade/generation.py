@@ -28,7 +28,7 @@ from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .logs import log_once
-from .session import DecodeSession
+from .session import DecodeSession, prefill_forward, register_prefill_hook  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_cascade")
 
@@ -159,36 +159,7 @@ in stock). Returns the model output (logits of the last position only)."""
                   **{**model_inputs, **kwargs})
     if run_hooks:
         return model(**kwargs)
-    hooks = list(_prefill_hooks.values())
-    for pre, _ in hooks:
-        if pre is not None:
-            pre(model, kwargs)
-    out = model.forward(**kwargs)
-    for _, post in hooks:
-        if post is not None:
-            post(model, kwargs, out)
-    return out
-
-
-# id -> (pre, post): observers of generate's own prefill forwards (register_prefill_hook)
-_prefill_hooks: dict = {}
-
-
-class _PrefillHookHandle:
-    def __init__(self, key):
-        self.key = key
-
-    def remove(self) -> None:
-        _prefill_hooks.pop(self.key, None)
-
-
-def register_prefill_hook(pre=None, post=None) -> _PrefillHookHandle:
-    """Observe generate's own once-per-prompt prefill forwards, which run ``model.forward`` without the hooks on the
-    model (those run once per chosen token, as in stock's loop): ``pre(model, kwargs)`` before each, ``post(model,
-    kwargs, output)`` after. For measurements (rows prefilled, prefill time); returns a handle with ``remove()``."""
-    handle = _PrefillHookHandle(object())
-    _prefill_hooks[handle.key] = (pre, post)
-    return handle
+    return prefill_forward(model, **kwargs)
 
 
 def shared_prefix_length(input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, min_tokens: int,

@@ -187,6 +187,42 @@ def _take_kept(model, descriptor: GraphDescriptor) -> tuple[CascadeCache, "graph
     return CascadeCache(model.config, descriptor.cascade_config), None
 
 
+# ---- generate's own prefill forwards ---------------------------------------------------------------------------
+# id -> (pre, post): observers of generate's own prefill forwards (register_prefill_hook)
+_prefill_hooks: dict = {}
+
+
+class _PrefillHookHandle:
+    def __init__(self, key):
+        self.key = key
+
+    def remove(self) -> None:
+        _prefill_hooks.pop(self.key, None)
+
+
+def register_prefill_hook(pre=None, post=None) -> _PrefillHookHandle:
+    """Observe generate's own once-per-prompt prefill forwards, which run ``model.forward`` without the hooks on the
+    model (those run once per chosen token, as in stock's loop): ``pre(model, kwargs)`` before each, ``post(model,
+    kwargs, output)`` after. For measurements (rows prefilled, prefill time); returns a handle with ``remove()``."""
+    handle = _PrefillHookHandle(object())
+    _prefill_hooks[handle.key] = (pre, post)
+    return handle
+
+
+def prefill_forward(model, **kwargs):
+    """One of generate's own prefill forwards: ``model.forward`` without the hooks on the model (stock's loop has no
+    such forward: its hooks see one forward per chosen token), observed by :func:`register_prefill_hook`."""
+    hooks = list(_prefill_hooks.values())
+    for pre, _ in hooks:
+        if pre is not None:
+            pre(model, kwargs)
+    out = model.forward(**kwargs)
+    for _, post in hooks:
+        if post is not None:
+            post(model, kwargs, out)
+    return out
+
+
 # ---- the caches calls are running on --------------------------------------------------------------------------
 # id(cache) -> (the thread of the call running on it, its session)
 _in_use: dict = {}

@@ -364,3 +364,30 @@ def test_train_mode_with_dropout_is_refused_with_the_fix():
         bart.eval()
     assert torch.equal(_generate(bart, src, src_mask, num_beams=2, max_new_tokens=4),
                        _generate(stock, src, src_mask, num_beams=2, max_new_tokens=4))
+
+
+@pytest.mark.parametrize("family", ["bart", "t5", "whisper"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_hooks_on_an_encoder_decoder_run_once_per_chosen_token(family, path):
+    """Whisper's decoder prompt (several tokens) is prefilled once per input without the model's hooks: the hook sees
+    stock's count; tokens are stock's."""
+    from test_encoder_decoder import _SHORT, pair, sources, whisper_pair
+    if family == "whisper":
+        stock, cascade = whisper_pair()
+        inputs, kwargs = dict(input_features=_SHORT), dict(language="en", num_beams=3, max_new_tokens=6)
+    else:
+        stock, cascade = pair(family)
+        ids, mask = sources()
+        inputs, kwargs = dict(input_ids=ids, attention_mask=mask), dict(num_beams=3, max_new_tokens=6)
+    results = []
+    for model, p in ((stock, None), (cascade, PATHS[path])):
+        calls = []
+        handle = model.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            torch.manual_seed(5)
+            out = model.generate(**inputs, **kwargs, **({} if p is None else dict(hf_cascade_config=p)))
+        finally:
+            handle.remove()
+        results.append((out, len(calls)))
+    assert torch.equal(results[1][0], results[0][0])
+    assert results[1][1] == results[0][1]
