@@ -72,8 +72,6 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
     mode = cascade_config.cuda_graphs
     if mode is False:
         return "CascadeConfig(cuda_graphs=False)"
-    if not cascade_config.static_decode:
-        return "CascadeConfig(static_decode=False)"
     devices = {str(p.device) for p in model.parameters()}
     if not devices:
         return "the model has no parameters"
@@ -567,14 +565,12 @@ def _side_stream(device: int) -> "torch.cuda.Stream":
 
 # how every compiled part of a decode step compiles (the forward here, the whole step's bookkeeping and token choice)
 COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, mode="default")
-# CascadeConfig.compile -> inductor's mode; never one with inductor's own CUDA graphs, which would copy the cache's
-# pools (ours captures the compiled step)
-COMPILE_MODES = {True: "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_options(compile) -> dict:
-    """``torch.compile``'s arguments for a ``CascadeConfig.compile`` that is not False."""
-    return {**COMPILE_OPTIONS, "mode": COMPILE_MODES[compile]}
+    """``torch.compile``'s arguments for ``CascadeConfig(compile=True)`` (never a mode with inductor's own CUDA
+    graphs, which would copy the cache's pools: ours captures the compiled step)."""
+    return dict(COMPILE_OPTIONS)
 
 
 def _compiled(forward, compile=True):
