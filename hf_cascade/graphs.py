@@ -47,6 +47,7 @@ import weakref
 
 import torch
 
+from . import compat
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .context import STEP_KWARG
@@ -59,7 +60,6 @@ _lock = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
-_CACHE_KWARGS = ("past_key_values", "cache")
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for
 # the call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
@@ -236,7 +236,7 @@ class DecodeGraphRunner:
 
     def _decode_shaped(self, kwargs) -> bool:
         ids = self._arg(kwargs, "input_ids")
-        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        cache = compat.cache_of(kwargs)
         if self.encoder_decoder:       # the decoder's self-attention cache inside the EncoderDecoderCache
             cache = getattr(cache, "self_attention_cache", None)
         shaped = (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
