@@ -256,8 +256,9 @@ def main(argv=None) -> int:
                         "on any device, the paged self-attention on the CPU too; off: transformers' loop, the "
                         "forward eager)")
     p.add_argument("--no-whole-step", action="store_true",
-                   help="CascadeConfig(whole_step=False): transformers' decode loop with the replayed forward (what "
-                        "the cascade ran before the whole step served encoder-decoder models)")
+                   help="transformers' decode loop with the replayed forward (a no-op logits processor of the "
+                        "caller's own keeps it; what the cascade ran before the whole step served encoder-decoder "
+                        "models)")
     p.add_argument("--compile", action="store_true",
                    help="CascadeConfig(compile=True): the decode forward, bookkeeping and token choice compiled (the "
                         "warm-up call compiles)")
@@ -288,11 +289,11 @@ def main(argv=None) -> int:
         options = {} if args.cuda_graphs == "default" else dict(
             cuda_graphs="eager" if args.cuda_graphs == "eager" else False,
             backend="reference" if args.cuda_graphs == "eager" and args.device == "cpu" else "auto")
-        if args.no_whole_step:
-            options["whole_step"] = False
         if args.compile:
             options["compile"] = True
         extra = dict(hf_cascade_config=hf_cascade.CascadeConfig(**options)) if options else {}
+        if args.no_whole_step:
+            extra.update(harness.transformers_loop())
         calls = {"stock": (long, short), "cascade": (dict(long, **extra), dict(short, **extra))}
         for side, model in (("stock", stock), ("cascade", cascade)):      # warm-up at the measured shape
             timed(model, calls[side][0], args.device)

@@ -27,7 +27,7 @@ VARIANTS = {
     "stock": None,
     "cascade": dict(),                                  # the defaults: whole step on the device, graphs on a GPU
     "cascade-compile": dict(compile=True),
-    "graph": dict(whole_step=False),                    # transformers' loop around the replayed forward
+    "graph": dict(),                                    # transformers' loop around the replayed forward (below)
 }
 LENGTHS = (3600, 900, 2700, 1400, 4000, 600, 2100, 3100)    # the order a dataset would give them: mixed
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -56,6 +56,8 @@ def run_loop(model, prompts, variant: str, beams: int, new_tokens: int, device: 
               pad_token_id=0)
     if VARIANTS[variant] is not None:
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**VARIANTS[variant])
+    if variant == "graph":
+        kw.update(harness.transformers_loop())
     calls, runners = [], []
     with collecting_runners(runners):
         for ids in prompts:
@@ -82,9 +84,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model = _model(args.shape, args.device, dtype)
+    # the cascade fuses its model's projections in place (CascadeConfig.fuse_projections): stock keeps a twin of its
+    # own, the same weights (same seed), or it would run the fused products too
+    twin = _model(args.shape, args.device, dtype) if "stock" in args.variants else model
     prompts = _prompts(args.lengths, model.config.vocab_size, args.device)
-    passes = harness.interleave(args.variants, lambda v, rnd: run_loop(model, prompts, v, args.beams,
-                                                                        args.new_tokens, args.device),
+    passes = harness.interleave(args.variants, lambda v, rnd: run_loop(twin if v == "stock" else model, prompts, v,
+                                                                        args.beams, args.new_tokens, args.device),
                                 rounds=1 + args.rounds)
     rows, stock = [], None
     for v in args.variants:

@@ -70,11 +70,12 @@ def build(shape: str, dtype) -> torch.nn.Module:
 
 
 def _model_of(models: dict, shape: str, dtype, variant: str):
-    """The model a variant runs on: the shape's model, or for a variant that fuses projections a second one of the
-    same weights (same seed), built on first use and kept with the shape's. Fusing changes a model in place (its
-    products, and unfusing it for the next variant would recompile and recapture every round): the other variants
-    must not see it. Twice the weights' memory while both are held."""
-    if not (WHOLE_VARIANTS[variant] or {}).get("fuse_projections"):
+    """The model a variant runs on: the shape's model for stock and the variants that do not fuse projections, for the
+    others (CascadeConfig.fuse_projections, the default) a second one of the same weights (same seed), built on first
+    use and kept with the shape's. Fusing changes a model in place (its products, also stock's, and unfusing it for
+    the next variant would recompile and recapture every round): the other variants must not see it. Twice the
+    weights' memory while both are held."""
+    if WHOLE_VARIANTS[variant] is None or not WHOLE_VARIANTS[variant].get("fuse_projections", True):
         return models[shape]
     if (shape, "fused") not in models:
         models[(shape, "fused")] = build(shape, dtype)
@@ -112,8 +113,9 @@ def run_one(model, ids, beams, new_tokens, variant):
     kw = dict(num_beams=beams, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
               return_dict_in_generate=True, early_stopping=False)
     if variant != "stock":
-        # transformers' loop: the ForwardTimer times each forward (the whole step's replays would call none)
-        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=variant, whole_step=False)
+        # transformers' loop (return_dict_in_generate keeps it): the ForwardTimer times each forward (the whole step's
+        # replays would call none); unfused: stock's runs share the model, and fusing it would change their products
+        kw["hf_cascade_config"] = hf_cascade.CascadeConfig(backend=variant, fuse_projections=False)
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -149,14 +151,15 @@ def run_one(model, ids, beams, new_tokens, variant):
 WHOLE_VARIANTS = {
     "stock": None,
     "eager": dict(backend="cuda", cuda_graphs=False),
-    "graph": dict(backend="cuda", cuda_graphs=True, whole_step=False),     # transformers' loop, forward replayed
-    "whole": dict(backend="cuda", cuda_graphs=True, whole_step=True),      # the whole step on the device
-    "compile": dict(backend="cuda", cuda_graphs=True, whole_step=False, compile=True),
-    "whole-compile": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True),
-    "whole-autotune": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile="max-autotune"),
-    # q/k/v and gate/up as one product each (CascadeConfig.fuse_projections), on a twin model: see _model_of
-    "whole-fused": dict(backend="cuda", cuda_graphs=True, whole_step=True, compile=True, fuse_projections=True),
+    "graph": dict(backend="cuda", cuda_graphs=True),         # transformers' loop, forward replayed (TRANSFORMERS_LOOP)
+    "whole": dict(backend="cuda", cuda_graphs=True),         # the whole step on the device
+    "compile": dict(backend="cuda", cuda_graphs=True, compile=True),
+    "whole-compile": dict(backend="cuda", cuda_graphs=True, compile=True),
+    # q/k/v and gate/up as separate products (CascadeConfig(fuse_projections=False)), on stock's model: see _model_of
+    "whole-unfused": dict(backend="cuda", cuda_graphs=True, compile=True, fuse_projections=False),
 }
+# the variants run in transformers' loop around the replayed forward (harness.transformers_loop)
+TRANSFORMERS_LOOP = ("graph", "compile")
 
 
 def _mode_kwargs(mode: str) -> dict:
@@ -204,6 +207,8 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode))
     if WHOLE_VARIANTS[variant] is not None:
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(**WHOLE_VARIANTS[variant])
+    if variant in TRANSFORMERS_LOOP:
+        kw.update(harness.transformers_loop())
     runners = []
 
     def spy_prepare(real_prepare):
@@ -302,7 +307,8 @@ def main(argv=None):
     parser.add_argument("--whole-step", action="store_true",
                         help="whole-generate step per new token, stock vs eager vs graph, interleaved")
     parser.add_argument("--variants", nargs="+", default=["stock", "eager", "graph", "whole"],
-                        help=f"with --whole-step: some of {', '.join(WHOLE_VARIANTS)} (compile: graph + torch.compile)")
+                        help=f"with --whole-step: some of {', '.join(WHOLE_VARIANTS)} (compile: graph + torch.compile; "
+                             "graph and compile run transformers' loop around the replayed forward)")
     parser.add_argument("--rounds", type=int, default=3, help="with --whole-step: timed rounds after the warm-up")
     parser.add_argument("--configs", nargs="+", default=["1b:4096:8", "8b:16384:8"],
                         help="shape:prompt:beams entries, shape in " + ",".join(SHAPES))

@@ -207,6 +207,19 @@ def cuda_time_us(fn: Callable[[], object], reps: int, warmup: int,
 
 # ---- interleaved rounds ----
 
+def transformers_loop() -> dict:
+    """generate keyword arguments that keep transformers' decode loop around the cascade's replayed forward: a logits
+    processor of the caller's own that changes nothing (the whole step on the device serves only processors it
+    reproduces)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class KeepScores(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores
+
+    return dict(logits_processor=LogitsProcessorList([KeepScores()]))
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

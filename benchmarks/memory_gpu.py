@@ -91,9 +91,11 @@ def run_one(model, policy: str, sc: dict, ids, mask, eos: int, args) -> dict:
     else:
         model.set_attn_implementation("cascade")
         cap = static_bytes(sc, args.block_size, model.dtype) if policy == "static" else None
-        # transformers' loop: the StepProbe reads memory after each forward (the whole step's replays call none)
+        # transformers' loop: the StepProbe reads memory after each forward (the whole step's replays call none);
+        # unfused: stock's runs share the model (fusing it would change their products and move its weights)
         kw["hf_cascade_config"] = hf_cascade.CascadeConfig(memory=policy, max_kv_bytes=cap, backend=args.backend,
-                                                           block_size=args.block_size, whole_step=False)
+                                                           block_size=args.block_size, fuse_projections=False)
+        kw.update(harness.transformers_loop())
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     base_reserved = torch.cuda.memory_reserved(device)

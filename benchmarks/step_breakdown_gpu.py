@@ -16,9 +16,9 @@ decode steps of one generate() call (after a warm-up call):
 
     PYTHONPATH=. python benchmarks/step_breakdown_gpu.py --prompt 16384 --beams 8 --backend cuda
 
-This is transformers' decode loop around the replayed forward (``CascadeConfig(whole_step=False)``: the forward hooks
-mark each step). The whole step on the device (the default) replays one graph per step with no forward call to hook:
-its breakdown is ``whole_step_parts_gpu.py --profile`` (each part captured alone, and the kernels of one replay).
+This is transformers' decode loop around the replayed forward (kept by a logits processor of the caller's own,
+``harness.transformers_loop``: the forward hooks mark each step). The whole step on the device (the default) replays
+one graph per step with no forward call to hook: its breakdown is ``whole_step_parts_gpu.py --profile`` (each part captured alone, and the kernels of one replay).
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     ids = torch.randint(1, 128000, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     kw = dict(num_beams=args.beams, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0,
               early_stopping=False, hf_cascade_config=hf_cascade.CascadeConfig(
-                  backend=args.backend, cuda_graphs=args.cuda_graphs == "on", compile=args.compile, whole_step=False))
+                  backend=args.backend, cuda_graphs=args.cuda_graphs == "on", compile=args.compile),
+              **harness.transformers_loop())
     model.generate(input_ids=ids[:, :512], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})   # warm-up
 
     starts, ends = [], []

@@ -2,8 +2,8 @@
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
 which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
-stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--fuse`` with
-``CascadeConfig(fuse_projections=True)`` (q/k/v and gate/up as one product each); ``--profile`` also lists the kernels of
+stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--no-fuse`` with
+``CascadeConfig(fuse_projections=False)`` (q/k/v and gate/up as separate products); ``--profile`` also lists the kernels of
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
 replay's time outside kernels (the gaps between the graph's kernels).
 
@@ -126,10 +126,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=[True, "max-autotune"],
-                        help="CascadeConfig(compile=True); --compile max-autotune: compile='max-autotune'")
-    parser.add_argument("--fuse", action="store_true",
-                        help="CascadeConfig(fuse_projections=True): q/k/v and gate/up as one matrix product each")
+    parser.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate matrix products")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -151,7 +150,7 @@ def main():
             return done
 
         config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=args.compile,
-                                          fuse_projections=args.fuse)
+                                          fuse_projections=not args.no_fuse)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:

@@ -24,6 +24,20 @@ FP8_BACKENDS = ("auto", "cuda", "reference")
 MAX_BLOCK_SIZE = 2 ** 16
 
 
+# Settings that were measured or made obsolete and removed: name -> (the value that still means what it did, so an old
+# config that gave it is accepted as is; why it went and what to do instead).
+REMOVED = {
+    "static_decode": (True, "CascadeConfig.static_decode was removed: generate plans every decode step on a layout "
+                            "fixed for the call. For steps planned anew each time, run your own decode loop calling "
+                            "the model with a CascadeCache (outside generate)."),
+    "whole_step": (True, "CascadeConfig.whole_step was removed: where decode steps run on the graph runner, the whole "
+                         "step runs on the device wherever its token choice reproduces transformers'. For transformers' "
+                         "own decode loop (with the cascade attention, eager forwards), use cuda_graphs=False."),
+}
+REMOVED_COMPILE_MODE = ("CascadeConfig(compile='max-autotune') was removed: it measured 6% slower than compile=True on "
+                        "the H200 (inductor's Triton GEMMs against cuBLAS's). Use compile=True.")
+
+
 class ConfigTypeError(TypeError, ValueError):
     """A CascadeConfig field of the wrong type: a TypeError, and a ValueError as such errors were before."""
 
@@ -72,18 +86,7 @@ class CascadeConfig:
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
             shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
             norms, rotary and MLP glue. The first call of a shape compiles (5-41 s for the H200 benchmarks); off by
-            default for that reason. ``"max-autotune"``: as True, with inductor's max-autotune (it times its own
-            matrix-product kernels against cuBLAS's at each product's shape and keeps the fastest; longer first
-            compile; never inductor's own CUDA graphs: ours captures the step). Slower on the H200 (its Triton
-            GEMMs: 8B 16k x 8 beams 7.20 against 6.76 ms).
-        static_decode: inside generate, plan decode steps on a layout fixed for the call
-            (:class:`~hf_cascade.plan.DecodeLayout`; needed by graphs). ``False`` plans every step anew.
-        whole_step: where decode steps run on the graph runner, run generate's decode loop with the token choice
-            (processors, beam scores, finished hypotheses) and the block bookkeeping on the device, the whole step
-            captured as one CUDA graph (:mod:`hf_cascade.whole_step`), with the same tokens as transformers' loop.
-            Calls it does not serve (a processor or criterion of the user's own, a streamer,
-            ``return_dict_in_generate``, ...) keep transformers' loop, the reason logged once. ``False``: always
-            transformers' loop.
+            default for that reason.
         kv_dtype: the element type of the self-attention KV pools. ``None`` (default): the model's dtype, as the
             K/V come. ``"float8_e4m3fn"`` (or ``torch.float8_e4m3fn``): one byte per element, half a bf16 pool, with
             one float32 scale per layer, K/V and KV head fixed by the first K/V written after a reset (the prefill:
@@ -95,8 +98,12 @@ class CascadeConfig:
             rate. Done in place by the first generate call that asks for it (the Parameters stay, as views; state_dict
             unchanged); plain ``nn.Linear`` members only (LoRA wrappers, quantized linears are left as they are). A
             later call finds weights that moved off their buffer (``model.to(dtype)``, a new Parameter), unfuses, logs
-            it once, and fuses again. Off by default until its GPU token test has run (H200: the compiled 8B 16k x 8
-            step 6.76 -> 6.26 ms).
+            it once, and fuses again. On by default: faster in every shape measured on the H200 (compiled 8B 16k x 8
+            beams 8.96 -> 8.72 ms a step, greedy 8.11 -> 7.04, sampling n=8 8.63 -> 6.61); a model with no plain
+            projections to fuse runs as it is. ``False``: the model's own separate products.
+
+    Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,
+    ``whole_step=False`` and ``compile="max-autotune"``.
     """
 
     backend: str = "auto"
@@ -108,26 +115,22 @@ class CascadeConfig:
     min_prefix_tokens: int = 0
     min_saved_tokens: int | None = None
     cuda_graphs: bool | str | None = None
-    static_decode: bool = True
-    compile: bool | str = False
-    whole_step: bool = True
+    compile: bool = False
     kv_dtype: str | None = None
-    fuse_projections: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
             error = ValueError if isinstance(self.cuda_graphs, str) else ConfigTypeError
             raise error(f"CascadeConfig.cuda_graphs must be None (on where supported), True, False or 'eager', "
                         f"got {self.cuda_graphs!r}.")
-        if not (isinstance(self.compile, bool) or self.compile == "max-autotune"):
+        if self.compile == "max-autotune":
+            raise ValueError(REMOVED_COMPILE_MODE)
+        if not isinstance(self.compile, bool):
             error = ValueError if isinstance(self.compile, str) else ConfigTypeError
-            raise error(f"CascadeConfig.compile must be True, False or 'max-autotune', got {self.compile!r}.")
-        if not isinstance(self.whole_step, bool):
-            raise ConfigTypeError(f"CascadeConfig.whole_step must be a bool, got {self.whole_step!r}.")
+            raise error(f"CascadeConfig.compile must be True or False, got {self.compile!r}.")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigTypeError(f"CascadeConfig.fuse_projections must be a bool, got {self.fuse_projections!r}.")
-        if not isinstance(self.static_decode, bool):
-            raise ConfigTypeError(f"CascadeConfig.static_decode must be a bool, got {self.static_decode!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)
         self.memory = _choice("memory", self.memory, MEMORY_POLICIES)
         self.block_size = _integer("block_size", self.block_size, low=1)
@@ -168,6 +171,7 @@ class CascadeConfig:
         if isinstance(obj, cls):
             return obj
         if isinstance(obj, Mapping):
+            obj = _without_removed(obj)
             unknown = [k for k in obj if k not in _FIELDS]
             if unknown:
                 raise TypeError(_unknown_fields(unknown))
@@ -184,6 +188,7 @@ def _hinting_init(init):
     for a dict) instead of a bare "unexpected keyword argument"."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        kwargs = _without_removed(kwargs)
         unknown = [k for k in kwargs if k not in _FIELDS]
         if unknown:
             raise TypeError(_unknown_fields(unknown))
@@ -193,6 +198,15 @@ def _hinting_init(init):
 
 
 CascadeConfig.__init__ = _hinting_init(CascadeConfig.__init__)
+
+
+def _without_removed(fields: Mapping) -> dict:
+    """``fields`` less the removed settings given their old default (:data:`REMOVED`); any other value of one is
+    refused with why it went and what to do instead."""
+    for name, (kept, message) in REMOVED.items():
+        if name in fields and fields[name] is not kept:
+            raise ValueError(f"{message} (got {name}={fields[name]!r})")
+    return {k: v for k, v in fields.items() if k not in REMOVED}
 
 
 def _unknown_fields(unknown: list) -> str:

@@ -35,10 +35,8 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import transformers
-from packaging.version import Version
-
 from . import kernels
+from .compat import UPDATE_PASSES_KWARGS  # noqa: F401 (re-exported: the route, decided by the transformers version)
 from .kernels.base import Quirks
 
 if TYPE_CHECKING:
@@ -47,7 +45,6 @@ if TYPE_CHECKING:
 
 # the attention kwargs entry that carries the step context (transformers >= 5.24)
 STEP_KWARG = "cascade_step"
-UPDATE_PASSES_KWARGS = Version(Version(transformers.__version__).base_version) >= Version("5.24")
 
 
 def _no_cache():

@@ -20,14 +20,15 @@ import math
 from dataclasses import dataclass, field, fields
 
 import torch
-import transformers
+
+from .compat import BEAM_RULES_5_24
 
 NEG_INF_SCORE = -1.0e9      # transformers' "cannot be chosen" score in beam search (added, so such scores tie)
 
 
 # transformers 5.24 differs from 5.17 in two rules (shared/reference/device_beam_search.md; 5.18-5.23 not checked for
 # the second): beam sampling re-sorts its sampled candidates by score, and the repetition penalty skips left padding.
-_TRANSFORMERS_5_24 = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24)
+_TRANSFORMERS_5_24 = BEAM_RULES_5_24
 
 
 class UnsupportedSelection(ValueError):

@@ -13,15 +13,10 @@ from . import kernels, memory
 # the environment variables hf_cascade (and the tools it calls) reads
 ENV_VARS = {
     "HF_CASCADE_CACHE": "where the CUDA kernels built on first use are cached (default ~/.cache/hf_cascade)",
-    "HF_CASCADE_PREFIX_KERNEL": "retired (one prefix kernel now): unset, or v2; v1 is an error",
     "HF_CASCADE_BUILD_KERNELS": "building a wheel: auto (default: compile the CUDA kernels where nvcc exists), 1, 0",
     "HF_CASCADE_PREFIX_TUNE": "the prefix kernel's launch for a tuning sweep: auto (default), default, or knobs "
                               "(variant=n64w8,m=64,chunk=2048)",
     "HF_CASCADE_CUDA_DEBUG": "non-empty: synchronise and check for errors after every CUDA kernel (slow)",
-    "HF_CASCADE_FUSED_MERGE": "1: the merge fused into the suffix kernel where the suffix runs in one split "
-                              "(opt-in: slower on the H200, its one-split suffix costs more than the merge it saves)",
-    "HF_CASCADE_CONCURRENT_SUFFIX": "1: each layer's prefix launches on a side stream beside its suffix kernel "
-                                    "(opt-in until it is measured on a GPU)",
     "HF_CASCADE_KEEP_SEQ2SEQ": "1/true/on/yes: an encoder-decoder generate call of the same shape as the model's "
                                "last one reuses its cross-attention storages, decoder cache and captured decode step "
                                "(held between calls until hf_cascade.release(model); opt-in until measured on a GPU)",

@@ -44,7 +44,7 @@ import os
 import torch
 from transformers.cache_utils import EncoderDecoderCache
 
-from . import cross_attention, graphs, whole_step
+from . import compat, cross_attention, graphs, whole_step
 from .blocks import PoolExhausted
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -101,7 +101,7 @@ def _log_composite(model) -> None:
 
 def _without_cache(result):
     """generate's output without the cache (ours is released; ModelOutput cannot delete a field)."""
-    names = ("cache", "past_key_values")
+    names = compat.CACHE_KWARGS
     if not hasattr(result, "keys") or not any(name in result.keys() for name in names):
         return result
     return type(result)(**{k: v for k, v in result.items() if k not in names})

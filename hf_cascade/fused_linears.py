@@ -187,8 +187,8 @@ def check(model: nn.Module) -> bool:
             return True
         _unfuse(groups)
     log_once(("fuse_projections undone", reason), logging.WARNING,
-             "fuse_projections: unfused the model's projections: %s. A later generate call with "
-             "fuse_projections=True fuses them again.", reason)
+             "fuse_projections: unfused the model's projections: %s. A later generate call fuses them "
+             "again (unless fuse_projections=False).", reason)
     return False
 
 

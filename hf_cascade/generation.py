@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import encoder_decoder, fused_linears, graphs, seq2seq_models, session, whole_step
+from . import compat, encoder_decoder, fused_linears, graphs, seq2seq_models, session, whole_step
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -123,9 +123,6 @@ def model_fingerprint(model) -> tuple:
             getattr(text, "head_dim", None), text.hidden_size)
 
 
-def _cache_key(model_kwargs) -> str:
-    return "cache" if "cache" in model_kwargs else "past_key_values"   # 5.24 renamed past_key_values -> cache
-
 
 @torch.no_grad()
 def prefill(model, cache: CascadeCache, input_ids: torch.LongTensor | None, attention_mask: torch.Tensor | None = None,
@@ -149,7 +146,7 @@ in stock). Returns the model output (logits of the last position only)."""
         past = cache.get_seq_length()
         if past:   # the model's mask covers what the cache holds, too
             attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past), attention_mask], 1)
-    kwargs = {cache_kwarg or ("cache" if _accepts(model, "cache") else "past_key_values"): cache}
+    kwargs = {cache_kwarg or compat.cache_kwarg(model): cache}
     if _accepts(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1
     if inputs_embeds is not None:
@@ -261,7 +258,7 @@ def _accepts(model, name: str) -> bool:
 # step): the cascade prefill takes each prompt's columns of them.
 SEQUENCE_INPUTS = ("inputs_embeds", "token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
 # model_kwargs this module places itself
-_OWN_KWARGS = ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "logits_to_keep", "streamer",
+_OWN_KWARGS = ("attention_mask", "position_ids", *compat.CACHE_KWARGS, "use_cache", "logits_to_keep", "streamer",
                "labels", "next_sequence_length")   # the last two: stock never forwards them
 
 
@@ -404,7 +401,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
         hf_cascade_streamer.put(input_ids.cpu())
     beam = generation_config.num_beams > 1
     decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
-    key = _cache_key(model_kwargs)
+    key = compat.cache_key(model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
         _fuse_projections(model, hf_cascade_config)     # (it refuses a cache of the caller's: this is the call's config)
         states = model_kwargs.get("encoder_outputs")

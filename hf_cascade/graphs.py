@@ -48,6 +48,7 @@ import weakref
 import torch
 import torch.nn.modules.module as module_hooks
 
+from . import compat
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .context import STEP_KWARG
@@ -60,7 +61,6 @@ _lock = threading.RLock()
 
 # kwargs of a decode forward that the graph does not take from the call (see _static_kwargs)
 _IGNORED = ("attention_mask", "decoder_attention_mask")
-_CACHE_KWARGS = ("past_key_values", "cache")
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for
 # the call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
@@ -73,8 +73,6 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
     mode = cascade_config.cuda_graphs
     if mode is False:
         return "CascadeConfig(cuda_graphs=False)"
-    if not cascade_config.static_decode:
-        return "CascadeConfig(static_decode=False)"
     devices = {str(p.device) for p in model.parameters()}
     if not devices:
         return "the model has no parameters"
@@ -264,7 +262,7 @@ class DecodeGraphRunner:
 
     def _decode_shaped(self, kwargs) -> bool:
         ids = self._arg(kwargs, "input_ids")
-        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        cache = compat.cache_of(kwargs)
         if self.encoder_decoder:       # the decoder's self-attention cache inside the EncoderDecoderCache
             cache = getattr(cache, "self_attention_cache", None)
         shaped = (self.disabled is None and cache is self.cache and isinstance(ids, torch.Tensor) and ids.dim() == 2
@@ -597,14 +595,12 @@ def _side_stream(device: int) -> "torch.cuda.Stream":
 
 # how every compiled part of a decode step compiles (the forward here, the whole step's bookkeeping and token choice)
 COMPILE_OPTIONS = dict(dynamic=False, fullgraph=True, mode="default")
-# CascadeConfig.compile -> inductor's mode; never one with inductor's own CUDA graphs, which would copy the cache's
-# pools (ours captures the compiled step)
-COMPILE_MODES = {True: "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_options(compile) -> dict:
-    """``torch.compile``'s arguments for a ``CascadeConfig.compile`` that is not False."""
-    return {**COMPILE_OPTIONS, "mode": COMPILE_MODES[compile]}
+    """``torch.compile``'s arguments for ``CascadeConfig(compile=True)`` (never a mode with inductor's own CUDA
+    graphs, which would copy the cache's pools: ours captures the compiled step)."""
+    return dict(COMPILE_OPTIONS)
 
 
 def compile_failure(err: BaseException) -> bool:

@@ -333,13 +333,12 @@ class DecodeSession:
         return False
 
     def _begin_decoding(self):
-        """The cache's static decode layouts (``static_decode``; ``max_length`` only caps their capacity, which
-        follows the tokens made), and the call's runner (None where graphs cannot run, or without a cache)."""
+        """The cache's static decode layouts (``max_length`` only caps their capacity, which follows the tokens
+        made), and the call's runner (None where graphs cannot run, or without a cache)."""
         cache = self.cache
         if cache is None:
             return None
-        if cache.cascade_config.static_decode:
-            cache.begin_decode(self.generation_config.max_length or self.prompt_width + 1)
+        cache.begin_decode(self.generation_config.max_length or self.prompt_width + 1)
         return self.decode_runner()
 
     def decode_runner(self):

@@ -73,8 +73,6 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     """Why this call's settings keep transformers' decode loop (None: the token choice decides, see :func:`decode`).
     Runs before any step."""
     model, cache = session.model, session.cache
-    if not cache.cascade_config.whole_step:
-        return "CascadeConfig(whole_step=False)"
     blocks = getattr(cache, "blocks", None)
     if blocks is not None and (cache.cascade_config.max_kv_bytes is not None or blocks.max_blocks is not None):
         return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"

@@ -31,13 +31,12 @@ import inspect
 import logging
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # a global name: routes_attention reads it
+
+from hf_cascade.compat import CACHE_KWARGS, SUPPORTED, UPDATE_PASSES_KWARGS, VERSION, cache_kwarg, cache_of, in_range
 
 logger = logging.getLogger("hf_cascade")
 
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
 # the parameters FalconAttention.forward takes from FalconDecoderLayer (ours takes the same)
 FALCON_FORWARD = ("self", "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache",
                   "output_attentions", "position_embeddings", "kwargs")
@@ -76,7 +75,6 @@ def _falcon_classes():
     """(FalconCascadeAttention, the factory registered as the table's "cascade" entry), built against the
     installed modeling_falcon."""
     from hf_cascade.attention import CascadeMask
-    from hf_cascade.context import UPDATE_PASSES_KWARGS
 
     modeling = _falcon_module()
 
@@ -210,14 +208,13 @@ def _unrouted(module_name: str, attention: str):
 def _xglm_class(base):
     """XGLM's self-attention through AttentionInterface: stock's projections (the query scaled before the product,
     as stock does), then the attention function with scaling 1. Cross-attention stays stock's code."""
-    from hf_cascade.context import UPDATE_PASSES_KWARGS
-
-    cache_name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"   # < 5.24
+    cache_name = cache_kwarg(base.forward)
 
     class XGLMCascadeAttention(base):
         def forward(self, hidden_states, key_value_states=None, attention_mask=None, **kwargs):
-            cache = kwargs.pop("cache", None)
-            cache = kwargs.pop("past_key_values", None) if cache is None else cache     # its name before 5.24
+            cache = cache_of(kwargs)
+            for name in CACHE_KWARGS:
+                kwargs.pop(name, None)
             implementation = self.config._attn_implementation
             if key_value_states is not None or implementation in ("eager", "sdpa"):
                 return super().forward(hidden_states, key_value_states, attention_mask=attention_mask,
@@ -296,8 +293,8 @@ def apply() -> None:
     if _checked:
         return
     _checked.append(True)
-    version = Version(Version(transformers.__version__).base_version)
-    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+    version = VERSION
+    if not in_range():
         logger.warning("transformers %s is outside the checked range [%s, %s): Falcon, GPT-Neo, and GPT-J and CodeGen "
                        "where they compute attention in their own code, are not served by "
                        "attn_implementation='cascade'.",

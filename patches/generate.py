@@ -15,13 +15,12 @@ import inspect
 import logging
 import threading
 
-import transformers
-from packaging.version import Version
 from transformers import GenerationMixin
+
+from hf_cascade.compat import SUPPORTED, VERSION, cache_of, in_range
 
 logger = logging.getLogger("hf_cascade")
 
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
 ASSISTED = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")   # generation options that mean assisted
 _original_generate = None
 _original_extract = None
@@ -89,7 +88,7 @@ def _wrap(original):
         bound = signature.bind_partial(self, *args, **kwargs)
         arguments = bound.arguments
         extra = arguments.pop("kwargs", {})
-        user_cache = extra.get("cache", extra.get("past_key_values"))
+        user_cache = cache_of(extra)
         if not _is_cascade(self):
             # a custom decoding method of the caller's (hub/hf-cascade-generate among them) takes these itself
             if arguments.get("custom_generate") is None and (isinstance(user_cache, CascadeCache)
@@ -176,8 +175,8 @@ def apply() -> None:
     global _original_generate, _original_extract
     if _original_generate is not None:
         return
-    version = Version(transformers.__version__)
-    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+    version = VERSION
+    if not in_range():
         logger.warning("transformers %s is outside the checked range [%s, %s): generate() on cascade "
                        "models will not prefill prompts once (attention still works).", version, *SUPPORTED)
         return

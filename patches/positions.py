@@ -27,11 +27,11 @@ import logging
 
 import torch
 import transformers
-from packaging.version import Version
+
+from hf_cascade.compat import SUPPORTED, in_range
 
 logger = logging.getLogger("hf_cascade")
 
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
 # (modeling module, decoder class, its positional embedding class, the embedding's kind)
 FAMILIES = (
     ("bart", "BartDecoder", "BartLearnedPositionalEmbedding", "table"),
@@ -198,7 +198,7 @@ def apply() -> None:
     if _checked:
         return
     _checked.append(True)
-    if not SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]:
+    if not in_range():
         logger.debug("hf_cascade.patches.positions: transformers %s is outside %s; BART-family decode steps run "
                      "without graphs", transformers.__version__, SUPPORTED)
         return

@@ -23,11 +23,11 @@ import inspect
 import logging
 
 import transformers
-from packaging.version import Version
+
+from hf_cascade.compat import SUPPORTED, cache_of, in_range
 
 logger = logging.getLogger("hf_cascade")
 
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
 # (modeling module, decoder stack class, its attention class)
 FAMILIES = (
     ("t5", "T5Stack", "T5Attention"),
@@ -82,7 +82,7 @@ def _wrap_stack(original):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = cache_of(kwargs)
         step_mask = getattr(getattr(cache, "self_attention_cache", None), "static_step_mask", None)
         mask = step_mask() if step_mask is not None else None
         if mask is None or self.config._attn_implementation != "cascade":
@@ -102,7 +102,7 @@ def apply() -> None:
     if _checked:
         return
     _checked.append(True)
-    if not SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]:
+    if not in_range():
         logger.debug("hf_cascade.patches.t5_mask: transformers %s is outside %s; T5-family decode steps run "
                      "eagerly", transformers.__version__, SUPPORTED)
         return

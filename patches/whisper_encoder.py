@@ -23,14 +23,13 @@ import inspect
 import logging
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput
 
+from hf_cascade.compat import SUPPORTED, in_range
+
 logger = logging.getLogger("hf_cascade")
 
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))   # [min, max) transformers versions this patch was checked on
 # GenerationMixin's step that runs the encoder of an encoder-decoder model (renamed in 5.2x), and its parameters
 ENCODER_STEPS = ("_prepare_text_encoder_decoder_kwargs_for_generation",
                  "_prepare_encoder_decoder_kwargs_for_generation")
@@ -153,7 +152,7 @@ def apply() -> None:
     if _checked:
         return
     _checked.append(True)
-    if not SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]:
+    if not in_range():
         return
     reason = unchanged_reason()
     if reason is not None:

@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessor, LogitsProcessorList, MistralConfig,
+                          Qwen2Config)
 
 import hf_cascade  # noqa: F401  registers "cascade"
 from hf_cascade import generation
@@ -134,6 +135,26 @@ class RunnerSpy:
 @pytest.fixture
 def runner_spy(monkeypatch):
     return RunnerSpy(monkeypatch)
+
+
+class KeepScores(LogitsProcessor):
+    """A processor of the user's own that changes nothing: the whole step does not serve it, so generate keeps
+    transformers' decode loop (the token choice on the host) around the graph runner's forward."""
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
+def host_loop() -> dict:
+    """generate's keyword arguments that keep transformers' decode loop around the runner (see KeepScores)."""
+    return dict(logits_processor=LogitsProcessorList([KeepScores()]))
+
+
+def plans_every_step(monkeypatch) -> None:
+    """generate's decode steps planned anew each step, as a caller's own loop over a CascadeCache has them (no static
+    decode layout: hf_cascade.cache.CascadeCache.begin_decode does nothing)."""
+    from hf_cascade import CascadeCache
+    monkeypatch.setattr(CascadeCache, "begin_decode", lambda self, max_length: None)
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, ops
 from hf_cascade.kernels.base import kv_scale, with_kv_scale
 from hf_cascade.plan import DecodeLayout
-from conftest import RunnerSpy, padded_batch
+from conftest import RunnerSpy, host_loop, padded_batch
 from kernel_helpers import random_layout, step_plan
 from test_cuda_emulation import Emulated, _FakeLib, _small_pieces  # noqa: F401  (_small_pieces: autouse fixture)
 from test_static_decode import BS, _history
@@ -285,9 +285,9 @@ def test_the_captured_forward_only_launches_and_runs_without_the_collector(case,
     spy = RunnerSpy(monkeypatch)
     writes = _spy_writes(monkeypatch)
     gc.enable()
-    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **case,
+    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, **case, **host_loop(),
                      hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
-                                                     backend="reference", whole_step=False, kv_dtype=kv_dtype))
+                                                     backend="reference", kv_dtype=kv_dtype))
     runner, = spy.runners
     assert runner.disabled is None, runner.disabled
     assert runner.captures == 1 and runner.replays >= 3
@@ -354,9 +354,9 @@ def test_a_guarded_call_inside_the_capture_is_reported_by_name(llama_pair, monke
     monkeypatch.setattr(CascadeCache, "rewind_step", rewind_and_forget_the_upload)
     ids, mask = padded_batch(seed=4, lengths=(27, 19, 23))
     spy = RunnerSpy(monkeypatch)
-    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=3,
+    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=3, **host_loop(),
                      hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
-                                                     backend="reference", whole_step=False))
+                                                     backend="reference"))
     runner, = spy.runners
     assert runner.disabled is not None and runner.disabled.startswith(
         "capture failed (RuntimeError: hf_cascade: not capture safe, during CUDA graph capture: the step plan's upload "

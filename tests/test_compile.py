@@ -27,7 +27,7 @@ import hf_cascade
 from hf_cascade import CascadeConfig, graphs, kernels, logs
 from hf_cascade.kernels import reference
 
-from conftest import RunnerSpy, cache_kw, padded_batch
+from conftest import RunnerSpy, cache_kw, host_loop, padded_batch
 from test_families import FAMILIES, PROMPTS
 from test_gpu_graphs import _batch
 
@@ -98,8 +98,8 @@ def _cascade_kwargs(model, case, config: CascadeConfig) -> dict:
     return dict(hf_cascade_config=config)
 
 
-def _generate(model, ids, mask, case, config=None):
-    kw = dict(max_new_tokens=NEW, **CASES[case])
+def _generate(model, ids, mask, case, config=None, **more):
+    kw = dict(max_new_tokens=NEW, **CASES[case], **more)
     extra = {} if config is None else _cascade_kwargs(model, case, config)
     return model.generate(input_ids=ids, attention_mask=mask, **kw, **extra)
 
@@ -114,9 +114,10 @@ def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, fa
     stock, cascade = _pair(family)
     ids, mask = padded_batch(seed=5, lengths=PROMPTS)
     expected = _generate(stock, ids, mask, case)
-    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", whole_step=whole_step))
+    loop = {} if whole_step else host_loop()
+    uncompiled = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager"), **loop)
     spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
-    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True, whole_step=whole_step))
+    got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True), **loop)
     assert torch.equal(uncompiled, expected)
     assert torch.equal(got, expected)
     runner, = spy.runners
@@ -130,26 +131,6 @@ def test_compiled_step_equals_uncompiled_and_stock(fresh_dynamo, monkeypatch, fa
     assert not counters["graph_break"], dict(counters["graph_break"])
     # the forward; in the whole step also its block bookkeeping and its token choice, one graph each
     assert counters["stats"]["unique_graphs"] == (3 if whole_step else 1)
-
-
-def test_max_autotune_reaches_every_compiled_part_without_inductors_graphs(monkeypatch):
-    """``compile="max-autotune"``: the forward, the bookkeeping and the token choice are compiled in inductor's
-    max-autotune mode without its CUDA graphs (ours capture the step); stock's tokens. (torch.compile is replaced by a
-    recorder that returns the plain function: the modes are what this checks; compiling itself is tested above.)"""
-    modes = []
-
-    def recording_compile(fn, **options):
-        modes.append((options["mode"], options["fullgraph"], options["dynamic"]))
-        return fn
-
-    monkeypatch.setattr(torch, "compile", recording_compile)
-    stock, cascade = _pair("Llama")
-    ids, mask = padded_batch(seed=2, lengths=PROMPTS)
-    want = _generate(stock, ids, mask, "beam")
-    got = _generate(cascade, ids, mask, "beam", CascadeConfig(backend="reference", cuda_graphs="eager",
-                                                               compile="max-autotune"))
-    assert torch.equal(want, got)
-    assert modes == [("max-autotune-no-cudagraphs", True, False)] * 3, modes
 
 
 def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch, caplog):
@@ -277,11 +258,9 @@ def test_a_static_layout_binds_each_layer_once(monkeypatch):
     assert static == [12]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["suffix + merge", "fused merge"])
-def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo, monkeypatch, fused):
+def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
     """The cuda backend's forward inside a compiled graph, on the CPU with fake CUDA tensors: one graph (fullgraph)
-    holding its operators (prefix, suffix, merge; with $HF_CASCADE_FUSED_MERGE and a one-split state prefix and the
-    fused suffix_merge, no merge: the flag is read per launch), whose fake implementations check the launch arguments;
+    holding its operators (prefix, suffix, merge), whose fake implementations check the launch arguments;
     nothing of the eager path (the library, the stream, an address) is touched, which fake tensors would refuse."""
     from types import SimpleNamespace
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -294,9 +273,8 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo, monkeypatc
         graphs_seen.append(gm)
         return gm.forward
 
-    monkeypatch.setattr(cuda_backend, "fused_merge", fused)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        a = layout(device="cuda", **(dict(nsplit=1) if fused else {}))
+        a = layout(device="cuda")
         dp = SimpleNamespace(group_rows=a["group_rows"], prefix_table=a["prefix_table"], prefix_len=a["prefix_len"],
                              suffix_table=a["suffix_table"], q_limit=a["q_limit"])
         state = cuda_backend._StepState(
@@ -312,8 +290,7 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo, monkeypatc
         out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
     assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda
     kernels_in_graph = [str(n.target) for n in graphs_seen[0].graph.nodes if str(n.target).startswith("hf_cascade.")]
-    assert kernels_in_graph == (["hf_cascade.prefix", "hf_cascade.suffix_merge"] if fused else
-                                ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"])
+    assert kernels_in_graph == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
 
 
 # ---------------------------------------------------------------------------------------------------- GPU

@@ -10,9 +10,6 @@ float64. The result must equal the float64 reference (hf_cascade/kernels/referen
 taken at most once; unused pool slots hold NaN, so a key read that should not be shows up. This checks the
 arithmetic only as far as the transliteration is faithful; tests/test_gpu_kernels.py runs the real kernels.
 
-The merge fused into the suffix kernel (``$HF_CASCADE_FUSED_MERGE``, ``hf_cascade::suffix_merge``: one suffix split,
-each CTA merging its queries' suffix state, as the last partial, with the row's prefix partials; csrc/suffix.cu's FUSE
-epilogue) runs the same cases with the flag on (the ``fused`` fixture).
 """
 from __future__ import annotations
 
@@ -190,26 +187,6 @@ class Emulated:
                                                         scale_log2, softcap, window):
             po[slot0 + split][where], plse[slot0 + split][where] = o, lse
 
-    def suffix_merge(self, lib, stream, q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out,
-                     split_tokens, slot0, scale_log2, softcap=0.0, window=0, row_nmid=None, mid_slot0=0, sinks=None):
-        """The suffix kernel's FUSE epilogue: one split; each query's suffix state merged, as the row's last partial,
-        with its prefix (and middle-level) slots and its sink, in the merge kernel's order; no partial written."""
-        # (out in q's dtype for the check: the emulation writes float64)
-        ops.check_suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out.to(q.dtype),
-                               split_tokens, slot0, softcap, window, row_nmid, mid_slot0, sinks)
-        self.launched.append("suffix_merge")
-        R, Lq, Hq, D = q.shape
-        po = part_o.view(-1, R, Lq, Hq, D).numpy()
-        plse = part_lse.view(-1, R, Lq, Hq).numpy()
-        on = out.numpy()
-        for split, (r, lq, hq), o, lse in self._suffix_states(q, pool, suffix_table, q_limit, split_tokens, 1,
-                                                              scale_log2, softcap, window):
-            slots = row_slots(r, row_nchunks, row_nmid, mid_slot0)
-            sink = float(sinks[hq]) * LOG2E if sinks is not None else NEG
-            # the kernel's suffix state is the float32 values the unfused kernel would store as its partial
-            last = (o.astype(np.float32).astype(np.float64), float(np.float32(lse)))
-            on[r, lq, hq] = merge_item(po[slots, r, lq, hq], plse[slots, r, lq, hq], sink, last)
-
     def _suffix_states(self, q, pool, suffix_table, q_limit, split_tokens, nsplit, scale_log2, softcap, window):
         """(split, (row, lq, head), o, lse) of every query of every CTA of the suffix kernel's grid."""
         R, Lq, Hq, D = q.shape
@@ -286,12 +263,10 @@ def row_slots(r, row_nchunks, row_nmid, mid_slot0) -> list[int]:
     return list(range(int(row_nchunks[r]))) + [mid_slot0 + i for i in range(nmid)]
 
 
-def merge_item(o_slots, lse_slots, sink, last=None):
+def merge_item(o_slots, lse_slots, sink):
     """The merge of one (row, query, head), csrc/include/hfc/merge_math.cuh's steps: the slots' partials (o [n, D],
-    lse [n]) in order, then ``last`` (the fused suffix's (o, lse)), against the maximum over them and the sink."""
+    lse [n]) in order, against the maximum over them and the sink."""
     partials = list(zip(np.asarray(o_slots, dtype=np.float64), np.asarray(lse_slots, dtype=np.float64)))
-    if last is not None:
-        partials.append(last)
     mx = max([lse for _, lse in partials] + [sink, NEG])
     acc, wsum = np.zeros(np.asarray(o_slots).shape[-1]), 0.0
     if mx != NEG:
@@ -327,20 +302,9 @@ def _small_pieces(monkeypatch):
                         lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
 
 
-@pytest.fixture(params=[False, True], ids=["unfused", "fused"])
-def fused(request, monkeypatch):
-    """The flag off (the suffix's partials, then the merge) or on ($HF_CASCADE_FUSED_MERGE, with the suffix in one
-    split: the merge fused into it)."""
-    if request.param:
-        monkeypatch.setattr(cuda_backend, "fused_merge", True)
-        monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, **kw: (max(tmax, 1), 1))
-    return request.param
-
-
-def check_launches(emu, fused: bool) -> None:
-    """The layer ran the suffix with the merge fused in (and no merge), or the suffix then the merge."""
-    tail = ["suffix_merge"] if fused else ["suffix", "merge"]
-    assert emu.launched[-len(tail):] == tail and emu.launched.count("merge") == (0 if fused else 1), emu.launched
+def check_launches(emu) -> None:
+    """The layer ran the suffix, then the merge."""
+    assert emu.launched[-2:] == ["suffix", "merge"] and emu.launched.count("merge") == 1, emu.launched
 
 
 def run(lay, plan, *, softcap=None, window=None, sinks=None):
@@ -368,7 +332,7 @@ def check(out, ref, emu, tol=2e-5):
 
 @pytest.mark.parametrize("D,ratio,Lq", [(64, 4, 1), (128, 8, 2), (256, 1, 1), (64, 16, 3)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 20.0), (300, 30.0), (1, None)])
-def test_two_levels_with_variants(D, ratio, Lq, window, softcap, fused):
+def test_two_levels_with_variants(D, ratio, Lq, window, softcap):
     # prefixes long enough for several chunks (the SM count is patched to 2), suffixes for several splits
     lay = random_layout(D + ratio + Lq + (window or 0), groups=((3, 700), (2, 90), (2, 0)), lone_rows=1,
                         suffix=(Lq, 300), Lq=Lq, Hkv=2, ratio=ratio, D=D, bs=16, dtype=torch.float32,
@@ -376,9 +340,9 @@ def test_two_levels_with_variants(D, ratio, Lq, window, softcap, fused):
     plan = step_plan(lay)
     out, ref, emu = run(lay, plan, softcap=softcap, window=window)
     check(out, ref, emu)
-    check_launches(emu, fused)
+    check_launches(emu)
     st = emu.state
-    assert st.max_chunks > 1 and (st.nsplit == 1 if fused else st.nsplit > 1)
+    assert st.max_chunks > 1 and st.nsplit > 1
     if window is not None and window < 100:
         # tiles and chunks before the window are never read: a query takes at most `window` keys
         counts = {}
@@ -390,7 +354,7 @@ def test_two_levels_with_variants(D, ratio, Lq, window, softcap, fused):
 
 
 @pytest.mark.parametrize("window", [None, 64])
-def test_sinks(window, fused):
+def test_sinks(window):
     lay = random_layout(5, groups=((3, 400), (2, 0)), lone_rows=2, suffix=(1, 40), Lq=1, Hkv=2, ratio=4, D=64,
                         bs=16, dtype=torch.float32, q_scale=1.5)
     plan = step_plan(lay)
@@ -398,19 +362,19 @@ def test_sinks(window, fused):
     sinks = 3.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(1))
     out, ref, emu = run(lay, plan, sinks=sinks, window=window)
     check(out, ref, emu)
-    check_launches(emu, fused)
+    check_launches(emu)
     plain, _, _ = run(lay, step_plan(lay), window=window)
     assert not torch.allclose(plain, out, atol=1e-3)
 
 
 @pytest.mark.parametrize("ratio,Lq,softcap", [(1, 1, None), (4, 1, 25.0), (8, 2, None)])
-def test_three_levels(ratio, Lq, softcap, fused):
+def test_three_levels(ratio, Lq, softcap):
     lay = make_three_level(60 + ratio + Lq, Lq=Lq, Hkv=2, ratio=ratio, D=128, bs=16, dtype=torch.float32)
     plan = step_plan(lay)
     sinks = torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(2))
     out, ref, emu = run(lay, plan, softcap=softcap, sinks=sinks)
     check(out, ref, emu)
-    check_launches(emu, fused)
+    check_launches(emu)
     st = emu.state
     assert st.three and st.mid.has and st.row_nmid is not None
     # the middle level was read once per subgroup by the prefix kernel, not per row by the suffix kernel
@@ -419,179 +383,22 @@ def test_three_levels(ratio, Lq, softcap, fused):
     # a window turns the middle level off (the reference's semantics): two levels, same result as the reference
     out_w, ref_w, emu_w = run(lay, step_plan(lay), window=20)
     check(out_w, ref_w, emu_w)
-    check_launches(emu_w, fused)
-
-
-class _StreamsSeen(Emulated):
-    """The emulation, noting each launch's stream beside the fork's steps (``seen``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def prefix(self, lib, stream, *args, **kwargs):
-        self.seen.append(("prefix", stream))
-        return super().prefix(lib, stream, *args, **kwargs)
-
-    def suffix(self, lib, stream, *args, **kwargs):
-        self.seen.append(("suffix", stream))
-        return super().suffix(lib, stream, *args, **kwargs)
-
-    def merge(self, lib, stream, *args, **kwargs):
-        self.seen.append(("merge", stream))
-        return super().merge(lib, stream, *args, **kwargs)
-
-
-class _NotedFork:
-    SIDE = 99        # the side stream's handle
-
-    def __init__(self, seen):
-        self.seen = seen
-
-    def fork(self):
-        self.seen.append("fork")
-        return self.SIDE
-
-    def join(self):
-        self.seen.append("join")
-
-
-@pytest.mark.parametrize("three", [False, True], ids=["two levels", "three levels"])
-def test_a_forked_layer_runs_its_prefix_beside_its_suffix(three, monkeypatch):
-    """$HF_CASCADE_CONCURRENT_SUFFIX: the prefix launches (both levels' of a three-level plan) go to the side stream
-    after the fork, the suffix to the layer's stream, the merge after the join; the same output. No fork where the
-    suffix reads the prefix's partials (a fused merge in one split) or where there is no prefix."""
-    if three:
-        lay = make_three_level(71, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
-    else:
-        lay = random_layout(72, groups=((3, 300), (2, 90)), lone_rows=1, suffix=(1, 60), Hkv=2, ratio=4, D=64,
-                            bs=16, dtype=torch.float32)
-    q, pool = lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16)
-    st = cuda_backend.BACKEND.build(step_plan(lay), q, pool, lib=_FakeLib())
-    assert st.has_prefix and st.three == three
-
-    def launch(kernels, fork=None):
-        out = torch.zeros(q.shape, dtype=torch.float64)
-        cuda_backend._launch(_FakeLib(), 0, q, pool, st, lay.scale, out, kernels=kernels, fork=fork)
-        return out
-
-    plain = launch(Emulated())
-    kernels = _StreamsSeen()
-    assert torch.equal(launch(kernels, _NotedFork(kernels.seen)), plain)
-    side = _NotedFork.SIDE
-    assert kernels.seen == ["fork"] + [("prefix", side)] * (2 if three else 1) + [("suffix", 0), "join", ("merge", 0)]
-
-    assert not cuda_backend._forks_the_suffix(st)               # opt-in
-    monkeypatch.setattr(cuda_backend, "concurrent_suffix", True)
-    assert cuda_backend._forks_the_suffix(st)
-    no_prefix = random_layout(73, groups=(), lone_rows=3, suffix=(1, 30), Hkv=2, ratio=4, D=64, bs=16,
-                              dtype=torch.float32)
-    assert not cuda_backend._forks_the_suffix(cuda_backend.BACKEND.build(
-        step_plan(no_prefix), no_prefix.q.to(torch.bfloat16), no_prefix.pool.to(torch.bfloat16), lib=_FakeLib()))
-    monkeypatch.setattr(cuda_backend, "fused_merge", True)
-    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, **kw: (max(tmax, 1), 1))
-    fused_state = cuda_backend.BACKEND.build(step_plan(lay), q, pool, lib=_FakeLib())
-    assert fused_state.nsplit == 1 and not cuda_backend._forks_the_suffix(fused_state)
-    with pytest.raises(ValueError, match="the suffix reads the prefix's partials"):
-        cuda_backend._launch(_FakeLib(), 0, q, pool, fused_state, lay.scale, torch.zeros(q.shape, dtype=torch.float64),
-                             kernels=Emulated(), fork=_NotedFork([]))
+    check_launches(emu_w)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (None, 10.0), (100, None)])
-def test_three_levels_chunked(window, softcap, fused):
+def test_three_levels_chunked(window, softcap):
     # a system prompt and each prompt's own part long enough for several chunks each
     lay = random_three_level(7, sys_tokens=320, prompts=2, beams=2, own_tokens=(150, 260), suffix=(1, 40),
                              lone_rows=1, Lq=1, Hkv=2, ratio=4, D=64, bs=16)
     plan = step_plan(lay)
     out, ref, emu = run(lay, plan, softcap=softcap, window=window)
     check(out, ref, emu)
-    check_launches(emu, fused)
+    check_launches(emu)
     st = emu.state
     assert st.three == (window is None)
     if st.three:
         assert st.max_chunks > 1 and st.mid.max_chunks > 1
-
-
-@pytest.mark.parametrize("three,window", [(False, None), (False, 40), (True, None)])
-def test_the_fused_merge_gives_the_unfused_launches_output_exactly(three, window, monkeypatch):
-    """With one suffix split both paths run: the fused epilogue merges the same slots in the same order as suffix then
-    merge (sinks, middle-level slots, a row that sees nothing), so the emulated outputs are equal, not only close."""
-    if three:
-        lay = make_three_level(71, Lq=2, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32)
-    else:
-        lay = random_layout(72, groups=((3, 400), (2, 0)), lone_rows=2, suffix=(1, 90), Lq=1, Hkv=2, ratio=4, D=64,
-                            bs=16, dtype=torch.float32, q_scale=1.5)
-    sinks = 2.0 * torch.randn(lay.q.shape[2], generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, **kw: (max(tmax, 1), 1))
-    results = []
-    for flag in (False, True):
-        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
-        plan = step_plan(lay)
-        shared = np.concatenate([plan.group_rows.ravel(), plan.mid_group_rows.ravel()])
-        lone = int(np.setdiff1d(np.arange(plan.q_limit.shape[0]), shared)[0])
-        plan.q_limit[lone] = 0               # a row in no group that sees no key: 0 (with the sinks: 0 too)
-        if plan.inner_q_limit is not None:
-            plan.inner_q_limit[lone] = 0
-        out, ref, emu = run(lay, plan, window=window, sinks=sinks)
-        check(out, ref, emu)
-        check_launches(emu, flag)
-        assert emu.state.three == three
-        results.append(out)
-    assert torch.equal(results[0], results[1])
-    assert (results[1][lone] == 0).all() and results[1].abs().sum() > 0
-
-
-def test_the_fused_merge_needs_one_split(monkeypatch):
-    """With the flag on, a suffix in several splits still runs unfused (the kernel's epilogue merges one split)."""
-    monkeypatch.setattr(cuda_backend, "fused_merge", True)
-    lay = random_layout(73, groups=((3, 300),), lone_rows=1, suffix=(150, 300), Lq=1, Hkv=2, ratio=4, D=64, bs=16,
-                        dtype=torch.float32)
-    out, ref, emu = run(lay, step_plan(lay))
-    check(out, ref, emu)
-    assert emu.state.nsplit > 1
-    check_launches(emu, False)
-
-
-def _as_static(plan, device="cpu"):
-    """``plan`` as a static decode step sees it (``static`` True) with its per-step device tensors (a stand-in for a
-    DecodeLayout's buffers: _step_state reads only ``static`` and the tables' width)."""
-    plan.on(device)
-    plan.layout = object()
-    assert plan.static
-    return plan
-
-
-@pytest.mark.parametrize("width_blocks", [24, 32, 33, 80])
-def test_a_static_layout_takes_one_split_for_the_fused_merge(width_blocks, monkeypatch):
-    """cuda_tuning.FUSED_ONE_SPLIT_TOKENS: with the flag on, a static layout whose suffix capacity is at most that many
-    tokens runs its suffix in one split (so the merge is fused); a longer one, or the flag off, keeps the split rule."""
-    monkeypatch.setattr(cuda_backend, "choose_suffix_split", cuda_tuning.choose_suffix_split)
-    bs = 16
-    lay = random_layout(74, groups=((4, 200),), lone_rows=4, suffix=(1, 20), Lq=1, Hkv=2, ratio=4, D=64, bs=bs,
-                        dtype=torch.float32)
-    splits = {}
-    for flag in (False, True):
-        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
-        plan = step_plan(lay)
-        plan.suffix_table = np.concatenate(       # the static capacity: a wider table, its extra entries unused
-            [plan.suffix_table, np.full((plan.suffix_table.shape[0], width_blocks - plan.suffix_table.shape[1]), -1,
-                                        plan.suffix_table.dtype)], axis=1)
-        st = cuda_backend.BACKEND.build(_as_static(plan), lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16),
-                                        lib=_FakeLib())
-        splits[flag] = (st.split_tokens, st.nsplit)
-        assert st.split_tokens * st.nsplit >= width_blocks * bs
-    # a step's launch states are keyed by the flag too: a state built with it off is not reused with it on
-    keys = []
-    for flag in (False, True):
-        monkeypatch.setattr(cuda_backend, "fused_merge", flag)
-        keys.append(cuda_backend.BACKEND.metadata_key(lay.q.to(torch.bfloat16), lay.pool.to(torch.bfloat16), Quirks()))
-    assert keys[0] != keys[1]
-    capacity = width_blocks * bs
-    assert splits[False][1] > 1          # the split rule (16 SMs here) splits every one of these capacities
-    if capacity <= cuda_tuning.FUSED_ONE_SPLIT_TOKENS:
-        assert splits[True] == (capacity, 1)
-    else:
-        assert splits[True] == splits[False]
 
 
 def emulated_write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:

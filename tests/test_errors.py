@@ -41,8 +41,13 @@ GEN = dict(num_beams=2, max_new_tokens=3, pad_token_id=0)
     (dict(keep_kv_bytes=-1), ValueError, "keep_kv_bytes"),
     (dict(block_size=10**9), ValueError, "block_size must be at most 65536"),
     (dict(blocksize=16), TypeError, "'blocksize': did you mean 'block_size'"),
-    (dict(compile="max_autotune"), ValueError, "compile must be True, False or 'max-autotune'"),
-    (dict(compile=1), TypeError, "compile must be True, False or 'max-autotune'"),
+    (dict(compile="max_autotune"), ValueError, "compile must be True or False"),
+    (dict(compile=1), TypeError, "compile must be True or False"),
+    # removed settings: why, and what to do instead
+    (dict(compile="max-autotune"), ValueError, r"compile='max-autotune'\) was removed: it measured 6% slower.*Use "
+                                               r"compile=True"),
+    (dict(static_decode=False), ValueError, "static_decode was removed.*your own decode loop"),
+    (dict(whole_step=False), ValueError, "whole_step was removed.*use cuda_graphs=False"),
     (dict(fuse_projections=1), TypeError, "fuse_projections must be a bool"),
 ])
 def test_config_refuses_wrong_types_and_values(kwargs, error, match):
@@ -74,6 +79,14 @@ def test_coerce():
         CascadeConfig.coerce("reference")
     with pytest.raises(ValueError, match="block_size"):          # a dict's values are checked as well
         CascadeConfig.coerce({"block_size": -1})
+    # an old config of a removed setting: its old default is accepted as it is; anything else says what to do now
+    assert CascadeConfig.coerce({"whole_step": True, "static_decode": True}) == CascadeConfig()
+    assert CascadeConfig(whole_step=True, backend="reference") == CascadeConfig(backend="reference")
+    with pytest.raises(ValueError, match=r"whole_step was removed.*\(got whole_step=False\)"):
+        CascadeConfig.coerce({"whole_step": False})
+    with pytest.raises(ValueError, match="static_decode was removed"):
+        CascadeConfig.coerce({"static_decode": 0})
+    assert not hasattr(CascadeConfig(), "whole_step") and not hasattr(CascadeConfig(), "static_decode")
 
 
 def test_generate_takes_the_config_as_a_dict(llama_pair):

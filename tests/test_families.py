@@ -23,7 +23,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from hf_cascade import CascadeCache
-from conftest import VOCAB, cache_kw, padded_batch
+from conftest import VOCAB, cache_kw, host_loop, padded_batch
 
 NEW = 7            # new tokens per generate call
 PROMPTS = (21, 15)  # prompt lengths of the left-padded batch; a sequence reaches at most 21 + NEW = 28 positions
@@ -287,7 +287,7 @@ def test_patched_family_on_the_graph_runner(name, monkeypatch):
     stock, cascade = model_pair(name)
     ids, mask = padded_batch(seed=3, lengths=PROMPTS)
     expected = run(stock, "beam", ids, mask)
-    got = run(cascade, "beam", ids, mask, hf_cascade_config=dict(cuda_graphs="eager", whole_step=False))
+    got = run(cascade, "beam", ids, mask, hf_cascade_config=dict(cuda_graphs="eager"), **host_loop())
     assert torch.equal(expected, got)
     assert runners and runners[-1].replays > 0
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_cascade  # noqa: F401  registers "cascade"
-from conftest import cache_kw, model_pair, padded_batch
+from conftest import cache_kw, model_pair, padded_batch, plans_every_step
 from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.config import FP8_BACKENDS, KV_DTYPES, ConfigTypeError
 from hf_cascade.kernels import ops, reference
@@ -398,7 +398,7 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
 
 
 @pytest.mark.parametrize("memory", ["grow", "static"])
-def test_graph_runner_static_path_on_fp8_pool(memory):
+def test_graph_runner_static_path_on_fp8_pool(memory, monkeypatch):
     """CascadeConfig(cuda_graphs="eager") runs the decode steps as a captured graph would (static layout, the
     pool's stable view, fixed buffers): the same tokens as plain fp8 decoding."""
     _, cascade = model_pair("llama", dtype=torch.float32, seed=8)
@@ -406,7 +406,9 @@ def test_graph_runner_static_path_on_fp8_pool(memory):
     common = dict(block_size=4, kv_dtype="float8_e4m3fn", backend="reference", memory=memory,
                   max_kv_bytes=1 << 20 if memory == "static" else None)
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=3, max_new_tokens=8, pad_token_id=0)
-    plain = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, static_decode=False))
+    with pytest.MonkeyPatch.context() as mp:
+        plans_every_step(mp)
+        plain = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common))
     runner = cascade.generate(**kw, hf_cascade_config=CascadeConfig(**common, cuda_graphs="eager"))
     assert torch.equal(plain, runner)
 

@@ -177,7 +177,7 @@ def _mutate(rng: random.Random, kw: dict, model, seq2seq: bool, kind: str, ids, 
             {"block_size": 0}, {"blocksize": 4}, "reference", {"backend": "cdua"}, {"memory": "static"}, 5,
             {"block_size": 10 ** 9}, {"max_kv_bytes": -1}, {"cuda_graphs": "yes"},
             {"block_size": 4}, {"backend": "reference"}, {"min_prefix_tokens": 3}, {"cuda_graphs": "eager"},
-            {"static_decode": False}, {"max_kv_bytes": 10 ** 7}, {"compile": True}])
+            {"whole_step": False}, {"max_kv_bytes": 10 ** 7}, {"compile": True}])
     elif kind == "cap":
         extra["hf_cascade_config"] = {"block_size": 4, "max_kv_bytes": rng.choice([1, 1000, 20000, 60000])}
     elif kind == "positions" and not seq2seq:

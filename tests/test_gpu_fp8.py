@@ -302,7 +302,7 @@ def test_captured_fp8_generate_equals_its_eager_run_bitwise(monkeypatch, memory,
     outs = []
     for mode in ("eager", True):
         config = CascadeConfig(kv_dtype="float8_e4m3fn", backend="cuda", cuda_graphs=mode, memory=memory,
-                               block_size=4, whole_step=whole_step)
+                               block_size=4)
         outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=config, **kw))
     eager_run, graph_run = spy.runners
     assert graph_run.disabled is None, graph_run.disabled

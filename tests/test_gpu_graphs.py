@@ -15,7 +15,7 @@ from transformers import (AutoModelForCausalLM, Gemma2Config, GptOssConfig, Llam
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
 
-from conftest import RunnerSpy
+from conftest import RunnerSpy, host_loop
 
 pytestmark = pytest.mark.gpu
 
@@ -254,8 +254,8 @@ def test_a_failed_capture_leaves_sampling_and_random_ops_working(model, monkeypa
     monkeypatch.setattr(mlp, "forward", syncing)
     spy = RunnerSpy(monkeypatch)
     torch.manual_seed(5)
-    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True,
-                                                                                            whole_step=False), **kw)
+    got = model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True), **kw,
+                         **host_loop())
     runner, = spy.runners
     assert runner.disabled is not None and "capture failed" in runner.disabled
     assert torch.equal(got, expected)

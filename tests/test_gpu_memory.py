@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_cascade  # registers attn_implementation="cascade"
 from hf_cascade import CascadeConfig
 from hf_cascade import memory
-from conftest import returned_cache
+from conftest import host_loop, returned_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -167,7 +167,7 @@ def test_generate_vmm_grows_in_place(llama):
     try:
         # transformers' loop: its forwards pass the model's hooks (the whole step's replays and host steps do not),
         # so the watch sees the pool at every step
-        got = _generate(llama, "cascade", CascadeConfig(memory="vmm", backend="reference", whole_step=False), **kw)
+        got = _generate(llama, "cascade", CascadeConfig(memory="vmm", backend="reference"), **kw, **host_loop())
     finally:
         watch.handle.remove()
     kinds, ptrs, mapped = zip(*watch.seen)

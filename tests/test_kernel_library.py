@@ -69,7 +69,6 @@ def loader(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(_build, "find_nvcc", lambda: None)
     monkeypatch.setenv("HF_CASCADE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_CASCADE_PREFIX_KERNEL", raising=False)
     return monkeypatch
 
 
@@ -106,15 +105,6 @@ def test_neither_prebuilt_nor_nvcc(loader, tmp_path, caplog):
     assert "\n" not in str(err.value) and not caplog.records
     ok, reason = cuda_library.availability()
     assert not ok and "no prebuilt kernel library" in reason and "nvcc" in reason
-
-
-def test_retired_v1_is_an_error_not_a_fallback(loader, tmp_path):
-    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION))
-    loader.setenv("HF_CASCADE_PREFIX_KERNEL", "v1")
-    with pytest.raises(ValueError, match="retired"):
-        cuda_library.library("cuda:0")
-    ok, reason = cuda_library.availability()
-    assert not ok and "retired" in reason
 
 
 def test_a_failed_build_is_one_line_with_the_details_at_info(loader, tmp_path, caplog):

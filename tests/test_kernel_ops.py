@@ -50,11 +50,6 @@ def call(name, a):
         return torch.ops.hf_cascade.suffix(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
                                            a["part_lse"], a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"],
                                            a["softcap"], a["window"])
-    if name == "suffix_merge":     # the suffix in one split with the merge fused in
-        return torch.ops.hf_cascade.suffix_merge(a["q"], a["pool"], a["suffix_table"], a["q_limit"], a["part_o"],
-                                                 a["part_lse"], a["row_nchunks"], a["out"], a["split_tokens"],
-                                                 a["slot0"], a["scale_log2"], a["softcap"], a["window"], a["row_nmid"],
-                                                 a["mid_slot0"], a["sinks"])
     return torch.ops.hf_cascade.merge(a["part_o"], a["part_lse"], a["row_nchunks"], a["out"], a["slot0"], a["nsplit"],
                                       a["row_nmid"], a["mid_slot0"], a["sinks"])
 
@@ -89,7 +84,7 @@ def test_fake_implementations_take_consistent_shapes(dtype, D, m_tile, Lq, Hq, H
     with FakeTensorMode():
         a = layout(dtype=dtype, D=D, m_tile=m_tile, Lq=Lq, Hq=Hq, Hkv=Hkv)
         shapes = {k: tuple(v.shape) for k, v in a.items() if isinstance(v, torch.Tensor)}
-        for name in ("prefix", "suffix", "merge", "suffix_merge"):
+        for name in ("prefix", "suffix", "merge"):
             assert call(name, a) is None
         # the operators write into the buffers they are given: nothing is reshaped or replaced
         assert {k: tuple(v.shape) for k, v in a.items() if isinstance(v, torch.Tensor)} == shapes
@@ -126,16 +121,6 @@ BAD = [  # (operator, argument, how it is wrong, exception) -> the message must 
     ("merge", "sinks", lambda a: torch.empty(5, device=a["out"].device), ValueError),
     ("merge", "sinks", lambda a: torch.empty(8, dtype=torch.bfloat16, device=a["out"].device), TypeError),
     ("merge", "row_nmid", lambda a: _shaped(a["row_nchunks"], 4), ValueError),
-    # the suffix with the merge fused in: the suffix's arguments and the merge's
-    ("suffix_merge", "q_limit", lambda a: _shaped(a["q_limit"], 6, 2), ValueError),
-    ("suffix_merge", "out", lambda a: a["out"].half(), TypeError),
-    ("suffix_merge", "out", lambda a: _shaped(a["out"], 6, 1, 8, 64), ValueError),
-    ("suffix_merge", "row_nchunks", lambda a: _shaped(a["row_nchunks"], 5), ValueError),
-    ("suffix_merge", "row_nmid", lambda a: _shaped(a["row_nchunks"], 4), ValueError),
-    ("suffix_merge", "sinks", lambda a: torch.empty(5, device=a["out"].device), ValueError),
-    ("suffix_merge", "part_o", lambda a: _shaped(a["part_o"], 10), ValueError),
-    ("suffix_merge", "split_tokens", 0, ValueError),
-    ("suffix_merge", "window", -3, ValueError),
 ]
 
 
@@ -150,16 +135,6 @@ def test_fake_implementations_name_the_wrong_argument(op, arg, value, exc):
             call(op, bad)
 
 
-def test_the_fused_suffix_merge_refuses_a_middle_level_after_the_suffix():
-    with FakeTensorMode():
-        a = layout()
-        nmid = torch.empty_like(a["row_nchunks"])
-        call("suffix_merge", {**a, "row_nmid": nmid})
-        with pytest.raises(ValueError, match=r"hf_cascade::suffix_merge: the middle level's slots \(from 3\) must come "
-                                             r"before the suffix's \(2\)"):
-            call("suffix_merge", {**a, "row_nmid": nmid, "mid_slot0": 3})
-
-
 def test_m_tile_64_needs_head_dim_at_most_128():
     with FakeTensorMode():
         a = layout(D=256, m_tile=32)
@@ -171,21 +146,15 @@ def test_m_tile_64_needs_head_dim_at_most_128():
 class _Layer(torch.nn.Module):
     """A projection, the three kernels through hf_cascade.kernels.ops (as attend calls them), a reduction."""
 
-    def __init__(self, D, fused=False):
+    def __init__(self, D):
         super().__init__()
         self.proj = torch.nn.Linear(D, D, dtype=torch.bfloat16)
-        self.fused = fused          # the suffix with the merge fused in (one split) instead of suffix + merge
 
     def forward(self, x, a):
         q = self.proj(x).view(a["q"].shape)
         ops.prefix(None, 0, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], a["part_o"],
                    a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"],
                    a["q_limit"])
-        if self.fused:
-            out = torch.empty_like(q)
-            ops.suffix_merge(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
-                             a["row_nchunks"], out, a["split_tokens"], a["slot0"], a["scale_log2"])
-            return (out.float() * 2).sum()
         ops.suffix(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
                    a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"])
         out = torch.empty_like(q)
@@ -200,8 +169,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_torch_compile_traces_a_layer_around_the_operators(fused, fresh_dynamo):
+def test_torch_compile_traces_a_layer_around_the_operators(fresh_dynamo):
     a = layout(device="cpu")
     x = torch.randn(a["q"].numel() // a["q"].shape[-1], a["q"].shape[-1], dtype=torch.bfloat16)
     graphs = []
@@ -210,16 +178,14 @@ def test_torch_compile_traces_a_layer_around_the_operators(fused, fresh_dynamo):
         graphs.append(gm)
         return gm.forward
 
-    compiled = torch.compile(_Layer(a["q"].shape[-1], fused), backend=capture, fullgraph=True)
+    compiled = torch.compile(_Layer(a["q"].shape[-1]), backend=capture, fullgraph=True)
     # the operators have CUDA implementations only: running the graph on the CPU stops at the first one
     with pytest.raises(NotImplementedError, match="hf_cascade::prefix"):
         compiled(x, a)
     assert len(graphs) == 1      # fullgraph: no graph break around the kernels
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     kernels = [t for t in targets if t.startswith("hf_cascade.")]
-    want = ["hf_cascade.prefix", "hf_cascade.suffix_merge"] if fused else \
-        ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
-    assert kernels == want
+    assert kernels == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
     assert any("linear" in t for t in targets)
 
 
@@ -230,14 +196,6 @@ def test_tracing_reports_a_bad_shape_by_name(fresh_dynamo):
     compiled = torch.compile(_Layer(a["q"].shape[-1]), backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=r"hf_cascade::suffix: q_limit has shape \(2, 1\), expected \(6, 1\)"):
         compiled(x, a)
-
-
-def test_retired_prefix_kernel_choice(monkeypatch):
-    monkeypatch.setenv("HF_CASCADE_PREFIX_KERNEL", "v2")
-    cuda_backend._check_retired_choice()           # accepted silently
-    monkeypatch.setenv("HF_CASCADE_PREFIX_KERNEL", "v1")
-    with pytest.raises(ValueError, match="v1 prefix kernel was retired"):
-        cuda_backend._check_retired_choice()
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -260,27 +218,22 @@ def _real_case(dtype=torch.bfloat16, D=128):
              m_tile=st.m_tile, row_tiles=st.row_tiles, chunk_tokens=st.chunk_tokens, max_chunks=st.max_chunks,
              split_tokens=st.split_tokens, nsplit=st.nsplit, slot0=st.max_chunks, scale_log2=scale * cuda_backend.LOG2E,
              pslot0=0, softcap=0.0, window=0, row_nmid=None, mid_slot0=st.max_chunks, sinks=None,
-             suffix_tokens=st.split_tokens * st.nsplit,      # the fused suffix_merge's one split
              tune=st.tune)     # the prefix kernel's variant the backend launched (bf16 head_dim 128: the production one)
     assert st.has_prefix and st.max_chunks >= 1
     return a, eager
 
 
 @gpu
-@pytest.mark.parametrize("op", ["prefix", "suffix", "merge", "suffix_merge"])
+@pytest.mark.parametrize("op", ["prefix", "suffix", "merge"])
 def test_opcheck(op):
     a, _ = _real_case()
-    a["split_tokens"] = a["suffix_tokens"] if op == "suffix_merge" else a["split_tokens"]
     args = {"prefix": ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse", "m_tile",
                        "row_tiles", "chunk_tokens", "max_chunks", "scale_log2", "q_limit", "pslot0", "softcap",
                        "window"),
             "suffix": ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse", "split_tokens", "nsplit",
                        "slot0", "scale_log2", "softcap", "window"),
             "merge": ("part_o", "part_lse", "row_nchunks", "out", "slot0", "nsplit", "row_nmid", "mid_slot0",
-                      "sinks"),
-            "suffix_merge": ("q", "pool", "suffix_table", "q_limit", "part_o", "part_lse", "row_nchunks", "out",
-                             "split_tokens", "slot0", "scale_log2", "softcap", "window", "row_nmid", "mid_slot0",
-                             "sinks")}[op]
+                      "sinks")}[op]
     torch.library.opcheck(getattr(torch.ops.hf_cascade, op).default, tuple(a[k] for k in args))
 
 

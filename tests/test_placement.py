@@ -19,7 +19,7 @@ from hf_cascade import plan as plan_module  # noqa: E402
 from hf_cascade import CascadeConfig  # noqa: E402
 from hf_cascade.cache import CascadeCache  # noqa: E402
 
-from conftest import cache_kw, model_pair, padded_batch, returned_cache  # noqa: E402
+from conftest import cache_kw, model_pair, padded_batch, plans_every_step, returned_cache  # noqa: E402
 
 NEW = 6
 GEN = dict(num_beams=3, num_return_sequences=2, max_new_tokens=NEW, pad_token_id=0)
@@ -228,7 +228,9 @@ def test_generate_uploads_each_step_plan_once(monkeypatch):
     ids, mask = padded_batch(seed=1)
     expected = stock.generate(input_ids=ids, attention_mask=mask, **GEN)
     # planned anew each step: each step's plan is uploaded once for the one device
-    got, cache = _generate_with_cache(cascade, ids, mask, hf_cascade_config=CascadeConfig(static_decode=False))
+    with pytest.MonkeyPatch.context() as mp:
+        plans_every_step(mp)
+        got, cache = _generate_with_cache(cascade, ids, mask)
     assert torch.equal(expected, got)
     steps = {id(plan) for plan, _ in calls}
     # every layer asks (write + attention), but each step's plan is uploaded once for the one device

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs
 
-from conftest import RunnerSpy, padded_batch, returned_cache, tiny_config
+from conftest import RunnerSpy, host_loop, padded_batch, returned_cache, tiny_config
 
 SHAPE = dict(hidden_size=128, intermediate_size=256)      # bitsandbytes quantizes blocks of 64 inputs
 
@@ -56,8 +56,8 @@ ACTIVATION_ROUNDING = {"torchao-int8-dynamic", "bnb-int8", "bnb-int8-no-outliers
 
 PATHS = {
     "per-step plans": CascadeConfig(),                       # on the CPU: graphs refused, no runner
-    "runner": CascadeConfig(cuda_graphs="eager", whole_step=False),
-    "whole step": CascadeConfig(cuda_graphs="eager", whole_step=True),
+    "runner": CascadeConfig(cuda_graphs="eager"),           # its scores keep transformers' loop around the runner
+    "whole step": CascadeConfig(cuda_graphs="eager"),
 }
 
 
@@ -139,7 +139,8 @@ def test_sampling_gives_the_quantized_stock_tokens(quantized_pair, whole_step, m
     expected = stock.generate(**kw)
     spy = RunnerSpy(monkeypatch)
     torch.manual_seed(5)
-    got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs="eager", whole_step=whole_step))
+    got = cascade.generate(**kw, **({} if whole_step else host_loop()),
+                           hf_cascade_config=CascadeConfig(cuda_graphs="eager"))
     assert torch.equal(expected, got), name
     runner, = spy.runners
     assert runner.disabled is None and (runner.device_steps if whole_step else runner.replays) >= 5

@@ -20,7 +20,7 @@ from hf_cascade.blocks import BlockManager
 from hf_cascade.kernels import reference
 from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
 
-from conftest import RunnerSpy, cache_kw, model_pair, padded_batch
+from conftest import RunnerSpy, cache_kw, host_loop, model_pair, padded_batch, plans_every_step
 from test_families import FAMILIES, generate_kwargs
 from test_families import model_pair as family_pair
 
@@ -145,12 +145,14 @@ def test_family_tokens_per_step_plans_and_runner(name, mode, monkeypatch):
         return model.generate(input_ids=ids, attention_mask=mask, **generate_kwargs(mode), **family.extra, **extra)
 
     expected = run(stock)
-    assert torch.equal(run(cascade, hf_cascade_config=CascadeConfig(static_decode=False)), expected)
+    with pytest.MonkeyPatch.context() as mp:
+        plans_every_step(mp)
+        assert torch.equal(run(cascade), expected)
     spy = RunnerSpy(monkeypatch)
     # the runner's replayed forward inside transformers' loop (tests/test_whole_step.py runs the families through the
     # whole step on the device, the default)
-    config = CascadeConfig(cuda_graphs="eager", whole_step=False)
-    assert torch.equal(run(cascade, hf_cascade_config=config), expected)
+    config = CascadeConfig(cuda_graphs="eager")
+    assert torch.equal(run(cascade, hf_cascade_config=config, **host_loop()), expected)
     runner, = spy.runners
     assert graphs.unsupported_reason(cascade, config) is None
     assert runner.disabled is None and runner.replays >= 5, (runner.disabled, runner.replays)
@@ -183,10 +185,10 @@ def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window,
     monkeypatch.setattr(reference.BACKEND, "forward", forward)
     spy = RunnerSpy(monkeypatch)
     # greedy shares nothing and would run on stock's own path: a cache of our own keeps it on the cascade
-    config = CascadeConfig(cuda_graphs="eager", whole_step=whole_step)
+    config = CascadeConfig(cuda_graphs="eager")
     extra = cache_kw(cascade, hf_cascade.CascadeCache(cascade.config, config)) \
         if mode == "greedy" else dict(hf_cascade_config=config)
-    assert torch.equal(run(cascade, **extra), expected)
+    assert torch.equal(run(cascade, **extra, **({} if whole_step else host_loop())), expected)
     runner, = spy.runners
     assert runner.disabled is None and (runner.device_steps if whole_step else runner.replays) >= 6
     # every static step had the window, also those whose rows were all still inside it (what a graph bakes in)
@@ -216,9 +218,8 @@ def test_runner_gives_stock_tokens(case, shared, whole_step, llama_pair, monkeyp
     expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     spy = RunnerSpy(monkeypatch)
     torch.manual_seed(7)
-    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
-                           hf_cascade_config=CascadeConfig(cuda_graphs="eager", block_size=2, memory="grow",
-                                                           whole_step=whole_step))
+    got = cascade.generate(input_ids=ids, attention_mask=mask, **kw, **({} if whole_step else host_loop()),
+                           hf_cascade_config=CascadeConfig(cuda_graphs="eager", block_size=2, memory="grow"))
     assert torch.equal(expected, got)
     runner, = spy.runners
     assert (runner.device_steps if whole_step else runner.replays) >= 5 and runner.disabled is None
@@ -361,6 +362,5 @@ def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     assert "accelerate hooks" in graphs.unsupported_reason(hooked, config("eager"))
     assert graphs.unsupported_reason(cascade, config(False)) == "CascadeConfig(cuda_graphs=False)"
     assert graphs.unsupported_reason(cascade, config("eager")) is None
-    assert "static_decode" in graphs.unsupported_reason(cascade, config("eager", static_decode=False))
     with pytest.raises(ValueError, match="cuda_graphs"):
         CascadeConfig(cuda_graphs="sometimes")

@@ -8,9 +8,9 @@ tensor (the bias is computed from it on the device), follows beam reorders by a 
 gives the step's mask, which hf_cascade.patches.t5_mask hands to the decoder stack. On the CPU the runner's eager form
 (``cuda_graphs="eager"``) runs that static path without capture; the tests also freeze every host length the decoder
 could read in a decode step (as a replayed graph would) and still get stock's tokens. Every test checks that the
-runner served the steps (no "disabled" reason, replays) inside transformers' loop (``whole_step=False``; the whole
-step on the device: tests/test_whole_step_t5.py). Tiny random models in float64 (stock sdpa and eager, and
-cascade, same weights); beam search with flan-t5's usual settings (4 beams, no_repeat_ngram_size, length_penalty),
+runner served the steps (no "disabled" reason, replays) inside transformers' loop (``return_dict_in_generate`` or a
+processor of the caller's own keep it; the whole step on the device: tests/test_whole_step_t5.py). Tiny random models
+in float64 (stock sdpa and eager, and cascade, same weights); beam search with flan-t5's usual settings (4 beams, no_repeat_ngram_size, length_penalty),
 greedy and sampling, padded sources, decoder prompts longer than one token (padded too).
 
 LongT5 is refused with the reason (its attention does not go through transformers' attention interface).
@@ -33,13 +33,14 @@ from hf_cascade import cross_kv, dense_cache, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import t5_mask
 
-from conftest import RunnerSpy, assert_captured_matches_stock, assert_replay_equals_eager
+from conftest import RunnerSpy, assert_captured_matches_stock, assert_replay_equals_eager, host_loop
 from test_seq2seq_graphs import assert_same, assert_served   # (the same NEW: 10 tokens)
 
 VOCAB = 96
 NEW = 10
-# transformers' loop around the runner's static steps (the whole step on the device: tests/test_whole_step_t5.py)
-_STATIC = CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4, whole_step=False)
+# the runner's static steps; generate() below asks for the scores, which keeps transformers' loop around them (calls
+# without scores add host_loop(); the whole step on the device: tests/test_whole_step_t5.py)
+_STATIC = CascadeConfig(backend="reference", cuda_graphs="eager", block_size=4)
 
 
 def _t5_like(cls, **extra):
@@ -293,7 +294,7 @@ def test_batch_of_one_and_many_beams(monkeypatch):
     spy = RunnerSpy(monkeypatch)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, num_beams=6, num_return_sequences=6,
               length_penalty=0.7)
-    assert torch.equal(stock.generate(**kw), cascade.generate(**kw, hf_cascade_config=_STATIC))
+    assert torch.equal(stock.generate(**kw), cascade.generate(**kw, hf_cascade_config=_STATIC, **host_loop()))
     assert_served(spy)
 
 
@@ -311,7 +312,7 @@ def test_the_static_cache_runs_only_with_the_runner(monkeypatch):
     want = stock.generate(**kw)
     assert torch.equal(want, cascade.generate(**kw, hf_cascade_config=CascadeConfig(backend="reference")))
     assert not made
-    assert torch.equal(want, cascade.generate(**kw, hf_cascade_config=_STATIC))
+    assert torch.equal(want, cascade.generate(**kw, hf_cascade_config=_STATIC, **host_loop()))
     cache, = made
     assert cache.capacity == NEW + 1 and cache.rows == 3 * 4
 

@@ -120,7 +120,7 @@ class _BanToken(LogitsProcessor):
         return scores.index_fill(1, torch.tensor([7]), float("-inf"))
 
 
-@pytest.mark.parametrize("kind", ["processor", "return_dict", "whole_step_off"])
+@pytest.mark.parametrize("kind", ["processor", "return_dict"])
 def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, runner_spy, caplog, monkeypatch):
     from hf_cascade import logs
     monkeypatch.setattr(logs, "_logged", set())        # the reason is logged once per process: see this call's
@@ -130,10 +130,8 @@ def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, r
     config = EAGER
     if kind == "processor":
         kwargs["logits_processor"] = LogitsProcessorList([_BanToken()])
-    elif kind == "return_dict":
-        kwargs["return_dict_in_generate"] = True
     else:
-        config = dict(EAGER, whole_step=False)
+        kwargs["return_dict_in_generate"] = True
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
         got = _generate(cascade, ids, mask, config=config, **kwargs)
     expected = _generate(stock, ids, mask, config=None, **kwargs)
@@ -142,8 +140,7 @@ def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, r
     assert torch.equal(expected, got)
     assert _device_steps(runner_spy) == 0
     assert any(r.replays + r.eager_calls > 0 for r in runner_spy.runners if r is not None)   # the runner served
-    if kind != "whole_step_off":
-        assert any("decode loop stays transformers'" in r.getMessage() for r in caplog.records)
+    assert any("decode loop stays transformers'" in r.getMessage() for r in caplog.records)
 
 
 def test_interrupt_leaves_model_and_cache_usable(llama_pair, runner_spy, monkeypatch):

@@ -323,7 +323,6 @@ REFUSED = {
     "own processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])), None, "processors"),
     "scores": (dict(return_dict_in_generate=True, output_scores=True), None, "return_dict_in_generate"),
     "max_kv_bytes": ({}, dict(max_kv_bytes=1 << 24), "max_kv_bytes"),
-    "whole_step off": ({}, dict(whole_step=False), None),
     "bad words": (dict(bad_words_ids=[[9, 10]]), None, "bad_words_ids"),
     "encoder repetition penalty": (dict(encoder_repetition_penalty=1.3), None, "encoder_repetition_penalty"),
 }

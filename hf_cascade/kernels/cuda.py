@@ -9,13 +9,6 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
-With ``$HF_CASCADE_FUSED_MERGE=1`` (:data:`fused_merge`) a layer whose suffix runs in one split launches the suffix
-kernel with the merge fused into its epilogue (``hf_cascade::suffix_merge``): two launches a layer instead of three,
-and the suffix partial never goes to memory; a static decode layout then runs its suffix in one split up to
-``cuda_tuning.FUSED_ONE_SPLIT_TOKENS`` of capacity. With ``$HF_CASCADE_CONCURRENT_SUFFIX=1``
-(:data:`concurrent_suffix`) the prefix launches go to a side stream forked from the layer's (:class:`_Fork`), beside
-the suffix, and the merge waits for both.
-
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
 bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
@@ -54,8 +47,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,11 +58,10 @@ from .capture import refuse_in_capture
 from .base import KV_SCALED_DTYPES, NO_QUIRKS, Backend, Quirks, is_quantized, kv_scale
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
                            _SuffixParams)
-from .cuda_library import (PREBUILT, RETIRED_PREFIX_KERNEL_ENV, _check_retired_choice,  # noqa: F401 (re-exported)
-                           _find_nvcc, availability, build_library, library, prebuilt_library)
-from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, FUSED_ONE_SPLIT_TOKENS,  # noqa: F401 (re-exported)
-                          HOPPER_KERNEL, MIN_CHUNK_TOKENS,
-                          MIN_SPLIT_TOKENS, PREFER_CHUNK_TOKENS, PREFIX_TUNE_ENV, PREFIX_VARIANTS, SUFFIX_CTAS_PER_SM,
+from .cuda_library import (PREBUILT, _find_nvcc, availability, build_library, library,  # noqa: F401 (re-exported)
+                           prebuilt_library)
+from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, HOPPER_KERNEL,  # noqa: F401 (re-exported)
+                          MIN_CHUNK_TOKENS, MIN_SPLIT_TOKENS, PREFER_CHUNK_TOKENS, PREFIX_TUNE_ENV, PREFIX_VARIANTS, SUFFIX_CTAS_PER_SM,
                           SUFFIX_QB, PrefixTune, choose_chunk_blocks, choose_suffix_split, parse_prefix_tune,
                           prefix_tune, set_prefix_tune)
 from .cuda_tuning import PrefixLevel as _PrefixLevel  # noqa: F401 (the step state's levels)
@@ -86,18 +76,6 @@ logger = logging.getLogger("hf_cascade")
 
 LOG2E = 1.0 / math.log(2.0)
 
-# The merge fused into the suffix kernel where the suffix runs in one split ("1"). Opt-in: on the H200 it is correct
-# (tests/test_gpu_kernels.py) but slower, its one-split suffix costing more than the merge launch it saves
-# (benchmarks/RESULTS.md, "What the compiled whole step is made of"). A plain flag, read per launch (tests set it).
-FUSED_MERGE_ENV = "HF_CASCADE_FUSED_MERGE"
-fused_merge = os.environ.get(FUSED_MERGE_ENV, "") == "1"
-# The suffix kernel beside the prefix kernel ("1"): the prefix launches go to a side stream forked from the layer's
-# stream, the suffix runs on the layer's stream meanwhile, and the merge waits for both. They write disjoint partial
-# slots. The suffix (about 10 us a layer on the H200, bound by latency, not bytes) could then hide behind the prefix
-# where the prefix leaves SMs free (a lone row's context, greedy). Opt-in until it is measured on a GPU; the eager
-# launches only (a compiled forward launches every operator on its stream).
-CONCURRENT_SUFFIX_ENV = "HF_CASCADE_CONCURRENT_SUFFIX"
-concurrent_suffix = os.environ.get(CONCURRENT_SUFFIX_ENV, "") == "1"
 
 
 @dataclass
@@ -200,9 +178,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
     # replays the launch; CTAs past a row's length write empty partials)
     tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
-    # the fused merge needs one split: a short static capacity takes one (cuda_tuning.FUSED_ONE_SPLIT_TOKENS says why)
-    one_split = {"one_split_tokens": FUSED_ONE_SPLIT_TOKENS} if fused_merge and plan.static else {}
-    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM, **one_split)
+    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
     return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
@@ -280,9 +256,8 @@ class CudaBackend(Backend):
         plain = quirks.softcap is None and quirks.window is None
         # a layer with a window reads a three-level plan as two levels (build): its own state only then
         three = quirks.window is None and plan is not None and _has_middle(plan)
-        # fused_merge: a static layout's suffix split depends on it (one split for the fused merge)
         return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, pool.dtype, three,
-                plain and tune.splits_by_plainness(q.dtype, D), tune, fused_merge)
+                plain and tune.splits_by_plainness(q.dtype, D), tune)
 
     def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:
         """The launch state of ``plan`` for layers like ``q`` with ``quirks`` (``lib``: the kernels' library, by
@@ -293,10 +268,7 @@ class CudaBackend(Backend):
         plain = quirks.softcap is None and quirks.window is None
         # on q's device: the prefix variants' one-time setup applies to the current device
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-            state = _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
-            if q.is_cuda and _forks_the_suffix(state):
-                _fork(q.device)         # the side stream made here, before any capture
-            return state
+            return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
 
     def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
         pool_ok = pool.dtype == q.dtype or (is_quantized(pool) and kv_scale(pool) is not None)
@@ -323,8 +295,7 @@ class CudaBackend(Backend):
         with torch.cuda.device(q.device):
             lib = library(q.device)
             _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, metadata, scale, out,
-                    softcap=softcap, window=window, sinks=sinks,
-                    fork=_fork(q.device) if _forks_the_suffix(metadata) else None)
+                    softcap=softcap, window=window, sinks=sinks)
         return out
 
 
@@ -337,9 +308,8 @@ def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
 
 
 def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=None, window=None, sinks=None,
-            kernels=ops, fork: "_Fork | None" = None) -> None:
-    """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests). With
-    ``fork`` (:data:`concurrent_suffix`) the prefix launches go to its side stream, beside the suffix."""
+            kernels=ops) -> None:
+    """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
     scale_log2 = float(scale) * LOG2E
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
     # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
@@ -351,75 +321,20 @@ def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=No
     dp = st.dp
     # an fp8 pool's scales (float32 [2, Hkv], the pool's own tensor: a captured graph reads it by address)
     kv = {"kv_scale": kv_scale(pool)} if is_quantized(pool) else {}
-    fused = _merges_in_suffix(st)
-    if fork is not None and (fused or not st.has_prefix):
-        raise ValueError("cuda backend: a fork for the prefix launches, but the suffix reads the prefix's partials "
-                         "(fused merge) or there is no prefix")
-    prefix_stream = fork.fork() if fork is not None else stream
     if st.has_prefix:
-        kernels.prefix(lib, prefix_stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o,
+        kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o,
                        st.part_lse, st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0,
                        softcap, window, st.tune, **kv)
     if three and st.mid.has:
         mid = st.mid
-        kernels.prefix(lib, prefix_stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o,
+        kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o,
                        st.part_lse, mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2,
                        dp.q_limit, st.max_chunks, softcap, 0, mid.tune, **kv)
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
-    if fused:     # the merge in the suffix kernel's epilogue: one launch and round trip less
-        kernels.suffix_merge(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.row_nchunks, out,
-                             st.split_tokens, st.suffix_slot0, scale_log2, softcap, window,
-                             st.row_nmid if three else None, st.max_chunks, sinks, **kv)
-        return
     kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
                    st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
-    if fork is not None:
-        fork.join()                      # the merge reads the prefix's partials
     kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
                   st.row_nmid if three else None, st.max_chunks, sinks)
-
-
-def _merges_in_suffix(st: _StepState) -> bool:
-    """Whether the layer's suffix kernel merges (:data:`fused_merge`, one split): it then reads the prefix's partials."""
-    return fused_merge and st.nsplit == 1
-
-
-def _forks_the_suffix(st: _StepState) -> bool:
-    """Whether the layer's prefix launches go beside its suffix (:data:`concurrent_suffix`): where there is a prefix
-    and the suffix does not read its partials."""
-    return concurrent_suffix and st.has_prefix and not _merges_in_suffix(st)
-
-
-class _Fork:
-    """A side stream for a layer's prefix launches, forked from the layer's stream and joined before its merge
-    (``wait_stream``: an event recorded on one stream, waited for on the other, which a CUDA graph captures as an edge,
-    the fork-join torch's graph capture documents). One per thread and device, made before any capture
-    (:meth:`CudaBackend.build`)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.side = torch.cuda.Stream(device)
-
-    def fork(self) -> int:
-        """The side stream's handle, after what the layer's stream has queued so far (q, the cache write)."""
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        return self.side.cuda_stream
-
-    def join(self) -> None:
-        """The layer's stream waits for what the side stream has queued (the prefix launches)."""
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
-
-
-_fork_local = threading.local()
-
-
-def _fork(device) -> _Fork:
-    """This thread's fork for ``device`` (two threads never share a side stream: each waits on its own prefix)."""
-    device = torch.device(device)
-    forks = _fork_local.__dict__.setdefault("forks", {})
-    if device not in forks:
-        forks[device] = _Fork(device)
-    return forks[device]
 
 
 def _quirks(softcap, window, sinks, q) -> tuple[float, int, torch.Tensor | None]:

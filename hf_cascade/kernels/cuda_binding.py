@@ -53,7 +53,8 @@ class _SuffixParams(ctypes.Structure):     # hfc_suffix_params
                [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "Ms", "split_tokens", "nsplit", "slot0")] + \
                [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32), ("softcap", _f32), ("window", _i32),
                 ("kv_dtype", _i32), ("kv_scale", _vp),
-                # the merge fused in (fuse_merge 1, one split): the merge's arguments
+                # the C side's fused merge (fuse_merge 1); never set from Python since it was deleted as slower
+                # (kept in the struct: the library's ABI)
                 ("fuse_merge", _i32), ("row_nchunks", _vp), ("out", _vp), ("row_nmid", _vp), ("mid_slot0", _i64),
                 ("sinks", _vp)]
 
@@ -261,10 +262,7 @@ class _Lib:
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
     def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None,
-               merge=None) -> None:
-        """``merge``: None, or (row_nchunks, out, row_nmid, mid_slot0, sinks) as :meth:`merge` takes them: the merge
-        fused into the suffix kernel (one split), which then writes ``out`` instead of its partial."""
+               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
         R, Lq, Hq, D = q.shape
         try:
             dtype_code = DTYPE_CODES[q.dtype]
@@ -274,13 +272,7 @@ class _Lib:
                                part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
                                suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
                                softcap, window, *_kv_code(pool, kv_scale))
-        if merge is not None:
-            row_nchunks, out, row_nmid, mid_slot0, sinks = merge
-            params.fuse_merge, params.row_nchunks, params.out = 1, row_nchunks.data_ptr(), out.data_ptr()
-            params.row_nmid = None if row_nmid is None else row_nmid.data_ptr()
-            params.mid_slot0, params.sinks = mid_slot0, None if sinks is None else sinks.data_ptr()
-        what = "suffix" if merge is None else "suffix (merge fused in)"
-        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), what)
+        self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
 
     def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
               mid_slot0: int = 0, sinks=None) -> None:

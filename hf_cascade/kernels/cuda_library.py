@@ -32,7 +32,6 @@ __all__ = ["library", "availability", "prebuilt_library", "build_library", "PREB
 logger = logging.getLogger("hf_cascade")
 
 PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
-RETIRED_PREFIX_KERNEL_ENV = "HF_CASCADE_PREFIX_KERNEL"  # chose v1 (WMMA) or v2 until v1 was retired
 # the cache write's kernel (csrc/write.cu) is on unless 0/false/off/no: on the H200 it equals the torch write bytewise
 # (tests/test_gpu_kernels.py) and took the 8B 16k x 8 whole step from 7.07 to 6.76 ms (benchmarks/RESULTS.md)
 WRITE_KERNEL_ENV = "HF_CASCADE_WRITE_KERNEL"
@@ -83,15 +82,6 @@ def build_library(arch: str) -> Path:
     return target
 
 
-def _check_retired_choice() -> None:
-    choice = os.environ.get(RETIRED_PREFIX_KERNEL_ENV, "").strip().lower()
-    if choice == "v1":
-        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}=v1: the v1 prefix kernel was retired (v2, 1.2-1.4x faster "
-                         "on the H200, serves every shape v1 served); unset the variable")
-    if choice not in ("", "v2"):
-        raise ValueError(f"${RETIRED_PREFIX_KERNEL_ENV}={choice!r}: there is one prefix kernel now; unset the variable")
-
-
 def prebuilt_library() -> str | None:
     """The path of this installation's prebuilt library if it loads with this ABI version and layout, else None."""
     if not PREBUILT.is_file():
@@ -131,7 +121,6 @@ def library(device) -> _Lib:
     with _lock:
         found = _libs.get(arch)
         if found is None:
-            _check_retired_choice()    # read when the library is loaded; raised, not a reason to fall back
             try:
                 found = _load(arch)
             except Exception as err:   # remember the reason: never retry a failed build every step
@@ -174,10 +163,6 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
 
 def availability() -> tuple[bool, str]:
     """Whether the CUDA kernels can run here, and why (for ``python -m hf_cascade env``). Builds nothing."""
-    try:
-        _check_retired_choice()
-    except ValueError as err:
-        return False, str(err)
     if PREBUILT.is_file():
         try:
             source = f"prebuilt {_Lib(PREBUILT).path} (sm_80, sm_86, sm_89, sm_90a + compute_90 PTX)"

@@ -24,8 +24,7 @@ import torch
 from .cuda_binding import DTYPE_CODES
 
 __all__ = ["PrefixTune", "PrefixLevel", "parse_prefix_tune", "prefix_tune", "set_prefix_tune", "prefix_level",
-           "choose_chunk_blocks", "choose_suffix_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS", "HOPPER_KERNEL",
-           "FUSED_ONE_SPLIT_TOKENS"]
+           "choose_chunk_blocks", "choose_suffix_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS", "HOPPER_KERNEL"]
 
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
 MIN_SPLIT_TOKENS = 256     # same for suffix splits
@@ -34,14 +33,6 @@ MIN_SPLIT_TOKENS = 256     # same for suffix splits
 PREFER_CHUNK_TOKENS = 1024
 SUFFIX_QB = 4              # query vectors per suffix CTA (kQB in csrc/suffix.cu)
 SUFFIX_CTAS_PER_SM = 4     # the suffix kernel's occupancy (128 threads x 128 registers)
-# With the merge fused into the suffix kernel ($HF_CASCADE_FUSED_MERGE: one split only), a static decode layout's suffix
-# runs in one split up to this capacity (choose_suffix_split's one_split_tokens). A static split follows the capacity,
-# but a CTA reads only the row's tokens so far: for most of a call a few dozen (the suffix kernel is latency-bound
-# there, ~10 us a layer on the H200), so a second split pays only in the late steps of a long call, while the merge
-# launch it forces costs ~7 us in every layer of every step (H200 profile, 8B 16k x 8 beams). An estimate until the
-# fused kernel has been measured on a GPU.
-FUSED_ONE_SPLIT_TOKENS = 512
-
 # The Hopper prefix kernel (csrc/prefix_sm90.cu: wgmma fed by a producer warp): its kernel code in
 # hfc_prefix_params.tune (HFC_PREFIX_KERNEL_SM90 in csrc/include/hfc/params.h; the codes below it are csrc/prefix.cu's
 # tuning variants, PREFIX_VARIANTS), what it serves and its one row tile. It runs where the library holds
@@ -238,14 +229,10 @@ def choose_chunk_blocks(prefix_blocks, ctas_per_chunk: int, slots: int, block_si
     return int(best_cb)
 
 
-def choose_suffix_split(max_tokens: int, ctas: int, slots: int, min_tokens: int = MIN_SPLIT_TOKENS,
-                        one_split_tokens: int = 0) -> tuple[int, int]:
-    """(tokens per split, splits) of the suffix: split long suffixes until ~2 waves of ``slots`` CTAs; one split up to
-    ``one_split_tokens`` (FUSED_ONE_SPLIT_TOKENS where the merge is fused in)."""
+def choose_suffix_split(max_tokens: int, ctas: int, slots: int, min_tokens: int = MIN_SPLIT_TOKENS) -> tuple[int, int]:
+    """(tokens per split, splits) of the suffix: split long suffixes until ~2 waves of ``slots`` CTAs."""
     if max_tokens <= 0:
         return 1, 1
-    if max_tokens <= one_split_tokens:
-        return max_tokens, 1
     want = max(1, -(-2 * slots // max(ctas, 1)))
     nsplit = max(1, min(want, -(-max_tokens // min_tokens)))
     split_tokens = -(-max_tokens // nsplit)

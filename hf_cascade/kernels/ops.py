@@ -1,11 +1,9 @@
-"""Typed entry points of the CUDA kernels: ``torch.ops.hf_cascade.{prefix,suffix,merge,suffix_merge}``.
+"""Typed entry points of the CUDA kernels: ``torch.ops.hf_cascade.{prefix,suffix,merge}``.
 
 Each kernel is a ``torch.library`` custom operator that writes into buffers it is given (partials, output), with a
 fake implementation, so that ``torch.compile`` traces through the layers around it and the shapes, dtypes and
-devices are checked in one place (:func:`check_prefix`, :func:`check_suffix`, :func:`check_merge`,
-:func:`check_suffix_merge`; errors name the argument). ``suffix_merge`` is the suffix kernel with the merge fused in
-(one suffix split): it reads the prefix partials and writes ``out``, and no merge runs after it. Shapes
-(``csrc/include/hfc/params.h``)::
+devices are checked in one place (:func:`check_prefix`, :func:`check_suffix`, :func:`check_merge`; errors name the
+argument). Shapes (``csrc/include/hfc/params.h``)::
 
     q            [R, Lq, Hq, D]               bfloat16 / float16, contiguous
     pool         [num_blocks, 2, bs, Hkv, D]  q's dtype, or float8_e4m3fn with kv_scale; contiguous (K then V)
@@ -37,8 +35,7 @@ import torch
 from .cuda_binding import DTYPE_CODES, KV_DTYPE_CODES   # the C side's codes (the binding owns the C ABI)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
-__all__ = ["check_prefix", "check_suffix", "check_merge", "check_suffix_merge", "prefix", "suffix", "merge",
-           "suffix_merge", "DTYPE_CODES", "HEAD_DIMS"]
+__all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 M_TILES = (16, 32, 64)
@@ -168,25 +165,6 @@ def _merged_levels(op: str, row_nchunks, R: int, Hq: int, slot0: int, row_nmid, 
             _fail(op, f"sinks has {sinks.shape[0]} entries, out {Hq} query heads")
 
 
-def check_suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out, split_tokens: int,
-                       slot0: int, softcap: float = 0.0, window: int = 0, row_nmid=None, mid_slot0: int = 0,
-                       sinks=None, kv_scale=None) -> None:
-    """Raise TypeError / ValueError naming the argument unless the suffix kernel with the merge fused in can take
-    these arguments: one split of ``split_tokens``; it reads the shared levels' partials, slots [0, ``slot0``)."""
-    op = "suffix_merge"
-    R, Lq, Hq, D, _, _ = _q_pool(op, q, pool, kv_scale)
-    _variants(op, softcap, window)
-    _index(op, "suffix_table", suffix_table, (R, None), q.device)
-    _index(op, "q_limit", q_limit, (R, Lq), q.device)
-    if split_tokens < 1 or slot0 < 0 or mid_slot0 < 0:
-        _fail(op, f"split_tokens {split_tokens} must be >= 1, slot0 {slot0} and mid_slot0 {mid_slot0} >= 0")
-    _tensor(op, "out", out, dtype=q.dtype, device=q.device)
-    if out.shape != q.shape:
-        _fail(op, f"out has shape {tuple(out.shape)}, q {tuple(q.shape)}")
-    _merged_levels(op, row_nchunks, R, Hq, slot0, row_nmid, mid_slot0, sinks, q.device)
-    _partials(op, part_o, part_lse, slot0, R * Lq * Hq, D, q.device)
-
-
 # ---------------------------------------------------------------------------------------- operators
 
 def _aligned(**tensors) -> None:
@@ -265,31 +243,6 @@ def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid
     check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
 
 
-@torch.library.custom_op("hf_cascade::suffix_merge", mutates_args=("out",), device_types="cuda")
-def suffix_merge_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q_limit: torch.Tensor,
-                    part_o: torch.Tensor, part_lse: torch.Tensor, row_nchunks: torch.Tensor, out: torch.Tensor,
-                    split_tokens: int, slot0: int, scale_log2: float, softcap: float, window: int,
-                    row_nmid: Optional[torch.Tensor], mid_slot0: int, sinks: Optional[torch.Tensor],
-                    kv_scale: Optional[torch.Tensor] = None) -> None:
-    """Level 1 in one split with the merge fused in: each row's suffix state merged with its partial slots [0,
-    row_nchunks[r]) and [mid_slot0, mid_slot0 + row_nmid[r]) and the head's sink, into out (csrc/suffix.cu,
-    fuse_merge); the partials are only read."""
-    check_suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out, split_tokens, slot0,
-                       softcap, window, row_nmid, mid_slot0, sinks, kv_scale)
-    _aligned(q=q, pool=pool)                     # 16-byte vector loads
-    with torch.cuda.device(q.device):
-        _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, 1, slot0, scale_log2,
-                              _stream(q.device), softcap, window, kv_scale,
-                              merge=(row_nchunks, out, row_nmid, mid_slot0, sinks))
-
-
-@suffix_merge_op.register_fake
-def _suffix_merge_fake(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out, split_tokens, slot0,
-                       scale_log2, softcap, window, row_nmid, mid_slot0, sinks, kv_scale=None) -> None:
-    check_suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out, split_tokens, slot0,
-                       softcap, window, row_nmid, mid_slot0, sinks, kv_scale)
-
-
 # ------------------------------------------------------------------------------ entry points for attend
 
 def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
@@ -331,20 +284,3 @@ def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nspl
         if lib.debug:
             check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
         lib.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, stream, row_nmid, mid_slot0, sinks)
-
-
-def suffix_merge(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out,
-                 split_tokens: int, slot0: int, scale_log2: float, softcap: float = 0.0, window: int = 0,
-                 row_nmid=None, mid_slot0: int = 0, sinks=None, kv_scale=None) -> None:
-    """The suffix kernel with the merge fused in (one split): the operator while torch.compile traces, else the
-    library directly on ``stream``."""
-    if _is_compiling():
-        torch.ops.hf_cascade.suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out,
-                                          split_tokens, slot0, scale_log2, softcap, window, row_nmid, mid_slot0, sinks,
-                                          kv_scale)
-    else:
-        if lib.debug:
-            check_suffix_merge(q, pool, suffix_table, q_limit, part_o, part_lse, row_nchunks, out, split_tokens,
-                               slot0, softcap, window, row_nmid, mid_slot0, sinks, kv_scale)
-        lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, 1, slot0, scale_log2, stream,
-                   softcap, window, kv_scale, merge=(row_nchunks, out, row_nmid, mid_slot0, sinks))
