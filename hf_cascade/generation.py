@@ -13,7 +13,6 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import numbers
@@ -424,18 +423,6 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     _fuse_projections(model, hf_cascade_config)
     _warn_unused_compile(model, hf_cascade_config)
     capped = hf_cascade_config.max_kv_bytes is not None
-    mask = model_kwargs.get("attention_mask")
-    if (mask is not None and mask.shape[1] > 1 and not bool(mask[:, :-1].any()) and not bool(mask.all())
-            and not (explicit and existing.get_seq_length())
-            and graphs.unsupported_reason(model, hf_cascade_config) is None):
-        # Left padding before every prompt's only token: the prefill stores nothing, and the graph runner's first
-        # static step on a cache of pads alone gives other tokens than stock (a bug of the runner, not fixed here):
-        # decode without the runner.
-        if explicit:
-            raise NotImplementedError(
-                "Every prompt of this padded batch has at most one real token, which a CascadeCache with decode "
-                "graphs cannot start from yet. Make the cache with CascadeConfig(cuda_graphs=False), or pass no cache.")
-        hf_cascade_config = dataclasses.replace(hf_cascade_config, cuda_graphs=False)
 
     def stock():
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM
 
 from hf_cascade.context import UPDATE_PASSES_KWARGS    # (transformers >= 5.24)
 from conftest import model_pair, padded_batch
@@ -391,3 +390,37 @@ def test_hooks_on_an_encoder_decoder_run_once_per_chosen_token(family, path):
         results.append((out, len(calls)))
     assert torch.equal(results[1][0], results[0][0])
     assert results[1][1] == results[0][1]
+
+
+# ---- a padded batch of one-token prompts -----------------------------------------------------------------------------
+@pytest.mark.parametrize("outputs", [False, True], ids=["tokens", "return-dict"])
+@pytest.mark.parametrize("setting", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_one_real_token_per_prompt_left_padded(outputs, setting, path):
+    """Every prompt of the batch is one token after left padding: the prefill stores nothing and the first decode
+    step's keys are its own tokens alone. The graph runner begins that step before the forward, so the forward's mask
+    must not count its tokens twice (it did: the first step attended to a pad column, other tokens than stock)."""
+    stock, cascade = model_pair("llama")
+    ids = torch.tensor([[0, 0, 0, 5], [0, 0, 0, 7]])
+    mask = (ids != 0).long()
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 6}
+    if outputs:
+        kwargs.update(return_dict_in_generate=True, output_scores=True)
+    want, got = (_generate(m, ids, mask, p, **kwargs) for m, p in ((stock, None), (cascade, PATHS[path])))
+    if outputs:
+        want, got = want.sequences, got.sequences
+    assert torch.equal(got, want)
+
+
+def test_one_real_token_per_prompt_on_a_cascade_cache_with_graphs():
+    """Was refused (NotImplementedError) while the runner got it wrong: a CascadeCache of the caller's with the runner's
+    static step now starts from such a batch, with stock's tokens."""
+    from hf_cascade import CascadeCache, CascadeConfig
+    from conftest import cache_kw
+    stock, cascade = model_pair("llama")
+    ids = torch.tensor([[0, 0, 0, 5], [0, 0, 0, 7]])
+    mask = (ids != 0).long()
+    cache = CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager"))
+    want = _generate(stock, ids, mask, num_beams=3, max_new_tokens=6)
+    got = _generate(cascade, ids, mask, num_beams=3, max_new_tokens=6, **cache_kw(cascade, cache))
+    assert torch.equal(got, want)
