@@ -424,3 +424,125 @@ def test_one_real_token_per_prompt_on_a_cascade_cache_with_graphs():
     want = _generate(stock, ids, mask, num_beams=3, max_new_tokens=6)
     got = _generate(cascade, ids, mask, num_beams=3, max_new_tokens=6, **cache_kw(cascade, cache))
     assert torch.equal(got, want)
+
+
+# ---- Trainer's mixed-precision evaluation ------------------------------------------------------------------------
+def _mixed_precision_predictions(family: str, device: str, tmp_path):
+    """Seq2SeqTrainer(predict_with_generate=True, bf16=True) on a float32 model (accelerate runs its forward under
+    autocast): (stock's predictions, the cascade's, whether the cascade's forwards ran under autocast, its runners)."""
+    import pathlib
+    import sys
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    from hf_cascade import session
+    from conftest import VOCAB
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    import trainer_eval
+    if family == "llama":
+        stock, cascade = model_pair("llama", dtype=torch.float32, seed=1)
+        data = trainer_eval.synthetic_dataset(6, VOCAB, prompt_lens=(4, 15), target_len=5, seed=1)
+        trainer_cls, collator = trainer_eval.CausalLMSeq2SeqTrainer, trainer_eval.PromptTargetCollator(0)
+    else:
+        from test_encoder_decoder import pair
+        pytest.importorskip("rouge_score")
+        import seq2seq_eval
+        stock, cascade = pair("bart", dtype=torch.float32)
+        data = seq2seq_eval.make_dataset(None, VOCAB, n=6, max_len=40)
+        trainer_cls, collator = Seq2SeqTrainer, seq2seq_eval.Collator(stock.config.pad_token_id)
+    seen, runners = [], []
+    real = session.DecodeSession.decode_runner
+
+    def spy(self):
+        runners.append(real(self))
+        return runners[-1]
+
+    predictions = []
+    for name, model in (("stock", stock), ("cascade", cascade)):
+        model.to(device)
+        args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / name), per_device_eval_batch_size=4,
+                                        predict_with_generate=True, generation_num_beams=3, report_to="none",
+                                        use_cpu=device == "cpu", bf16=True, dataloader_num_workers=0,
+                                        disable_tqdm=True, remove_unused_columns=False)
+        trainer = trainer_cls(model=model, args=args, data_collator=collator)
+        session.DecodeSession.decode_runner = spy
+        # (read inside the forward: accelerate wraps the model's forward in autocast, not its hooks)
+        # read inside the forward (accelerate wraps the model's forward in autocast, not its hooks), by lm_head's own
+        # forward (a hook there would make the steps eager)
+        head = model.get_output_embeddings()
+        head.forward = lambda x, forward=head.forward: (seen.append(torch.is_autocast_enabled(device)), forward(x))[1]
+        try:
+            predictions.append(trainer.predict(data, max_new_tokens=6).predictions)
+        finally:
+            session.DecodeSession.decode_runner = real
+            del head.forward
+    return predictions[0], predictions[1], any(seen), runners
+
+
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_trainer_bf16_evaluation_gives_stocks_predictions(family, tmp_path):
+    want, got, under_autocast, _ = _mixed_precision_predictions(family, "cpu", tmp_path)
+    assert under_autocast
+    assert want.shape == got.shape and (want == got).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "bart"])
+def test_gpu_trainer_bf16_evaluation_gives_stocks_predictions_with_captured_steps(family, tmp_path, no_tf32):
+    want, got, under_autocast, runners = _mixed_precision_predictions(family, "cuda", tmp_path)
+    assert under_autocast
+    agree = float((want == got).mean()) if want.shape == got.shape else 0.0
+    print(f"{family}: bf16 Trainer predictions agree with stock's on {agree:.1%} of the tokens")
+    assert want.shape == got.shape and (want == got).all()
+    captured = [r for r in runners if r is not None and (r.captures or r.replays)]
+    assert captured, "no decode step was captured"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["beam", "greedy"])
+def test_gpu_autocast_with_captured_steps(setting, monkeypatch, no_tf32):
+    """A float32 Llama on the GPU under torch.autocast("cuda", bf16): stock runs (K float32 from rotary, V bf16), the
+    cascade stores both in bf16 and replays captured steps; tokens agree with stock's (bf16 rounding: the agreement
+    is printed, the beams' scores are within rounding)."""
+    from conftest import RunnerSpy
+    stock, cascade = model_pair("llama", dtype=torch.float32, seed=1, hidden_size=256, intermediate_size=512,
+                                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    stock.cuda(), cascade.cuda()
+    ids = torch.randint(3, 90, (2, 600), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    mask = torch.ones_like(ids)
+    spy = RunnerSpy(monkeypatch)
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 24}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = _generate(stock, ids, mask, **kwargs)
+        got = _generate(cascade, ids, mask, **kwargs)
+    runner = spy.runners[-1]
+    assert runner is not None and runner.captures >= 1 and runner.replays + runner.device_steps > 10
+    agree = float((want == got).float().mean()) if want.shape == got.shape else 0.0
+    print(f"autocast bf16 {setting}: {agree:.1%} of the tokens agree with stock's")
+    assert agree > 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+@pytest.mark.parametrize("setting", ["beam", "greedy"])
+def test_gpu_hooks_with_captured_steps(hook, setting, monkeypatch, no_tf32):
+    """On the GPU (float32): a hook on the model runs once per chosen token around replayed steps (transformers' loop
+    around the runner), a hook on a layer makes the steps eager (logged); tokens and counts are stock's."""
+    from conftest import RunnerSpy
+    stock, cascade = model_pair("llama", dtype=torch.float32, seed=2)
+    stock.cuda(), cascade.cuda()
+    ids, mask = (t.cuda() for t in padded_batch(lengths=(23, 17)))
+    spy = RunnerSpy(monkeypatch)
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 9}
+    results = []
+    for model in (stock, cascade):
+        hooks = _Hooks(model, **HOOKS[hook])
+        try:
+            results.append((_generate(model, ids, mask, **kwargs), hooks.calls))
+        finally:
+            hooks.remove()
+    (want, want_calls), (got, got_calls) = results
+    assert torch.equal(got, want)
+    runner = spy.runners[-1]
+    if hook == "layer":
+        assert got_calls >= want_calls and runner.captures == 0
+    else:
+        assert got_calls == want_calls and runner.captures >= 1 and runner.replays >= 5

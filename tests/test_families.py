@@ -316,13 +316,13 @@ def test_refusals_name_an_attention_the_model_has():
     from hf_cascade.attention import stock_attention as named
     for name, expected in (("GPT-OSS", "eager"), ("Llama", "sdpa")):
         config = FAMILIES[name].make()
-        config.attention_dropout = 0.5          # refused: the cascade path has no attention dropout
+        config.attention_dropout = 0.5          # refused in training mode: the cascade's dropout is not stock's
         model = AutoModelForCausalLM.from_config(config, attn_implementation="cascade", dtype=torch.float32,
                                                  **FAMILIES[name].load).train()
         assert named(model.model.layers[0].self_attn) == expected
         ids, mask = padded_batch(seed=3, lengths=PROMPTS)
-        with pytest.raises(NotImplementedError, match=f"attention dropout.*attn_implementation='{expected}'"):
-            run(model, "beam", ids, mask)        # greedy shares nothing: it would run on stock's path
+        with pytest.raises(ValueError, match=f"dropout active.*model.eval.*attn_implementation='{expected}'"):
+            run(model, "beam", ids, mask)
 
 
 def test_gpt_oss_forward_without_cache_is_stock_eager():
