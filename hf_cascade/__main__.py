@@ -207,7 +207,7 @@ def run_comparison(model_path: str | None = None, prompt_len: int = 1024, beams:
         model=model_path or SIZE_NAMES[size],
         prompt_len=prompt_len, beams=beams, new_tokens=new_tokens, batch=batch, device=str(device), dtype=dtype,
         backend=backend, seed=seed, repeats=repeats, warmup=warmup, threads=torch.get_num_threads(),
-        tokens_identical=identical,
+        tokens_identical=identical, token_agreement=_agreement(s["sequences"], c["sequences"], prompt_len),
         kv_bytes_stock=s["kv_bytes"], kv_bytes_cascade=c["kv_bytes"], kv_ratio=c["kv_bytes"] / s["kv_bytes"],
         rows_prefilled_stock=s["rows_prefilled"], rows_prefilled_cascade=c["rows_prefilled"],
         seconds_stock=med["stock"], seconds_cascade=med["cascade"], time_ratio=med["cascade"] / med["stock"],
@@ -217,6 +217,12 @@ def run_comparison(model_path: str | None = None, prompt_len: int = 1024, beams:
         ms_per_token_stock_all=[_ms(x) for x in step["stock"]], ms_per_token_cascade_all=[_ms(x) for x in step["cascade"]],
         cascade_path="stock" if c["stock_path"] else "cascade", stock_path_reason=c["stock_path"],
         cascade_stats=c.get("stats"))
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor, prompt_len: int) -> float:
+    """The fraction of new-token positions where two calls' sequences hold the same token."""
+    a, b = a[:, prompt_len:], b[:, prompt_len:]
+    return float((a == b).float().mean()) if a.shape == b.shape and a.numel() else float(a.shape == b.shape)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -253,6 +259,10 @@ def print_table(result: dict, console: Console | None = None) -> None:
                   _spread(r.get("seconds_cascade_all", [r["seconds_cascade"]]), "s"), f"{r['time_ratio']:.3f}")
     console = console or Console()
     console.print(table)
+    if not r["tokens_identical"] and r["dtype"] in _cli.HALF_DTYPES:
+        console.print(f"{r['dtype']}: each rounding step differs a little, so where two beams score within rounding "
+                      f"the two may pick differently ({r.get('token_agreement', 0):.1%} of the new tokens agree); "
+                      "--dtype float32 compares token for token", highlight=False, markup=False, soft_wrap=True)
     line = stock_path_line(r)
     if line:
         console.print(line, highlight=False, markup=False, soft_wrap=True)     # one line, however wide

@@ -243,7 +243,7 @@ def test_timings_are_medians_of_rounds_with_time_per_token(tmp_path, monkeypatch
           "float64", "--device", "cpu", "--json", str(path)])
     r = json.loads(path.read_text())
     assert torch.get_num_threads() == threads                    # main() gives the caller its threads back
-    assert r["threads"] == 1 and r["repeats"] == 3 and r["tokens_identical"] is True
+    assert r["threads"] == 1 and r["repeats"] == 3 and r["tokens_identical"] is True and r["token_agreement"] == 1.0
     for name in ("stock", "cascade"):
         assert len(r[f"seconds_{name}_all"]) == 3 and r[f"seconds_{name}"] == pytest.approx(
             sorted(r[f"seconds_{name}_all"])[1])
