@@ -10,7 +10,7 @@ Llama-3.2-1B-shaped model in bf16 with a 4k prompt (the shape the KV matters at;
 A cascade call where sharing would not pay runs on stock's own path
 (:func:`hf_cascade.generation.stock_path_reason`); the report then says so, with the reason.
 Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags, 3 the run failed.
-``python -m hf_cascade env`` prints versions, GPUs and which kernel backends can run here, with the reason, and a
+``python -m hf_cascade env`` prints versions, GPUs and which kernel backends can run here, with the reason, as a
 block to paste into a bug report. The flags are parsed by :mod:`hf_cascade._cli`, before torch is imported.
 """
 from __future__ import annotations
@@ -329,17 +329,17 @@ def set_threads(threads: int | None) -> int:
 
 
 def env_main(argv) -> int:
-    """``python -m hf_cascade env [--json]``: versions, GPUs, each backend's availability with the reason, and the
-    report again as a block to paste into a bug report."""
+    """``python -m hf_cascade env [--json]``: versions, GPUs, each backend's availability with the reason, as a block
+    to paste into a bug report."""
     args = build_env_parser().parse_args(argv)
     from . import diagnostics
     found = diagnostics.report()
     if args.json:
         print(json.dumps(found, indent=2))
     else:
-        text = diagnostics.format_report(found)
-        print(f"{text}\n\nCopy the block below into a bug report, with the command that failed:\n\n"
-              f"```text\n{text}\n```")
+        # fenced as Markdown, so that it pastes into an issue as it reads here
+        print(f"Paste this block into a bug report, with the command that failed:\n\n"
+              f"```text\n{diagnostics.format_report(found)}\n```")
     return 0
 
 
