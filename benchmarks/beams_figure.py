@@ -4,9 +4,10 @@ A tiny Llama-shaped model built from a config (random weights, float32), one pro
 the cascade cache's peak in use (its stats) against stock's final DynamicCache (``hf_cascade.__main__.kv_bytes``).
 Time per new token: the wall time of a plain ``generate()`` after its prefill forward returned, over the tokens that
 follow (``hf_cascade.__main__.timed_once``, as the main job reports it), one thread, stock and cascade interleaved,
-the median of the rounds; the first call of each (the one that reads its cache) is untimed. Beams 1 shares nothing, so the cascade model runs stock's own path there (same figures).
+the median of the rounds; the first call of each (the one that reads its cache) is untimed. Below 4 beams too little is
+shared on the CPU (``MIN_SHARED_TOKENS``), so the cascade model runs stock's own path there (stock's figures).
 
-    PYTHONPATH=. python benchmarks/beams_figure.py [--rounds 3]     # writes the JSON and docs/img/beams.svg
+    PYTHONPATH=. python benchmarks/beams_figure.py [--rounds 5]     # writes the JSON and docs/img/beams.svg
     PYTHONPATH=. python benchmarks/beams_figure.py --plot-only      # re-renders the SVG from the committed JSON
 """
 from __future__ import annotations

@@ -2,11 +2,12 @@
 
 Builds a Llama-shaped model with random weights (or loads ``--model PATH``), runs ``generate(num_beams=...)`` on
 seeded random prompts with each attention implementation, and reports whether the tokens match, the KV bytes each
-kept, the rows each prefilled, the time per new token and the wall time. Times are medians of interleaved rounds
-(stock, cascade, stock, ...) after a warm-up round, with their spread; time per new token is
-``(t(N new) - t(2 new)) / (N - 2)`` of the whole ``generate()`` wall time (``benchmarks/RESULTS.md``'s step). On the
-CPU torch runs one thread unless ``OMP_NUM_THREADS`` or ``--threads`` says otherwise; on a GPU the default is a
-Llama-3.2-1B-shaped model in bf16 with a 4k prompt (the shape the KV matters at; ``_cli.PROFILES``).
+kept, the rows each prefilled, the time per new token and the wall time. A first call of each reads its cache
+(untimed); then ``--warmup`` untimed and ``--rounds`` timed rounds of plain calls, stock and cascade in turn; the
+figures are medians over rounds, shown with their range. Time per new token is the wall time after the prefill's
+forward returned, over the tokens that follow (:func:`timed_once`). On the CPU torch runs one thread unless
+``OMP_NUM_THREADS`` or ``--threads`` says otherwise; on a GPU the default is a Llama-3.2-1B-shaped model in bf16 with a
+4k prompt (the shape at which the prompt's KV matters; ``_cli.PROFILES``).
 A cascade call where sharing would not pay runs on stock's own path
 (:func:`hf_cascade.generation.stock_path_reason`); the report then says so, with the reason.
 Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags, 3 the run failed.
@@ -103,7 +104,7 @@ def _generate(model, input_ids, beams: int, new_tokens: int, backend: str, **kwa
                               pad_token_id=pad, **extra, **kwargs)
 
 
-def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = "auto", **unused) -> dict:
+def generate_once(model, input_ids, beams: int, new_tokens: int, backend: str = "auto") -> dict:
     """One ``generate`` call that hands out its cache (``return_dict_in_generate=True``): its tokens, KV bytes, rows
     in its first forward call and wall time; on a cascade model also ``stock_path``: None where the call ran the
     cascade (then ``stats``: its CacheStats as a dict), else why it ran on stock's own path. Such a call keeps
@@ -214,7 +215,8 @@ def run_comparison(model_path: str | None = None, prompt_len: int = 1024, beams:
         seconds_stock_all=wall["stock"], seconds_cascade_all=wall["cascade"],
         ms_per_token_stock=_ms(step_med["stock"]), ms_per_token_cascade=_ms(step_med["cascade"]),
         step_ratio=step_med["cascade"] / step_med["stock"] if step_med["stock"] else None,
-        ms_per_token_stock_all=[_ms(x) for x in step["stock"]], ms_per_token_cascade_all=[_ms(x) for x in step["cascade"]],
+        ms_per_token_stock_all=[_ms(x) for x in step["stock"]],
+        ms_per_token_cascade_all=[_ms(x) for x in step["cascade"]],
         cascade_path="stock" if c["stock_path"] else "cascade", stock_path_reason=c["stock_path"],
         cascade_stats=c.get("stats"))
 
@@ -238,7 +240,7 @@ def print_table(result: dict, console: Console | None = None) -> None:
     table = Table(title="beam search: stock sdpa vs cascade",
                   caption=f"{r['model']}\nbatch {r['batch']}, prompt {r['prompt_len']}, {r['beams']} beams, "
                           f"{r['new_tokens']} new tokens, {r['dtype']} on {r['device']}"
-                          f"{' (%d thread%s)' % (r['threads'], 's' if r['threads'] > 1 else '') if 'threads' in r else ''}"
+                          f"{_threads(r)}"
                           f", backend {r['backend']}, {r.get('warmup', 0)} warm-up round(s)\n"
                           "KV bytes: stock's final DynamicCache, cascade's peak in use")
     for col, justify in (("", "left"), ("stock sdpa", "right"), ("cascade", "right"), ("cascade / stock", "right")):
@@ -266,6 +268,11 @@ def print_table(result: dict, console: Console | None = None) -> None:
     line = stock_path_line(r)
     if line:
         console.print(line, highlight=False, markup=False, soft_wrap=True)     # one line, however wide
+
+
+def _threads(result: dict) -> str:
+    n = result.get("threads")
+    return "" if n is None else f" ({n} thread{'s' if n > 1 else ''})"
 
 
 def _spread(values: list, unit: str) -> str:
