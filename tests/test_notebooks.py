@@ -45,8 +45,9 @@ def test_notebooks_listed():
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == sorted(NAMES)
 
 
-# Warnings transformers' own Whisper generate prints on stock's model too (it sets max_length and passes its
-# generation_config with arguments itself): not caused by the notebook's settings. Everything else is refused.
+# Warnings transformers' own Whisper generate prints on stock's model too, whatever the caller passes: it fills the
+# global default max_length (20) into its generation config before calling generate with max_new_tokens, and passes
+# that config with arguments of its own. Everything else is refused.
 KNOWN_WARNINGS = {"whisper_beam_search.ipynb": ("Passing `generation_config` together with generation-related",
                                                 "The attention mask is not set with a batched input",
                                                 "Both `max_new_tokens` (=24) and `max_length`(=20)")}
