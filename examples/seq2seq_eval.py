@@ -286,6 +286,19 @@ class KVMeter:
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------
+class KeepMaxLength(Seq2SeqTrainer):
+    """Seq2SeqTrainer, except that the model's ``generation_config.max_length`` is as it was after each batch:
+    Seq2SeqTrainer writes its default (20) there after a batch, and the next batch, given ``max_new_tokens``, warns
+    that both are set."""
+
+    def prediction_step(self, *args, **kwargs):
+        max_length = self.model.generation_config.max_length
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self.model.generation_config.max_length = max_length
+
+
 def evaluate(model, dataset, tokenizer=None, batch_size=4, num_beams=4, max_new_tokens=16, output_dir=None,
              device: str = "auto", task: str = "summarization"):
     """``Seq2SeqTrainer.predict`` with beam search: (predictions as token lists, metrics dict with the task's
@@ -302,7 +315,7 @@ def evaluate(model, dataset, tokenizer=None, batch_size=4, num_beams=4, max_new_
             generation_num_beams=num_beams, report_to="none", use_cpu=cpu,
             dataloader_num_workers=0, disable_tqdm=True,
             ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and cpu else None)
-        trainer = Seq2SeqTrainer(model=model, args=args, data_collator=Collator(pad))
+        trainer = KeepMaxLength(model=model, args=args, data_collator=Collator(pad))
         meter = KVMeter(model)
         start = time.perf_counter()
         out = trainer.predict(dataset, max_new_tokens=max_new_tokens)

@@ -40,6 +40,7 @@ import time
 
 import torch
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
 import hf_cascade
@@ -153,7 +154,7 @@ def plain_eval_loop(model, dataset, batch_size: int = 4, num_beams: int = 4, max
     out = []
     model.eval()
     with torch.no_grad():
-        for batch in loader:
+        for batch in tqdm(loader, desc="generate batches", unit="batch", leave=False):
             ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
             seq = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
                                  num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
@@ -238,19 +239,25 @@ def compare(stock, cascade, dataset, batch_size: int = 4, num_beams: int = 4, ma
             output_dir: str | None = None) -> dict:
     """Trainer.predict and the plain loop on both models; predictions, agreement, losses, KV bytes, times."""
     result = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    # minutes on a small CPU: a bar over the four passes (TQDM_DISABLE=1 silences it, as the notebook tests do)
+    bar = tqdm(total=4, desc="evaluating", unit="pass")
+    with tempfile.TemporaryDirectory() as tmp, bar:
         out_dir = output_dir or tmp
         for name, model in (("stock", stock), ("cascade", cascade)):
             trainer = make_trainer(model, dataset, out_dir, batch_size, num_beams)
             meter = KVMeter(model)
             try:
+                bar.set_postfix_str(f"{name}: Seq2SeqTrainer.predict")
                 t0 = time.perf_counter()
                 pred = trainer.predict(dataset, max_new_tokens=max_new_tokens)
                 t_trainer = time.perf_counter() - t0
+                bar.update(1)
                 meter.reset()     # count the plain loop's generate calls only
+                bar.set_postfix_str(f"{name}: plain generate loop")
                 t0 = time.perf_counter()
                 loop = plain_eval_loop(model, dataset, batch_size, num_beams, max_new_tokens)
                 t_loop = time.perf_counter() - t0
+                bar.update(1)
             finally:
                 meter.remove()
             result[name] = dict(trainer_predictions=torch.as_tensor(pred.predictions),

@@ -10,20 +10,41 @@ import torch
 
 from . import kernels, memory
 
-# the environment variables hf_cascade (and the tools it calls) reads
+# The environment variables hf_cascade (and the tools it calls) reads: the one list `env` reports and
+# docs/environment.md is generated from (tools/docs_pages.py). Markdown: the docs page shows it as written.
 ENV_VARS = {
-    "HF_CASCADE_CACHE": "where the CUDA kernels built on first use are cached (default ~/.cache/hf_cascade)",
-    "HF_CASCADE_BUILD_KERNELS": "building a wheel: auto (default: compile the CUDA kernels where nvcc exists), 1, 0",
-    "HF_CASCADE_PREFIX_TUNE": "the prefix kernel's launch for a tuning sweep: auto (default), default, or knobs "
-                              "(variant=n64w8,m=64,chunk=2048)",
-    "HF_CASCADE_CUDA_DEBUG": "non-empty: synchronise and check for errors after every CUDA kernel (slow)",
-    "HF_CASCADE_KEEP_SEQ2SEQ": "1/true/on/yes: an encoder-decoder generate call of the same shape as the model's "
-                               "last one reuses its cross-attention storages, decoder cache and captured decode step "
-                               "(held between calls until hf_cascade.release(model); opt-in until measured on a GPU)",
-    "HF_CASCADE_WRITE_KERNEL": "0: the cache write in torch index kernels instead of csrc/write.cu (default: the "
-                               "kernel where the cuda backend's kernels are loaded)",
-    "NVCC": "the nvcc that builds the CUDA kernels (default: nvcc on PATH, $CUDA_HOME/bin/nvcc)",
-    "CUDA_HOME": "CUDA toolkit folder, for nvcc",
+    "HF_CASCADE_CACHE": (
+        "where the CUDA kernels built on first use are cached (default `~/.cache/hf_cascade`)"),
+    "HF_CASCADE_BUILD_KERNELS": (
+        "when building a wheel: `auto` (default: compile the CUDA kernels into it where `nvcc` exists), `1` "
+        "(compile or fail), `0` (never)"),
+    "HF_CASCADE_PREFIX_TUNE": (
+        "the prefix kernel's launch for a tuning sweep (read once): `auto` (default, the production choice), "
+        "`default` (the default kernel everywhere), or knobs such as `variant=n64w8,m=64,chunk=2048`; the "
+        "Hopper kernel (bf16/fp16 head_dim 128) is chosen by the architecture where the library has sm_90a "
+        "code, `kernel=sm90` (or the older `variant=wg`) asks for it (`hf_cascade/kernels/cuda_tuning.py`)"),
+    "HF_CASCADE_CUDA_DEBUG": (
+        "non-empty: synchronise and check for errors after every CUDA kernel launch (slow; for debugging)"),
+    "HF_CASCADE_KEEP_SEQ2SEQ": (
+        "`1` (or `true`, `on`, `yes`): an encoder-decoder `generate` call (BART family, Marian, M2M100/NLLB, "
+        "Whisper) whose shape matches the model's last one — rows, dtype, device, `CascadeConfig`, the number "
+        "of inputs, the padded source width and each input's real source length, the decoder prompt's width — "
+        "reuses that call's cross-attention storages (this call's K/V written into the same memory), its "
+        "decoder cache, its cross-attention plans and its captured decode step: no capture and no warm-up "
+        "step (Whisper's long-form windows, padded evaluation batches). Anything else starts afresh. What is "
+        "kept holds device memory between calls, as for decoder-only models, until "
+        "`hf_cascade.release(model)`. Not for the T5 family (its dense self-attention cache is not kept). "
+        "Opt-in until it is measured on a GPU"),
+    "HF_CASCADE_WRITE_KERNEL": (
+        "`0` (or `false`, `off`, `no`): the cache write of each layer in four torch index kernels. Default: "
+        "on `csrc/write.cu` (two launches: copy-on-write copies, then K and V) where the cuda backend has "
+        "loaded the kernels"),
+    "NVCC": (
+        "the `nvcc` that builds the CUDA kernels (default: `nvcc` on `PATH`, then `$CUDA_HOME/bin/nvcc`, "
+        "`/usr/local/cuda/bin/nvcc`)"),
+    "CUDA_HOME": (
+        "the `nvcc` that builds the CUDA kernels (default: `nvcc` on `PATH`, then `$CUDA_HOME/bin/nvcc`, "
+        "`/usr/local/cuda/bin/nvcc`)"),
 }
 
 
@@ -152,5 +173,7 @@ def format_report(r: dict) -> str:
     lines.append("memory policies:")
     lines += [f"  {name}: {'yes' if ok else 'no'} - {why}" for name, (ok, why) in r["memory"].items()]
     lines.append("environment variables:")
-    lines += [f"  {k}: {r['environment'].get(k, '(unset)')} - {doc}" for k, doc in ENV_VARS.items()]
+    lines += [f"  {k}={v}" for k, v in r["environment"].items()]
+    unset = [k for k in ENV_VARS if k not in r["environment"]]
+    lines.append(f"  unset: {', '.join(unset)} (docs/environment.md says what each does)" if unset else "")
     return "\n".join(lines)

@@ -4,7 +4,7 @@ Each family is built tiny from its config (random weights, float64) twice, with 
 objects: once with stock attention (sdpa, or eager where the family has no sdpa) and once with
 "cascade". Beam search (4 beams, 2 returned), sampling (3 returned, fixed seed) and greedy run on
 a left-padded batch of two prompts. ``FAMILIES`` is the support matrix; ``tools/support_table.py``
-prints it as the README's table.
+prints it as docs/families.md's table.
 """
 from __future__ import annotations
 
@@ -298,17 +298,17 @@ def test_table_is_consistent():
         assert (family.error is not None) == (family.status != "exact"), name
 
 
-def test_the_readme_shows_this_matrix():
-    """README's family table is tools/support_table.py's output for FAMILIES as they stand (rerun the tool and paste
-    its output when a family changes). The README shows the newest transformers' matrix (5.17 tests two families in
-    float32)."""
+def test_the_docs_show_this_matrix():
+    """docs/families.md's table is tools/support_table.py's output for FAMILIES as they stand (rerun
+    ``python tools/docs_pages.py`` when a family changes). The page shows the newest transformers' matrix (5.17 tests
+    two families in float32)."""
     if Version(transformers.__version__) < Version("5.24"):
-        pytest.skip("the README's table is made on transformers >= 5.24")
+        pytest.skip("the docs' table is made on transformers >= 5.24")
     root = pathlib.Path(__file__).resolve().parent.parent
     spec = importlib.util.spec_from_file_location("support_table", root / "tools" / "support_table.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    assert tool.table() in (root / "README.md").read_text(encoding="utf-8")
+    assert tool.table() in (root / "docs" / "families.md").read_text(encoding="utf-8")
 
 
 def test_refusals_name_an_attention_the_model_has():

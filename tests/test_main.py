@@ -83,12 +83,13 @@ def test_main_checkpoint_folder_with_a_short_prompt(tmp_path, capsys, one_thread
 
 
 def test_main_default_shape_shares_on_the_cpu(real_threshold):
-    """The main job's defaults are a call where sharing pays on the CPU (no stock's path)."""
-    defaults = build_parser().parse_args([])
+    """The main job's defaults, and ``--quick``'s, are calls where sharing pays on the CPU (no stock's path)."""
     _, cascade = model_pair("llama", dtype=torch.float32)
-    ids = torch.randint(3, VOCAB, (defaults.batch, defaults.prompt_len))
     assert REAL_THRESHOLD.get("cpu", 0) > 0
-    assert stock_path(cascade, ids, defaults.beams) is None
+    for argv in ([], ["--quick"]):
+        defaults = _cli.resolve(build_parser().parse_args(argv), "cpu")
+        ids = torch.randint(3, VOCAB, (defaults.batch, defaults.prompt_len))
+        assert stock_path(cascade, ids, defaults.beams) is None, argv
     assert "MIN_SHARED_TOKENS" in stock_path(cascade, ids[:, :128], 4)
 
 
@@ -168,3 +169,107 @@ def test_flags_checked_on_import_only_for_python_m_hf_cascade(monkeypatch, argv,
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", orig_argv)
     assert _cli.invoked() is expected
+
+
+# ------------------------------------------------------------------ CLI conventions: no prefixes, torch-free checks
+
+def _quiet(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+
+
+def test_a_prefix_of_a_flag_is_refused_without_importing_torch():
+    proc = _python_m("--beam", "4")         # argparse would take it for --beams 4 (allow_abbrev)
+    assert proc.returncode == 2 and "unrecognized arguments: --beam 4" in _quiet(proc)[0], proc.stderr
+    assert not {"torch", "transformers"} & _imported(proc.stderr)
+
+
+def test_a_missing_model_folder_is_refused_without_importing_torch(tmp_path):
+    proc = _python_m("--model", str(tmp_path / "nonexistent"))
+    assert proc.returncode == 2 and "no such folder" in _quiet(proc)[0], proc.stderr
+    assert not {"torch", "transformers"} & _imported(proc.stderr)
+
+
+@pytest.mark.skipif(_cli.nvidia_driver() is None, reason="this machine has an NVIDIA driver")
+def test_cuda_without_a_driver_is_refused_without_importing_torch():
+    proc = _python_m("--device", "cuda:0")
+    assert proc.returncode == 2 and "no NVIDIA driver found" in _quiet(proc)[0], proc.stderr
+    assert not {"torch", "transformers"} & _imported(proc.stderr)
+
+
+def test_nvidia_driver_is_found_by_proc_or_by_libcuda(monkeypatch):
+    def no_library(name):
+        raise OSError(name)
+    monkeypatch.setattr(_cli.os.path, "exists", lambda path: False)
+    monkeypatch.setattr(_cli.ctypes, "CDLL", no_library)
+    assert "no NVIDIA driver found" in _cli.nvidia_driver()
+    monkeypatch.setattr(_cli.ctypes, "CDLL", lambda name: object())
+    assert _cli.nvidia_driver() is None
+    monkeypatch.setattr(_cli.ctypes, "CDLL", no_library)
+    monkeypatch.setattr(_cli.os.path, "exists", lambda path: path == "/proc/driver/nvidia/version")
+    assert _cli.nvidia_driver() is None
+
+
+def test_console_script_names_itself_and_checks_before_torch(tmp_path):
+    """setup.cfg's ``hf-cascade`` entry point, run as pip's wrapper script runs it (argv[0] is the script's path)."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    assert "hf-cascade = hf_cascade.__main__:main" in cfg["options.entry_points"]["console_scripts"]
+    script = tmp_path / "hf-cascade"
+    script.write_text("import sys\nfrom hf_cascade.__main__ import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(script), "--bogus"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert _quiet(proc) == ["hf-cascade: error: unrecognized arguments: --bogus (see `hf-cascade --help`)"]
+    assert not {"torch", "transformers"} & _imported(proc.stderr)
+
+
+def test_env_prints_a_block_to_paste(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    report, block = out.split("```text\n")
+    assert "bug report" in report and block.rstrip().endswith("```")
+    assert f"torch: {torch.__version__}" in block and "kernel backends" in block
+
+
+# ------------------------------------------------------------------ honest timings: rounds, spread, threads
+
+def test_timings_are_medians_of_rounds_with_time_per_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    path = tmp_path / "result.json"
+    threads = torch.get_num_threads()
+    main(["--quick", "--prompt-len", "40", "--beams", "3", "--new-tokens", "4", "--rounds", "3", "--dtype",
+          "float64", "--device", "cpu", "--json", str(path)])
+    r = json.loads(path.read_text())
+    assert torch.get_num_threads() == threads                    # main() gives the caller its threads back
+    assert r["threads"] == 1 and r["repeats"] == 3 and r["tokens_identical"] is True and r["token_agreement"] == 1.0
+    for name in ("stock", "cascade"):
+        assert len(r[f"seconds_{name}_all"]) == 3 and r[f"seconds_{name}"] == pytest.approx(
+            sorted(r[f"seconds_{name}_all"])[1])
+        steps = r[f"ms_per_token_{name}_all"]
+        assert len(steps) == 3 and all(0 < s < 1e3 * w for s, w in zip(steps, r[f"seconds_{name}_all"]))
+        assert r[f"ms_per_token_{name}"] == pytest.approx(sorted(steps)[1])
+    assert r["step_ratio"] == pytest.approx(r["ms_per_token_cascade"] / r["ms_per_token_stock"])
+
+
+def test_threads_flag_and_omp_num_threads(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert cli.set_threads(None) == 1
+        assert cli.set_threads(2) == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert cli.set_threads(None) == 2            # the user's setting stands
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_quick_and_device_profiles():
+    quick = _cli.resolve(build_parser().parse_args(["--quick", "--beams", "6"]), "cpu")
+    assert (quick.prompt_len, quick.beams, quick.rounds, quick.size) == (512, 6, 1, "small")    # a flag given wins
+    gpu = _cli.resolve(build_parser().parse_args([]), "cuda")
+    assert (gpu.dtype, gpu.size, gpu.beams) == ("bfloat16", "1b", 8) and gpu.prompt_len >= 2048
+    assert cli.builtin_config("1b").num_hidden_layers == 16
+    cpu = _cli.resolve(build_parser().parse_args([]), "cpu")
+    assert (cpu.dtype, cpu.size, cpu.rounds) == ("float32", "small", 3)

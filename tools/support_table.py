@@ -1,4 +1,4 @@
-"""Print the README's model-family support table, generated from the test matrix.
+"""Print the model-family support table (docs/families.md), generated from the test matrix.
 
     python tools/support_table.py
 

@@ -9,7 +9,7 @@ What the cascade does not take runs stock ``generate`` on the model as loaded, w
 a model hf_cascade cannot serve (``hf_cascade.generation.unsupported_reason``), a model that does not take the
 switch, and decoding other than greedy, sampling and beam search (assisted, contrastive, DoLa, group or
 constrained beam search). Inside the cascade, calls where sharing saves little run stock's path as they do
-for any cascade model (hf_cascade's README, "Use").
+for any cascade model (hf_cascade's docs, docs/usage.md).
 
 Concurrent calls on one model are counted: the first switches the model, the last puts it back. While a call
 runs, the model's other users (another thread's stock ``generate`` or forward) see "cascade" attention, which

@@ -1,0 +1,78 @@
+"""The docs cannot drift from the code: the generated pages are what tools/docs_pages.py writes, the architecture page
+names every module, every environment variable the package reads is documented, and the README stays a front page
+whose commands are the ones CI runs."""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+
+import pytest
+import transformers
+from packaging.version import Version
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def pages():
+    spec = importlib.util.spec_from_file_location("docs_pages", ROOT / "tools" / "docs_pages.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.mark.parametrize("name", ["configuration.md", "environment.md", "families.md"])
+def test_generated_pages_are_fresh(pages, name):
+    if name == "families.md" and Version(transformers.__version__) < Version("5.24"):
+        pytest.skip("the family table is made on transformers >= 5.24")
+    assert (DOCS / name).read_text(encoding="utf-8") == pages.PAGES[name](), \
+        f"docs/{name} is stale: run python tools/docs_pages.py"
+
+
+def test_configuration_page_names_every_field():
+    from hf_cascade import CascadeConfig
+    import dataclasses
+    text = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    for field in dataclasses.fields(CascadeConfig):
+        assert f"\n## {field.name}\n" in text, field.name
+
+
+def test_a_field_without_a_description_stops_the_generator(pages, monkeypatch):
+    monkeypatch.setattr(pages, "_args_section", lambda doc: {})
+    with pytest.raises(SystemExit, match="no Args: entry"):
+        pages.configuration()
+
+
+def test_architecture_page_names_every_module():
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    modules = sorted([*ROOT.glob("hf_cascade/**/*.py"), *ROOT.glob("patches/*.py")])
+    assert len(modules) > 40
+    missing = [str(m.relative_to(ROOT)) for m in modules if f"`{m.relative_to(ROOT)}`" not in text]
+    assert not missing, f"name these modules on docs/architecture.md: {missing}"
+
+
+def test_every_environment_variable_read_is_documented():
+    from hf_cascade.diagnostics import ENV_VARS
+    read = set()
+    for path in [*ROOT.glob("hf_cascade/**/*.py"), *ROOT.glob("patches/*.py"), ROOT / "setup.py"]:
+        read |= set(re.findall(r"HF_CASCADE_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
+    assert read and read <= set(ENV_VARS), read - set(ENV_VARS)
+
+
+def test_readme_is_a_front_page():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.encode()) <= 12_500, "the README is the front page: move the detail into docs/"
+    assert 'attn_implementation="cascade"' in text.split("\n\n", 2)[1]       # the first paragraph names the flag
+    assert "pip install torch==2.13.0 -e . && python -m hf_cascade" in text
+    test_command = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q'
+    assert test_command in text and test_command in (ROOT / ".ci" / "run").read_text()    # CI runs the README's
+    for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", text):
+        assert (ROOT / target).exists(), target
+
+
+def test_every_docs_page_is_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    for page in DOCS.glob("*.md"):
+        assert f" {page.name}" in nav, page.name
