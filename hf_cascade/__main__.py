@@ -161,7 +161,8 @@ def timed_once(model, input_ids, beams: int, new_tokens: int, backend: str = "au
             _sync(input_ids.device)
             done.append(time.perf_counter())
 
-    cascade = model.config._attn_implementation == "cascade"
+    cascade = stock_path(model, input_ids, beams, backend=backend) is None and \
+        model.config._attn_implementation == "cascade"          # (a cascade model on stock's path: stock's forwards)
     hook = (hf_cascade.generation.register_prefill_hook(post=prefill_done) if cascade
             else model.register_forward_hook(prefill_done))
     try:
