@@ -139,14 +139,16 @@ class ForwardTimer:
     one GPU, a split over GPUs, or one rank of tensor parallelism). ``after_forward`` is called after each forward
     with its kwargs and output (for probes that read memory there)."""
 
-    def __init__(self, model, sync_devices: Iterable[torch.device] | None = None):
+    def __init__(self, model, sync_devices: Iterable[torch.device] | None = None, model_hooks: bool = True):
         self.sync_devices = None if sync_devices is None else list(sync_devices)
         self.events: list[list] = []          # CUDA events: [start, end] per forward
         self.wall_ms: list[float] = []        # host clock: per forward
         self._t0 = 0.0
         from hf_cascade import generation   # (the cascade's once-per-prompt prefill runs forward without the hooks)
-        self.handles = [model.register_forward_pre_hook(self._start, with_kwargs=True),
-                        model.register_forward_hook(self._end, with_kwargs=True),
+        # (hooks on the model keep transformers' loop, which runs them per step: model_hooks=False times only the
+        # cascade's prefill, for a call whose decode steps run as the whole step)
+        self.handles = ([model.register_forward_pre_hook(self._start, with_kwargs=True),
+                         model.register_forward_hook(self._end, with_kwargs=True)] if model_hooks else []) + [
                         generation.register_prefill_hook(lambda m, kw: self._start(m, (), kw),
                                                                     lambda m, kw, out: self._end(m, (), kw, out))]
 

@@ -118,7 +118,8 @@ def generate(args, mode: str) -> dict:
         torch.cuda.reset_peak_memory_stats(d)
     # wall time of every forward, all devices synchronised before and after (the same in every mode, so that
     # one GPU, a device_map split and tensor parallelism compare like with like)
-    clock = harness.ForwardTimer(model, sync_devices=devices)
+    # (with graphs the decode loop is the whole step, which hooks on the model would turn back into transformers' loop)
+    clock = harness.ForwardTimer(model, sync_devices=devices, model_hooks=args.graphs == "off")
     try:
         out = model.generate(input_ids=ids, **kw)
     finally:
