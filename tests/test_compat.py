@@ -21,11 +21,11 @@ def test_the_packaging_metadata_requires_compat_s_range():
     assert required == [f"transformers{compat.range_text()}"], required
 
 
-def test_ci_and_the_readme_name_the_tested_ends():
+def test_ci_and_the_features_page_name_the_tested_ends():
     low, high = compat.TESTED
     assert f'"transformers=={low}"' in (ROOT / ".ci" / "run").read_text()
-    readme = (ROOT / "README.md").read_text()
-    assert f"| transformers | {low.major}.{low.minor} – {high.major}.{high.minor} (CI runs both ends)" in readme
+    features = (ROOT / "docs" / "features.md").read_text()
+    assert f"| transformers | {low.major}.{low.minor} – {high.major}.{high.minor} (CI runs both ends)" in features
     assert compat.SUPPORTED[0] <= low < high < compat.SUPPORTED[1]
 
 
