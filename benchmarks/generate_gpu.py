@@ -157,6 +157,8 @@ WHOLE_VARIANTS = {
     "whole-compile": dict(backend="cuda", cuda_graphs=True, compile=True),
     # q/k/v and gate/up as separate products (CascadeConfig(fuse_projections=False)), on stock's model: see _model_of
     "whole-unfused": dict(backend="cuda", cuda_graphs=True, compile=True, fuse_projections=False),
+    # the default step before fused projections became the default (what "whole" was up to 3f03ad0)
+    "whole-uncompiled-unfused": dict(backend="cuda", cuda_graphs=True, fuse_projections=False),
 }
 # the variants run in transformers' loop around the replayed forward (harness.transformers_loop)
 TRANSFORMERS_LOOP = ("graph", "compile")

@@ -163,7 +163,7 @@ def main():
         found["chunk_wall_us_per_step"] = sorted(replayed)[len(replayed) // 2] if replayed else None
         found["chunks"] = [(round(w), n) for w, n, _ in walls]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
-        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, "fuse": args.fuse,
+        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, "fuse": not args.no_fuse,
                         **found})
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch

@@ -25,16 +25,6 @@ ENV_VARS = {
         "code, `kernel=sm90` (or the older `variant=wg`) asks for it (`hf_cascade/kernels/cuda_tuning.py`)"),
     "HF_CASCADE_CUDA_DEBUG": (
         "non-empty: synchronise and check for errors after every CUDA kernel launch (slow; for debugging)"),
-    "HF_CASCADE_KEEP_SEQ2SEQ": (
-        "`1` (or `true`, `on`, `yes`): an encoder-decoder `generate` call (BART family, Marian, M2M100/NLLB, "
-        "Whisper) whose shape matches the model's last one — rows, dtype, device, `CascadeConfig`, the number "
-        "of inputs, the padded source width and each input's real source length, the decoder prompt's width — "
-        "reuses that call's cross-attention storages (this call's K/V written into the same memory), its "
-        "decoder cache, its cross-attention plans and its captured decode step: no capture and no warm-up "
-        "step (Whisper's long-form windows, padded evaluation batches). Anything else starts afresh. What is "
-        "kept holds device memory between calls, as for decoder-only models, until "
-        "`hf_cascade.release(model)`. Not for the T5 family (its dense self-attention cache is not kept). "
-        "Opt-in until it is measured on a GPU"),
     "HF_CASCADE_WRITE_KERNEL": (
         "`0` (or `false`, `off`, `no`): the cache write of each layer in four torch index kernels. Default: "
         "on `csrc/write.cu` (two launches: copy-on-write copies, then K and V) where the cuda backend has "

@@ -25,7 +25,7 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
 - what differs per model_type comes from its adapter (``seq2seq_models.family_of``);
 - the decode loop is :func:`hf_cascade.whole_step.decode`'s, as for decoder-only models: the whole step on the
   device where it can serve the call, else transformers' loop with the graph runner (the reason logged once);
-- with ``$HF_CASCADE_KEEP_SEQ2SEQ`` on (opt-in), a call whose shape (``EncoderSide.keep_key`` and the session's
+- a call whose shape (``EncoderSide.keep_key`` and the session's
   descriptor) equals the model's last call's takes that call's caches, cross-attention context and runner
   (:class:`KeptCross` beside :class:`~hf_cascade.session.KeptCall`): its K/V are written into the same memory and
   the kept decode step replays from the first decode step; any difference starts afresh.
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 from transformers.cache_utils import EncoderDecoderCache
@@ -60,16 +59,6 @@ from .seq2seq_models import (COMPOSITE, DEVICE_POSITIONS_KWARG, SUPPORTED, cross
 from .session import DecodeSession, prefill_forward
 
 logger = logging.getLogger("hf_cascade")
-
-# opt-in (until measured on a GPU): a call of the same shape as the model's last encoder-decoder call reuses its
-# cross-attention storages, decoder cache and captured decode step (see EncoderSide.keep_key)
-KEEP_ENV = "HF_CASCADE_KEEP_SEQ2SEQ"
-
-
-def keep_enabled() -> bool:
-    """Whether ``$HF_CASCADE_KEEP_SEQ2SEQ`` asks to keep an encoder-decoder call's state for the next call."""
-    return os.environ.get(KEEP_ENV, "").strip().lower() in ("1", "true", "on", "yes")
-
 
 # ---- the generate entry -----------------------------------------------------------------------------
 def _dense(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
@@ -151,8 +140,9 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
     projections = cross_projections(model)
     cap = None if cascade_config.max_kv_bytes is None else KVCap(cascade_config.max_kv_bytes)
     side = EncoderSide(model, input_ids, generation_config, model_kwargs, key, cascade_config, cap, projections, states,
-                       source_mask, decoder_mask, n, keep=keep_enabled())
-    # kept for a next call only where asked (the encoder outputs differ: the next call refills the K/V in place)
+                       source_mask, decoder_mask, n, keep=True)
+    # kept for the model's next call of the same shape, which refills the K/V in place (0.88x a call's time on the
+    # H200: benchmarks/seq2seq_keep_gpu.py)
     call = DecodeSession(model, side, generation_config, rows=rows, prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config, keep=side.keep_key is not None)
 

@@ -36,6 +36,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # a cross-attention's q_proj and k/v_proj take different inputs: the fused product would compute k/v's rows for
 # nothing at every step
 _CROSS = re.compile(r"cross|encoder_attn")
+# an encoder-decoder's encoder runs once per call, not per decode step: left unfused, its products (and what
+# output_hidden_states returns of it) stay stock's bit for bit
+_ENCODER = re.compile(r"(^|\.)encoder\.")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _lock = threading.Lock()        # generate may run in several threads: one of them fuses or unfuses a model
 
@@ -130,7 +133,8 @@ def _fuse(model: nn.Module) -> int:
     fused = 0
     for name, module in model.named_modules():
         for names in GROUPS:
-            if not _eligible(module, names, shared) or (names[0] == "q_proj" and _CROSS.search(name)):
+            if (not _eligible(module, names, shared) or (names[0] == "q_proj" and _CROSS.search(name))
+                    or _ENCODER.search(name)):
                 continue
             members = [getattr(module, n) for n in names]
             weight, rows = _stack([m.weight for m in members])

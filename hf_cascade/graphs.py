@@ -121,7 +121,9 @@ def inner_hooks_reason(model) -> str | None:
     name = next((name for name, module in model.named_modules() if name and _hooked(module)), None)
     if name is not None:
         return f"forward hooks on {name} (a captured step would not run them)"
-    return outer_hooks_reason(model)
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:   # (every submodule's too)
+        return "global module forward hooks (torch.nn.modules.module.register_module_forward_hook)"
+    return None       # hooks on the model itself run in its __call__, around the replayed forward
 
 
 def quantized_capture_reason(model) -> str | None:

@@ -8,7 +8,7 @@ A session holds, for one call, everything that lives from the prefill to the end
 - the :class:`~hf_cascade.graphs.DecodeGraphRunner` standing in for ``model.forward`` during the decode loop,
   chosen by a :class:`GraphDescriptor` (what a captured graph depends on);
 - what is kept for the model's next call (:class:`KeptCall`: the emptied cache and its runner, in one registry
-  weakly keyed by model; :func:`release` drops it); for an encoder-decoder call (opt-in, ``$HF_CASCADE_KEEP_SEQ2SEQ``)
+  weakly keyed by model; :func:`release` drops it); for an encoder-decoder call
   also its strategy's state (the cross-attention storages and context), reused only where everything matches;
 - the end of the call on every exit path (exceptions, KeyboardInterrupt): the model's forward restored, the cache
   reset, kept, or (the caller's) left with its tokens.

@@ -1,5 +1,5 @@
 """An encoder-decoder generate call of the same shape as the model's last one reuses that call's state
-(``HF_CASCADE_KEEP_SEQ2SEQ=1``, opt-in): the cross-attention storages (refilled in place), the decoder's paged
+(always, as a decoder-only call's: ``hf_cascade.release(model)`` drops it): the cross-attention storages (refilled in place), the decoder's paged
 self-attention cache, the cross-attention step context and the graph runner with its captured step
 (hf_cascade/session.py ``KeptCall``, hf_cascade/encoder_decoder.py ``KeptCross``).
 
@@ -71,14 +71,9 @@ def _kept(model):
     return session._kept.get(model)
 
 
-@pytest.fixture
-def keep_on(monkeypatch):
-    monkeypatch.setenv(encoder_decoder.KEEP_ENV, "1")
-
-
 @pytest.mark.parametrize("path", ["runner", "whole_step"])
 @pytest.mark.parametrize("family", ["bart", "marian", "whisper"])
-def test_three_calls_of_one_shape_reuse_the_first(family, path, keep_on, monkeypatch, request):
+def test_three_calls_of_one_shape_reuse_the_first(family, path, monkeypatch, request):
     if family != "whisper":
         request.getfixturevalue("frozen_host_length")     # positions read on the host would give other tokens
     stock, cascade = _pair(family)
@@ -116,7 +111,7 @@ def test_three_calls_of_one_shape_reuse_the_first(family, path, keep_on, monkeyp
         assert second[8] is first[8] and third[8] is first[8]    # the kept whole step's tensors, refilled
 
 
-def test_another_shape_starts_afresh_and_the_first_shape_works_again(keep_on, monkeypatch, frozen_host_length):
+def test_another_shape_starts_afresh_and_the_first_shape_works_again(monkeypatch, frozen_host_length):
     stock, cascade = _pair("bart")
     hf_cascade.release(cascade)
     extra = dict(return_dict_in_generate=True, output_scores=True)
@@ -141,30 +136,22 @@ def test_another_shape_starts_afresh_and_the_first_shape_works_again(keep_on, mo
     assert spy.runners[-1] is again and again.first_steps == 0
 
 
-@pytest.mark.parametrize("value", ["", "0", "off", "no"])
-def test_off_by_default(value, monkeypatch):
-    if value:
-        monkeypatch.setenv(encoder_decoder.KEEP_ENV, value)
-    else:
-        monkeypatch.delenv(encoder_decoder.KEEP_ENV, raising=False)
-    assert not encoder_decoder.keep_enabled()
+def test_release_between_calls_starts_afresh(monkeypatch):
+    """Kept by default; ``hf_cascade.release(model)`` before a call of the same shape: the call builds and captures
+    afresh (another runner) and gives stock's tokens."""
     stock, cascade = _pair("bart")
-    hf_cascade.release(cascade)
     spy = RunnerSpy(monkeypatch)
     for seed in (1, 2):
+        hf_cascade.release(cascade)
+        assert _kept(cascade) is None
         kwargs = _inputs("bart", seed)
         _assert_same(_generate(stock, kwargs), _generate(cascade, kwargs, hf_cascade_config=WHOLE), scores=False)
-        assert _kept(cascade) is None
+        assert _kept(cascade) is not None
     assert spy.runners[0] is not spy.runners[1]
+    hf_cascade.release(cascade)
 
 
-@pytest.mark.parametrize("value", ["1", "true", "ON", "yes"])
-def test_on_values(value, monkeypatch):
-    monkeypatch.setenv(encoder_decoder.KEEP_ENV, value)
-    assert encoder_decoder.keep_enabled()
-
-
-def test_concurrent_calls_never_share_the_kept_state(keep_on, monkeypatch):
+def test_concurrent_calls_never_share_the_kept_state(monkeypatch):
     """Two threads' calls of the kept shape at once: one may take the kept state, the other starts afresh (the
     kept state serves one call); both give stock's tokens."""
     import threading
@@ -209,7 +196,7 @@ class _Boom(StoppingCriteria):
 
 
 @pytest.mark.parametrize("config", [RUNNER, WHOLE], ids=["runner", "whole_step"])
-def test_a_failed_call_keeps_nothing(config, keep_on, monkeypatch):
+def test_a_failed_call_keeps_nothing(config, monkeypatch):
     stock, cascade = _pair("bart")
     hf_cascade.release(cascade)
     spy = RunnerSpy(monkeypatch)
@@ -227,7 +214,7 @@ def test_a_failed_call_keeps_nothing(config, keep_on, monkeypatch):
     assert spy.runners[-1] is not kept.runner and _kept(cascade) is not None
 
 
-def test_release_frees_the_kept_state_and_the_model_can_be_collected(keep_on):
+def test_release_frees_the_kept_state_and_the_model_can_be_collected():
     cascade = AutoModelForSeq2SeqLM.from_config(FAMILIES["bart"](), attn_implementation="cascade",
                                                 dtype=torch.float64).eval()       # (not the cached pair's)
     kwargs = _inputs("bart", 1)
@@ -246,7 +233,7 @@ def test_release_frees_the_kept_state_and_the_model_can_be_collected(keep_on):
     assert ref() is None
 
 
-def test_whisper_model_can_be_collected_while_kept(keep_on):
+def test_whisper_model_can_be_collected_while_kept():
     torch.manual_seed(0)
     model = whisper_tiny("cascade")
     _generate(model, _inputs("whisper", 1), hf_cascade_config=WHOLE)
@@ -257,7 +244,7 @@ def test_whisper_model_can_be_collected_while_kept(keep_on):
     assert ref() is None
 
 
-def test_t5_keeps_nothing(keep_on, monkeypatch):
+def test_t5_keeps_nothing(monkeypatch):
     """The T5 family's decoder self-attention is a static dense cache: not kept (stock's tokens, afresh each call)."""
     import transformers as T
     config = lambda: T.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,  # noqa: E731
@@ -284,7 +271,6 @@ def _gpu_call_inputs(seed, pad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["runner", "whole_step"])
 def test_gpu_three_calls_capture_once(path, monkeypatch, no_tf32):
-    monkeypatch.setenv(encoder_decoder.KEEP_ENV, "1")
     stock, cascade = _gpu_pair("bart", torch.float32)
     hf_cascade.release(cascade)
     extra = dict(return_dict_in_generate=True, output_scores=True) if path == "runner" else {}
