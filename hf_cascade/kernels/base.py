@@ -177,8 +177,9 @@ class Backend:
         """Which layers of ``plan``'s step share one metadata: those with equal keys (the layer shape, by default)."""
         return (str(q.device), q.dtype, q.shape[-2], q.shape[-1], pool.shape[2], pool.shape[3])
 
-    def build(self, plan, q, pool, params: AttentionParams):
-        """The metadata of ``plan`` for layers like this one, of ``params`` (once per step, or per static layout)."""
+    def build(self, plan, q, pool, params: AttentionParams | None = None):
+        """The metadata of ``plan`` for layers like this one, of ``params`` (None: no variant on; once per step, or per
+        static layout)."""
         return plan
 
     def reusable(self, metadata) -> bool:
