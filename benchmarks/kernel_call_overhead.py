@@ -105,15 +105,16 @@ def main():
     lib._info[(0, 128, 32, None)] = (3, 0, 32)      # CPU tensors: skip the one-time setup (a CUDA call)
 
     def layer():
-        ops.prefix(lib, 0, a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024, 16, 0.1,
-                   a["ql"])
-        ops.suffix(lib, 0, a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 16, 0.1)
-        ops.merge(lib, 0, a["po"], a["pls"], a["rn"], a["out"], 16, 1)
+        ops.prefix(lib, 0, ops.PrefixArgs(a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024,
+                                          16, 0.1, a["ql"]))
+        ops.suffix(lib, 0, ops.SuffixArgs(a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 16, 0.1))
+        ops.merge(lib, 0, ops.MergeArgs(a["po"], a["pls"], a["rn"], a["out"], 16, 1))
 
     def checks():
-        ops.check_prefix(a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024, 0)
-        ops.check_suffix(a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 0)
-        ops.check_merge(a["po"], a["pls"], a["rn"], a["out"], 0, 1)
+        ops.check_prefix(ops.PrefixArgs(a["q"], a["pool"], a["gr"], a["pt"], a["pl"], a["po"], a["pls"], 32, 1, 1024,
+                                        0, 0.1, a["ql"]))
+        ops.check_suffix(ops.SuffixArgs(a["q"], a["pool"], a["st"], a["ql"], a["po"], a["pls"], 64, 1, 0, 0.1))
+        ops.check_merge(ops.MergeArgs(a["po"], a["pls"], a["rn"], a["out"], 0, 1))
 
     old = old_abi_layer(args.old_library, a) if args.old_library else None
     for _ in range(3 if old else 1):          # interleaved: the host's load moves single figures

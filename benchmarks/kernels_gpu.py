@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import harness  # noqa: E402
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.kernels import cuda_tuning  # noqa: E402
-from hf_cascade.kernels.base import with_kv_scale  # noqa: E402
+from hf_cascade.kernels.base import AttentionParams, with_kv_scale  # noqa: E402
 from hf_cascade.plan import build_step_plan  # noqa: E402
 
 HQ, HKV, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
             cuda_tuning.set_prefix_tune(tune)
             meta = backend.build(plan, q, kv_pool)   # once, as a step does for all its layers: only forward is timed
             cuda_tuning.set_prefix_tune(previous)
-            out = backend.forward(q, kv_pool, meta, scale)
+            params = AttentionParams(scale)
+            out = backend.forward(q, kv_pool, meta, params)
             torch.cuda.synchronize()
             if name != "reference" and "reference" in backends:   # float32 reference, once per shape and pool
                 if kv not in ref_out:
@@ -198,7 +199,7 @@ def main(argv=None) -> int:
                                                                cascade, scale)
                 ref = ref_out[kv]
                 row["rel_err_vs_reference"] = float((out.float() - ref).norm() / ref.norm())
-            med, best = harness.cuda_time_us(lambda: backend.forward(q, kv_pool, meta, scale), args.reps,
+            med, best = harness.cuda_time_us(lambda: backend.forward(q, kv_pool, meta, params), args.reps,
                                              args.warmup, flush)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             cuda_tuning.set_prefix_tune(previous)

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hf_cascade import kernels  # noqa: E402
 from hf_cascade.kernels import cuda as cuda_backend  # noqa: E402
+from hf_cascade.kernels.base import AttentionParams  # noqa: E402
 import harness  # noqa: E402
 from kernels_gpu import HEAD_DIM, bytes_moved, copy_bandwidth, make_step  # noqa: E402
 
@@ -89,7 +90,8 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
         scale = 1.0 / math.sqrt(HEAD_DIM)
         try:
             meta = backend.build(cascade, q, pool)       # once per candidate and shape: only forward is timed
-            out = backend.forward(q, pool, meta, scale)
+            params = AttentionParams(scale)
+            out = backend.forward(q, pool, meta, params)
             torch.cuda.synchronize()
             row["launch"] = launch_of(meta, lib)
             ref = refs[shape_name(shape)]
@@ -98,7 +100,7 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
             if not (torch.isfinite(out).all() and err < MAX_REL_ERR):
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
-                med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, scale), args.reps,
+                med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, params), args.reps,
                                                  args.warmup, flush)
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)

@@ -27,7 +27,7 @@ from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_ma
 
 from . import cross_attention
 from .context import STEP_KWARG, BoundAttention, StepContext, get_context
-from .kernels.base import Quirks
+from .kernels.base import AttentionParams
 from .precision import as_computed, kernels_context
 
 NAME = "cascade"
@@ -168,9 +168,17 @@ def _check_padding_known(plan, attention_mask) -> None:
 _shim_context = torch.compiler.disable(get_context)     # a thread-local: read eagerly, never traced
 
 
+def _passed(scale, kwargs) -> tuple:
+    """The layer's :class:`~hf_cascade.kernels.base.AttentionParams` fields as the model's attention call passes
+    them, in the fields' order (scale, softcap, window, sinks: transformers' ``scaling``, ``softcap``,
+    ``sliding_window``, ``s_aux``): the one place that reads them. A tuple, not yet the value: a static step only
+    compares it with the value its layout bound (no object built per call)."""
+    return scale, kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+
+
 @torch.compiler.disable          # host work: chooses the backend and builds metadata (the first step of a layout)
-def _bind(ctx: StepContext, layer_idx, q, pool, softcap, window, sinks) -> BoundAttention:
-    return ctx.bind_attention(layer_idx, ctx.cache.cascade_config.backend, q, pool, softcap, window, sinks)
+def _bind(ctx: StepContext, layer_idx, q, pool, passed: tuple) -> BoundAttention:
+    return ctx.bind_attention(layer_idx, ctx.cache.cascade_config.backend, q, pool, AttentionParams(*passed))
 
 
 def _refuse_in_compiled_step(ctx, what: str) -> None:
@@ -209,30 +217,30 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pool = layer.step_pool
     q = as_computed(query)[0].transpose(1, 2)     # [R, q, Hq, D] (autocast: the pool's dtype, as sdpa casts it)
-    softcap, window, sinks = kwargs.get("softcap"), kwargs.get("sliding_window"), kwargs.get("s_aux")
+    passed = _passed(scale, kwargs)
     if plan.static:     # resolved once for the layout: one lookup per step (and all a compiled step traces)
-        bound = ctx.bound_attention(layer_idx, softcap, window, sinks)
+        bound = ctx.bound_attention(layer_idx, passed)
         if bound is None:
             _refuse_in_compiled_step(ctx, f"layer {layer_idx}'s backend choice, not bound on the layout")
-            bound = _bind(ctx, layer_idx, q, pool, softcap, window, sinks)
-        backend, quirks, metadata = bound.backend, bound.quirks, bound.metadata
+            bound = _bind(ctx, layer_idx, q, pool, passed)
+        backend, params, metadata = bound.backend, bound.params, bound.metadata
         if metadata is None:
-            metadata = ctx.backend_metadata(backend, q, pool, quirks)
+            metadata = ctx.backend_metadata(backend, q, pool, params)
         with kernels_context(q.device):
-            return backend.forward(q, pool, metadata, scale, **bound.quirk_kwargs).contiguous(), None
-    return _per_step_attention(ctx, q, pool, scale, softcap, window, sinks), None
+            return backend.forward(q, pool, metadata, params).contiguous(), None
+    return _per_step_attention(ctx, q, pool, passed), None
 
 
 @torch.compiler.disable          # host work every step (backend choice, metadata): eager inside a compiled forward
-def _per_step_attention(ctx: StepContext, q, pool, scale, softcap, window, sinks):
+def _per_step_attention(ctx: StepContext, q, pool, passed: tuple):
     """A step planned anew (prefill into a filled cache, a decode step off a static layout)."""
-    if window is not None and ctx.cache.attention_horizon(False) <= window:
-        window = None   # no sequence passes the window: plain causal attention, which more backends take
-    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
-    backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, quirks)
-    metadata = ctx.backend_metadata(backend, q, pool, quirks)
+    params = AttentionParams(*passed)
+    if params.window is not None and ctx.cache.attention_horizon(False) <= params.window:
+        params = params.without_window()   # no sequence passes the window: plain causal attention, which more take
+    backend = ctx.backend(ctx.cache.cascade_config.backend, q, pool, params)
+    metadata = ctx.backend_metadata(backend, q, pool, params)
     with kernels_context(q.device):
-        return backend.forward(q, pool, metadata, scale, **quirks.kwargs()).contiguous()
+        return backend.forward(q, pool, metadata, params).contiguous()
 
 
 def register() -> None:

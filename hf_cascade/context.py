@@ -22,10 +22,10 @@ How the context reaches the attention function (decided once, at import, by the 
   shim is left out there on every transformers version.
 
 On a static decode step (:attr:`~hf_cascade.plan.StepPlan.static`) a layer's attention is resolved once for the
-layout: its backend, the quirks the kernels get (a window no row can pass during the layout left out) and, where the
-backend keeps it per layout, its metadata, as one :class:`BoundAttention` kept in the layout. Every later step of the
-layout finds it with one lookup; a compiled forward traces only that lookup and the kernels (the graph runner runs
-the first step of a layout eagerly, which binds every layer).
+layout: its backend, the :class:`~hf_cascade.kernels.base.AttentionParams` the kernels get (a window no row can pass
+during the layout left out) and, where the backend keeps it per layout, its metadata, as one :class:`BoundAttention`
+kept in the layout. Every later step of the layout finds it with one lookup; a compiled forward traces only that
+lookup and the kernels (the graph runner runs the first step of a layout eagerly, which binds every layer).
 
 A context refers to its cache weakly (the cache holds its step's context until the next step): no reference cycle.
 """
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import kernels
 from .compat import UPDATE_PASSES_KWARGS  # noqa: F401 (re-exported: the route, decided by the transformers version)
-from .kernels.base import Quirks
+from .kernels.base import AttentionParams
 
 if TYPE_CHECKING:
     from .kernels.base import Backend
@@ -55,23 +55,17 @@ class BoundAttention(NamedTuple):
     """One layer's attention on a static decode layout, resolved by its first step and kept by the layout.
 
     - ``backend``: the kernel backend; ``backend_key``: its key in :attr:`StepContext.backends`;
-    - ``quirks`` / ``quirk_kwargs``: the variants the kernels get (a window no row can pass while the layout holds is
-      left out: the layout's capacity bounds every row);
+    - ``params``: the :class:`~hf_cascade.kernels.base.AttentionParams` the kernels get (a window no row can pass
+      while the layout holds is left out: the layout's capacity bounds every row);
     - ``metadata``: the backend's metadata kept for the layout, or None where the backend builds it per step;
-    - ``softcap`` / ``window`` / ``sinks``: what the model's attention call passed; the binding serves a call that
-      passes the same (:meth:`fits`)."""
+    - ``call``: the AttentionParams of the model's attention call; the binding serves a call that passes the same
+      (``call.serves``)."""
 
     backend: "Backend"
     backend_key: tuple
-    quirks: Quirks
-    quirk_kwargs: dict
+    params: AttentionParams
     metadata: Any
-    softcap: Any
-    window: Any
-    sinks: Any
-
-    def fits(self, softcap, window, sinks) -> bool:
-        return softcap == self.softcap and window == self.window and sinks is self.sinks
+    call: AttentionParams
 
 
 def _binding_key(layer_idx: int) -> tuple:
@@ -88,7 +82,7 @@ class StepContext:
     - ``written``: layer index -> (layer, K shape) of the layers whose K/V this step stored (a layer written twice
       means a new step); the attention finds its layer's pool here by ``module.layer_idx``;
     - ``unread``: layers written whose attention has not run (the next ``update`` refuses to go on while one is);
-    - ``backends``: the kernel backend chosen for each layer shape and quirk set (the graph runner checks them);
+    - ``backends``: the kernel backend chosen for each layer shape and AttentionParams (the graph runner checks them);
       on a static decode step each layer's choice is bound once for the layout (:meth:`bind_attention`);
     - ``metadata``: each backend's per-step metadata (a static decode layout keeps its own for the call);
     - ``finished``: the step is over though its layers may not have written (a replayed CUDA graph): the next
@@ -124,50 +118,50 @@ class StepContext:
     def finish(self) -> None:
         self.finished = True
 
-    def bound_attention(self, layer_idx: int, softcap, window, sinks) -> BoundAttention | None:
-        """The layer's attention resolved for this static step's layout, if it serves these quirks (its backend is
-        then recorded as one this step ran). Dict lookups only: what a compiled forward traces."""
+    def bound_attention(self, layer_idx: int, passed: tuple) -> BoundAttention | None:
+        """The layer's attention resolved for this static step's layout, if it serves a call that passes ``passed``
+        (the fields of :class:`~hf_cascade.kernels.base.AttentionParams`, in order; its backend is then recorded as
+        one this step ran). Dict lookups and comparisons only: what a compiled forward traces."""
         bound = self.plan.layout.metadata.get(_binding_key(layer_idx))
-        if bound is None or not bound.fits(softcap, window, sinks):
+        if bound is None or not bound.call.serves(*passed):
             return None
         self.backends[bound.backend_key] = bound.backend
         return bound
 
-    def bind_attention(self, layer_idx: int, name: str, q, pool, softcap, window, sinks) -> BoundAttention:
+    def bind_attention(self, layer_idx: int, name: str, q, pool, call: AttentionParams) -> BoundAttention:
         """Resolve the layer's attention for this static step's layout (host work: backend choice, metadata) and
-        keep it in the layout for the steps after."""
+        keep it in the layout for the steps after; ``call``: what the model's attention call passed."""
         # a window no row passes while the layout holds (its capacity bounds every row) is left out: plain causal
         # attention, which more backends take
-        passed = window is not None and self.cache.attention_horizon(True) > window
-        quirks = Quirks(softcap=softcap, window=window if passed else None, sinks=sinks)
-        backend = self.backend(name, q, pool, quirks)
-        metadata = self.backend_metadata(backend, q, pool, quirks) if backend.layout_metadata else None
-        bound = BoundAttention(backend, self._backend_key(q, quirks), quirks, quirks.kwargs(), metadata, softcap,
-                               window, sinks)
+        passes = call.window is not None and self.cache.attention_horizon(True) > call.window
+        params = call if passes else call.without_window()
+        backend = self.backend(name, q, pool, params)
+        metadata = self.backend_metadata(backend, q, pool, params) if backend.layout_metadata else None
+        bound = BoundAttention(backend, self._backend_key(q, params), params, metadata, call)
         self.plan.layout.metadata[_binding_key(layer_idx)] = bound
         return bound
 
     @staticmethod
-    def _backend_key(q, quirks: Quirks) -> tuple:
-        return (quirks, q.device, q.dtype, q.shape[-2], q.shape[-1])
+    def _backend_key(q, params: AttentionParams) -> tuple:
+        return (params, q.device, q.dtype, q.shape[-2], q.shape[-1])
 
-    def backend(self, name: str, q, pool, quirks: Quirks) -> "Backend":
-        """The kernel backend for this step, layer shape and quirk set (``kernels.select`` runs once per step each)."""
-        key = self._backend_key(q, quirks)
+    def backend(self, name: str, q, pool, params: AttentionParams) -> "Backend":
+        """The kernel backend for this step, layer shape and params (``kernels.select`` runs once per step each)."""
+        key = self._backend_key(q, params)
         found = self.backends.get(key)
         if found is None:
-            found = self.backends[key] = kernels.select(name, q, pool, self.plan, quirks)
+            found = self.backends[key] = kernels.select(name, q, pool, self.plan, params)
         return found
 
-    def backend_metadata(self, backend: "Backend", q, pool, quirks: Quirks):
+    def backend_metadata(self, backend: "Backend", q, pool, params: AttentionParams):
         """``backend``'s metadata of this step for layers like this one: built by the first, reused by the others.
         On a static decode step a backend whose metadata holds for the layout keeps it in the layout (the call)."""
         plan = self.plan
         store = plan.layout.metadata if plan.layout is not None and backend.layout_metadata else self.metadata
-        key = (backend.name,) + backend.metadata_key(q, pool, quirks, plan)
+        key = (backend.name,) + backend.metadata_key(q, pool, params, plan)
         found = store.get(key)
         if found is None or not backend.reusable(found):
-            found = store[key] = backend.build(plan, q, pool, quirks)
+            found = store[key] = backend.build(plan, q, pool, params)
         return found
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .context import StepContext
-from .kernels.base import NO_QUIRKS
+from .kernels.base import AttentionParams
 from .precision import as_computed, kernels_context
 
 # the forward (and so attention) keyword argument that carries the CrossContext
@@ -87,10 +87,11 @@ def cross_attention(context: CrossContext, layer, module, query, dropout, scalin
         return cache.sdpa_in_place(layer, query, scale), None
     q = as_computed(query)[0].transpose(1, 2)        # [R, q, H, D] (autocast: the stored K/V's dtype)
     step = context.step(cache, q.shape[0], q.shape[1])
-    backend = step.backend(cache.cascade_config.backend, q, layer.pool, NO_QUIRKS)
+    params = AttentionParams(scale)      # cross-attention: no causal window, softcap nor sinks
+    backend = step.backend(cache.cascade_config.backend, q, layer.pool, params)
     decoder_step = getattr(getattr(context.cache, "self_attention_cache", None), "step", None)
     if decoder_step is not None:   # the decoder's step: a graph runner checks that this backend can be captured too
         decoder_step.backends.setdefault(("cross", q.dtype, q.shape[-1]), backend)
-    metadata = step.backend_metadata(backend, q, layer.pool, NO_QUIRKS)
+    metadata = step.backend_metadata(backend, q, layer.pool, params)
     with kernels_context(q.device):
-        return backend.forward(q, layer.pool, metadata, scale).contiguous(), None
+        return backend.forward(q, layer.pool, metadata, params).contiguous(), None

@@ -10,7 +10,7 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
   layer's own linears, storing only the input's real (unpadded) encoder tokens; its reorder is a no-op;
 - every cross-attention call runs as a cascade with one level (:mod:`hf_cascade.cross_attention`): the group of an
   input's beams reads that input's encoder blocks once, through the same ``backend.forward(q, pool, metadata,
-  scale)`` as the decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty
+  params)`` as the decoder-only path (a :class:`~hf_cascade.plan.StepPlan` with groups = inputs and an empty
   suffix); on the CPU with backend="auto", one sdpa per input (its beams stacked on the query axis) reads the
   input's K/V in place instead (the PyTorch backend would gather a copy of it every layer and step);
 - decoder self-attention runs on a :class:`~hf_cascade.cache.CascadeCache` as for decoder-only

@@ -66,14 +66,14 @@ class Steps:
         self.calls = []
         real = reference.BACKEND.forward
 
-        def forward(q, pool, metadata, scale, **quirks):
+        def forward(q, pool, metadata, params):
             plan = metadata.plan
             if plan.static:
                 layout = plan.layout
                 rows = layout.row_prefix_blocks * layout.block_size + plan.q_limit[:, -1]
-                self.calls.append(dict(layout=layout, window=quirks.get("window"), device_plan=metadata.device,
+                self.calls.append(dict(layout=layout, window=params.window, device_plan=metadata.device,
                                        longest=int(rows.max())))
-            return real(q, pool, metadata, scale, **quirks)
+            return real(q, pool, metadata, params)
 
         monkeypatch.setattr(reference.BACKEND, "forward", forward)
 

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from hf_cascade import CascadeCache, CascadeConfig, graphs
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, ops
-from hf_cascade.kernels.base import kv_scale, with_kv_scale
+from hf_cascade.kernels.base import AttentionParams, kv_scale, with_kv_scale
 from hf_cascade.plan import DecodeLayout
 from conftest import RunnerSpy, host_loop, padded_batch
 from kernel_helpers import random_layout, step_plan
@@ -114,13 +114,13 @@ class _EmulatedFp8(Emulated):
         self.scales.append(kv_scale)
         return (pool.double() * kv_scale.double()[None, :, None, :, None]).to(q.dtype)
 
-    def prefix(self, lib, stream, q, pool, *args, kv_scale, **kw):
-        ops.check_prefix(q, pool, *args[:9], *args[10:14], kv_scale=kv_scale)   # (not scale_log2, tune)
-        return super().prefix(lib, stream, q, self._dequantized(q, pool, kv_scale), *args, **kw)
+    def prefix(self, lib, stream, a):
+        ops.check_prefix(a)
+        return super().prefix(lib, stream, a._replace(pool=self._dequantized(a.q, a.pool, a.kv_scale), kv_scale=None))
 
-    def suffix(self, lib, stream, q, pool, *args, kv_scale, **kw):
-        ops.check_suffix(q, pool, *args[:7], *args[8:10], kv_scale=kv_scale)    # (not scale_log2)
-        return super().suffix(lib, stream, q, self._dequantized(q, pool, kv_scale), *args, **kw)
+    def suffix(self, lib, stream, a):
+        ops.check_suffix(a)
+        return super().suffix(lib, stream, a._replace(pool=self._dequantized(a.q, a.pool, a.kv_scale), kv_scale=None))
 
 
 def _build(plan, lay):
@@ -131,7 +131,7 @@ def _build(plan, lay):
 def _launch(state, lay):
     q, pool = _bf16(lay)
     out = torch.zeros(q.shape, dtype=torch.float64)
-    cuda_backend._launch(_FakeLib(), 0, q, pool, state, lay.scale, out, kernels=Emulated())
+    cuda_backend._launch(_FakeLib(), 0, q, pool, state, AttentionParams(lay.scale), out, kernels=Emulated())
     return out
 
 
@@ -155,7 +155,7 @@ def test_cuda_fp8_launches_inside_a_capture_read_the_pools_own_scales(capturing)
 
     def launch():
         kernels, out = _EmulatedFp8(), torch.zeros(q.shape, dtype=torch.float64)
-        cuda_backend._launch(_FakeLib(), 0, q, pool, state, lay.scale, out, kernels=kernels)
+        cuda_backend._launch(_FakeLib(), 0, q, pool, state, AttentionParams(lay.scale), out, kernels=kernels)
         assert kernels.scales and all(s is kv_scale(pool) for s in kernels.scales)
         return out
 

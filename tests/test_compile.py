@@ -179,10 +179,10 @@ def test_a_forward_that_cannot_trace_runs_uncompiled_logged(fresh_dynamo, monkey
     expected = _generate(stock, ids, mask, "beam")
     real = reference.BACKEND.forward
 
-    def forward_with_a_host_read(q, pool, metadata, scale, **quirks):
+    def forward_with_a_host_read(q, pool, metadata, params):
         if float(q.abs().sum()) < 0:        # never true, but a value read on the host
             raise AssertionError
-        return real(q, pool, metadata, scale, **quirks)
+        return real(q, pool, metadata, params)
 
     monkeypatch.setattr(reference.BACKEND, "forward", forward_with_a_host_read)
     compiled_calls = CompiledCalls(monkeypatch)
@@ -246,9 +246,9 @@ def test_a_static_layout_binds_each_layer_once(monkeypatch):
     selected = []
     real = kernels.select
 
-    def select(name, q, pool, plan=None, quirks=kernels.NO_QUIRKS):
-        selected.append((plan is not None and plan.static, quirks.window))
-        return real(name, q, pool, plan, quirks)
+    def select(name, q, pool, plan=None, params=None):
+        selected.append((plan is not None and plan.static, params.window))
+        return real(name, q, pool, plan, params)
 
     monkeypatch.setattr(kernels, "select", select)
     got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager"))
@@ -265,6 +265,7 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
     from types import SimpleNamespace
     from torch._subclasses.fake_tensor import FakeTensorMode
     from hf_cascade.kernels import cuda as cuda_backend
+    from hf_cascade.kernels.base import AttentionParams
     from test_kernel_ops import layout
 
     graphs_seen = []
@@ -283,9 +284,10 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
             slots=a["max_chunks"] + a["nsplit"], row_nchunks=a["row_nchunks"], part_o=a["part_o"],
             part_lse=a["part_lse"], dp=dp)
         sinks = torch.empty(a["q"].shape[2], device="cuda")
+        params = AttentionParams(0.1, softcap=30.0, window=64, sinks=sinks)
 
         def layer(q, pool):
-            return cuda_backend.BACKEND.forward(q * 2, pool, state, 0.1, softcap=30.0, window=64, sinks=sinks)
+            return cuda_backend.BACKEND.forward(q * 2, pool, state, params)
 
         out = torch.compile(layer, backend=keep, fullgraph=True)(a["q"], a["pool"])
     assert tuple(out.shape) == tuple(a["q"].shape) and out.is_cuda

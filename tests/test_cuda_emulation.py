@@ -14,12 +14,13 @@ arithmetic only as far as the transliteration is faithful; tests/test_gpu_kernel
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from hf_cascade.kernels.base import Quirks
+from hf_cascade.kernels.base import AttentionParams
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_tuning
 from hf_cascade.kernels import ops, reference
@@ -63,7 +64,8 @@ def softmax_state(scores, values, D):
 
 
 class Emulated:
-    """numpy stand-ins for hf_cascade.kernels.ops.{prefix,suffix,merge} (same signatures)."""
+    """numpy stand-ins for hf_cascade.kernels.ops.{prefix,suffix,merge} (same signatures: one kernel's arguments as
+    ops.PrefixArgs / SuffixArgs / MergeArgs; the emulation reads the fields it emulates by name)."""
 
     def __init__(self):
         self.launched = []       # the kernels launched, in order
@@ -71,10 +73,12 @@ class Emulated:
         self.prefix_tiles = 0    # K/V tiles the prefix kernel loaded
         self.tunes = []          # the tuning variant of every prefix launch
 
-    def prefix(self, lib, stream, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-               chunk_tokens, max_chunks, scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0):
-        ops.check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window)
+    def prefix(self, lib, stream, a):
+        ops.check_prefix(a)
+        self._prefix(**a._asdict())
+
+    def _prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
+                chunk_tokens, max_chunks, scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0, **_):
         self.launched.append("prefix")
         R, Lq, Hq, D = q.shape
         _, _, bs, Hkv, _ = pool.shape
@@ -176,9 +180,12 @@ class Emulated:
                         po[chunk][w], plse[chunk][w] = softmax_state(scores[m], values[m], D)
                         self.taken += [(f"prefix from slot {slot0}", g, *w, t) for t in keys[m]]
 
-    def suffix(self, lib, stream, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-               scale_log2, softcap=0.0, window=0):
-        ops.check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window)
+    def suffix(self, lib, stream, a):
+        ops.check_suffix(a)
+        self._suffix(**a._asdict())
+
+    def _suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2,
+                softcap=0.0, window=0, **_):
         self.launched.append("suffix")
         R, Lq, Hq, D = q.shape
         po = part_o.view(-1, R, Lq, Hq, D).numpy()
@@ -241,8 +248,10 @@ class Emulated:
                         self.taken += [("suffix", -1, *where[qi], t) for t in keys[qi]]
                         yield (split, where[qi], *softmax_state(scores[qi], values[qi], D))
 
-    def merge(self, lib, stream, part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid=None, mid_slot0=0,
-              sinks=None):
+    def merge(self, lib, stream, a):
+        self._merge(**a._asdict())
+
+    def _merge(self, part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid=None, mid_slot0=0, sinks=None, **_):
         self.launched.append("merge")
         R, Lq, Hq, D = out.shape
         po = part_o.view(-1, R, Lq, Hq, D).numpy()
@@ -312,13 +321,13 @@ def run(lay, plan, *, softcap=None, window=None, sinks=None):
     emulation (its list of the keys taken, and ``state``: the launch state it ran on)."""
     q = lay.q.to(torch.bfloat16)
     pool = lay.pool.to(torch.bfloat16)
-    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
+    params = AttentionParams(lay.scale, softcap=softcap, window=window, sinks=sinks)
     emu = Emulated()
     out = torch.zeros(q.shape, dtype=torch.float64)
-    emu.state = cuda_backend.BACKEND.build(plan, q, pool, quirks, lib=_FakeLib())
-    cuda_backend._launch(_FakeLib(), 0, q, pool, emu.state, lay.scale, out, kernels=emu, **quirks.kwargs())
-    ref = reference.attend(q.double(), pool.double(), plan, lay.scale,
-                           Quirks(softcap=softcap, window=window, sinks=None if sinks is None else sinks.double()))
+    emu.state = cuda_backend.BACKEND.build(plan, q, pool, params, lib=_FakeLib())
+    cuda_backend._launch(_FakeLib(), 0, q, pool, emu.state, params, out, kernels=emu)
+    ref = reference.attend(q.double(), pool.double(), plan,
+                           replace(params, sinks=None if sinks is None else sinks.double()))
     return out, ref, emu
 
 

@@ -218,12 +218,12 @@ def test_an_error_of_an_uncompiled_static_step_is_not_called_a_compile_failure(w
     ids, mask = padded_batch(lengths=(23, 17))
     real, calls = reference.BACKEND.forward, []
 
-    def failing(q, pool, metadata, scale, **quirks):
+    def failing(q, pool, metadata, params):
         if q.shape[1] == 1:                 # decode steps only
             calls.append(1)
             if len(calls) == 3 * cascade.config.num_hidden_layers:
                 raise FloatingPointError("kernel")
-        return real(q, pool, metadata, scale, **quirks)
+        return real(q, pool, metadata, params)
 
     monkeypatch.setattr(reference.BACKEND, "forward", failing)
     extra = dict(return_dict_in_generate=True, output_scores=True) if where == "runner" else {}

@@ -15,7 +15,7 @@ from conftest import cache_kw, model_pair, padded_batch, plans_every_step
 from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.config import FP8_BACKENDS, KV_DTYPES, ConfigTypeError
 from hf_cascade.kernels import ops, reference
-from hf_cascade.kernels.base import NO_QUIRKS, Backend, Quirks, kv_scale, with_kv_scale
+from hf_cascade.kernels.base import AttentionParams, Backend, kv_scale, with_kv_scale
 from hf_cascade.memory import SCALE_MARGIN, GrowStorage, StaticStorage
 from kernel_helpers import random_layout, random_three_level, step_plan
 
@@ -140,19 +140,19 @@ def _quantize(pool: torch.Tensor, seed: int):
     return with_kv_scale(stored, scale), dequantized
 
 
-@pytest.mark.parametrize("quirks", [NO_QUIRKS, Quirks(softcap=5.0), Quirks(window=7),
-                                    Quirks(sinks=torch.linspace(-1.0, 1.0, 8))])
+@pytest.mark.parametrize("quirks", [{}, {"softcap": 5.0}, {"window": 7}, {"sinks": torch.linspace(-1.0, 1.0, 8)}])
 @pytest.mark.parametrize("Lq", [1, 3])
 def test_reference_on_fp8_pool_equals_float64_attention_over_dequantized(quirks, Lq):
     lay = random_layout(3, groups=((3, 37), (2, 20)), lone_rows=2, suffix=(1, 25), Lq=Lq, Hkv=2, ratio=4, D=16, bs=4)
     pool8, deq = _quantize(lay.pool, seed=Lq)
     plan = lay.plan()
-    want = reference.attend(lay.q, deq, plan, lay.scale, quirks)
+    params = AttentionParams(lay.scale, **quirks)
+    want = reference.attend(lay.q, deq, plan, params)
     # float64 queries: dequantized in float64, the same numbers as `deq` (exact to float64 rounding)
-    got64 = reference.attend(lay.q, pool8, plan, lay.scale, quirks)
+    got64 = reference.attend(lay.q, pool8, plan, params)
     torch.testing.assert_close(got64, want, rtol=1e-12, atol=1e-12)
     # float32 queries compute in float32
-    got32 = reference.attend(lay.q.float(), pool8, plan, lay.scale, quirks)
+    got32 = reference.attend(lay.q.float(), pool8, plan, params)
     torch.testing.assert_close(got32.double(), want, rtol=1e-4, atol=1e-5)
     assert bool(torch.isfinite(got32).all())
 
@@ -315,16 +315,16 @@ def test_kernel_operators_check_an_fp8_pool_and_its_scales():
     pool = torch.zeros(5, 2, 16, 2, 64, dtype=FP8)
     table, limit = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, 1, dtype=torch.int32)
     part_o, part_lse = torch.zeros(2 * 2 * 8 * 64), torch.zeros(2 * 2 * 8)
-    args = (q, pool, table, limit, part_o, part_lse, 16, 1, 0)
+    args = ops.SuffixArgs(q, pool, table, limit, part_o, part_lse, 16, 1, 0, 0.1)
     with pytest.raises(ValueError, match="needs kv_scale"):
-        ops.check_suffix(*args)
+        ops.check_suffix(args)
     with pytest.raises(ValueError, match=r"kv_scale has shape \(2, 3\), expected \(2, 2\)"):
-        ops.check_suffix(*args, kv_scale=torch.ones(2, 3))
+        ops.check_suffix(args._replace(kv_scale=torch.ones(2, 3)))
     with pytest.raises(TypeError, match="kv_scale must be torch.float32"):
-        ops.check_suffix(*args, kv_scale=torch.ones(2, 2, dtype=torch.float64))
-    ops.check_suffix(*args, kv_scale=torch.ones(2, 2))
+        ops.check_suffix(args._replace(kv_scale=torch.ones(2, 2, dtype=torch.float64)))
+    ops.check_suffix(args._replace(kv_scale=torch.ones(2, 2)))
     with pytest.raises(TypeError, match="pool must be torch.bfloat16"):       # other dtypes stay refused
-        ops.check_suffix(q, pool.view(torch.uint8), *args[2:])
+        ops.check_suffix(args._replace(pool=pool.view(torch.uint8)))
     assert KV_DTYPE_CODES[FP8] == 1 and _kv_code(pool.view(torch.uint8), None) == (0, None)
     with pytest.raises(ValueError, match="needs its kv_scale"):
         _kv_code(pool, None)
@@ -360,20 +360,15 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
             super().__init__()
             self.scales = []            # the kv_scale of every launch
 
-        def prefix(self, lib, stream, q, pool, *args, kv_scale=None):
-            (gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, _, q_limit, slot0, cap,
-             win, _) = args
-            check_prefix(q, pool, gr, pt, pl, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
-                         slot0, cap, win, kv_scale)
-            self.scales.append(kv_scale)
-            super().prefix(lib, stream, q, dequantized(pool, kv_scale), *args)
+        def prefix(self, lib, stream, a):
+            check_prefix(a)
+            self.scales.append(a.kv_scale)
+            super().prefix(lib, stream, a._replace(pool=dequantized(a.pool, a.kv_scale), kv_scale=None))
 
-        def suffix(self, lib, stream, q, pool, *args, kv_scale=None):
-            suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, _, cap, win = args
-            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, cap, win,
-                         kv_scale)
-            self.scales.append(kv_scale)
-            super().suffix(lib, stream, q, dequantized(pool, kv_scale), *args)
+        def suffix(self, lib, stream, a):
+            check_suffix(a)
+            self.scales.append(a.kv_scale)
+            super().suffix(lib, stream, a._replace(pool=dequantized(a.pool, a.kv_scale), kv_scale=None))
 
     if three:
         lay = make_three_level(61, Lq=1, Hkv=2, ratio=4, D=128, bs=16, dtype=torch.float32)
@@ -383,12 +378,12 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
     plan = step_plan(lay)
     pool8, _ = _quantize(lay.pool.double(), seed=3)
     q = lay.q.to(torch.bfloat16)
-    quirks = Quirks(softcap=softcap, window=window)
+    params = AttentionParams(lay.scale, softcap=softcap, window=window)
     emu = Fp8Kernels()
-    emu.state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=emulation._FakeLib())
+    emu.state = cuda_backend.BACKEND.build(plan, q, pool8, params, lib=emulation._FakeLib())
     out = torch.zeros(q.shape, dtype=torch.float64)
-    cuda_backend._launch(emulation._FakeLib(), 0, q, pool8, emu.state, lay.scale, out, kernels=emu, **quirks.kwargs())
-    ref = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    cuda_backend._launch(emulation._FakeLib(), 0, q, pool8, emu.state, params, out, kernels=emu)
+    ref = reference.attend(q.double(), pool8, plan, params)
     emulation.check(out, ref, emu)
     assert emu.state.three == three and emu.state.tune == 0 and set(emu.tunes) == {0}
     assert len(emu.scales) == (3 if three else 2) and all(s is kv_scale(pool8) for s in emu.scales)
@@ -629,31 +624,28 @@ class _FoldedScales:
             po[slots, :, :, heads] = o_h.view(po.shape)[slots, :, :, heads] * float(kv_scale[1, h])
             pl[slots, :, :, heads] = lse_h.view(pl.shape)[slots, :, :, heads]
 
-    def prefix(self, lib, stream, q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks,
-               scale_log2, q_limit, slot0=0, softcap=0.0, window=0, tune=0, kv_scale=None):
-        ops.check_prefix(q, pool, gr, pt, plen, part_o, part_lse, m_tile, row_tiles, chunk_tokens, max_chunks, q_limit,
-                         slot0, softcap, window, kv_scale)
-        assert tune == 0
+    def prefix(self, lib, stream, a):
+        ops.check_prefix(a)
+        assert a.tune == 0
 
         def launch(q_, pool_, o_, lse_, s_):
-            self.kernels.prefix(lib, stream, q_, pool_, gr, pt, plen, o_, lse_, m_tile, row_tiles, chunk_tokens,
-                                max_chunks, s_, q_limit, slot0, softcap, window, tune)
-        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + max_chunks), scale_log2, kv_scale)
+            self.kernels.prefix(lib, stream, a._replace(q=q_, pool=pool_, part_o=o_, part_lse=lse_, scale_log2=s_,
+                                                        kv_scale=None))
+        self._per_head(launch, a.q, a.pool, a.part_o, a.part_lse, slice(a.slot0, a.slot0 + a.max_chunks),
+                       a.scale_log2, a.kv_scale)
 
-    def suffix(self, lib, stream, q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2,
-               softcap=0.0, window=0, kv_scale=None):
-        ops.check_suffix(q, pool, table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
-                         kv_scale)
+    def suffix(self, lib, stream, a):
+        ops.check_suffix(a)
 
         def launch(q_, pool_, o_, lse_, s_):
-            self.kernels.suffix(lib, stream, q_, pool_, table, q_limit, o_, lse_, split_tokens, nsplit, slot0, s_,
-                                softcap, window)
-        self._per_head(launch, q, pool, part_o, part_lse, slice(slot0, slot0 + nsplit), scale_log2, kv_scale)
+            self.kernels.suffix(lib, stream, a._replace(q=q_, pool=pool_, part_o=o_, part_lse=lse_, scale_log2=s_,
+                                                        kv_scale=None))
+        self._per_head(launch, a.q, a.pool, a.part_o, a.part_lse, slice(a.slot0, a.slot0 + a.nsplit), a.scale_log2,
+                       a.kv_scale)
 
 
 @pytest.mark.parametrize("three", [False, True], ids=["two-levels", "three-levels"])
-@pytest.mark.parametrize("quirks", [NO_QUIRKS, Quirks(softcap=20.0), Quirks(window=40)], ids=["plain", "softcap",
-                                                                                              "window"])
+@pytest.mark.parametrize("quirks", [{}, {"softcap": 20.0}, {"window": 40}], ids=["plain", "softcap", "window"])
 def test_cuda_backend_folded_scales_equal_the_reference_dequantization(monkeypatch, quirks, three):
     """The cuda backend's launches on an fp8 pool (cuda._launch: the pool's kv_scale to the prefix and suffix kernels)
     with the kernels' use of the scales emulated (K's folded into the scores' scale, once per KV head; V's on the
@@ -675,11 +667,12 @@ def test_cuda_backend_folded_scales_equal_the_reference_dequantization(monkeypat
     plan = step_plan(lay)
     pool8, _ = _quantize(lay.pool.double(), seed=5)
     q = lay.q.to(torch.bfloat16)
-    state = cuda_backend.BACKEND.build(plan, q, pool8, quirks, lib=_FakeLib())
-    assert state.three == (three and quirks.window is None) and state.max_chunks > 1 and (three or state.nsplit > 1)
+    params = AttentionParams(lay.scale, **quirks)
+    state = cuda_backend.BACKEND.build(plan, q, pool8, params, lib=_FakeLib())
+    assert state.three == (three and params.window is None) and state.max_chunks > 1 and (three or state.nsplit > 1)
     out = torch.zeros(q.shape, dtype=torch.float64)
-    cuda_backend._launch(_FakeLib(), 0, q, pool8, state, lay.scale, out, kernels=_FoldedScales(), **quirks.kwargs())
-    want = reference.attend(q.double(), pool8, plan, lay.scale, quirks)
+    cuda_backend._launch(_FakeLib(), 0, q, pool8, state, params, out, kernels=_FoldedScales())
+    want = reference.attend(q.double(), pool8, plan, params)
     assert torch.isfinite(out).all(), "a NaN key (an unused pool slot) was read"
     err = (out - want).abs().max() / want.abs().max()
     assert err < 2e-5, f"max error {err:.2e} relative to the largest output"

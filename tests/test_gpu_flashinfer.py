@@ -80,8 +80,9 @@ def rel_err(out, ref):
 def attend(module, q, pool, plan, scale):
     """One layer on the FlashInfer backend of ``module`` as the attention runs it: the step's metadata (its planned
     wrappers, shared by the step's layers), then the layer's forward."""
-    metadata = step_context_of(plan).backend_metadata(module.BACKEND, q, pool, kernels.NO_QUIRKS)
-    return module.BACKEND.forward(q, pool, metadata, scale)
+    params = kernels.AttentionParams(scale)
+    metadata = step_context_of(plan).backend_metadata(module.BACKEND, q, pool, params)
+    return module.BACKEND.forward(q, pool, metadata, params)
 
 
 def reference_out(q, pool, plan, scale):

@@ -23,7 +23,7 @@ import hf_cascade
 from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning, ops, reference
-from hf_cascade.kernels.base import Quirks, kv_scale, with_kv_scale
+from hf_cascade.kernels.base import AttentionParams, as_params, kv_scale, with_kv_scale
 from conftest import RunnerSpy, cache_kw
 from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
 from test_gpu_kernels import compare
@@ -55,19 +55,21 @@ def case(seed, *, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((3, 100),), lo
     return lay.q.to(dtype), quantize(lay.pool, seed), lay.plan(), lay.scale
 
 
-def cuda_attend(q, pool, plan, scale, quirks: Quirks = Quirks()):
-    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
-    return cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs())
+def cuda_attend(q, pool, plan, params):
+    params = as_params(params)
+    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, params)
+    return cuda_backend.BACKEND.forward(q, pool, metadata, params)
 
 
-def check(q, pool, plan, scale, quirks: Quirks = Quirks(), **tol):
-    assert kernels.select("cuda", q, pool, plan, quirks) is cuda_backend.BACKEND
-    assert kernels.select("auto", q, pool, plan, quirks) is cuda_backend.BACKEND     # "auto" takes fp8 to the kernels
-    out = cuda_attend(q, pool, plan, scale, quirks)
+def check(q, pool, plan, params, **tol):
+    params = as_params(params)
+    assert kernels.select("cuda", q, pool, plan, params) is cuda_backend.BACKEND
+    assert kernels.select("auto", q, pool, plan, params) is cuda_backend.BACKEND     # "auto" takes fp8 to the kernels
+    out = cuda_attend(q, pool, plan, params)
     torch.cuda.synchronize()
-    ref_quirks = Quirks(softcap=quirks.softcap, window=quirks.window,
-                        sinks=None if quirks.sinks is None else quirks.sinks.float())
-    ref = reference.attend(q.float(), pool, plan, scale, ref_quirks)     # the same fp8 pool, dequantized in float32
+    ref_params = AttentionParams(params.scale, softcap=params.softcap, window=params.window,
+                                 sinks=None if params.sinks is None else params.sinks.float())
+    ref = reference.attend(q.float(), pool, plan, ref_params)     # the same fp8 pool, dequantized in float32
     compare(out, ref, q, **tol)
     return out, ref
 
@@ -106,7 +108,7 @@ def test_fp8_long_suffix_is_split():
 def test_fp8_variants(D, softcap, window, sinks):
     q, pool, plan, scale = case(300 + D, D=D, ratio=4, groups=((4, 2100), (2, 90)), lone_rows=1, suffix=(1, 300))
     s = torch.linspace(-2.0, 2.0, q.shape[2], device="cuda") if sinks else None
-    check(q, pool, plan, scale, Quirks(softcap=softcap, window=window, sinks=s))
+    check(q, pool, plan, AttentionParams(scale, softcap=softcap, window=window, sinks=s))
 
 
 @pytest.mark.parametrize("D,ratio", [(128, 4), (64, 8)])
@@ -146,9 +148,9 @@ def test_fp8_pool_without_scales_or_on_a_variant_is_refused():
     dp = st.dp
     # tuning variant 1 (n64, compiled for bf16, head_dim 128, 64 rows) reads 16-bit pools only
     with pytest.raises(RuntimeError, match="float8_e4m3fn pool needs kv_scale and the default kernel"):
-        lib.prefix(q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse, 64, 1,
-                   st.chunk_tokens, st.max_chunks, 1.0, torch.cuda.current_stream().cuda_stream, dp.q_limit,
-                   tune=1, kv_scale=kv_scale(pool))
+        lib.prefix(ops.PrefixArgs(q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse, 64,
+                                  1, st.chunk_tokens, st.max_chunks, 1.0, dp.q_limit, tune=1,
+                                  kv_scale=kv_scale(pool)), torch.cuda.current_stream().cuda_stream)
 
 
 def test_fp8_in_a_cuda_graph(monkeypatch):
@@ -208,10 +210,10 @@ def test_fp8_prefix_kernel_time_report(monkeypatch):
             lib = cuda_backend.library(q.device)
 
             def layer():
-                cuda_backend._launch(lib, stream, q, pool, st, lay.scale, out)
+                cuda_backend._launch(lib, stream, q, pool, st, AttentionParams(lay.scale), out)
 
             def prefix():
-                cuda_backend._launch(lib, stream, q, pool, st, lay.scale, out, kernels=_PrefixOnly)
+                cuda_backend._launch(lib, stream, q, pool, st, AttentionParams(lay.scale), out, kernels=_PrefixOnly)
 
             for what, fn in (("prefix", prefix), ("layer", layer)):
                 for _ in range(3):

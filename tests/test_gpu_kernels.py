@@ -26,7 +26,7 @@ from hf_cascade import kernels
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
-from hf_cascade.kernels.base import Quirks
+from hf_cascade.kernels.base import AttentionParams, as_params
 from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
 
 BF, FP = torch.bfloat16, torch.float16
@@ -46,10 +46,12 @@ def states(plan) -> list:
     return list(step_context_of(plan).metadata.values())
 
 
-def cuda_attend(q, pool, plan, scale, quirks: Quirks = Quirks()):
-    """One layer on the cuda backend as the attention runs it: the step's metadata, then the layer's forward."""
-    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, quirks)
-    return cuda_backend.BACKEND.forward(q, pool, metadata, scale, **quirks.kwargs())
+def cuda_attend(q, pool, plan, params):
+    """One layer on the cuda backend as the attention runs it: the step's metadata, then the layer's forward
+    (``params``: the layer's AttentionParams, or a bare scale)."""
+    params = as_params(params)
+    metadata = step_context_of(plan).backend_metadata(cuda_backend.BACKEND, q, pool, params)
+    return cuda_backend.BACKEND.forward(q, pool, metadata, params)
 
 
 def check_case(q, pool, plan, scale, *, tol=1e-2, row_tol=2e-2):
@@ -61,12 +63,12 @@ def check_case(q, pool, plan, scale, *, tol=1e-2, row_tol=2e-2):
 
 def check_variants(q, pool, plan, scale, *, softcap=None, window=None, sinks=None, tol=1e-2, row_tol=2e-2):
     """The cuda backend with a layer's variants vs the float32 reference with the same ones; returns both."""
-    quirks = Quirks(softcap=softcap, window=window, sinks=sinks)
-    assert kernels.select("cuda", q, pool, plan, quirks) is cuda_backend.BACKEND    # the backend declares them
-    out = cuda_attend(q, pool, plan, scale, quirks)
+    params = AttentionParams(scale, softcap=softcap, window=window, sinks=sinks)
+    assert kernels.select("cuda", q, pool, plan, params) is cuda_backend.BACKEND    # the backend declares them
+    out = cuda_attend(q, pool, plan, params)
     torch.cuda.synchronize()
-    ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(
-        softcap=softcap, window=window, sinks=None if sinks is None else sinks.float()))
+    ref = reference.attend(q.float(), pool.float(), plan, AttentionParams(
+        scale, softcap=softcap, window=window, sinks=None if sinks is None else sinks.float()))
     compare(out, ref, q, tol=tol, row_tol=row_tol)
     return out, ref
 
@@ -306,19 +308,19 @@ def test_window_in_a_cuda_graph_follows_the_device_lengths(monkeypatch):
     # change (as a static decode layout's buffers do between steps), with the same launch shapes
     q, pool, plan, scale = make_case(1200, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
                                      groups=((4, 700), (3, 90)), lone_rows=1, suffix=(40, 120))
-    quirks = Quirks(window=64, softcap=20.0)
-    cuda_attend(q, pool, plan, scale, quirks)            # the prefix kernel's one-time setup, the step state
+    params = AttentionParams(scale, window=64, softcap=20.0)
+    cuda_attend(q, pool, plan, params)            # the prefix kernel's one-time setup, the step state
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cuda_attend(q, pool, plan, scale, quirks)
+        out = cuda_attend(q, pool, plan, params)
     dp = plan.on(q.device)
     for cut in (0, 30):
         plan.q_limit[:] = np.maximum(plan.q_limit - cut, 0)   # fewer suffix tokens: the window moves back
         dp.q_limit.copy_(torch.from_numpy(plan.q_limit))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(window=64, softcap=20.0))
+        ref = reference.attend(q.float(), pool.float(), plan, params)
         compare(out, ref, q)
 
 

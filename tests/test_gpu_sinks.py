@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_cascade import kernels
-from hf_cascade.kernels.base import Quirks
+from hf_cascade.kernels.base import AttentionParams
 from hf_cascade.kernels import reference
 from kernel_helpers import step_plan
 from test_reference_kernels import make_layout, make_three_level
@@ -37,9 +37,9 @@ def backend(request):
 
 def check_against_reference(backend, q, pool, plan, scale, sinks, *, tol=1e-2, row_tol=2e-2, **quirks):
     """The backend with the sinks (and other quirks) vs the float32 reference on the same inputs."""
-    out = backend.attend(q, pool, plan, scale, Quirks(sinks=sinks, **quirks))
+    out = backend.attend(q, pool, plan, AttentionParams(scale, sinks=sinks, **quirks))
     torch.cuda.synchronize()
-    ref = reference.attend(q.float(), pool.float(), plan, scale, Quirks(sinks=sinks.float(), **quirks))
+    ref = reference.attend(q.float(), pool.float(), plan, AttentionParams(scale, sinks=sinks.float(), **quirks))
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out.float()).all()
     o = out.float()
     assert (o - ref).norm() / ref.norm().clamp_min(1e-30) < tol
@@ -48,7 +48,7 @@ def check_against_reference(backend, q, pool, plan, scale, sinks, *, tol=1e-2, r
     if (size > 0).any():
         assert (diff[size > 0] / size[size > 0]).max() < row_tol
     # the sinks changed the result, so the comparison above checks them
-    plain = reference.attend(q.float(), pool.float(), plan, scale, Quirks(**quirks))
+    plain = reference.attend(q.float(), pool.float(), plan, AttentionParams(scale, **quirks))
     assert not torch.allclose(plain, ref, atol=1e-2)
 
 

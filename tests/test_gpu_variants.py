@@ -69,9 +69,9 @@ def _count_cuda_layers(monkeypatch) -> list:
     from hf_cascade.kernels import cuda as cuda_backend
     calls, real = [], cuda_backend.CudaBackend.forward
 
-    def counted(self, q, pool, metadata, scale, *, softcap=None, window=None, sinks=None):
-        calls.append((window, softcap))
-        return real(self, q, pool, metadata, scale, softcap=softcap, window=window, sinks=sinks)
+    def counted(self, q, pool, metadata, params):
+        calls.append((params.window, params.softcap))
+        return real(self, q, pool, metadata, params)
 
     monkeypatch.setattr(cuda_backend.CudaBackend, "forward", counted)
     return calls

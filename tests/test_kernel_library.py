@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cascade.kernels import _build, cuda_binding, cuda_library
+from hf_cascade.kernels import _build, cuda_binding, cuda_library, ops
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -168,7 +168,7 @@ def test_a_dtype_without_kernels_is_named(tmp_path):
     out = torch.zeros(1, 1, 8, 128)
     with pytest.raises(TypeError, match=r"dtype torch.float32 has no instantiation \(compiled: torch.bfloat16, "
                                         r"torch.float16\)"):
-        lib.merge(out, out, out, out, 0, 1, 0)
+        lib.merge(ops.MergeArgs(out, out, out, out, 0, 1), 0)
 
 
 def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import ops
+from hf_cascade.kernels.base import AttentionParams
 
 ROOT = Path(__file__).resolve().parents[1]
 I32 = torch.int32
@@ -152,13 +153,13 @@ class _Layer(torch.nn.Module):
 
     def forward(self, x, a):
         q = self.proj(x).view(a["q"].shape)
-        ops.prefix(None, 0, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], a["part_o"],
-                   a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"],
-                   a["q_limit"])
-        ops.suffix(None, 0, q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
-                   a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"])
+        ops.prefix(None, 0, ops.PrefixArgs(q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"],
+                                           a["part_o"], a["part_lse"], a["m_tile"], a["row_tiles"], a["chunk_tokens"],
+                                           a["max_chunks"], a["scale_log2"], a["q_limit"]))
+        ops.suffix(None, 0, ops.SuffixArgs(q, a["pool"], a["suffix_table"], a["q_limit"], a["part_o"], a["part_lse"],
+                                           a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"]))
         out = torch.empty_like(q)
-        ops.merge(None, 0, a["part_o"], a["part_lse"], a["row_nchunks"], out, a["slot0"], a["nsplit"])
+        ops.merge(None, 0, ops.MergeArgs(a["part_o"], a["part_lse"], a["row_nchunks"], out, a["slot0"], a["nsplit"]))
         return (out.float() * 2).sum()
 
 
@@ -210,7 +211,7 @@ def _real_case(dtype=torch.bfloat16, D=128):
     q, pool, plan, scale = make_case(31, dtype=dtype, D=D, Hkv=2, ratio=4, bs=16, groups=((4, 700), (3, 40)),
                                      lone_rows=1, suffix=(1, 300))
     st = cuda_backend.BACKEND.build(plan, q, pool)
-    eager = cuda_backend.BACKEND.forward(q, pool, st, scale)
+    eager = cuda_backend.BACKEND.forward(q, pool, st, AttentionParams(scale))
     dp = st.dp
     a = dict(q=q, pool=pool, group_rows=dp.group_rows, prefix_table=dp.prefix_table, prefix_len=dp.prefix_len,
              suffix_table=dp.suffix_table, q_limit=dp.q_limit, row_nchunks=st.row_nchunks,
@@ -255,16 +256,17 @@ def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
                                      groups=((4, 700), (3, 40)), lone_rows=1, suffix=(1, 300))
     backend = cuda_backend.BACKEND
     st = backend.build(plan, q, pool)          # the launch state: before the capture
-    backend.forward(q, pool, st, scale)
+    params = AttentionParams(scale)
+    backend.forward(q, pool, st, params)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.forward(q, pool, st, scale)
+        out = backend.forward(q, pool, st, params)
     for seed in (1, 2):
         q.copy_(torch.randn(q.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, backend.forward(q.clone(), pool, st, scale))
+        assert torch.equal(out, backend.forward(q.clone(), pool, st, params))
 
 
 @gpu
@@ -276,12 +278,13 @@ def test_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
     stream = torch.cuda.current_stream().cuda_stream      # eager launches' stream (the operators find their own)
 
     def layer(q, part_o, part_lse):
-        ops.prefix(lib, stream, q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"], part_o, part_lse,
-                   a["m_tile"], a["row_tiles"], a["chunk_tokens"], a["max_chunks"], a["scale_log2"], a["q_limit"])
-        ops.suffix(lib, stream, q, a["pool"], a["suffix_table"], a["q_limit"], part_o, part_lse, a["split_tokens"],
-                   a["nsplit"], a["slot0"], a["scale_log2"])
+        ops.prefix(lib, stream, ops.PrefixArgs(q, a["pool"], a["group_rows"], a["prefix_table"], a["prefix_len"],
+                                               part_o, part_lse, a["m_tile"], a["row_tiles"], a["chunk_tokens"],
+                                               a["max_chunks"], a["scale_log2"], a["q_limit"]))
+        ops.suffix(lib, stream, ops.SuffixArgs(q, a["pool"], a["suffix_table"], a["q_limit"], part_o, part_lse,
+                                               a["split_tokens"], a["nsplit"], a["slot0"], a["scale_log2"]))
         out = torch.empty_like(q)
-        ops.merge(lib, stream, part_o, part_lse, a["row_nchunks"], out, a["slot0"], a["nsplit"])
+        ops.merge(lib, stream, ops.MergeArgs(part_o, part_lse, a["row_nchunks"], out, a["slot0"], a["nsplit"]))
         return out * 2
 
     q = (a["q"].float() * 0.5).to(a["q"].dtype)

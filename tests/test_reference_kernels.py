@@ -22,6 +22,7 @@ from hf_cascade.kernels.reference import (
     prefix_attention,
     suffix_attention,
 )
+from hf_cascade.kernels.base import AttentionParams
 from kernel_helpers import random_layout
 
 LN2 = math.log(2.0)
@@ -346,7 +347,7 @@ def test_softcap_and_window_against_dense(softcap, window, Lq):
     lay = make_layout(77 + Lq, Lq=Lq, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
     k, v = caches(lay)
     o = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
-                          lay.suffix_table, lay.q_limit, lay.scale, softcap=softcap, window=window)
+                          lay.suffix_table, lay.q_limit, AttentionParams(lay.scale, softcap=softcap, window=window))
     check(o, _dense_quirks(lay, softcap, window), torch.float64)
     if softcap is not None or window in (1, 3, 9):   # the quirk changes the result (40 cuts nothing here)
         assert not torch.allclose(o, _dense_quirks(lay, None, None))
@@ -355,16 +356,15 @@ def test_softcap_and_window_against_dense(softcap, window, Lq):
 def test_attend_applies_the_layer_quirks():
 
     from hf_cascade.kernels import reference
-    from hf_cascade.kernels.base import Quirks
 
     lay = make_layout(5, Lq=2, Hkv=2, ratio=2, D=32, bs=4, dtype=torch.float64)
     dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table",
                                                  "q_limit")})
     plan = SimpleNamespace(on=lambda device: dp)
-    o = reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(softcap=1.5, window=5))
+    o = reference.attend(lay.q, lay.pool, plan, AttentionParams(lay.scale, softcap=1.5, window=5))
     check(o, _dense_quirks(lay, 1.5, 5), torch.float64)
     sinks = torch.linspace(-2.0, 3.0, lay.q.shape[2], dtype=torch.float64)
-    o = reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(softcap=1.5, window=5, sinks=sinks))
+    o = reference.attend(lay.q, lay.pool, plan, AttentionParams(lay.scale, softcap=1.5, window=5, sinks=sinks))
     check(o, _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, 1.5, 5, sinks), torch.float64)
 
 
@@ -373,34 +373,38 @@ def test_select_skips_backends_lacking_a_layer_quirk(monkeypatch):
     import types
     from hf_cascade import kernels
     from hf_cascade.kernels import reference as reference_backend
-    from hf_cascade.kernels.base import Backend, Quirks
+    from hf_cascade.kernels.base import Backend
     plain = Backend()           # takes everything, implements no quirk
     monkeypatch.setitem(kernels._loaded, "cuda", plain)
     monkeypatch.setitem(kernels._loaded, "flashinfer", ImportError("absent"))
     q, pool, plan = torch.zeros(1, 1, 2, 8), torch.zeros(1, 2, 4, 1, 8), types.SimpleNamespace(src_index=None)
     assert kernels.select("auto", q, pool, plan) is plain
     for quirk in ({"softcap": 30.0}, {"window": 4}, {"sinks": torch.zeros(2)}):
-        assert kernels.select("auto", q, pool, plan, Quirks(**quirk)) is reference_backend.BACKEND
+        assert kernels.select("auto", q, pool, plan, AttentionParams(0.5, **quirk)) is reference_backend.BACKEND
+        assert plain.refusal(AttentionParams(0.5, **quirk)) is not None
         with pytest.raises(NotImplementedError, match="not implemented in this backend"):
-            kernels.select("cuda", q, pool, plan, Quirks(**quirk))
+            kernels.select("cuda", q, pool, plan, AttentionParams(0.5, **quirk))
+    assert plain.refusal(AttentionParams(0.5)) is None
 
 
 
 def test_quirk_sets_tell_layers_sinks_apart():
-    """Sinks are a tensor per layer: quirk sets (the step context's keys) compare them by identity, so two
+    """Sinks are a tensor per layer: AttentionParams (the step context's keys) compare them by identity, so two
     layers with equal-valued sinks still get backend choices of their own, and a layer gets the same one every
     time."""
     from hf_cascade.context import StepContext
-    from hf_cascade.kernels.base import Quirks
+    P = AttentionParams
     a, b = torch.zeros(4), torch.zeros(4)
-    assert Quirks(sinks=a) == Quirks(sinks=a) and hash(Quirks(sinks=a)) == hash(Quirks(sinks=a))
-    assert Quirks(sinks=a) != Quirks(sinks=b) and Quirks(sinks=a) != Quirks()
-    assert Quirks(softcap=2.0, window=4) == Quirks(softcap=2.0, window=4)
+    assert P(0.5, sinks=a) == P(0.5, sinks=a) and hash(P(0.5, sinks=a)) == hash(P(0.5, sinks=a))
+    assert P(0.5, sinks=a) != P(0.5, sinks=b) and P(0.5, sinks=a) != P(0.5) and P(0.5) != P(0.25)
+    assert P(0.5, softcap=2.0, window=4) == P(0.5, softcap=2.0, window=4)
+    assert P(0.5, 2.0, 4, a).serves(0.5, 2.0, 4, a) and not P(0.5, 2.0, 4, a).serves(0.5, 2.0, 4, b)
+    assert P(0.5, window=4).without_window() == P(0.5) and P(0.5, sinks=a).quirks() == ("sinks",)
     ctx = StepContext(cache=None, plan=SimpleNamespace(src_index=None), step_id=0)
     q, pool = torch.zeros(1, 1, 4, 8), torch.zeros(1, 2, 4, 2, 8)
-    for quirks in (Quirks(sinks=a), Quirks(sinks=b), Quirks(sinks=a), Quirks()):
-        ctx.backend("reference", q, pool, quirks)
-    assert [key[0] for key in ctx.backends] == [Quirks(sinks=a), Quirks(sinks=b), Quirks()]
+    for params in (P(0.5, sinks=a), P(0.5, sinks=b), P(0.5, sinks=a), P(0.5)):
+        ctx.backend("reference", q, pool, params)
+    assert [key[0] for key in ctx.backends] == [P(0.5, sinks=a), P(0.5, sinks=b), P(0.5)]
     assert next(iter(ctx.backends))[0].sinks is a
 
 # --------------------------------------------------------------------------- attention sinks
@@ -513,7 +517,7 @@ def test_sinks_against_dense(ratio, Lq, window, softcap, dtype):
     sinks = (3.0 * torch.randn(Hq, generator=torch.Generator().manual_seed(Hq), dtype=torch.float64)).to(dtype)
     k, v = caches(lay)
     o = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
-                          lay.suffix_table, lay.q_limit, lay.scale, softcap=softcap, window=window, sinks=sinks)
+                          lay.suffix_table, lay.q_limit, AttentionParams(lay.scale, softcap, window, sinks))
     assert o.dtype == dtype
     expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, softcap, window, sinks)
     check(o, expected, dtype)
@@ -535,19 +539,18 @@ def test_sinks_enter_once_with_three_levels(ratio, Lq, bs, dtype):
     expected = _dense_from_keys(lay.q, lay.pool, _two_level_keys(lay), lay.scale, sinks=lay.sinks)
     three = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
                                   lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,
-                                  lay.inner_q_limit, lay.scale, sinks=lay.sinks)
+                                  lay.inner_q_limit, AttentionParams(lay.scale, sinks=lay.sinks))
     two = cascade_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
-                            lay.suffix_table, lay.q_limit, lay.scale, sinks=lay.sinks)
+                            lay.suffix_table, lay.q_limit, AttentionParams(lay.scale, sinks=lay.sinks))
     check(three, expected, dtype)
     check(two, expected, dtype)
     assert (three[9] == 0).all()         # no key at all: the whole weight goes to the sink (value 0)
     # attend() takes the three-level path for such a plan and applies the layer's sinks
-    from hf_cascade.kernels.base import Quirks
     dp = SimpleNamespace(**{n: getattr(lay, n) for n in ("group_rows", "prefix_table", "prefix_len", "suffix_table", "q_limit",
                                                  "mid_group_rows", "mid_table", "mid_len", "inner_suffix_table",
                                                  "inner_q_limit")})
     plan = SimpleNamespace(on=lambda device: dp)
-    check(reference.attend(lay.q, lay.pool, plan, lay.scale, Quirks(sinks=lay.sinks)), expected, dtype)
+    check(reference.attend(lay.q, lay.pool, plan, AttentionParams(lay.scale, sinks=lay.sinks)), expected, dtype)
     # what the test tells apart: no sinks, and a sink merged into every level's partial state
     without = three_level_attention(lay.q, k, v, lay.group_rows, lay.prefix_table, lay.prefix_len,
                                     lay.mid_group_rows, lay.mid_table, lay.mid_len, lay.inner_suffix_table,

@@ -178,9 +178,9 @@ def test_sliding_window_crossed_during_the_call_through_the_runner(mode, window,
     windows = []                      # the window each decode attention call was given
     real_forward = reference.BACKEND.forward
 
-    def forward(q, pool, metadata, scale, **quirks):
-        windows.append((metadata.plan.static, quirks.get("window")))
-        return real_forward(q, pool, metadata, scale, **quirks)
+    def forward(q, pool, metadata, params):
+        windows.append((metadata.plan.static, params.window))
+        return real_forward(q, pool, metadata, params)
 
     monkeypatch.setattr(reference.BACKEND, "forward", forward)
     spy = RunnerSpy(monkeypatch)

@@ -1,9 +1,11 @@
 """Attention kernel backends behind one interface, and the registry that chooses one.
 
 A backend is an instance of :class:`~hf_cascade.kernels.base.Backend` (each backend module's ``BACKEND``): declared
-capabilities, ``unsupported_reason``, a per-step ``build(plan, ...) -> metadata`` and ``forward(q, pool, metadata,
-scale, *, softcap, window, sinks)``. :data:`REGISTRY` names them in ``backend="auto"``'s order; :func:`select`
-chooses one for a layer shape (the step context calls it once per step and shape).
+capabilities, ``unsupported_reason`` (the layer's variants: ``refusal(params)``), a per-step ``build(plan, ...) ->
+metadata`` and ``forward(q, pool, metadata, params)``, ``params`` the layer's
+:class:`~hf_cascade.kernels.base.AttentionParams` (scale, softcap, window, sinks: one value). :data:`REGISTRY` names
+them in ``backend="auto"``'s order; :func:`select` chooses one for a layer shape (the step context calls it once per
+step and shape).
 
 :mod:`hf_cascade.kernels.reference` documents the semantics; every backend must match it.
 
@@ -24,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from .base import NO_QUIRKS, QUIRK_NAMES, Backend, Quirks, is_quantized  # noqa: F401  (re-exported)
+from .base import QUIRK_NAMES, AttentionParams, Backend, as_params, is_quantized  # noqa: F401  (re-exported)
 from .capture import capture_underway, refuse_in_capture  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_cascade")
@@ -116,12 +118,12 @@ def check_kv_dtype(name: str, kv_dtype: torch.dtype, device) -> None:
                          f"backend='auto', or kv_dtype=None.")
 
 
-def select(name: str, q, pool, plan=None, quirks: Quirks = NO_QUIRKS) -> Backend:
-    """The backend that runs a layer with queries ``q`` over ``pool`` with ``quirks`` in the step of ``plan`` (None:
-    any step): ``name``, or for "auto" the first in the registry that can."""
+def select(name: str, q, pool, plan=None, params: AttentionParams | None = None) -> Backend:
+    """The backend that runs a layer with queries ``q`` over ``pool`` with ``params`` (None: no variant on) in the
+    step of ``plan`` (None: any step): ``name``, or for "auto" the first in the registry that can."""
     if name != "auto":
         backend = load(name)
-        reason = backend.unsupported_reason(q, pool, plan, quirks)
+        reason = backend.unsupported_reason(q, pool, plan, params)
         if reason is not None:
             raise NotImplementedError(f"kernel backend {name!r} cannot run this step: {reason}. "
                                       "Use CascadeConfig(backend='auto') or 'reference'.")
@@ -135,7 +137,7 @@ def select(name: str, q, pool, plan=None, quirks: Quirks = NO_QUIRKS) -> Backend
             _log_once((candidate, "import"), "%s", str(err))
             _warn_fixable(candidate, str(err), q)
             continue
-        reason = backend.unsupported_reason(q, pool, plan, quirks)
+        reason = backend.unsupported_reason(q, pool, plan, params)
         if reason is None and is_quantized(pool) and pool.dtype not in backend.auto_kv_dtypes:
             reason = f"a {str(pool.dtype).replace('torch.', '')} pool is served on request only (backend={candidate!r})"
         if reason is None:

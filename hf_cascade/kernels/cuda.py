@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +54,7 @@ from torch.compiler import is_compiling as _is_compiling   # bound once: the eag
 
 from . import ops
 from .capture import refuse_in_capture
-from .base import KV_SCALED_DTYPES, NO_QUIRKS, Backend, Quirks, is_quantized, kv_scale
+from .base import KV_SCALED_DTYPES, AttentionParams, Backend, is_quantized, kv_scale
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
                            _SuffixParams)
 from .cuda_library import (PREBUILT, _find_nvcc, availability, build_library, library,  # noqa: F401 (re-exported)
@@ -66,16 +65,13 @@ from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, HOPPER_KERNEL,  # noqa
                           prefix_tune, set_prefix_tune)
 from .cuda_tuning import PrefixLevel as _PrefixLevel  # noqa: F401 (the step state's levels)
 from .cuda_tuning import prefix_level as _prefix_level
-from .ops import DTYPE_CODES, HEAD_DIMS
+from .ops import DTYPE_CODES, HEAD_DIMS, LOG2E, MergeArgs, PrefixArgs, SuffixArgs, layer_args  # noqa: F401
 
 __all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
            "choose_suffix_split", "PrefixTune", "parse_prefix_tune", "prefix_tune",
            "set_prefix_tune", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS"]
 
 logger = logging.getLogger("hf_cascade")
-
-LOG2E = 1.0 / math.log(2.0)
-
 
 
 @dataclass
@@ -192,6 +188,11 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
 
 # --------------------------------------------------------------------------------------- the backend
 
+def _plain(params: AttentionParams) -> bool:
+    """A layer with neither softcap nor window: a tuning variant or the Hopper prefix kernel may serve it."""
+    return params.softcap is None and params.window is None
+
+
 def _unsupported(q, pool):
     """Beyond the declared dtypes, head dims and device: why this backend cannot take a layer of ``q`` over
     ``pool``, or None."""
@@ -248,29 +249,29 @@ class CudaBackend(Backend):
     def _unsupported(self, q, pool, plan):
         return _unsupported(q, pool)
 
-    def metadata_key(self, q, pool, quirks: Quirks, plan=None):
+    def metadata_key(self, q, pool, params: AttentionParams, plan=None):
         # not the pool's size: a pool that grows between a graph's warm-up and its capture (VMM maps ahead in the
         # background) must not make a new state, whose uploads would break the capture; indices stay valid as it grows
         R, Lq, Hq, D = q.shape
         tune = prefix_tune()
-        plain = quirks.softcap is None and quirks.window is None
+        plain = _plain(params)
         # a layer with a window reads a three-level plan as two levels (build): its own state only then
-        three = quirks.window is None and plan is not None and _has_middle(plan)
+        three = params.window is None and plan is not None and _has_middle(plan)
         return (str(q.device), R, Lq, Hq, pool.shape[3], D, pool.shape[2], q.dtype, pool.dtype, three,
                 plain and tune.splits_by_plainness(q.dtype, D), tune)
 
-    def build(self, plan, q, pool, quirks: Quirks = NO_QUIRKS, lib: "_Lib | None" = None) -> _StepState:
-        """The launch state of ``plan`` for layers like ``q`` with ``quirks`` (``lib``: the kernels' library, by
-        default the one of q's device)."""
+    def build(self, plan, q, pool, params: AttentionParams | None = None, lib: "_Lib | None" = None) -> _StepState:
+        """The launch state of ``plan`` for layers like ``q`` of ``params`` (None: no variant on; ``lib``: the
+        kernels' library, by default the one of q's device)."""
         # like the reference, a layer with a window reads two levels (its window start is defined over the group
         # prefix + the row's suffix); the others read a three-level plan's middle level once per subgroup
-        three = quirks.window is None and _has_middle(plan)
-        plain = quirks.softcap is None and quirks.window is None
+        three = (params is None or params.window is None) and _has_middle(plan)
+        plain = params is None or _plain(params)
         # on q's device: the prefix variants' one-time setup applies to the current device
         with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
             return _step_state(library(q.device) if lib is None else lib, q, pool, plan, three, plain)
 
-    def forward(self, q, pool, metadata: _StepState, scale, *, softcap=None, window=None, sinks=None):
+    def forward(self, q, pool, metadata: _StepState, params: AttentionParams):
         pool_ok = pool.dtype == q.dtype or (is_quantized(pool) and kv_scale(pool) is not None)
         if q.dtype not in DTYPE_CODES or not pool_ok or not q.is_cuda or pool.device != q.device:
             raise TypeError(f"cuda backend: q {q.dtype} on {q.device}, pool {pool.dtype} on {pool.device}"
@@ -290,63 +291,49 @@ class CudaBackend(Backend):
         if out.numel() == 0:
             return out
         if traced:      # the operators (kernels.ops) find the library and launch on the current stream when they run
-            _launch(None, 0, q, pool, metadata, scale, out, softcap=softcap, window=window, sinks=sinks)
+            _launch(None, 0, q, pool, metadata, params, out)
             return out
         with torch.cuda.device(q.device):
             lib = library(q.device)
-            _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, metadata, scale, out,
-                    softcap=softcap, window=window, sinks=sinks)
+            _launch(lib, torch.cuda.current_stream(q.device).cuda_stream, q, pool, metadata, params, out)
         return out
 
 
 BACKEND = CudaBackend()
 
 
-def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
-    """One layer's cascade attention for one step (build, then forward)."""
-    return BACKEND.attend(q, pool, plan, scale, quirks)
+def attend(q, pool, plan, params: AttentionParams | float):
+    """One layer's cascade attention for one step (build, then forward); ``params`` may be a bare scale."""
+    return BACKEND.attend(q, pool, plan, params)
 
 
-def _launch(lib, stream: int, q, pool, st: _StepState, scale, out, *, softcap=None, window=None, sinks=None,
-            kernels=ops) -> None:
+def _launch(lib, stream: int, q, pool, st: _StepState, params: AttentionParams, out, kernels=ops) -> None:
     """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
-    scale_log2 = float(scale) * LOG2E
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
     # window is applied by the kernels from the device-side lengths, so the launch shapes never depend on it
-    softcap, window, sinks = _quirks(softcap, window, sinks, q)
-    if st.three and window:
+    layer = layer_args(params, q)
+    if st.three and layer.window:
         raise ValueError("cuda backend: a layer with a sliding window reads two levels; its state was built for three "
-                         "(build it with the layer's quirks)")
+                         "(build it with the layer's params)")
     three = st.three
     dp = st.dp
     # an fp8 pool's scales (float32 [2, Hkv], the pool's own tensor: a captured graph reads it by address)
-    kv = {"kv_scale": kv_scale(pool)} if is_quantized(pool) else {}
+    kv = kv_scale(pool) if is_quantized(pool) else None
+    # (positional: built per launch, and keywords cost several times as much on the host)
+    scale_log2, softcap, window = layer.scale_log2, layer.softcap, layer.window
     if st.has_prefix:
-        kernels.prefix(lib, stream, q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o,
-                       st.part_lse, st.m_tile, st.row_tiles, st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0,
-                       softcap, window, st.tune, **kv)
+        kernels.prefix(lib, stream, PrefixArgs(
+            q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse, st.m_tile, st.row_tiles,
+            st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap, window, st.tune, kv))
     if three and st.mid.has:
         mid = st.mid
-        kernels.prefix(lib, stream, q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o,
-                       st.part_lse, mid.m_tile, mid.row_tiles, mid.chunk_tokens, mid.max_chunks, scale_log2,
-                       dp.q_limit, st.max_chunks, softcap, 0, mid.tune, **kv)
+        kernels.prefix(lib, stream, PrefixArgs(
+            q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse, mid.m_tile, mid.row_tiles,
+            mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit, st.max_chunks, softcap, window, mid.tune, kv))
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
-    kernels.suffix(lib, stream, q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens,
-                   st.nsplit, st.suffix_slot0, scale_log2, softcap, window, **kv)
-    kernels.merge(lib, stream, st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit,
-                  st.row_nmid if three else None, st.max_chunks, sinks)
-
-
-def _quirks(softcap, window, sinks, q) -> tuple[float, int, torch.Tensor | None]:
-    """(softcap, window, sinks) of the layer as the kernels take them: 0 for off, the sinks float32 [Hq] on q's
-    device."""
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"cuda backend: softcap {softcap} must be > 0 (None: off)")
-    if window is not None and int(window) < 1:
-        raise ValueError(f"cuda backend: sliding window {window} must be >= 1 (None: off)")
-    if sinks is not None:
-        if sinks.shape != (q.shape[2],):
-            raise ValueError(f"cuda backend: sinks of shape {tuple(sinks.shape)}, expected ({q.shape[2]},) (one per "
-                             "query head)")
-        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()   # a no-op when it is already so
-    return (0.0 if softcap is None else float(softcap)), (0 if window is None else int(window)), sinks
+    kernels.suffix(lib, stream, SuffixArgs(
+        q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens, st.nsplit, st.suffix_slot0,
+        scale_log2, softcap, window, kv))
+    kernels.merge(lib, stream, MergeArgs(
+        st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit, st.row_nmid if three else None,
+        st.max_chunks, layer.sinks))

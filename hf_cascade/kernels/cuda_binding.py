@@ -238,52 +238,55 @@ class _Lib:
                        "prefix setup")
         return info
 
-    # The launchers: tensors are trusted here (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
+    # The launchers: one kernel's arguments (hf_cascade.kernels.ops.PrefixArgs / SuffixArgs / MergeArgs) packed into
+    # its C struct, here only. Tensors are trusted (shapes, dtypes, devices, contiguity: hf_cascade.kernels.ops checks
     # them for the torch operators; the backend checks q and the pool, and the plan once per step).
-    def prefix(self, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
-               chunk_tokens: int, max_chunks: int, scale_log2: float, stream: int, q_limit=None, slot0: int = 0,
-               softcap: float = 0.0, window: int = 0, tune: int = 0, kv_scale=None) -> None:
+    def prefix(self, a, stream: int) -> None:
+        q, group_rows, prefix_table = a.q, a.group_rows, a.prefix_table
         R, Lq, Hq, D = q.shape
         items = R * Lq * Hq          # the kernel writes slots [0, max_chunks) from the pointers it is given
-        o_ptr, lse_ptr = part_o.data_ptr() + 4 * slot0 * items * D, part_lse.data_ptr() + 4 * slot0 * items
+        o_ptr = a.part_o.data_ptr() + 4 * a.slot0 * items * D
+        lse_ptr = a.part_lse.data_ptr() + 4 * a.slot0 * items
         G, Rg = group_rows.shape
         try:
             dtype_code = DTYPE_CODES[q.dtype]
         except KeyError:
             _no_dtype(q.dtype)
+        m_tile, tune = a.m_tile, a.tune
         if (dtype_code, D, m_tile, q.device.index, tune) not in self._info:   # setup once, before the first launch
             self.prefix_info(dtype_code, D, m_tile, q.device.index, tune)
+        pool = a.pool
         params = _PrefixParams(q.data_ptr(), pool.data_ptr(), group_rows.data_ptr(), prefix_table.data_ptr(),
-                               prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
-                               pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], chunk_tokens, max_chunks,
-                               row_tiles, scale_log2, dtype_code, D, m_tile,
-                               None if q_limit is None else q_limit.data_ptr(), softcap, window, tune,
-                               *_kv_code(pool, kv_scale))
+                               a.prefix_len.data_ptr(), o_ptr, lse_ptr, R, Lq, Hq,
+                               pool.shape[3], pool.shape[2], G, Rg, prefix_table.shape[1], a.chunk_tokens,
+                               a.max_chunks, a.row_tiles, a.scale_log2, dtype_code, D, m_tile,
+                               None if a.q_limit is None else a.q_limit.data_ptr(), a.softcap, a.window, tune,
+                               *_kv_code(pool, a.kv_scale))
         self.check(self.lib.hfc_prefix(ctypes.byref(params), stream), "prefix")
 
-    def suffix(self, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-               scale_log2: float, stream: int, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
+    def suffix(self, a, stream: int) -> None:
+        q, pool, suffix_table = a.q, a.pool, a.suffix_table
         R, Lq, Hq, D = q.shape
         try:
             dtype_code = DTYPE_CODES[q.dtype]
         except KeyError:
             _no_dtype(q.dtype)
-        params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), q_limit.data_ptr(),
-                               part_o.data_ptr(), part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
-                               suffix_table.shape[1], split_tokens, nsplit, slot0, scale_log2, dtype_code, D,
-                               softcap, window, *_kv_code(pool, kv_scale))
+        params = _SuffixParams(q.data_ptr(), pool.data_ptr(), suffix_table.data_ptr(), a.q_limit.data_ptr(),
+                               a.part_o.data_ptr(), a.part_lse.data_ptr(), R, Lq, Hq, pool.shape[3], pool.shape[2],
+                               suffix_table.shape[1], a.split_tokens, a.nsplit, a.slot0, a.scale_log2, dtype_code, D,
+                               a.softcap, a.window, *_kv_code(pool, a.kv_scale))
         self.check(self.lib.hfc_suffix(ctypes.byref(params), stream), "suffix")
 
-    def merge(self, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, stream: int, row_nmid=None,
-              mid_slot0: int = 0, sinks=None) -> None:
+    def merge(self, a, stream: int) -> None:
+        out, row_nmid, sinks = a.out, a.row_nmid, a.sinks
         R, Lq, Hq, D = out.shape
         try:
             dtype_code = DTYPE_CODES[out.dtype]
         except KeyError:
             _no_dtype(out.dtype)
-        params = _MergeParams(part_o.data_ptr(), part_lse.data_ptr(), row_nchunks.data_ptr(), out.data_ptr(), R, Lq,
-                              Hq, slot0, nsplit, dtype_code, D,
-                              None if row_nmid is None else row_nmid.data_ptr(), mid_slot0,
+        params = _MergeParams(a.part_o.data_ptr(), a.part_lse.data_ptr(), a.row_nchunks.data_ptr(), out.data_ptr(), R,
+                              Lq, Hq, a.slot0, a.nsplit, dtype_code, D,
+                              None if row_nmid is None else row_nmid.data_ptr(), a.mid_slot0,
                               None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
 

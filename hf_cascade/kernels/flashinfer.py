@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 # absolute: tests load this file alone, under another name, with a stand-in flashinfer
-from hf_cascade.kernels.base import NO_QUIRKS, Backend, is_quantized
+from hf_cascade.kernels.base import AttentionParams, Backend, is_quantized
 
 try:
     import flashinfer as _fi
@@ -297,13 +297,14 @@ class FlashInferBackend(Backend):
     def _unsupported(self, q, pool, plan):
         return _unsupported(q, pool, plan)
 
-    def build(self, plan, q, pool, quirks=NO_QUIRKS) -> FlashInferMetadata:
+    def build(self, plan, q, pool, params: AttentionParams | None = None) -> FlashInferMetadata:
         return FlashInferMetadata(plan)
 
-    def forward(self, q, pool, metadata: FlashInferMetadata, scale, *, softcap=None, window=None, sinks=None):
+    def forward(self, q, pool, metadata: FlashInferMetadata, params: AttentionParams):
         """One layer's cascade attention for one step: q [R, Lq, Hq, D] -> o [R, Lq, Hq, D] (q.dtype)."""
-        if softcap is not None or window is not None or sinks is not None:
-            raise NotImplementedError("the flashinfer backend implements no attention quirks")
+        reason = self.refusal(params)     # (select never hands it a layer it refuses)
+        if reason is not None:
+            raise NotImplementedError(f"the flashinfer backend: {reason}")
         if is_quantized(pool):     # (kv_dtypes declares none: select never hands it one)
             raise NotImplementedError(f"the flashinfer backend reads K/V in the model's dtype only, not {pool.dtype}: "
                                       "use CascadeConfig(kv_dtype=None), or backend='cuda' / 'reference'")
@@ -311,7 +312,7 @@ class FlashInferBackend(Backend):
         N, _, bs, Hkv, _ = pool.shape
         if R * Lq == 0:
             return q.new_zeros(R, Lq, Hq, D)
-        scale = float(scale)
+        scale = float(params.scale)
         config = (str(q.device), q.dtype, Hq, Hkv, D, bs)
         key = config + (Lq, scale, MODE)
         step = metadata.steps.get(key)

@@ -14,10 +14,15 @@ argument). Shapes (``csrc/include/hfc/params.h``)::
     out          [R, Lq, Hq, D]  q's dtype
     row_nmid     [R] int32 or None (three levels)               sinks [Hq] float32 or None
 
-Per-layer variants (0: off): ``softcap`` (logits -> softcap x tanh(logit / softcap)) and ``window`` (each query
-sees its last ``window`` keys over the group prefix and its suffix; the prefix kernel reads the suffix level's
-``q_limit`` for it) in the prefix and suffix kernels, ``sinks`` in the merge. The prefix kernel writes its
-chunks from slot ``slot0`` on (the middle level of a three-level plan follows the group prefix's chunks).
+Each kernel's arguments are one value, :class:`PrefixArgs`, :class:`SuffixArgs`, :class:`MergeArgs`: their fields
+(in order, with their annotations and defaults) are the operator's schema, and the checks, the eager launcher
+(``cuda_binding._Lib``, which packs them into the C struct) and the tests' emulations take the value whole, so a new
+kernel argument is a field here, its check, and its place in the C struct. The layer's variants come from its
+:class:`~hf_cascade.kernels.base.AttentionParams` through :func:`layer_args` (one place), as :class:`LayerArgs`
+(0: off): ``scale_log2``; ``softcap`` (logits -> softcap x tanh(logit / softcap)) and ``window`` (each query sees
+its last ``window`` keys over the group prefix and its suffix; the prefix kernel reads the suffix level's
+``q_limit`` for it) in the prefix and suffix kernels; ``sinks`` in the merge. The prefix kernel writes its chunks
+from slot ``slot0`` on (the middle level of a three-level plan follows the group prefix's chunks).
 
 The eager path does not go through the operator dispatcher: a custom-op call that does nothing costs ~16 us of host
 time, the ctypes launches of one layer's three kernels ~7 us together (x86 CPU, torch 2.13;
@@ -28,17 +33,108 @@ traces.
 """
 from __future__ import annotations
 
-from typing import Optional
+import inspect
+import math
+import typing
+from typing import NamedTuple, Optional
 
 import torch
 
 from .cuda_binding import DTYPE_CODES, KV_DTYPE_CODES   # the C side's codes (the binding owns the C ABI)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
-__all__ = ["check_prefix", "check_suffix", "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
+__all__ = ["LayerArgs", "layer_args", "PrefixArgs", "SuffixArgs", "MergeArgs", "check_prefix", "check_suffix",
+           "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 M_TILES = (16, 32, 64)
+LOG2E = 1.0 / math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------- arguments
+
+class LayerArgs(NamedTuple):
+    """One layer's :class:`~hf_cascade.kernels.base.AttentionParams` as the kernels take them (:func:`layer_args`):
+    the fields of :class:`PrefixArgs`, :class:`SuffixArgs` and :class:`MergeArgs` of the same names come from here."""
+
+    scale_log2: float                       # the softmax scale x log2(e) (the kernels' exp2 domain)
+    softcap: float                          # 0: off
+    window: int                             # 0: off
+    sinks: Optional[torch.Tensor]           # float32 [Hq] on q's device, or None
+
+
+def layer_args(params, q: torch.Tensor) -> LayerArgs:
+    """``params`` (the layer's AttentionParams) as the kernels take them, for queries ``q``: the one place where a
+    layer's variants become kernel arguments (0 for off; the sinks float32 [Hq] on q's device, a no-op when the
+    parameter is so already). Raises ValueError for a value the kernels cannot take."""
+    softcap, window, sinks = params.softcap, params.window, params.sinks
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"cuda backend: softcap {softcap} must be > 0 (None: off)")
+    if window is not None and int(window) < 1:
+        raise ValueError(f"cuda backend: sliding window {window} must be >= 1 (None: off)")
+    if sinks is not None:
+        if sinks.shape != (q.shape[2],):
+            raise ValueError(f"cuda backend: sinks of shape {tuple(sinks.shape)}, expected ({q.shape[2]},) (one per "
+                             "query head)")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()   # a no-op when it is already so
+    return LayerArgs(float(params.scale) * LOG2E, 0.0 if softcap is None else float(softcap),
+                     0 if window is None else int(window), sinks)
+
+
+class PrefixArgs(NamedTuple):
+    """The prefix kernel's arguments (``hfc_prefix_params``, as tensors and sizes): the operator's schema, in this
+    order; what the checks, the launcher (``cuda_binding._Lib.prefix``) and the tests' emulations take."""
+
+    q: torch.Tensor
+    pool: torch.Tensor
+    group_rows: torch.Tensor
+    prefix_table: torch.Tensor
+    prefix_len: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    m_tile: int
+    row_tiles: int
+    chunk_tokens: int
+    max_chunks: int
+    scale_log2: float
+    q_limit: torch.Tensor                   # the suffix level's (read with a window only)
+    slot0: int = 0
+    softcap: float = 0.0
+    window: int = 0
+    tune: int = 0
+    kv_scale: Optional[torch.Tensor] = None
+
+
+class SuffixArgs(NamedTuple):
+    """The suffix kernel's arguments (``hfc_suffix_params``), as :class:`PrefixArgs`."""
+
+    q: torch.Tensor
+    pool: torch.Tensor
+    suffix_table: torch.Tensor
+    q_limit: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    split_tokens: int
+    nsplit: int
+    slot0: int
+    scale_log2: float
+    softcap: float = 0.0
+    window: int = 0
+    kv_scale: Optional[torch.Tensor] = None
+
+
+class MergeArgs(NamedTuple):
+    """The merge kernel's arguments (``hfc_merge_params``), as :class:`PrefixArgs`."""
+
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    row_nchunks: torch.Tensor
+    out: torch.Tensor
+    slot0: int
+    nsplit: int
+    row_nmid: Optional[torch.Tensor] = None
+    mid_slot0: int = 0
+    sinks: Optional[torch.Tensor] = None
 
 
 # -------------------------------------------------------------------------------------------- checks
@@ -101,55 +197,55 @@ def _variants(op: str, softcap: float, window: int) -> None:
         _fail(op, f"softcap {softcap} and window {window} must be >= 0 (0: off)")
 
 
-def check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int, row_tiles: int,
-                 chunk_tokens: int, max_chunks: int, q_limit=None, slot0: int = 0, softcap: float = 0.0,
-                 window: int = 0, kv_scale=None) -> None:
+def check_prefix(a: PrefixArgs) -> None:
     """Raise TypeError / ValueError naming the argument unless the prefix kernel can take these arguments."""
-    R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, pool, kv_scale)
-    _variants("prefix", softcap, window)
-    if window > 0:                          # read only with a window
-        _index("prefix", "q_limit", q_limit, (R, Lq), q.device)
-    if slot0 < 0:
-        _fail("prefix", f"slot0 {slot0} must be >= 0")
-    _index("prefix", "group_rows", group_rows, (None, None), q.device)
-    G, Rg = group_rows.shape
-    _index("prefix", "prefix_table", prefix_table, (G, None), q.device)
-    _index("prefix", "prefix_len", prefix_len, (G,), q.device)
+    q = a.q
+    R, Lq, Hq, D, bs, Hkv = _q_pool("prefix", q, a.pool, a.kv_scale)
+    _variants("prefix", a.softcap, a.window)
+    if a.window > 0:                          # read only with a window
+        _index("prefix", "q_limit", a.q_limit, (R, Lq), q.device)
+    if a.slot0 < 0:
+        _fail("prefix", f"slot0 {a.slot0} must be >= 0")
+    _index("prefix", "group_rows", a.group_rows, (None, None), q.device)
+    G, Rg = a.group_rows.shape
+    _index("prefix", "prefix_table", a.prefix_table, (G, None), q.device)
+    _index("prefix", "prefix_len", a.prefix_len, (G,), q.device)
+    m_tile, row_tiles = a.m_tile, a.row_tiles
     if m_tile not in M_TILES or (m_tile == 64 and D > 128):
         _fail("prefix", f"m_tile {m_tile} (16, 32, or 64 for head_dim <= 128)")
     if row_tiles < 1 or row_tiles * m_tile < Rg * Lq * (Hq // Hkv):
         _fail("prefix", f"row_tiles {row_tiles} x m_tile {m_tile} < the {Rg * Lq * (Hq // Hkv)} query rows of a "
                         "group and KV head")
-    if chunk_tokens < 1 or max_chunks < 0:
-        _fail("prefix", f"chunk_tokens {chunk_tokens} must be >= 1 and max_chunks {max_chunks} >= 0")
-    _partials("prefix", part_o, part_lse, slot0 + max_chunks, R * Lq * Hq, D, q.device)
+    if a.chunk_tokens < 1 or a.max_chunks < 0:
+        _fail("prefix", f"chunk_tokens {a.chunk_tokens} must be >= 1 and max_chunks {a.max_chunks} >= 0")
+    _partials("prefix", a.part_o, a.part_lse, a.slot0 + a.max_chunks, R * Lq * Hq, D, q.device)
 
 
-def check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int, slot0: int,
-                 softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
+def check_suffix(a: SuffixArgs) -> None:
     """Raise TypeError / ValueError naming the argument unless the suffix kernel can take these arguments."""
-    R, Lq, Hq, D, _, _ = _q_pool("suffix", q, pool, kv_scale)
-    _variants("suffix", softcap, window)
-    _index("suffix", "suffix_table", suffix_table, (R, None), q.device)
-    _index("suffix", "q_limit", q_limit, (R, Lq), q.device)
-    if split_tokens < 1 or nsplit < 1 or slot0 < 0:
-        _fail("suffix", f"split_tokens {split_tokens} and nsplit {nsplit} must be >= 1, slot0 {slot0} >= 0")
-    _partials("suffix", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, q.device)
+    q = a.q
+    R, Lq, Hq, D, _, _ = _q_pool("suffix", q, a.pool, a.kv_scale)
+    _variants("suffix", a.softcap, a.window)
+    _index("suffix", "suffix_table", a.suffix_table, (R, None), q.device)
+    _index("suffix", "q_limit", a.q_limit, (R, Lq), q.device)
+    if a.split_tokens < 1 or a.nsplit < 1 or a.slot0 < 0:
+        _fail("suffix", f"split_tokens {a.split_tokens} and nsplit {a.nsplit} must be >= 1, slot0 {a.slot0} >= 0")
+    _partials("suffix", a.part_o, a.part_lse, a.slot0 + a.nsplit, R * Lq * Hq, D, q.device)
 
 
-def check_merge(part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, row_nmid=None, mid_slot0: int = 0,
-                sinks=None) -> None:
+def check_merge(a: MergeArgs) -> None:
     """Raise TypeError / ValueError naming the argument unless the merge kernel can take these arguments."""
+    out = a.out
     _tensor("merge", "out", out, dim=4)
     if out.dtype not in DTYPE_CODES:
         _fail("merge", f"out must be bfloat16 or float16, got {out.dtype}", TypeError)
     R, Lq, Hq, D = out.shape
     if D not in HEAD_DIMS:
         _fail("merge", f"out's head_dim {D} is not supported (supported: {HEAD_DIMS})")
-    if slot0 < 0 or nsplit < 0 or mid_slot0 < 0:
-        _fail("merge", f"slot0 {slot0}, nsplit {nsplit} and mid_slot0 {mid_slot0} must be >= 0")
-    _merged_levels("merge", row_nchunks, R, Hq, slot0, row_nmid, mid_slot0, sinks, out.device)
-    _partials("merge", part_o, part_lse, slot0 + nsplit, R * Lq * Hq, D, out.device)
+    if a.slot0 < 0 or a.nsplit < 0 or a.mid_slot0 < 0:
+        _fail("merge", f"slot0 {a.slot0}, nsplit {a.nsplit} and mid_slot0 {a.mid_slot0} must be >= 0")
+    _merged_levels("merge", a.row_nchunks, R, Hq, a.slot0, a.row_nmid, a.mid_slot0, a.sinks, out.device)
+    _partials("merge", a.part_o, a.part_lse, a.slot0 + a.nsplit, R * Lq * Hq, D, out.device)
 
 
 def _merged_levels(op: str, row_nchunks, R: int, Hq: int, slot0: int, row_nmid, mid_slot0: int, sinks, device) -> None:
@@ -182,105 +278,91 @@ def _stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-@torch.library.custom_op("hf_cascade::prefix", mutates_args=("part_o", "part_lse"), device_types="cuda")
-def prefix_op(q: torch.Tensor, pool: torch.Tensor, group_rows: torch.Tensor, prefix_table: torch.Tensor,
-              prefix_len: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, m_tile: int, row_tiles: int,
-              chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit: torch.Tensor, slot0: int,
-              softcap: float, window: int, tune: int = 0, kv_scale: Optional[torch.Tensor] = None) -> None:
+def _signature(args_type) -> inspect.Signature:
+    """``args_type``'s fields as a function's parameters (their annotations and defaults): the operator's schema."""
+    hints = typing.get_type_hints(args_type)
+    P = inspect.Parameter
+    return inspect.Signature([P(name, P.POSITIONAL_OR_KEYWORD, annotation=hints[name],
+                                default=args_type._field_defaults.get(name, P.empty)) for name in args_type._fields],
+                             return_annotation=None)
+
+
+def _operator(name: str, args_type, run, check, mutates_args: tuple):
+    """The custom operator ``hf_cascade::<name>``: its schema is ``args_type``'s fields (in order), its CUDA
+    implementation ``run(args)``, its fake implementation ``check(args)``."""
+    def operator(*args, **kwargs) -> None:
+        run(args_type(*args, **kwargs))
+
+    def fake(*args, **kwargs) -> None:
+        check(args_type(*args, **kwargs))
+
+    operator.__signature__ = _signature(args_type)
+    operator.__name__ = operator.__qualname__ = f"{name}_op"
+    operator.__doc__ = run.__doc__
+    op = torch.library.custom_op(f"hf_cascade::{name}", operator, mutates_args=mutates_args, device_types="cuda")
+    op.register_fake(fake)
+    return op
+
+
+def _run_prefix(a: PrefixArgs) -> None:
     """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
     (csrc/prefix.cu; ``tune``: the prefix kernel's code, hf_cascade.kernels.cuda_tuning: a tuning variant's or
     HOPPER_KERNEL, 0 by default; an fp8 pool: 0, with ``kv_scale``)."""
-    check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, q_limit, slot0, softcap, window, kv_scale)
-    _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
-    with torch.cuda.device(q.device):
-        _lib(q.device).prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                              chunk_tokens, max_chunks, scale_log2, _stream(q.device), q_limit, slot0, softcap, window,
-                              tune, kv_scale)
+    check_prefix(a)
+    _aligned(q=a.q, pool=a.pool, part_o=a.part_o)      # 16-byte vector loads and stores
+    with torch.cuda.device(a.q.device):
+        _lib(a.q.device).prefix(a, _stream(a.q.device))
 
 
-@prefix_op.register_fake
-def _prefix_fake(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, scale_log2, q_limit, slot0, softcap, window, tune=0, kv_scale=None) -> None:
-    check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                 max_chunks, q_limit, slot0, softcap, window, kv_scale)
-
-
-@torch.library.custom_op("hf_cascade::suffix", mutates_args=("part_o", "part_lse"), device_types="cuda")
-def suffix_op(q: torch.Tensor, pool: torch.Tensor, suffix_table: torch.Tensor, q_limit: torch.Tensor,
-              part_o: torch.Tensor, part_lse: torch.Tensor, split_tokens: int, nsplit: int, slot0: int,
-              scale_log2: float, softcap: float, window: int, kv_scale: Optional[torch.Tensor] = None) -> None:
+def _run_suffix(a: SuffixArgs) -> None:
     """Level 1: writes partial slots [slot0, slot0 + nsplit) of every row (csrc/suffix.cu)."""
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
-                 kv_scale)
-    _aligned(q=q, pool=pool, part_o=part_o)      # 16-byte vector loads and stores
-    with torch.cuda.device(q.device):
-        _lib(q.device).suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                              scale_log2, _stream(q.device), softcap, window, kv_scale)
+    check_suffix(a)
+    _aligned(q=a.q, pool=a.pool, part_o=a.part_o)      # 16-byte vector loads and stores
+    with torch.cuda.device(a.q.device):
+        _lib(a.q.device).suffix(a, _stream(a.q.device))
 
 
-@suffix_op.register_fake
-def _suffix_fake(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, softcap,
-                 window, kv_scale=None) -> None:
-    check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap, window,
-                 kv_scale)
-
-
-@torch.library.custom_op("hf_cascade::merge", mutates_args=("out",), device_types="cuda")
-def merge_op(part_o: torch.Tensor, part_lse: torch.Tensor, row_nchunks: torch.Tensor, out: torch.Tensor, slot0: int,
-             nsplit: int, row_nmid: Optional[torch.Tensor], mid_slot0: int, sinks: Optional[torch.Tensor]) -> None:
+def _run_merge(a: MergeArgs) -> None:
     """Log-sum-exp of each row's slots [0, row_nchunks[r]), [mid_slot0, mid_slot0 + row_nmid[r]) and [slot0, slot0 +
     nsplit), and the head's sink, into out (csrc/merge.cu)."""
-    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
-    _aligned(part_o=part_o)
-    with torch.cuda.device(out.device):
-        _lib(out.device).merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, _stream(out.device), row_nmid,
-                               mid_slot0, sinks)
+    check_merge(a)
+    _aligned(part_o=a.part_o)
+    with torch.cuda.device(a.out.device):
+        _lib(a.out.device).merge(a, _stream(a.out.device))
 
 
-@merge_op.register_fake
-def _merge_fake(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks) -> None:
-    check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
+prefix_op = _operator("prefix", PrefixArgs, _run_prefix, check_prefix, ("part_o", "part_lse"))
+suffix_op = _operator("suffix", SuffixArgs, _run_suffix, check_suffix, ("part_o", "part_lse"))
+merge_op = _operator("merge", MergeArgs, _run_merge, check_merge, ("out",))
 
 
 # ------------------------------------------------------------------------------ entry points for attend
 
-def prefix(lib, stream: int, q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile: int,
-           row_tiles: int, chunk_tokens: int, max_chunks: int, scale_log2: float, q_limit, slot0: int = 0,
-           softcap: float = 0.0, window: int = 0, tune: int = 0, kv_scale=None) -> None:
+def prefix(lib, stream: int, a: PrefixArgs) -> None:
     """The prefix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
-        torch.ops.hf_cascade.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile,
-                                    row_tiles, chunk_tokens, max_chunks, scale_log2, q_limit, slot0, softcap, window,
-                                    tune, kv_scale)
+        torch.ops.hf_cascade.prefix(*a)
     else:
         if lib.debug:
-            check_prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles,
-                         chunk_tokens, max_chunks, q_limit, slot0, softcap, window, kv_scale)
-        lib.prefix(q, pool, group_rows, prefix_table, prefix_len, part_o, part_lse, m_tile, row_tiles, chunk_tokens,
-                   max_chunks, scale_log2, stream, q_limit, slot0, softcap, window, tune, kv_scale)
+            check_prefix(a)
+        lib.prefix(a, stream)
 
 
-def suffix(lib, stream: int, q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens: int, nsplit: int,
-           slot0: int, scale_log2: float, softcap: float = 0.0, window: int = 0, kv_scale=None) -> None:
+def suffix(lib, stream: int, a: SuffixArgs) -> None:
     """The suffix kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
-        torch.ops.hf_cascade.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0,
-                                    scale_log2, softcap, window, kv_scale)
+        torch.ops.hf_cascade.suffix(*a)
     else:
         if lib.debug:
-            check_suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, softcap,
-                         window, kv_scale)
-        lib.suffix(q, pool, suffix_table, q_limit, part_o, part_lse, split_tokens, nsplit, slot0, scale_log2, stream,
-                   softcap, window, kv_scale)
+            check_suffix(a)
+        lib.suffix(a, stream)
 
 
-def merge(lib, stream: int, part_o, part_lse, row_nchunks, out, slot0: int, nsplit: int, row_nmid=None,
-          mid_slot0: int = 0, sinks=None) -> None:
+def merge(lib, stream: int, a: MergeArgs) -> None:
     """The merge kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
     if _is_compiling():
-        torch.ops.hf_cascade.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
+        torch.ops.hf_cascade.merge(*a)
     else:
         if lib.debug:
-            check_merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, row_nmid, mid_slot0, sinks)
-        lib.merge(part_o, part_lse, row_nchunks, out, slot0, nsplit, stream, row_nmid, mid_slot0, sinks)
+            check_merge(a)
+        lib.merge(a, stream)

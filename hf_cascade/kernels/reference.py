@@ -18,17 +18,19 @@ Conventions
 * GQA: query head h uses KV head h // (Hq // Hkv); K/V are never repeated, the
   queries are reshaped to [..., Hkv, group, ...] instead.
 * Index tensors are int32 (-1 = padding); they are converted to int64 internally.
-* Optional per-layer quirks (all default off):
+* The layer's :class:`~hf_cascade.kernels.base.AttentionParams` (``params``: the scale and the optional variants,
+  all default off; :func:`cascade_attention` and :func:`three_level_attention` take one, or a bare scale):
+  ``scale`` -- scores = scale * q.k;
   ``softcap`` -- logit soft-capping (Gemma2): scores = softcap * tanh(scores / softcap), scores being
   the scaled dot products, before the softmax;
-  ``key_start`` int [R, Lq] -- a sliding window: query i of row r only sees the keys at positions
-  >= key_start[r, i] of its row's key list (group prefix, then the row's suffix).
+  ``window`` -- a sliding window, applied per level as ``key_start`` int [R, Lq] (:func:`window_key_start`): query
+  i of row r only sees the keys at positions >= key_start[r, i] of its row's key list (group prefix, then the row's
+  suffix).
   ``sinks`` float [Hq] -- attention sinks (GPT-OSS ``s_aux``): one learned logit per query head (natural
   log, neither scaled nor soft-capped nor windowed) added to every query's softmax denominator, i.e. an
   extra key with score ``sinks[h]`` and value 0.  Merging is associative over disjoint key sets, so the
   sink is exact as one more state (o = 0, lse = sinks * log2 e) merged once per query after the levels
   (:func:`merge_sink`); giving it to every level would count it once per level.
-  :class:`ReferenceBackend` takes them as ``forward``'s keywords (None: off).
 * A quantized pool (float8_e4m3fn, :mod:`hf_cascade.kernels.base`): ``k_scale``/``v_scale`` float [Hkv] dequantise
   the gathered tokens (real K = stored K x k_scale[kv head], in the compute dtype) before the attention above;
   :class:`ReferenceBackend` takes them from the pool (``kv_scale``).
@@ -45,7 +47,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import KV_SCALED_DTYPES, NO_QUIRKS, Backend, Quirks, kv_scale
+from .base import KV_SCALED_DTYPES, AttentionParams, Backend, as_params, kv_scale
 
 __all__ = ["prefix_attention", "suffix_attention", "merge_state", "merge_sink", "cascade_attention",
            "three_level_attention", "window_key_start", "attend", "ReferenceBackend", "BACKEND"]
@@ -228,11 +230,13 @@ def window_key_start(group_rows, prefix_len, q_limit, window):
     return own - int(window)
 
 
-def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit, scale,
-                      softcap=None, window=None, sinks=None, k_scale=None, v_scale=None):
+def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, suffix_table, q_limit,
+                      params: AttentionParams | float, k_scale=None, v_scale=None):
     """prefix_attention + suffix_attention + merge_state (+ merge_sink); returns o [R, Lq, Hq, D].
-    softcap: optional logit soft-cap; window: optional sliding window (each query sees its last ``window`` keys,
-    itself included); sinks: optional float [Hq] attention-sink logits; k_scale, v_scale: a quantized cache's."""
+    params: the layer's AttentionParams (or a bare scale): its softcap, its window (each query sees its last
+    ``window`` keys, itself included) and its sinks (float [Hq] logits); k_scale, v_scale: a quantized cache's."""
+    params = as_params(params)
+    scale, softcap, window, sinks = params.scale, params.softcap, params.window, params.sinks
     dq = dict(k_scale=k_scale, v_scale=v_scale)
     start = None if window is None else window_key_start(group_rows, prefix_len, q_limit.to(q.device), window)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, start,
@@ -247,12 +251,18 @@ def cascade_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len,
 
 
 def three_level_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, mid_group_rows, mid_table,
-                          mid_len, inner_suffix_table, inner_q_limit, scale, softcap=None, sinks=None, k_scale=None,
+                          mid_len, inner_suffix_table, inner_q_limit, params: AttentionParams | float, k_scale=None,
                           v_scale=None):
     """Group prefix (e.g. a batch's system prompt) + subgroup prefix (each prompt's rest, shared by its
     beams) + each row's own suffix, each read once per (sub)group, merged (the sinks, if any, once after
     the three). Rows in no subgroup get (0, -inf) from the middle level and their whole rest from
-    ``inner_suffix_table``. k_scale, v_scale: a quantized cache's."""
+    ``inner_suffix_table``. params: the layer's AttentionParams (or a bare scale) without a window (a window is
+    defined over two levels: :func:`cascade_attention`); k_scale, v_scale: a quantized cache's."""
+    params = as_params(params)
+    if params.window is not None:
+        raise ValueError("three_level_attention: a sliding window is defined over the group prefix and the row's "
+                         "suffix (two levels): use cascade_attention")
+    scale, softcap, sinks = params.scale, params.softcap, params.sinks
     dq = dict(k_scale=k_scale, v_scale=v_scale)
     o_p, lse_p = prefix_attention(q, k_cache, v_cache, group_rows, prefix_table, prefix_len, scale, softcap, **dq)
     o_m, lse_m = prefix_attention(q, k_cache, v_cache, mid_group_rows, mid_table, mid_len, scale, softcap, **dq)
@@ -285,24 +295,25 @@ class ReferenceBackend(Backend):
     def metadata_key(self, q, pool, quirks, plan=None):
         return (str(pool.device),)          # the plan's tensors on the pool's device: one per device
 
-    def build(self, plan, q, pool, quirks=NO_QUIRKS) -> ReferenceMetadata:
+    def build(self, plan, q, pool, params: AttentionParams | None = None) -> ReferenceMetadata:
         return ReferenceMetadata(plan, plan.on(pool.device))
 
-    def forward(self, q, pool, metadata: ReferenceMetadata, scale, *, softcap=None, window=None, sinks=None):
+    def forward(self, q, pool, metadata: ReferenceMetadata, params: AttentionParams):
         dp = metadata.device
         kv = kv_scale(pool)
         dq = {} if kv is None else dict(k_scale=kv[0], v_scale=kv[1])
-        if window is None and dp.mid_group_rows.shape[0]:
+        if params.window is None and dp.mid_group_rows.shape[0]:
             return three_level_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
                                          dp.mid_group_rows, dp.mid_table, dp.mid_len, dp.inner_suffix_table,
-                                         dp.inner_q_limit, scale, softcap=softcap, sinks=sinks, **dq)
+                                         dp.inner_q_limit, params, **dq)
         return cascade_attention(q, pool[:, 0], pool[:, 1], dp.group_rows, dp.prefix_table, dp.prefix_len,
-                                 dp.suffix_table, dp.q_limit, scale, softcap=softcap, window=window, sinks=sinks, **dq)
+                                 dp.suffix_table, dp.q_limit, params, **dq)
 
 
 BACKEND = ReferenceBackend()
 
 
-def attend(q, pool, plan, scale, quirks: Quirks = NO_QUIRKS):
-    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels.base`)."""
-    return BACKEND.attend(q, pool, plan, scale, quirks)
+def attend(q, pool, plan, params: AttentionParams | float):
+    """One layer's cascade attention for one step (see :mod:`hf_cascade.kernels.base`); ``params``: the layer's
+    AttentionParams, or a bare scale."""
+    return BACKEND.attend(q, pool, plan, params)
