@@ -13,6 +13,10 @@ slice of it (the last one drops it), any other input gets the member's own produ
 every member computes its own product on its view, so gradients land on each Parameter and optimizer steps in place
 land in the buffer.
 
+Only a cascade generate call's forwards (:func:`serving`) take the fused product: a forward outside generate (a
+Trainer's loss pass) computes each member's own, stock's logits bit for bit. The encoder of an encoder-decoder model
+is not fused (it runs once per call).
+
 Anything that moves a member's weight off the buffer (``model.to(dtype)`` sets ``param.data``; a new Parameter) is
 found by :func:`check`, which then unfuses the whole model; a forward before that uses the member's own weight
 (:meth:`_Group.holds`; not for a same-dtype ``param.data =`` assignment, which only :func:`check` sees). The module imports nothing of the cache, plan or kernels.
@@ -20,6 +24,7 @@ found by :func:`check`, which then unfuses the whole model; a forward before tha
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
 import threading
@@ -41,6 +46,11 @@ _CROSS = re.compile(r"cross|encoder_attn")
 _ENCODER = re.compile(r"(^|\.)encoder\.")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _lock = threading.Lock()        # generate may run in several threads: one of them fuses or unfuses a model
+# whether a cascade generate call is running (serving()): only its forwards take the fused products, so a forward
+# outside generate (a Trainer's loss pass, a user's own call) gives stock's logits bit for bit. A bool, not a count:
+# a compiled step guards on its value. (A plain forward in another thread during a generate call takes them too.)
+_serving = False
+_serving_calls = 0
 
 
 class _Group:
@@ -70,8 +80,10 @@ class _FusedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, index = self._fused_group, self._fused_index
-        if (torch.is_grad_enabled() and self.weight.requires_grad) or not group.holds(index, self.weight):
-            return F.linear(x, self.weight, self.bias)      # gradients for this Parameter, or moved: its own product
+        if (not _serving or (torch.is_grad_enabled() and self.weight.requires_grad)
+                or not group.holds(index, self.weight)):
+            # outside generate, gradients for this Parameter, or moved: its own product
+            return F.linear(x, self.weight, self.bias)
         low, high = group.rows[index]
         if index == 0:
             out = F.linear(x, group.weight, group.bias)
@@ -118,6 +130,21 @@ def _stack(params: list) -> tuple[torch.Tensor, tuple]:
             rows.append((low, high))
             low = high
     return buffer, tuple(rows)
+
+
+@contextlib.contextmanager
+def serving():
+    """The extent of one cascade generate call: its forwards (prefill and decode steps) take the fused products."""
+    global _serving, _serving_calls
+    with _lock:
+        _serving_calls += 1
+        _serving = True
+    try:
+        yield
+    finally:
+        with _lock:
+            _serving_calls -= 1
+            _serving = _serving_calls > 0
 
 
 def fuse(model: nn.Module) -> int:

@@ -14,6 +14,7 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import numbers
@@ -372,6 +373,17 @@ def _check_continuation(cache: CascadeCache, past: int, prompts: int, width: int
                          "needs the previous sequences followed by at least one new token.")
 
 
+def _serving_fused(generate):
+    """Its forwards take the fused projections (:func:`hf_cascade.fused_linears.serving`); forwards outside generate
+    stock's products. The signature stays ``generate``'s: transformers checks the keywords a custom generate takes."""
+    @functools.wraps(generate)
+    def serving(*args, **kwargs):
+        with fused_linears.serving():
+            return generate(*args, **kwargs)
+    return serving
+
+
+@_serving_fused
 def cascade_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                      hf_cascade_streamer=None, hf_cascade_config: CascadeConfig | None = None, tokenizer=None,
                      **model_kwargs):

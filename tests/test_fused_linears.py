@@ -80,6 +80,26 @@ def test_fused_generate_gives_stock_tokens_and_forward_logits(name):
     assert all(m._fused_group.stash is None for m in members)        # the last member dropped the fused product
 
 
+def test_forwards_outside_generate_give_stocks_logits_bitwise():
+    """After a fused generate call, a plain forward (a Trainer's loss pass) takes each member's own product: stock's
+    logits bit for bit; inside a call's extent the fused product serves."""
+    stock, cascade = pair("Llama")
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    beams(cascade, ids, mask, hf_cascade_config=FUSED)
+    assert fused_members(cascade)
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        assert torch.equal(cascade(input_ids=ids, attention_mask=mask).logits, want)
+        group = fused_members(cascade)[0]._fused_group
+        with fused_linears.serving():
+            seen = []
+            hook = cascade.model.layers[0].self_attn.k_proj.register_forward_hook(
+                lambda *a: seen.append(group.stash is not None))
+            cascade(input_ids=ids, attention_mask=mask)
+            hook.remove()
+    assert seen == [True] and not fused_linears._serving
+
+
 def test_bart_fuses_the_decoders_self_attention_only():
     """An encoder-decoder: the decoder's self-attentions fused; cross-attentions not (their q_proj and k/v_proj take
     different inputs: a fused product would compute k/v's rows for nothing), nor the encoder (it runs once per call:
@@ -241,7 +261,8 @@ def test_frozen_weights_with_gradients_for_the_input_take_the_fused_product():
         if model is fused:
             hook = fused.model.layers[0].self_attn.k_proj.register_forward_hook(
                 lambda *a: calls.append(group.stash is not None))
-        model(inputs_embeds=embeds).logits.sum().backward()
+        with fused_linears.serving():           # (a generate call's extent: fused products)
+            model(inputs_embeds=embeds).logits.sum().backward()
         grads.append(embeds.grad)
         if model is fused:
             hook.remove()
@@ -302,7 +323,7 @@ def test_the_fused_forward_compiles_as_one_graph():
     ids, _ = padded_batch(seed=4, lengths=(9, 9))
     compiled = torch.compile(model.forward, backend=backend, fullgraph=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fused_linears.serving():        # (a generate call's extent: fused products)
             got = compiled(input_ids=ids, use_cache=False).logits
             want = plain(input_ids=ids, use_cache=False).logits
     finally:
