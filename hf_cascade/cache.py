@@ -366,12 +366,13 @@ class CascadeCache(Cache):
         """The length the model is told (its mask function, ``get_seq_length``): the logical length, except in a
         compiled static decode step, whose attention builds no mask (it reads each row's tokens from the pool; a dense
         path there is refused) and whose positions are inputs (the graph runner serves no model that computes them
-        from the cache length: a captured step would replay the first step's): the layout's token limit, fixed for the
-        layout, so that the compiled forward does not depend on the length, which changes every step (BART's decoder
-        reads it, for positions the device positions replace: patches/positions.py)."""
+        from the cache length: a captured step would replay the first step's): a length fixed for the layout, so that
+        the compiled forward does not depend on the length, which changes every step (BART's decoder reads it, for
+        positions the device positions replace: patches/positions.py). It follows the layout's bucketed shapes
+        (``DecodeLayout.mask_length``), not the prompt's length: one graph serves a range of prompt lengths."""
         ctx = self._context
         if _is_compiling() and ctx is not None and ctx.plan.static:
-            return ctx.plan.layout.token_limit
+            return ctx.plan.layout.mask_length
         return self.logical_length
 
     def get_max_length(self, layer_idx: int | None = None) -> int:

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .plan import shape_bucket
+
 __all__ = ["POOL_EXHAUSTED", "LEFT_LEVELS", "OUTGROWN", "DeviceBlocks", "DeviceStep", "reorder", "append",
            "read_flags", "host_state"]
 
@@ -69,8 +71,8 @@ class DeviceBlocks:
     pool_blocks: int             # block ids [0, pool_blocks) make the pool; pool_blocks is the scratch block
     suffix_width: int
     inner_width: int             # 0 without a middle level
-    token_limit: int
-    tables: torch.Tensor         # int32 [R, W]: each row's whole block table, -1 padded (W fits the layout)
+    token_limit: torch.Tensor    # int64 []: the layout's token limit (a value: it follows the prompt's length)
+    tables: torch.Tensor         # int32 [R, W]: each row's whole block table, -1 padded (W: the layout's table_width)
     lengths: torch.Tensor        # int64 [R]
     refcount: torch.Tensor       # int32 [pool_blocks + 1]: table entries per id; the last slot absorbs -1 entries
     row_prefix_blocks: torch.Tensor   # int64 [R]
@@ -78,6 +80,7 @@ class DeviceBlocks:
     check_rows: torch.Tensor     # int64 [K]: (row, column, id) of every frozen prefix block a grouped row holds
     check_cols: torch.Tensor     # int64 [K]
     check_ids: torch.Tensor      # int32 [K]
+    check_used: torch.Tensor     # bool [K]: the checks that count (K is bucketed: the rest is padding)
     flags: torch.Tensor          # int32 []: sticky overflow bits (module docstring)
     steps: torch.Tensor          # int64 []: appends applied
 
@@ -101,22 +104,24 @@ class DeviceBlocks:
         if manager.num_rows != layout.num_rows:
             raise ValueError(f"the manager holds {manager.num_rows} rows, the layout {layout.num_rows}")
         bs = layout.block_size
-        width = max(-(-layout.token_limit // bs) + 1,
-                    int((layout.row_prefix_blocks + layout.suffix_width).max(initial=0)),
-                    int((layout.row_inner_blocks + layout.inner_width).max(initial=0)) if layout.has_mid else 0,
-                    manager.tables().shape[1])
+        # every shape bucketed (plan.shape_bucket), every value that follows the prompt's length a tensor: one
+        # compiled (and captured) step serves a range of prompt lengths
+        width = max(layout.table_width, shape_bucket(manager.tables().shape[1]))
         tables = manager.tables(width)
         refcount = np.zeros(pool_blocks + 1, dtype=np.int32)
         refcount[: manager.capacity] = manager.refcount
         rows, cols, ids = _prefix_checks(layout)
+        checks = shape_bucket(rows.size)
+        used = np.arange(checks) < rows.size
+        rows, cols, ids = (np.concatenate([a, np.zeros(checks - a.size, dtype=a.dtype)]) for a in (rows, cols, ids))
 
         def t(a, dtype):
             return torch.as_tensor(np.array(a)).to(device=device, dtype=dtype)
 
-        return cls(bs, pool_blocks, layout.suffix_width, layout.inner_width, layout.token_limit,
+        return cls(bs, pool_blocks, layout.suffix_width, layout.inner_width, t(layout.token_limit, torch.int64),
                    t(tables, torch.int32), t(manager.lengths, torch.int64), t(refcount, torch.int32),
                    t(layout.row_prefix_blocks, torch.int64), t(layout.row_inner_blocks, torch.int64),
-                   t(rows, torch.int64), t(cols, torch.int64), t(ids, torch.int32),
+                   t(rows, torch.int64), t(cols, torch.int64), t(ids, torch.int32), t(used, torch.bool),
                    torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.int64, device=device))
 
 
@@ -201,7 +206,7 @@ def append(state: DeviceBlocks, active: torch.Tensor | None = None) -> DeviceSte
     offset = lengths % bs                         # taken before the commit below overwrites lengths in place
 
     # overflow, with the host's precedence: the pool, then the levels, then the capacity
-    left = (new_tables[state.check_rows, state.check_cols] != state.check_ids).any()
+    left = ((new_tables[state.check_rows, state.check_cols] != state.check_ids) & state.check_used).any()
     outgrown = (new_lengths.max() > state.token_limit) | \
         (_suffix_blocks(new_lengths, state.row_prefix_blocks, bs).max() > state.suffix_width)
     if state.inner_width:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .compat import BEAM_RULES_5_24
+from .plan import MIN_BUCKET_TOKENS, shape_bucket
 
 NEG_INF_SCORE = -1.0e9      # transformers' "cannot be chosen" score in beam search (added, so such scores tie)
 
@@ -248,12 +249,23 @@ class SelectionConfig:
         return tuple(names)
 
 
+# the config's fields that follow the prompt's length: the step reads them from the state's tensors
+_PER_PROMPT = ("prompt_length", "max_length", "begin_suppress_index")
+
+
+def shape_key(config: SelectionConfig) -> tuple:
+    """What a compiled or captured step bakes in of ``config``: every field but those that follow the prompt's length
+    (the state holds them as tensors: ``prompt_len``, ``max_len``, ``begin_suppress_at``)."""
+    return tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in _PER_PROMPT)
+
+
 @dataclass
 class SelectionState:
     """The buffers of one call, created once by ``new_state`` and updated in place by ``step`` (a captured graph
     keeps their addresses). Beam-search fields are ``[batch, num_beams, ...]``; the others are per row."""
     config: SelectionConfig
-    sequences: torch.Tensor             # [rows, max_length] int64: prompt, then the chosen tokens (running beams)
+    sequences: torch.Tensor             # [rows, W] int64: prompt, then the chosen tokens (running beams); W is
+                                        # max_length bucketed (plan.shape_bucket), the columns past it never read
     cur_len: torch.Tensor               # [] int64: filled width of ``sequences``
     done: torch.Tensor                  # [] bool: the call has finished; later steps change nothing
     invalid: torch.Tensor               # [] bool: a sampling step met NaN/inf probabilities (finalize raises, as stock)
@@ -278,6 +290,11 @@ class SelectionState:
     length_divisors: torch.Tensor | None = None     # [max_length - prompt_length + 2] float32: t ** length_penalty
     top_num_beams: torch.Tensor | None = None       # [candidates] bool: only these ranks may finish
     batch_offsets: torch.Tensor | None = None       # [B, 1] int64: first row of each prompt
+    # the call's lengths as device values, not Python numbers (a compiled step guards on every number it reads: one
+    # compile would serve one prompt length): [] int64 each
+    prompt_len: torch.Tensor | None = None          # config.prompt_length
+    max_len: torch.Tensor | None = None             # config.max_length
+    begin_suppress_at: torch.Tensor | None = None   # config.begin_suppress_index (with begin_suppress_tokens)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's buffers by name (what a captured graph must keep alive and in place)."""
@@ -300,7 +317,8 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
     if config.max_length <= prompt_length:
         raise ValueError(f"max_length {config.max_length} leaves no room after a {prompt_length}-token prompt")
     device = input_ids.device
-    sequences = torch.full((rows, config.max_length), _fill_value(config), dtype=torch.int64, device=device)
+    sequences = torch.full((rows, shape_bucket(config.max_length, MIN_BUCKET_TOKENS)), _fill_value(config),
+                           dtype=torch.int64, device=device)
     sequences[:, :prompt_length] = input_ids
     prompt_start = penalty_start(attention_mask, rows, device)
     state = SelectionState(
@@ -311,7 +329,11 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
         unfinished=torch.ones(rows, dtype=torch.bool, device=device),
         row_ids=torch.arange(rows, device=device),
         eos_ids=torch.tensor(config.eos_token_ids, dtype=torch.int64, device=device),
-        prompt_start=prompt_start, generator=generator)
+        prompt_start=prompt_start, generator=generator,
+        prompt_len=torch.tensor(prompt_length, dtype=torch.int64, device=device),
+        max_len=torch.tensor(config.max_length, dtype=torch.int64, device=device))
+    if config.begin_suppress_tokens is not None:
+        state.begin_suppress_at = torch.tensor(config.begin_suppress_index, dtype=torch.int64, device=device)
     for role, ids in (("forced_bos", None if config.forced_bos_token_id is None else (config.forced_bos_token_id,)),
                       ("forced_eos", config.forced_eos_token_ids), ("suppress", config.suppress_tokens),
                       ("begin_suppress", config.begin_suppress_tokens), ("bad_words", config.bad_words_ids)):
@@ -429,13 +451,13 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
 
     # candidates that stopped within the first num_beams ranks enter the finished store (_update_finished_beams)
     just_finished = hits & state.top_num_beams[None, :]
-    finished_log_probs = _divide_by_length(state, top_log_probs, cur_len + 1 - config.prompt_length)
+    finished_log_probs = _divide_by_length(state, top_log_probs, cur_len + 1 - state.prompt_len)
     if config.early_stopping is True:
         full = torch.all(state.is_finished, dim=-1, keepdim=True)
         finished_log_probs = finished_log_probs + full.to(torch.float32) * NEG_INF_SCORE
     finished_log_probs = finished_log_probs + (~state.improvement_possible).to(torch.float32) * NEG_INF_SCORE
     finished_log_probs = finished_log_probs + (~just_finished) * NEG_INF_SCORE
-    candidate_lengths = (cur_len + 1 - config.prompt_length).expand(batch, candidates)
+    candidate_lengths = (cur_len + 1 - state.prompt_len).expand(batch, candidates)
     merged_scores = torch.cat((state.finished_scores, finished_log_probs), dim=1)
     keep = torch.topk(merged_scores, k=beams)[1]
     finished_sequences = _gather_beams(torch.cat((state.finished_sequences, top_sequences), dim=1), keep)
@@ -445,9 +467,9 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
 
     # the sticky early-stop heuristic, on the next length (_check_early_stop_heuristic)
     if config.early_stopping == "never" and config.length_penalty > 0.0:
-        best_length = torch.full_like(cur_len, config.max_length - config.prompt_length)
+        best_length = (state.max_len - state.prompt_len).expand_as(cur_len)
     else:
-        best_length = cur_len + 1 - config.prompt_length
+        best_length = cur_len + 1 - state.prompt_len
     best_possible = _divide_by_length(state, next_scores[:, :1], best_length)
     worst_finished = torch.where(is_finished, torch.min(finished_scores, dim=1, keepdim=True)[0], NEG_INF_SCORE)
     improvement_possible = state.improvement_possible & torch.any(best_possible > worst_finished, dim=-1,
@@ -489,16 +511,16 @@ def process_logits(state: SelectionState, scores: torch.Tensor) -> torch.Tensor:
     if config.min_length > 0 and config.eos_token_ids:
         scores = _ban_eos_while(state, scores, state.cur_len < config.min_length)
     if config.min_new_tokens > 0 and config.eos_token_ids:
-        scores = _ban_eos_while(state, scores, state.cur_len - config.prompt_length < config.min_new_tokens)
+        scores = _ban_eos_while(state, scores, state.cur_len - state.prompt_len < config.min_new_tokens)
     if config.forced_bos_token_id is not None:
         scores = _force_while(scores, state.token_ids["forced_bos"], state.cur_len == 1)
     if config.forced_eos_token_ids is not None:
-        scores = _force_while(scores, state.token_ids["forced_eos"], state.cur_len == config.max_length - 1)
+        scores = _force_while(scores, state.token_ids["forced_eos"], state.cur_len == state.max_len - 1)
     if config.suppress_tokens is not None:
         scores = _suppress_while(scores, state.token_ids["suppress"], None)
     if config.begin_suppress_tokens is not None:
         scores = _suppress_while(scores, state.token_ids["begin_suppress"],
-                                 state.cur_len == config.begin_suppress_index)
+                                 state.cur_len == state.begin_suppress_at)
     if config.do_sample:
         keep = config.min_tokens_to_keep
         if config.temperature != 1.0:
@@ -623,7 +645,7 @@ def _min_p(scores: torch.Tensor, min_p: float, min_tokens_to_keep: int) -> torch
 
 def _stopping_hits(state: SelectionState, tokens: torch.Tensor, new_len: torch.Tensor) -> torch.Tensor:
     """MaxLengthCriteria | EosTokenCriteria for sequences of ``new_len`` tokens ending in ``tokens``."""
-    hits = (new_len >= state.config.max_length).expand(tokens.shape)
+    hits = (new_len >= state.max_len).expand(tokens.shape)
     if state.config.eos_token_ids:
         hits = hits | (tokens[..., None] == state.eos_ids).any(dim=-1)
     return hits
@@ -752,7 +774,7 @@ def _length_divisors(config: SelectionConfig, device) -> torch.Tensor:
     """``t ** length_penalty`` for every generated length t, computed on the host as transformers does (a Python
     number). Dividing a float32 tensor by a Python number rounds the number to float32 on the CPU; on CUDA the
     division is a multiplication by float32(1 / s), so there the table holds reciprocals (see _divide_by_length)."""
-    lengths = range(config.max_length - config.prompt_length + 2)
+    lengths = range(shape_bucket(config.max_length - config.prompt_length + 2, 1))   # (bucketed: new_state)
     values = [float(max(t, 1) ** config.length_penalty) for t in lengths]
     if torch.device(device).type == "cuda":     # reciprocal in double, then float32 (torch >= 2.11)
         values = [1.0 / v for v in values]

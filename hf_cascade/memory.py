@@ -167,7 +167,10 @@ class GrowStorage(BlockStorage):
         if self.max_blocks is not None and num_blocks > self.max_blocks:
             raise self._too_many(num_blocks, self.max_blocks)
         refuse_in_capture(f"KV pool growth (a new pool of {num_blocks} blocks and a copy; {self.num_blocks} held)")
+        # a power of two (as doubling keeps it): a compiled decode step bakes the pool's shape in, and a pool whose
+        # size followed the first prompt's length exactly would give each prompt length a compile of its own
         new_size = max(num_blocks, 2 * self.num_blocks, self.MIN_BLOCKS)
+        new_size = 1 << (new_size - 1).bit_length()
         if self.max_blocks is not None:
             new_size = min(new_size, self.max_blocks)
         try:

@@ -372,6 +372,22 @@ class DecodeLayout:
         tables = int((self.row_prefix_blocks + self.suffix_width).max(initial=0)) * self.block_size
         return min(self.token_limit, tables)
 
+    def __post_init__(self):
+        # (plain ints, computed here: a compiled step reads mask_length while dynamo traces, where numpy is traced)
+        bs = self.block_size
+        self.table_width = shape_bucket(max(
+            -(-self.token_limit // bs) + 1, int((self.row_prefix_blocks + self.suffix_width).max(initial=0)),
+            int((self.row_inner_blocks + self.inner_width).max(initial=0)) if self.has_mid else 0))
+        """Blocks per row of a whole block table that holds every row of this layout to its capacity (a bucket:
+        :func:`shape_bucket`): the device bookkeeping's table width (:mod:`hf_cascade.device_blocks`)."""
+
+    @property
+    def mask_length(self) -> int:
+        """The length a compiled static step tells the model (``CascadeCache.get_seq_length`` while dynamo traces):
+        fixed for the layout's shapes, not its prompt's length (a value the model's Python reads is a guard, and a
+        guard on the prompt length recompiles per prompt length)."""
+        return self.table_width * self.block_size
+
     @classmethod
     def freeze(cls, tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, max_new_tokens: int,
                min_group_rows: int = 2, min_prefix_tokens: int = 0, min_saved_tokens: int = 0,
@@ -387,6 +403,9 @@ class DecodeLayout:
             levels.add_solo_rows(prev_lengths // block_size)
         group_rows, prefix_table, prefix_len = levels.group_arrays(tables)
         mid_group_rows, mid_table, mid_len = levels.mid_arrays(tables)
+        # the prefix tables' widths bucketed (-1 padding past prefix_len / mid_len, which every backend masks): a
+        # range of prompt lengths shares one shape (see shape_bucket)
+        prefix_table, mid_table = _padded_columns(prefix_table), _padded_columns(mid_table)
         row_prefix, row_inner = levels.row_blocks(num_rows)
         suffix_width, inner_width = _widths(prev_lengths, max_new_tokens, block_size, row_prefix,
                                             row_inner if levels.mid_groups else None)
@@ -423,7 +442,10 @@ class DecodeLayout:
                                   (self.mid_group_rows, self.mid_table, self.mid_len)):
             if rows.size == 0 or table.shape[1] == 0:
                 continue
-            if table is self.mid_table:       # the middle level's blocks start after the group prefix
+            table = table[:, :int((lens // self.block_size).max(initial=0))]     # (past it: the bucket's padding)
+            if table.shape[1] == 0:
+                continue
+            if rows is self.mid_group_rows:       # the middle level's blocks start after the group prefix
                 start = self.row_prefix_blocks[rows.clip(0)]                       # [G2, R2]
                 cols = start[..., None] + np.arange(table.shape[1])               # [G2, R2, M2]
             else:
@@ -531,9 +553,43 @@ def _widths(prev_lengths, max_new_tokens, block_size, row_prefix_blocks, row_inn
     more: row r ends with at most ceil((prev + max_new) / bs) blocks, minus the blocks its shared levels cover.
     The inner width is 0 without a middle level."""
     total = -(-(prev_lengths.astype(np.int64) + max(int(max_new_tokens), 1)) // block_size)
-    suffix = int((total - row_prefix_blocks).max(initial=1))
-    inner = 0 if row_inner_blocks is None else int((total - row_inner_blocks).max(initial=1))
+    # a shared row's suffix needs at most the new tokens' blocks and one partly filled block of its prompt, whatever
+    # the prompt's length and alignment: that many, bucketed; where a row's suffix holds its prompt (it shares none)
+    # the width follows the prompt's length: bucketed with the floor of such shapes
+    room = -(-max(int(max_new_tokens), 1) // block_size) + 1
+
+    def width(shared_blocks) -> int:
+        need = int((total - shared_blocks).max(initial=1))
+        return shape_bucket(max(need, room), floor=MIN_BUCKET_BLOCKS if (shared_blocks == 0).any() else 1)
+
+    suffix = width(row_prefix_blocks)
+    inner = 0 if row_inner_blocks is None else width(row_inner_blocks)
     return suffix, inner
+
+
+# the smallest bucket of a shape that follows the prompt's length, in blocks (tables, pools) and in tokens (the token
+# choice's sequence buffers): prompts up to 16 blocks (256 tokens at block_size 16) share one shape; past it, powers
+# of two
+MIN_BUCKET_BLOCKS = 16
+MIN_BUCKET_TOKENS = 256
+
+
+def shape_bucket(n: int, floor: int = MIN_BUCKET_BLOCKS) -> int:
+    """``n`` rounded up to the next power of two, at least ``floor`` (0 stays 0): what a static decode step's shapes
+    that follow the prompt's length (block-table widths, the device pool's block count, the token choice's buffers)
+    are rounded to, so that a range of prompt lengths (up to twice the shortest past the floor) shares one shape, and
+    so one compiled graph and one captured graph: a compiled step bakes its shapes in. At most twice what is needed
+    past the floor (a table wider than its rows' blocks holds -1 there, which no kernel reads)."""
+    n = int(n)
+    return 0 if n <= 0 else max(int(floor), 1 << (n - 1).bit_length())
+
+
+def _padded_columns(table: np.ndarray) -> np.ndarray:
+    """``table [G, M]`` (-1 padded) widened to ``shape_bucket(M)`` columns of -1."""
+    width = shape_bucket(table.shape[1])
+    if width == table.shape[1] or table.shape[0] == 0:
+        return table
+    return np.concatenate([table, np.full((table.shape[0], width - table.shape[1]), -1, dtype=table.dtype)], axis=1)
 
 
 def _token_limit(prev_lengths, max_new_tokens) -> int:

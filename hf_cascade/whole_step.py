@@ -44,6 +44,7 @@ import torch
 
 from . import device_blocks, device_select, graphs, seq2seq_models
 from .blocks import PoolExhausted
+from .plan import shape_bucket
 from .logs import log_once
 
 logger = logging.getLogger("hf_cascade")
@@ -206,10 +207,14 @@ class WholeStepLoop:
         self.names = _Names(self.model)
         self.kind = hold_kind(self.cache)
         state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
-        call_key = (config, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
+        # (the config less its prompt's lengths, which the state holds as tensors: a call of another prompt length
+        # of the same bucketed shapes refills the kept tensors)
+        call_key = (device_select.shape_key(config), _signature(inputs), _signature(state.tensors()),
+                    self.runner.compiled)
         kept = self.runner.whole_step_kept
         if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values
             _fill(kept.state.tensors(), state.tensors())
+            kept.state.config = config          # (read on the host only: finalize's crop)
             _fill(kept.inputs, {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
             kept.parents.copy_(state.row_ids)
             kept.inputs.update({k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)})
@@ -467,13 +472,13 @@ class BlocksHold:
         # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
         # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
         R = manager.num_rows
-        pool_blocks = max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
+        # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
+        pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1) + 1) - 1
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
         blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device)
-        scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width",
-                                                    "token_limit"))
+        scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width"))
         key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
         loop.peak.zero_()
         return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn), None

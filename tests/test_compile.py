@@ -158,6 +158,60 @@ def test_no_recompile_per_layer_step_or_call(fresh_dynamo, monkeypatch, caplog):
     assert not [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
 
 
+# prompt lengths of one evaluation loop (rows of (n, n - 3) tokens, left-padded); from 20 on each prompt stores a full
+# block (block_size 16, the prompt less its last token) that its beams share
+LENGTHS = (5, 10, 15, 20, 25, 30, 35, 40)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_no_recompile_per_prompt_length(fresh_dynamo, monkeypatch, case):
+    """An evaluation loop over 8 prompt lengths compiles once per batch shape, not once per length: the static step's
+    shapes that follow the prompt's length (block-table widths, the pool's and the checks' counts, the token choice's
+    sequence buffers) are bucketed (``plan.shape_bucket``: powers of two, at least 16 blocks / 256 tokens), and its
+    values that follow it (the layout's token limit, the prompt and maximum lengths of the token choice) are tensors
+    or, where the model's Python reads one, a length of the layout's shapes (``DecodeLayout.mask_length``). Before:
+    3 graphs per length (24 over the 8), recompiled on ``state.config.max_length``, ``blocks.token_limit``,
+    ``plan.layout.token_limit`` and the tables' widths. Now: greedy 3 graphs for all 8 lengths; beam search 2 more
+    once, when the prompts come to share a block (the plan gains a prefix level: another graph, not another length),
+    none after. Every call gives stock's tokens. The whole step's kept selection tensors and its bookkeeping's shapes
+    are the same for every length of a bucket (on a GPU the captured step is what these shapes allow to replay)."""
+    from hf_cascade import whole_step
+    stock, cascade = _pair("Llama", torch.float32)
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    shape_keys = []
+    real_take = whole_step.BlocksHold.take.__func__
+
+    def take(cls, loop):
+        held, reason = real_take(cls, loop)
+        if held is not None:
+            shape_keys.append(held.key[2:4])     # (scalars, tensor shapes): the key less the layout serial and pools
+        return held, reason
+
+    monkeypatch.setattr(whole_step.BlocksHold, "take", classmethod(take))
+    graph_counts, kept_states = [], []
+    for n in LENGTHS:
+        ids, mask = padded_batch(seed=n, lengths=(n, n - 3))
+        want = _generate(stock, ids, mask, case)
+        got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile=True))
+        assert torch.equal(got, want), n
+        graph_counts.append(counters["stats"]["unique_graphs"])
+        kept = spy.runners[-1].whole_step_kept
+        kept_states.append(None if kept is None else kept.state.sequences.data_ptr())
+    compiled_calls.check()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    shared = [i for i, n in enumerate(LENGTHS) if n >= 20]
+    if case == "greedy":
+        assert graph_counts == [3] * len(LENGTHS), graph_counts
+        assert len(set(shape_keys)) == 1, shape_keys
+    else:
+        assert graph_counts == [3, 3, 3] + [5] * len(shared), graph_counts
+        # one runner kept for all the calls, its selection tensors refilled by each (one call key), one shape of the
+        # bookkeeping for every length that shares a block
+        assert len({id(r) for r in spy.runners}) == 1
+        assert len(set(kept_states)) == 1, kept_states
+        assert len(set(shape_keys[-len(shared):])) == 1, shape_keys
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_float32_compiled_equals_uncompiled(fresh_dynamo, monkeypatch, case):
     stock, cascade = _pair("Llama", dtype=torch.float32)

@@ -208,7 +208,8 @@ def test_families_equal_stock(name, mode, runner_spy):
 
 def test_a_second_call_of_the_same_shape_reuses_the_kept_step(llama_pair, runner_spy):
     """The step's tensors (and on a GPU its graph) are kept with the cache for the model's next call of the same
-    shape; that call fills them with its own values and gives its own tokens. Another shape starts afresh."""
+    shape; that call fills them with its own values and gives its own tokens. Another prompt width of the same
+    bucketed shapes (plan.shape_bucket) is the same shape; another batch shape starts afresh."""
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=8)
     kw = dict(max_new_tokens=20, num_beams=3)
@@ -224,5 +225,8 @@ def test_a_second_call_of_the_same_shape_reuses_the_kept_step(llama_pair, runner
     assert kept.state.sequences is sequences
     assert torch.equal(first, _generate(stock, ids, mask, config=None, **kw))
     assert torch.equal(second, _generate(stock, other_ids, mask, config=None, **kw))
-    _generate(cascade, ids[:, 2:], mask[:, 2:], config=config, **kw)         # another prompt width: new tensors
+    third = _generate(cascade, ids[:, 2:], mask[:, 2:], config=config, **kw)    # another prompt width: same buckets
+    assert runner_spy.runners[-1].whole_step_kept is kept
+    assert torch.equal(third, _generate(stock, ids[:, 2:], mask[:, 2:], config=None, **kw))
+    _generate(cascade, ids, mask, config=config, max_new_tokens=20, num_beams=2)   # another batch shape: new tensors
     assert runner_spy.runners[-1].whole_step_kept is not kept
