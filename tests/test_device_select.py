@@ -276,7 +276,7 @@ def _state_for(sequences, cur_len, prompt_length, mask=None, **config):
     selection = SelectionConfig(batch_size=rows, prompt_length=prompt_length, max_length=sequences.shape[1],
                                 eos_token_ids=(EOS, 7), **config)
     state = new_state(selection, sequences[:, :prompt_length], mask)
-    state.sequences.copy_(sequences)
+    state.sequences[:, :sequences.shape[1]].copy_(sequences)     # (the state's buffer is bucketed: wider)
     state.cur_len.fill_(cur_len)
     return state
 
