@@ -51,6 +51,7 @@ import torch.nn.modules.module as module_hooks
 from . import compat
 from .cache import CascadeCache
 from .config import CascadeConfig
+from .static_step import StaticStepCache
 from .context import STEP_KWARG
 from .logs import log_once
 from .seq2seq_models import step_positions_reason
@@ -167,7 +168,7 @@ class DecodeGraphRunner:
     ``batch_size``, ``logical_length``).
     """
 
-    def __init__(self, model, cache, capture_guard, capture: bool = True, compile: bool = False):
+    def __init__(self, model, cache: StaticStepCache, capture_guard, capture: bool = True, compile: bool = False):
         # the model only weakly: a runner kept for the model's next call must not keep a deleted model alive;
         # the cache too: the session (or what it keeps for the next call) holds it
         self._model = weakref.ref(model)

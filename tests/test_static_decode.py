@@ -364,3 +364,26 @@ def test_graphs_refused_with_a_reason_where_they_cannot_apply():
     assert graphs.unsupported_reason(cascade, config("eager")) is None
     with pytest.raises(ValueError, match="cuda_graphs"):
         CascadeConfig(cuda_graphs="sometimes")
+
+
+def test_both_caches_implement_the_static_step_interface():
+    """CascadeCache and StaticSelfAttentionCache implement every member of hf_cascade.static_step.StaticStepCache,
+    methods with its parameters (names and order), properties as properties."""
+    import inspect
+
+    from hf_cascade.cache import CascadeCache
+    from hf_cascade.dense_cache import StaticSelfAttentionCache
+    from hf_cascade.static_step import StaticStepCache
+
+    members = [name for name in vars(StaticStepCache) if not name.startswith("_")]
+    assert {"prepare_step", "begin_planned_step", "step", "layout", "rewind_step", "end_step"} <= set(members)
+    for cls in (CascadeCache, StaticSelfAttentionCache):
+        for name in members:
+            declared, implemented = vars(StaticStepCache)[name], inspect.getattr_static(cls, name, None)
+            assert implemented is not None, (cls.__name__, name)
+            if isinstance(declared, property):
+                assert isinstance(implemented, property), (cls.__name__, name)
+                continue
+            want = list(inspect.signature(declared).parameters)
+            got = list(inspect.signature(implemented).parameters)
+            assert got[:len(want)] == want, (cls.__name__, name, got)
