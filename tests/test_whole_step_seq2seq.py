@@ -76,7 +76,7 @@ def _state(sequences, cur_len, prompt_length, **config):
     selection = SelectionConfig(batch_size=sequences.shape[0], prompt_length=prompt_length,
                                 max_length=sequences.shape[1], eos_token_ids=(EOS, 5), **config)
     state = new_state(selection, sequences[:, :prompt_length])
-    state.sequences.copy_(sequences)
+    state.sequences[:, :sequences.shape[1]].copy_(sequences)     # (the state's buffer is bucketed: wider)
     state.cur_len.fill_(cur_len)
     return state
 
@@ -128,7 +128,7 @@ def test_encoder_no_repeat_ngram_equals_transformers_at_every_length(size):
         selection = SelectionConfig(batch_size=2, num_beams=2, prompt_length=prompt_length, max_length=width,
                                     encoder_no_repeat_ngram_size=size)
         state = new_state(selection, sequences[:, :prompt_length], encoder_ngrams=processor.generated_ngrams)
-        state.sequences.copy_(sequences)
+        state.sequences[:, :sequences.shape[1]].copy_(sequences)     # (the state's buffer is bucketed: wider)
         state.cur_len.fill_(cur_len)
         want = processor(sequences[:, :cur_len], scores.clone())
         assert torch.equal(device_select.process_logits(state, scores.clone()), want), cur_len
