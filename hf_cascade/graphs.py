@@ -110,6 +110,10 @@ def outer_hooks_reason(model) -> str | None:
     host around each step's forward, as in stock's loop."""
     if _hooked(model):
         return "forward hooks on the model (they run around every step's forward, as stock's)"
+    return _global_hooks_reason()
+
+
+def _global_hooks_reason() -> str | None:
     if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
         return "global module forward hooks (torch.nn.modules.module.register_module_forward_hook)"
     return None
@@ -122,9 +126,9 @@ def inner_hooks_reason(model) -> str | None:
     name = next((name for name, module in model.named_modules() if name and _hooked(module)), None)
     if name is not None:
         return f"forward hooks on {name} (a captured step would not run them)"
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:   # (every submodule's too)
-        return "global module forward hooks (torch.nn.modules.module.register_module_forward_hook)"
-    return None       # hooks on the model itself run in its __call__, around the replayed forward
+    # (global hooks run on every submodule too; hooks on the model itself run in its __call__, around the replayed
+    # forward)
+    return _global_hooks_reason()
 
 
 def quantized_capture_reason(model) -> str | None:
