@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
 from . import cross_attention
-from .context import STEP_KWARG, BoundAttention, StepContext, get_context
+from .context import STEP_KWARG, BoundAttention, LayerStep, StepContext, get_context
 from .kernels.base import AttentionParams
 from .precision import as_computed, kernels_context
 
@@ -194,6 +194,8 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     cross = cross_attention.cross_layer_of(module, key, kwargs)
     if cross is not None:    # encoder-decoder cross-attention over K/V stored once per input
         return cross_attention.cross_attention(*cross, module, query, dropout, scaling, kwargs)
+    if isinstance(ctx, LayerStep):      # a decoder layer compiled on its own: its share of the step, found on the host
+        return _layer_step_attention(ctx, query, scaling, kwargs), None
     # a module without layer_idx (a ViT encoder's) never writes a cache: dense
     layer_idx = getattr(module, "layer_idx", None)
     if ctx is None:       # where update got no attention kwargs: the shim (a stale context has no unread layer)
@@ -229,6 +231,24 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
         with kernels_context(q.device):
             return backend.forward(q, pool, metadata, params).contiguous(), None
     return _per_step_attention(ctx, q, pool, passed), None
+
+
+def _layer_step_attention(step: LayerStep, query, scaling, kwargs):
+    """A static decode step's attention in a decoder layer compiled on its own (``CascadeConfig(compile="regional")``):
+    the layer's pool and bound attention come with ``step``, so nothing here reads ``module.layer_idx`` (one compiled
+    layer serves every layer); the layout's first, eager step checked and bound the layer."""
+    bound = step.bound
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not bound.call.serves(*_passed(scale, kwargs)):
+        raise RuntimeError("a compiled decoder layer's attention call passes other parameters than its layout bound; "
+                           "it runs on the eager forward instead")
+    backend, params, pool = bound.backend, bound.params, step.layer.step_pool
+    q = as_computed(query)[0].transpose(1, 2)     # [R, q, Hq, D]
+    # metadata per step (a backend that keeps none for the layout) is built for each layer: the reference backend's
+    # is a view of the plan's device tensors, nothing to compute
+    metadata = bound.metadata if bound.metadata is not None else backend.build(step.plan, q, pool, params)
+    with kernels_context(q.device):
+        return backend.forward(q, pool, metadata, params).contiguous()
 
 
 @torch.compiler.disable          # host work every step (backend choice, metadata): eager inside a compiled forward

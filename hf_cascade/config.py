@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "flashinfer", "cuda", "reference")
 MEMORY_POLICIES = ("auto", "vmm", "grow", "static")
+# CascadeConfig.compile's values besides True and False: "regional" compiles one decoder layer for all of them
+COMPILE_MODES = ("regional",)
 # KV cache element types besides the model's own (None). float8_e4m3fn: K and V stored as e4m3 with a float32 scale per
 # layer, K/V and KV head (hf_cascade.memory says how they are chosen); half the bytes of bf16.
 KV_DTYPES = ("float8_e4m3fn",)
@@ -115,7 +117,7 @@ class CascadeConfig:
     min_prefix_tokens: int = 0
     min_saved_tokens: int | None = None
     cuda_graphs: bool | str | None = None
-    compile: bool = False
+    compile: bool | str = False
     kv_dtype: str | None = None
     fuse_projections: bool = True
 
@@ -126,9 +128,9 @@ class CascadeConfig:
                         f"got {self.cuda_graphs!r}.")
         if self.compile == "max-autotune":
             raise ValueError(REMOVED_COMPILE_MODE)
-        if not isinstance(self.compile, bool):
+        if not (isinstance(self.compile, bool) or self.compile in COMPILE_MODES):
             error = ValueError if isinstance(self.compile, str) else ConfigTypeError
-            raise error(f"CascadeConfig.compile must be True or False, got {self.compile!r}.")
+            raise error(f"CascadeConfig.compile must be True, False or one of {COMPILE_MODES}, got {self.compile!r}.")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigTypeError(f"CascadeConfig.fuse_projections must be a bool, got {self.fuse_projections!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from . import kernels
 from .compat import UPDATE_PASSES_KWARGS  # noqa: F401 (re-exported: the route, decided by the transformers version)
 from .kernels.base import AttentionParams
+from .precision import as_computed
 
 if TYPE_CHECKING:
     from .kernels.base import Backend
@@ -163,6 +164,28 @@ class StepContext:
         if found is None or not backend.reusable(found):
             found = store[key] = backend.build(plan, q, pool, params)
         return found
+
+
+class LayerStep:
+    """One layer's share of a static decode step, for a decoder layer compiled on its own
+    (``CascadeConfig(compile="regional")``: :mod:`hf_cascade.regional`), found on the host before the layer's compiled
+    code runs, so that nothing in that code reads the layer's ``layer_idx`` (one compiled layer then serves every
+    layer). It comes into the layer as its cache (:meth:`update` writes into this layer's pool, whatever index it is
+    given) and as the ``cascade_step`` argument of its attention call (:func:`hf_cascade.attention.cascade_attention`).
+
+    - ``plan``: the step's :class:`~hf_cascade.plan.StepPlan`;
+    - ``layer``: the layer's :class:`~hf_cascade.cache.CascadeLayer`, its static pool made ready (``step_pool``);
+    - ``bound``: the layer's :class:`BoundAttention` on the layout."""
+
+    def __init__(self, plan: "StepPlan", layer, bound: BoundAttention):
+        self.plan, self.layer, self.bound = plan, layer, bound
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """``Cache.update`` of the layer: its K/V written into its pool (tensor work only); returns them (in
+        autocast's dtype under autocast, as ``CascadeCache.update``)."""
+        key_states, value_states = as_computed(key_states, value_states)
+        self.layer.write(key_states, value_states, self.plan)
+        return key_states, value_states
 
 
 # ---- transformers < 5.24: the one per-thread channel -------------------------------------------------------------

@@ -48,7 +48,7 @@ import weakref
 import torch
 import torch.nn.modules.module as module_hooks
 
-from . import compat
+from . import compat, regional
 from .cache import CascadeCache
 from .config import CascadeConfig
 from .static_step import StaticStepCache
@@ -621,5 +621,14 @@ def compile_failure(err: BaseException) -> bool:
 
 def _compiled(forward, compile=True):
     """``forward`` compiled for a fixed shape as one graph (``fullgraph``: a graph break would compile each layer's
-    frames apart, one recompile per layer; a model that breaks runs uncompiled instead), in ``compile``'s mode."""
+    frames apart, one recompile per layer; a model that breaks runs uncompiled instead), in ``compile``'s mode;
+    ``compile="regional"``: each decoder layer compiled on its own by one shared compiled layer
+    (:mod:`hf_cascade.regional`), the rest of the forward eager; a model whose layers it cannot find compiles whole,
+    logged once."""
+    if compile == "regional":
+        reason = regional.unsupported_reason(forward.__self__)
+        if reason is None:
+            return regional.RegionalForward(forward, compile_options(compile))
+        log_once(("regional", reason), logging.INFO, "CascadeConfig(compile='regional'): %s; the decode forward "
+                 "compiles whole", reason)
     return torch.compile(forward, **compile_options(compile))
