@@ -349,6 +349,105 @@ def test_the_cuda_backend_traces_to_its_typed_operators(fresh_dynamo):
     assert kernels_in_graph == ["hf_cascade.prefix", "hf_cascade.suffix", "hf_cascade.merge"]
 
 
+# ------------------------------------------------------------------------------------- regional compilation
+
+def layer_graphs() -> int:
+    """The graphs dynamo holds for the one compiled decoder layer (:func:`hf_cascade.regional.region`): measured, its
+    cache entries."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from hf_cascade import regional
+    return len(_debug_get_cache_entry_list(regional._layer_forward.__code__))
+
+
+class RegionCalls:
+    """How many decoder-layer calls ran the compiled layer (:func:`hf_cascade.regional.region`), by layer class."""
+
+    def __init__(self, monkeypatch):
+        from hf_cascade import regional
+        self.calls: list = []
+        real = regional.region
+
+        def region(options):
+            fn = real(options)
+
+            def counted(layer, args, kwargs):
+                self.calls.append(type(layer).__name__)
+                return fn(layer, args, kwargs)
+            return counted
+
+        monkeypatch.setattr(regional, "region", region)
+
+
+def _layered(name, layers, **overrides):
+    """(stock, cascade) of FAMILIES[name] in float32 with ``layers`` layers (``layer_types`` repeated to them)."""
+    types = FAMILIES[name].make().layer_types if hasattr(FAMILIES[name].make(), "layer_types") else None
+    if types is not None and "layer_types" not in overrides:
+        overrides["layer_types"] = [types[i % len(types)] for i in range(layers)]
+    return _pair(name, torch.float32, num_hidden_layers=layers, **overrides)
+
+
+@pytest.mark.parametrize("family, case", [("Llama", "beam"), ("Llama", "greedy"), ("Mistral", "beam")])
+def test_regional_compile_is_one_layer_graph_for_every_layer(fresh_dynamo, monkeypatch, family, case):
+    """``compile="regional"``: 10 layers (past dynamo's recompile limit of 8, which a recompile per layer would hit),
+    recompiling made an error from the first call on: every layer of every device step runs the one compiled layer
+    (one graph; the whole step's bookkeeping and token choice one each), no break, stock's tokens (float32, fused
+    projections: the default). Mistral's window is shorter than the sequences."""
+    layers = 10
+    stock, cascade = _layered(family, layers)
+    ids, mask = padded_batch(seed=5, lengths=PROMPTS)
+    expected = _generate(stock, ids, mask, case)
+    spy, compiled_calls, region_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch), RegionCalls(monkeypatch)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _generate(cascade, ids, mask, case, CascadeConfig(cuda_graphs="eager", compile="regional"))
+    assert torch.equal(got, expected)
+    runner, = spy.runners
+    assert runner.disabled is None and runner.device_steps == NEW - 1
+    compiled_calls.check(calls=runner.device_steps)
+    assert len(region_calls.calls) == layers * runner.device_steps, len(region_calls.calls)
+    assert layer_graphs() == 1
+    assert counters["stats"]["unique_graphs"] == 3          # the layer, the bookkeeping, the token choice
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert cascade.model.layers[0].__dict__.get("forward") is None      # the layers' own forwards back after the call
+
+
+def test_regional_compile_two_layer_graphs_where_layer_types_differ(fresh_dynamo, monkeypatch):
+    """Qwen2 with a sliding window on its upper layers (``max_window_layers``; q/k/v biases): full-attention and
+    sliding layers differ in their Python (the window), two layer graphs for the 6 layers; a second call of other
+    prompt lengths (same batch shape) compiles nothing (recompiling an error). Stock's tokens both times."""
+    layers = 6
+    types = ["full_attention"] * 2 + ["sliding_attention"] * 4
+    stock, cascade = _layered("Qwen2", layers, use_sliding_window=True, sliding_window=12, max_window_layers=2,
+                              layer_types=types)
+    spy, compiled_calls, region_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch), RegionCalls(monkeypatch)
+    counts = []
+    for i, lengths in enumerate([PROMPTS, (17, 11)]):
+        ids, mask = padded_batch(seed=10 + i, lengths=lengths)
+        expected = _generate(stock, ids, mask, "beam")
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager", compile="regional"))
+        assert torch.equal(got, expected), lengths
+        counts.append((layer_graphs(), counters["stats"]["unique_graphs"]))
+    assert counts == [(2, 4), (2, 4)], counts
+    compiled_calls.check(calls=sum(runner.device_steps for runner in spy.runners))
+    assert len(region_calls.calls) == layers * sum(runner.device_steps for runner in spy.runners)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_regional_compile_finds_the_decoder_layers():
+    """The layers regional compilation compiles: the one list of decoder layers whose attention carries layer_idx
+    0..N-1; an encoder-decoder model (its cross-attention finds its K/V by layer_idx inside the layer) compiles whole,
+    with the reason."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    from hf_cascade import regional
+    _, cascade = _layered("Llama", 3)
+    assert regional.decoder_layers(cascade) == [(layer, i) for i, layer in enumerate(cascade.model.layers)]
+    assert regional.unsupported_reason(cascade) is None
+    bart = BartForConditionalGeneration(BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1,
+                                                   encoder_attention_heads=2, decoder_attention_heads=2,
+                                                   encoder_ffn_dim=32, decoder_ffn_dim=32))
+    assert "encoder-decoder" in regional.unsupported_reason(bart)
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 GPU_SHAPE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
