@@ -2,12 +2,17 @@
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
 which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
-stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--no-fuse`` with
+stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--compile MODE ...`` with each of
+``false``, ``true`` (the whole forward as one graph) and ``regional`` (one compiled decoder layer for every layer:
+hf_cascade/regional.py), one row each on the same model, back to back, with the first call's wall time (compile and
+capture) and the second's ("compile_s": the first less the second; run one mode per process with empty inductor and
+Triton cache directories for compile seconds that no earlier compile served); ``--no-fuse`` with
 ``CascadeConfig(fuse_projections=False)`` (q/k/v and gate/up as separate products); ``--profile`` also lists the kernels of
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
 replay's time outside kernels (the gaps between the graph's kernels).
 
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy --compile --profile
+    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 --compile false true regional
 """
 from __future__ import annotations
 
@@ -122,11 +127,20 @@ def _stopped_call(model, ids, config, kw, at_first_replay) -> None:
         whole_step.WholeStepLoop._chunk = real_chunk
 
 
+def _compile_mode(text: str):
+    """``--compile``'s word as CascadeConfig.compile's value."""
+    modes = {"false": False, "true": True, "regional": "regional"}
+    if text.lower() not in modes:
+        raise SystemExit(f"--compile takes {', '.join(modes)}; got {text!r}")
+    return modes[text.lower()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--compile", action="store_true", help="CascadeConfig(compile=True)")
+    parser.add_argument("--compile", nargs="*", default=None, metavar="MODE",
+                        help="CascadeConfig(compile=...) of each variant: false, true, regional (--compile alone: true)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate matrix products")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
@@ -134,7 +148,8 @@ def main():
     args = parser.parse_args()
     models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
-    for entry in args.configs:
+    compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]
+    for entry, compile in ((entry, compile) for entry in args.configs for compile in compiles):
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
         model.set_attn_implementation("cascade")
@@ -149,22 +164,30 @@ def main():
             walls.append(((time.perf_counter() - started) / steps * 1e6, steps, self.graph is not None))
             return done
 
-        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=args.compile,
+        config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=compile,
                                           fuse_projections=not args.no_fuse)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
+            call_s = []
             for _ in range(2):        # the second call replays the kept graph from its first device step
                 walls.clear()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
                 model.generate(input_ids=ids, hf_cascade_config=config, **kw)
+                torch.cuda.synchronize()
+                call_s.append(time.perf_counter() - started)
         finally:
             whole_step.WholeStepLoop._chunk = real_chunk
         replayed = [w for w, n, graph in walls if graph and n > 1]
         found["chunk_wall_us_per_step"] = sorted(replayed)[len(replayed) // 2] if replayed else None
         found["chunks"] = [(round(w), n) for w, n, _ in walls]
+        # a new shape's first call: compile (where on) and capture; the second replays what the first kept
+        found["first_call_s"], found["second_call_s"] = call_s
+        found["compile_s"] = call_s[0] - call_s[1]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
-        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": args.compile, "fuse": not args.no_fuse,
-                        **found})
+        results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
+                        "fuse": not args.no_fuse, **found})
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
     # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
@@ -178,7 +201,8 @@ def main():
         for name, us in found["top_kernels_us"].items():
             console.print(f"  {us:8.1f}  {name}")
     harness.table("whole step parts (µs, CUDA events, median)",
-                  ["shape", "prompt", "mode", "fuse", "blocks_us", "forward_us", "choose_us", "whole_us",
+                  ["shape", "prompt", "mode", "compile", "fuse", "first_call_s", "compile_s", "blocks_us", "forward_us",
+                   "choose_us", "whole_us",
                    "chunk_wall_us_per_step", "host_us_per_step", "host_own_us_per_step", "floor_us", "whole_vs_floor"],
                   results, console=Console(width=180))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),

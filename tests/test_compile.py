@@ -571,3 +571,70 @@ def test_gpu_windowed_models_compile_on_our_kernels(fresh_dynamo, monkeypatch, n
         measured = _ruler_scores(ruler, run.sequences, mask, GPU_CASES["beam"]["num_return_sequences"])
         assert torch.allclose(run.sequences_scores.float(), measured, atol=0.05, rtol=0.02), (
             run.sequences_scores.tolist(), measured.tolist())
+
+
+def _gpu_pair(dtype):
+    """(stock sdpa, cascade) of GPU_SHAPE with the same random weights, each from a config of its own."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        stock = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_SHAPE), attn_implementation="sdpa", dtype=dtype)
+        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_SHAPE), attn_implementation="cascade",
+                                                   dtype=dtype)
+    cascade.load_state_dict(stock.state_dict())
+    return stock.eval(), cascade.eval()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_regional_compile_captured_gives_stock_tokens_float32(fresh_dynamo, no_tf32, monkeypatch, case):
+    """``compile="regional"`` on the GPU, float32 (TF32 off), the whole step captured: stock sdpa's tokens (beam
+    search, greedy, seeded sampling), the step captured and replayed, its 12 layers one compiled layer graph, no
+    break, no recompile once the first layer compiled."""
+    stock, cascade = _gpu_pair(torch.float32)
+    ids, mask = _batch((300, 210), seed=2)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **GPU_CASES[case])
+    torch.manual_seed(11)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    spy, compiled_calls, region_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch), RegionCalls(monkeypatch)
+    torch.manual_seed(11)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = cascade.generate(input_ids=ids, attention_mask=mask, **kw,
+                               hf_cascade_config=CascadeConfig(cuda_graphs=True, compile="regional"))
+    runner, = spy.runners
+    assert runner.disabled is None, runner.disabled
+    assert runner.captures >= 1 and runner.device_steps >= 20, (runner.captures, runner.device_steps)
+    compiled_calls.check()
+    layers = GPU_SHAPE["num_hidden_layers"]
+    assert region_calls.calls and len(region_calls.calls) % layers == 0, len(region_calls.calls)
+    assert layer_graphs() == 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_regional_compile_bf16_on_our_kernels(fresh_dynamo, monkeypatch):
+    """bf16 on our CUDA kernels (their typed operators inside the compiled layer), captured, three calls: one layer
+    graph, nothing compiled after the first call (recompiling an error); beam scores agree with the uncompiled
+    captured step's within bf16 rounding (the share of equal tokens is printed)."""
+    _, model = _gpu_pair(torch.bfloat16)
+    ids, mask = _batch((700, 460, 590), seed=1)
+    kw = dict(max_new_tokens=24, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+              **GPU_CASES["beam"])
+    base = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                          hf_cascade_config=CascadeConfig(cuda_graphs=True, backend="cuda"))
+    spy, compiled_calls = RunnerSpy(monkeypatch), CompiledCalls(monkeypatch)
+    counts = []
+    for i in range(3):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                                 hf_cascade_config=CascadeConfig(cuda_graphs=True, backend="cuda", compile="regional"))
+        runner = spy.runners[-1]
+        assert runner.disabled is None and runner.replays + runner.device_steps >= 20, runner.disabled
+        compiled_calls.check()
+        counts.append((layer_graphs(), counters["stats"]["unique_graphs"]))
+    assert counts[0][0] == 1 and counts == [counts[0]] * 3, counts
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    same = (out.sequences == base.sequences).float().mean().item()
+    print(f"bf16 regional vs uncompiled graph: {same:.1%} of the tokens agree; sequence scores "
+          f"{out.sequences_scores.tolist()} vs {base.sequences_scores.tolist()}")
+    assert torch.allclose(out.sequences_scores.float(), base.sequences_scores.float(), atol=0.05, rtol=0.02)
