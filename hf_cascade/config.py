@@ -88,7 +88,12 @@ class CascadeConfig:
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
             shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
             norms, rotary and MLP glue. The first call of a shape compiles (5-41 s for the H200 benchmarks); off by
-            default for that reason.
+            default for that reason. ``"regional"``: instead of the whole forward, one compiled decoder layer serves
+            every layer (:mod:`hf_cascade.regional`: dynamo compiles one graph per kind of layer, e.g. sliding and
+            full attention, not per layer), the embedding, final norm and logits eager; the bookkeeping and token
+            choice compile as with ``True``. On the CPU its forward compiled in 18-25 s for 4 and 16 layers against
+            45-95 s whole (benchmarks/regional_compile_cpu.py); its GPU step time is not measured yet.
+            Encoder-decoder models compile whole (logged).
         kv_dtype: the element type of the self-attention KV pools. ``None`` (default): the model's dtype, as the
             K/V come. ``"float8_e4m3fn"`` (or ``torch.float8_e4m3fn``): one byte per element, half a bf16 pool, with
             one float32 scale per layer, K/V and KV head fixed by the first K/V written after a reset (the prefill:

@@ -22,7 +22,9 @@ With ``CascadeConfig(compile=True)`` the forward the runner captures (or, with `
 ``torch.compile(fullgraph=True)`` of the model's forward: every layer's cache write and cascade attention inside one
 graph, the kernels as typed operators. A new key's first step runs the plain forward first (it binds each layer's
 attention on the layout: :mod:`hf_cascade.context`), then the compiled one, which gets the step context as its
-``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
+``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once. With ``compile="regional"`` the
+compiled forward is :class:`hf_cascade.regional.RegionalForward` (the forward eager, each decoder layer one shared
+compiled layer), called the same way.
 
 This module owns the runner (capture and replay), the forward dispatcher and the support policy
 (:func:`unsupported_reason`, with quantized layers' capture safety in :func:`quantized_capture_reason`);
@@ -614,9 +616,14 @@ def compile_failure(err: BaseException) -> bool:
     """Whether ``err`` is torch.compile's own failure, which a compiled part of the step answers by running uncompiled:
     dynamo could not trace (a graph break under ``fullgraph``, a compiled static step refusing host work, an exception
     met while tracing: the uncompiled run raises it again as itself) or inductor could not build. Errors a compiled
-    graph raises when it runs, and every error of an uncompiled forward, are the model's: they propagate."""
-    from torch._dynamo.exc import TorchDynamoException
-    return isinstance(err, TorchDynamoException) or type(err).__module__.startswith("torch._inductor")
+    graph raises when it runs, and every error of an uncompiled forward, are the model's: they propagate. Dynamo's
+    recompile limit met under ``fullgraph`` is one too (a process that compiled ``torch._dynamo.config.recompile_limit``
+    shapes of one function: the forward, or the one compiled layer of ``compile="regional"``, which every kind of layer
+    of every model shares)."""
+    from torch._dynamo import exc
+    limit = getattr(exc, "FailOnRecompileLimitHit", None)
+    return (isinstance(err, exc.TorchDynamoException) or (limit is not None and isinstance(err, limit))
+            or type(err).__module__.startswith("torch._inductor"))
 
 
 def _compiled(forward, compile=True):

@@ -103,8 +103,10 @@ class _LayerForward:
     def __call__(self, *args, **kwargs):
         layer = self._layer()
         ctx = kwargs.get(STEP_KWARG)
-        share = _layer_share(ctx, self.layer_idx) if isinstance(ctx, StepContext) else None
-        if share is None or torch.compiler.is_compiling():
+        # (a forward compiled whole in another thread meanwhile traces the layer's own forward)
+        share = (_layer_share(ctx, self.layer_idx) if isinstance(ctx, StepContext)
+                 and not torch.compiler.is_compiling() else None)
+        if share is None:
             return self.plain(layer)(*args, **kwargs)
         step, cascade_layer, key_shape = share
         inner = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}

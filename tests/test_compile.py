@@ -433,6 +433,25 @@ def test_regional_compile_two_layer_graphs_where_layer_types_differ(fresh_dynamo
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_regional_compile_past_the_recompile_limit_runs_uncompiled_logged(fresh_dynamo, monkeypatch, caplog):
+    """The one compiled layer serves every kind of layer of every model in the process, so dynamo's recompile limit
+    (8 graphs of one function) can be met; under ``fullgraph`` that raises. Here the limit is 1 and the model's two
+    kinds of layer need 2: the step runs uncompiled for the rest of the call, logged once, with stock's tokens."""
+    monkeypatch.setattr(logs, "_logged", set())
+    stock, cascade = _layered("Qwen2", 4, use_sliding_window=True, sliding_window=12, max_window_layers=2,
+                              layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
+    ids, mask = padded_batch(seed=12, lengths=PROMPTS)
+    expected = _generate(stock, ids, mask, "beam")
+    compiled_calls = CompiledCalls(monkeypatch)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level(logging.WARNING, logger="hf_cascade"):
+        got = _generate(cascade, ids, mask, "beam", CascadeConfig(cuda_graphs="eager", compile="regional"))
+    assert torch.equal(got, expected)
+    assert len(compiled_calls.failures) == 1 and compiled_calls.calls == 0, compiled_calls.failures
+    assert "FailOnRecompileLimitHit" in type(compiled_calls.failures[0]).__name__
+    lines = [r.getMessage() for r in caplog.records if "failed" in r.getMessage() and "uncompiled" in r.getMessage()]
+    assert len(lines) == 1, lines
+
+
 def test_regional_compile_finds_the_decoder_layers():
     """The layers regional compilation compiles: the one list of decoder layers whose attention carries layer_idx
     0..N-1; an encoder-decoder model (its cross-attention finds its K/V by layer_idx inside the layer) compiles whole,
