@@ -432,8 +432,8 @@ class DecodeGraphRunner:
             if not compile_failure(err):
                 raise
             log_once(("compile", type(err).__name__), logging.WARNING,
-                     "CascadeConfig(compile=True) failed (%s: %s); decode runs uncompiled",
-                     type(err).__name__, str(err)[:200])
+                     "CascadeConfig(compile=%r) failed (%s: %s); decode runs uncompiled",
+                     self.compiled, type(err).__name__, str(err)[:200])
             self.forward_fn = self.original
             self.cache.rewind_step()           # the layers that ran wrote their K/V: the same slots again
             return self.original(**static)
@@ -633,7 +633,8 @@ def _compiled(forward, compile=True):
     (:mod:`hf_cascade.regional`), the rest of the forward eager; a model whose layers it cannot find compiles whole,
     logged once."""
     if compile == "regional":
-        reason = regional.unsupported_reason(forward.__self__)
+        model = getattr(forward, "__self__", None)       # (an instance's own forward, e.g. accelerate's, has none)
+        reason = "the model's forward is not its class's" if model is None else regional.unsupported_reason(model)
         if reason is None:
             return regional.RegionalForward(forward, compile_options(compile))
         log_once(("regional", reason), logging.INFO, "CascadeConfig(compile='regional'): %s; the decode forward "

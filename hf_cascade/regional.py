@@ -106,7 +106,8 @@ class _LayerForward:
         # (a forward compiled whole in another thread meanwhile traces the layer's own forward)
         share = (_layer_share(ctx, self.layer_idx) if isinstance(ctx, StepContext)
                  and not torch.compiler.is_compiling() else None)
-        if share is None:
+        if share is None or not any(name in kwargs for name in CACHE_KWARGS):
+            # (a layer given its cache positionally would call the cache's update with its layer_idx: its own forward)
             return self.plain(layer)(*args, **kwargs)
         step, cascade_layer, key_shape = share
         inner = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
