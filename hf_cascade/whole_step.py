@@ -174,9 +174,16 @@ def _first_inputs(model, cache, input_ids, model_kwargs, kind) -> tuple[dict | N
         reason = seq2seq_models.step_positions_reason(model, inputs)
         if reason is not None:
             return None, None, reason
-    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
-              if k not in names.dropped}
-    return {**inputs, "return_dict": True}, first, None
+    steps = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
+             if k not in names.dropped}
+    steps["return_dict"] = True
+    if first is None:
+        # the first step runs on the host path with the masks, as transformers' first iteration (and the graph runner's
+        # step that is not static) runs it: where no row holds a token yet (every prompt empty, or one token after
+        # left padding) it is a fresh step, whose dense attention takes the pads from the mask alone (without it an
+        # empty prompt's last pad attended to itself, where stock's sees nothing)
+        first = {**steps, **{k: inputs[k] for k in names.dropped if k in inputs}}
+    return steps, first, None
 
 
 class _Captured:
