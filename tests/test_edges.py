@@ -451,7 +451,9 @@ def test_empty_prompts_on_the_static_step_give_stock_tokens(pad_embedding_pair, 
     feeds its last pad, whose query stock's mask hides every key from (sdpa gives 0). The whole step ran that first
     step without the attention mask, so where no row held a token yet (a fresh step: dense attention over the new K/V)
     the pad attended to itself: other tokens than stock (worked around by decoding an all-empty batch without the
-    runner, and refusing it on a caller's CascadeCache; a batch of an empty prompt and one-token prompts was wrong)."""
+    runner, and refusing it on a caller's CascadeCache; a batch of an empty prompt and one-token prompts was wrong).
+    The whole step's device steps begin at the third step (the second stores an empty row's first token: not static),
+    not never."""
     from hf_cascade import CascadeCache, CascadeConfig
     from conftest import RunnerSpy, cache_kw, host_loop
     stock, cascade = pad_embedding_pair
@@ -466,6 +468,8 @@ def test_empty_prompts_on_the_static_step_give_stock_tokens(pad_embedding_pair, 
         assert torch.equal(got, want), extra
         runner = spy.runners[-1]      # the runner served the call: its own first step in transformers' loop only
         assert runner is not None and runner.first_steps == (loop == "transformers-loop"), extra
+        if loop == "whole-step":      # the device takes the steps over once every row holds a token (the third)
+            assert runner.device_steps > 0, extra
 
 
 @pytest.mark.parametrize("setting", sorted(AUTOCAST_SETTINGS))
