@@ -131,9 +131,22 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
                  "choice on the host): %s", reason)
         return stock()
-    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs,
-                         _encoder_ngrams(logits_processor), first_inputs=first)
+    mask = model_kwargs.get(_Names(session.model).mask)
+    loop = WholeStepLoop(session, config, input_ids, mask, inputs, _encoder_ngrams(logits_processor),
+                         first_inputs=first, second_positions=_second_positions(session.model, mask))
     return loop.run()
+
+
+def _second_positions(model, decoder_mask) -> torch.Tensor | None:
+    """The second step's decoder positions as stock computes them where the family takes them from the decoder mask
+    every step (Whisper: ``cumsum - 1``, a pad at 0), or None where the steps' plus one gives them. After a decoder
+    prompt whose last token is a pad, Whisper's next position is the count of the row's real tokens, not the pad's
+    position (0) plus one."""
+    if not _Names(model).encoder_decoder or not isinstance(decoder_mask, torch.Tensor):
+        return None
+    grown = torch.cat([decoder_mask, decoder_mask.new_ones(decoder_mask.shape[0], 1)], -1)   # + the chosen token
+    positions = seq2seq_models.family_of(model).decoder_position_ids(grown)
+    return None if positions is None else positions[:, -1:]
 
 
 def _encoder_ngrams(logits_processor) -> list[dict] | None:
@@ -174,9 +187,16 @@ def _first_inputs(model, cache, input_ids, model_kwargs, kind) -> tuple[dict | N
         reason = seq2seq_models.step_positions_reason(model, inputs)
         if reason is not None:
             return None, None, reason
-    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
-              if k not in names.dropped}
-    return {**inputs, "return_dict": True}, first, None
+    steps = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
+             if k not in names.dropped}
+    steps["return_dict"] = True
+    if first is None:
+        # the first step runs on the host path with the masks, as transformers' first iteration (and the graph runner's
+        # step that is not static) runs it: where no row holds a token yet (every prompt empty, or one token after
+        # left padding) it is a fresh step, whose dense attention takes the pads from the mask alone (without it an
+        # empty prompt's last pad attended to itself, where stock's sees nothing)
+        first = {**steps, **{k: inputs[k] for k in names.dropped if k in inputs}}
+    return steps, first, None
 
 
 class _Captured:
@@ -199,10 +219,12 @@ def _fill(kept: dict, fresh: dict) -> None:
 class WholeStepLoop:
     """One call's decode loop (see the module docstring). ``inputs``: the decode steps' forward arguments; their
     tensors are the loop's static inputs, advanced in place by every step. ``first_inputs``: the first step's, where
-    they differ (a dense cache's decoder prompt)."""
+    they differ (a dense cache's decoder prompt; the masks). ``second_positions``: the decoder positions the first
+    step leads to where they are not its own plus one (:func:`_second_positions`)."""
 
     def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict,
-                 encoder_ngrams: list[dict] | None = None, first_inputs: dict | None = None):
+                 encoder_ngrams: list[dict] | None = None, first_inputs: dict | None = None,
+                 second_positions: torch.Tensor | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
         self.names = _Names(self.model)
         self.kind = hold_kind(self.cache)
@@ -224,6 +246,7 @@ class WholeStepLoop:
         self.runner.whole_step_kept = self.kept = kept
         self.state, self.inputs, self.parents, self.peak = kept.state, kept.inputs, kept.parents, kept.peak
         self.first_inputs = first_inputs or self.inputs
+        self.second_positions = second_positions     # (see _second_positions)
         self.device = input_ids.device
         self.beam = config.is_beam
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
@@ -247,6 +270,8 @@ class WholeStepLoop:
     def run(self) -> torch.Tensor:
         try:
             self._host_step(first=True)
+            if self.second_positions is not None:
+                self.inputs[self.names.positions].copy_(self.second_positions)
             finished = bool(self.state.done)
             while not finished:
                 if self.held is None and self.device_ok and self.host_planned:
@@ -455,9 +480,11 @@ class BlocksHold:
         cache, layout = loop.cache, loop.cache.layout
         ctx = cache.step
         if ctx is None or layout is None or ctx.plan.layout is not layout:
-            if loop.host_steps == 1:
-                # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
-                # rows empty, a padded prompt's last token a write mask); its second is
+            # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
+            # rows empty, a padded prompt's last token a write mask), nor one that began with an empty row (an empty
+            # prompt's first token; after the first step a row holding at most one token was empty before it): the
+            # step after is
+            if loop.host_steps == 1 or bool((cache.blocks.lengths <= 1).any()):
                 return None, None
             return None, "the step was not planned on a static decode layout"
         # the device writes the plan into the layout's buffers: every layer must read it from there

@@ -301,6 +301,34 @@ def test_whisper(case, monkeypatch):
     assert _device_steps(spy) > 0
 
 
+# decoder prompts of Whisper's tokens (start 3, language 4, task 6) whose last token is a pad in some row
+WHISPER_PADDED_PROMPTS = {"right-padded": [[3, 4, 0], [3, 4, 6]], "empty-and-one-token": [[0, 0, 0], [0, 0, 3]],
+                          "all-empty": [[0, 0, 0], [0, 0, 0]]}
+
+
+@pytest.mark.parametrize("mode", ["beams", "greedy", "sample"])
+@pytest.mark.parametrize("prompt", sorted(WHISPER_PADDED_PROMPTS))
+def test_whisper_decoder_prompt_ending_in_a_pad(prompt, mode, monkeypatch):
+    """Stock Whisper takes its decoder positions from the decoder mask every step (``cumsum - 1``, a pad at 0:
+    WhisperForConditionalGeneration.prepare_inputs_for_generation), so after a last pad the next position is the
+    row's count of real tokens; the device steps' plus one gave the pad's 0 + 1. Where no row stores a token before
+    the first step, that step also needs the decoder mask (tests/test_edges.py's empty prompts)."""
+    stock, cascade = whisper_pair()
+    ids = torch.tensor(WHISPER_PADDED_PROMPTS[prompt])
+    kwargs = dict(decoder_input_ids=ids, decoder_attention_mask=(ids != 0).long(), max_new_tokens=6,
+                  min_new_tokens=6, **{"beams": dict(num_beams=3), "greedy": {},
+                                       "sample": dict(do_sample=True, num_return_sequences=2)}[mode])
+    features = WHISPER_CASES["beams"][0]
+    spy = RunnerSpy(monkeypatch)
+    outs = []
+    for model, extra in ((stock, {}), (cascade, dict(hf_cascade_config=EAGER))):
+        torch.manual_seed(5)     # (GenerationMixin's generate: Whisper's own builds its decoder prompt itself)
+        outs.append(T.GenerationMixin.generate(model, input_features=features, **kwargs, **extra))
+    want, got = outs
+    assert want.shape == got.shape and torch.equal(want, got), (want, got)
+    assert _device_steps(spy) > 0
+
+
 def test_whisper_timestamps_keep_transformers_loop(monkeypatch, caplog):
     monkeypatch.setattr(logs, "_logged", set())
     stock, cascade = whisper_pair()
