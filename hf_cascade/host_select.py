@@ -88,6 +88,10 @@ class HostChooser:
                                                dtype=torch.int32, device=device)
         self.beam_indices = self.running_beam_indices.detach().clone()
 
+    def adopt(self, kept: HostState) -> None:
+        """Run on ``kept`` (a kept step's state, already filled with this call's values)."""
+        self.state = kept
+
     # ---- one step ------------------------------------------------------------------------------------------------
     def choose(self, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor, positions: tuple) -> None:
         """The choice on the step's ``logits [rows, q, vocab]`` (its last position's); the next step's ``input_ids
