@@ -18,6 +18,11 @@ call. One step:
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
+Where the call's token choice is not one device_select reproduces (a processor or stopping criterion of the user's
+own, a streamer, ``return_dict_in_generate``), the chooser is :class:`hf_cascade.host_select.HostChooser` instead: the
+step is 1 and 2, and after each step the host runs transformers' own per-step choice on its logits, writes the next
+step's ids, positions and parents into the step's inputs, and reads once whether the call finished.
+
 With ``CascadeConfig(compile=True)`` each of the three is also one compiled graph (the token choice of a sampling
 call stays eager: its generator). On CUDA the three are captured as one graph per decode layout and replayed
 (``cuda_graphs="eager"``: the same step runs eagerly, on any device). The host replays and reads two scalars every

@@ -21,8 +21,9 @@ import torch
 from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from hf_cascade import CascadeCache, CascadeConfig, logs
+from hf_cascade import CascadeCache, CascadeConfig, host_select, logs
 from conftest import RunnerSpy, model_pair, padded_batch, returned_cache
+from test_capture_safety import emulated_capture  # noqa: F401  (a fixture)
 
 EAGER = CascadeConfig(cuda_graphs="eager")
 EOS = 3
@@ -192,21 +193,54 @@ def test_streamer_gets_stock_tokens(mode, eos_llama, monkeypatch, loops):
     assert all(torch.equal(x, y) for x, y in zip(a.put_values, b.put_values))
 
 
-def test_bart_with_a_user_processor_and_scores(monkeypatch, loops):
-    """An encoder-decoder (BART) call: the decoder's steps on the loop, the host chooser's output object stock's."""
-    from test_seq2seq_graphs import pair, sources
-    stock, cascade = pair("bart")
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_encoder_decoder_with_a_user_processor_and_scores(family, monkeypatch, loops):
+    """Encoder-decoder calls (BART: the paged cache; T5: its dense static cache, dense_cache.DenseHold): the decoder's
+    steps on the loop, the host chooser's output object stock's."""
+    if family == "t5":
+        from test_t5_graphs import pair, sources
+    else:
+        from test_seq2seq_graphs import pair, sources
+    stock, cascade = pair(family)
     ids, mask = sources()
     for mode in (dict(num_beams=3, num_return_sequences=2, length_penalty=1.3), dict(do_sample=True, top_k=20)):
         kwargs = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True,
                       logits_processor=LogitsProcessorList([PenaliseRepeat()]), **mode)
         want = _generate(stock, ids, mask, **kwargs)
         spy = RunnerSpy(monkeypatch)
-        got = _generate(cascade, ids, mask, hf_cascade_config=CascadeConfig(backend="reference",
-                                                                            cuda_graphs="eager"), **kwargs)
+        got = _generate(cascade, ids, mask, hf_cascade_config=CascadeConfig(backend="reference", cuda_graphs="eager",
+                                                                            block_size=4), **kwargs)
         _ran_the_loop(spy, loops)
         assert_same_output(want, got)
         loops.clear()
+
+
+@pytest.mark.parametrize("mode", ["beam", "sample"])
+def test_the_captured_step_holds_no_host_choice(mode, llama_pair, monkeypatch, emulated_capture):  # noqa: F811
+    """The capture path with the host chooser (emulated on the CPU: tests/test_capture_safety.py): the captured step
+    is the bookkeeping and the forward, with no host sync inside; the chooser runs after each replay on the captured
+    step's logits (the emulated replay computes nothing, so tokens are compared on the GPU: the ``gpu`` test)."""
+    _, cascade = llama_pair
+    ids, mask = padded_batch(seed=4, lengths=(27, 19, 23))
+    spy = RunnerSpy(monkeypatch)
+    chosen = []
+    real = host_select.HostChooser.choose
+
+    def choose(self, logits, *args):
+        chosen.append(logits)
+        return real(self, logits, *args)
+
+    monkeypatch.setattr(host_select.HostChooser, "choose", choose)
+    cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+                     logits_processor=LogitsProcessorList([PenaliseRepeat()]),
+                     **(dict(num_beams=3) if mode == "beam" else dict(do_sample=True, num_return_sequences=2)),
+                     hf_cascade_config=CascadeConfig(cuda_graphs=True, block_size=2, memory="grow",
+                                                     backend="reference"))
+    runner, = spy.runners
+    assert runner.captures == 1 and runner.replays >= 3 and runner.device_steps == runner.replays + 1
+    assert emulated_capture.host_syncs == [] and not any(emulated_capture.gc_enabled)
+    # every replay's choice read the captured step's own logits (the graph's output), not a copy made once
+    assert len(chosen) == 8 and all(logits is runner.whole_step_kept.logits for logits in chosen[-runner.replays:])
 
 
 @pytest.mark.gpu
