@@ -349,7 +349,7 @@ class WholeStepLoop:
             _fill(_tensors(kept.held_tensors), _tensors(held.tensors))
             held.tensors = kept.held_tensors
         else:
-            kept.step_key, kept.held_tensors, kept.graph = held.key, held.tensors, None
+            kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
         self.held, self.graph, self.room = held, kept.graph, held.room
 
     def _chunk(self, steps: int) -> bool:

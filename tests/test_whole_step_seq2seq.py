@@ -301,16 +301,22 @@ def test_whisper(case, monkeypatch):
     assert _device_steps(spy) > 0
 
 
-def test_whisper_timestamps_keep_transformers_loop(monkeypatch, caplog):
+@pytest.mark.parametrize("case", ["timestamps", "temperature_fallback"])
+def test_whisper_timestamps_and_fallback_choose_on_the_host(case, monkeypatch, caplog):
+    """Whisper's timestamp processor and its temperature fallback (scores kept for the fallback's log-probability
+    check): the loop runs, the token choice on the host (hf_cascade.host_select)."""
     monkeypatch.setattr(logs, "_logged", set())
     stock, cascade = whisper_pair()
-    features, kwargs = WHISPER_CASES["timestamps"]
+    features, kwargs = WHISPER_CASES[case]
     spy = RunnerSpy(monkeypatch)
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        torch.manual_seed(0)
         got = cascade.generate(features, max_new_tokens=10, language="en", hf_cascade_config=EAGER, **kwargs)
+    torch.manual_seed(0)
     assert torch.equal(stock.generate(features, max_new_tokens=10, language="en", **kwargs), got)
-    assert _device_steps(spy) == 0
-    assert any("WhisperTimeStampLogitsProcessor" in r.getMessage() for r in caplog.records)
+    assert _device_steps(spy) > 0
+    reason = "WhisperTimeStampLogitsProcessor" if case == "timestamps" else "return_dict_in_generate"
+    assert any("token choice on the host" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
 # ---- what the whole step does not serve: transformers' loop, the reason logged -----------------------------------
