@@ -183,15 +183,16 @@ def no_tf32():
 
 
 def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
-    """Generate 32 tokens on the cuda kernels with the runner's eager static step, then with it captured and replayed:
-    both runners serve every decode step, and tokens and scores are bitwise the same."""
+    """Generate 32 tokens on the cuda kernels with the runner's eager static step, then with it captured and replayed
+    (inside transformers' loop: :func:`host_loop`): both runners serve every decode step, and tokens and scores are
+    bitwise the same."""
     spy = RunnerSpy(monkeypatch)
     outs = []
     for graphs in ("eager", True):
         outs.append(cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
                                      return_dict_in_generate=True, output_scores=True,
                                      hf_cascade_config=hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=graphs),
-                                     **generate_kwargs))
+                                     **host_loop(), **generate_kwargs))
     eager_run, graph_run = spy.runners
     assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
     assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
@@ -202,9 +203,10 @@ def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwarg
 
 
 def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
-    """Generate 32 tokens with stock and with the cascade's captured decode steps (float32 with TF32 off: the
-    ``no_tf32`` fixture): the same tokens, and the runner captured and replayed without refusing."""
-    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **generate_kwargs)
+    """Generate 32 tokens with stock and with the cascade's captured decode steps inside transformers' loop
+    (:func:`host_loop`; float32 with TF32 off: the ``no_tf32`` fixture): the same tokens, and the runner captured and
+    replayed without refusing."""
+    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **host_loop(), **generate_kwargs)
     want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     spy = RunnerSpy(monkeypatch)
     got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)
