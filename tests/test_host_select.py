@@ -246,7 +246,7 @@ def test_the_captured_step_holds_no_host_choice(mode, llama_pair, monkeypatch, e
 @pytest.mark.gpu
 def test_gpu_captured_steps_with_a_user_processor_give_stock_scores(monkeypatch, no_tf32):
     """float32 Llama on CUDA: the steps captured and replayed, a user processor and return_dict_in_generate with
-    output_scores: stock's tokens and scores (TF32 off)."""
+    output_scores: stock's tokens and scores (TF32 off), and the captured steps' outputs bitwise the eager steps'."""
     stock, cascade = (m.cuda() for m in model_pair("llama", dtype=torch.float32))
     ids, mask = (t.cuda() for t in padded_batch(seed=5, lengths=(23, 17)))
     for mode in (dict(num_beams=3), dict(do_sample=True, num_return_sequences=2), dict()):
@@ -254,9 +254,12 @@ def test_gpu_captured_steps_with_a_user_processor_give_stock_scores(monkeypatch,
                       logits_processor=LogitsProcessorList([PenaliseRepeat()]), **mode)
         want = _generate(stock, ids, mask, **kwargs)
         spy = RunnerSpy(monkeypatch)
-        got = _generate(cascade, ids, mask, hf_cascade_config=CascadeConfig(cuda_graphs=True), **kwargs)
-        runner, = spy.runners
-        assert runner.replays > 0 and runner.device_steps > 30, (runner.replays, runner.device_steps, mode)
+        eager, got = (_generate(cascade, ids, mask, hf_cascade_config=CascadeConfig(cuda_graphs=graphs), **kwargs)
+                      for graphs in ("eager", True))
+        eager_run, runner = spy.runners
+        assert eager_run.device_steps > 30 and eager_run.replays == 0, (eager_run.device_steps, mode)
+        assert runner.captures >= 1 and runner.replays > 30, (runner.captures, runner.replays, mode)
+        assert_same_output(eager, got)
         assert torch.equal(want.sequences, got.sequences), mode
         assert len(want.scores) == len(got.scores)
         for a, b in zip(want.scores, got.scores):
