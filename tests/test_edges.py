@@ -302,8 +302,8 @@ def test_nan_after_the_call_finished_changes_nothing(runner_spy):
 @pytest.mark.parametrize("setting", ["greedy", "sample", "beam"])
 def test_a_users_repetition_penalty_is_compared_field_by_field(ignore, setting, runner_spy):
     """A RepetitionPenaltyLogitsProcessor of the user's with the config's penalty (transformers 5.24 puts it in place
-    of its own) but its own prompt_ignore_length: stock's tokens; the device choice serves it only where every field
-    is what it reproduces."""
+    of its own) but its own prompt_ignore_length: stock's tokens, from the whole step's loop; the device choice serves
+    it only where every field is what it reproduces, the host chooser (hf_cascade.host_select) otherwise."""
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
     from hf_cascade import device_select
     stock, cascade = model_pair("llama", seed=3)
@@ -318,12 +318,13 @@ def test_a_users_repetition_penalty_is_compared_field_by_field(ignore, setting, 
     assert torch.equal(outs[1], outs[0])
     starts = device_select.penalty_start(mask.repeat_interleave(rows // 2, 0), rows, "cpu")
     same = ignore is None and not bool(starts.any())
-    assert (sum(r.device_steps for r in runner_spy.runners if r is not None) > 0) == same
+    assert sum(r.device_steps for r in runner_spy.runners if r is not None) > 0
+    assert isinstance(runner_spy.runners[-1].whole_step_kept.state, device_select.SelectionState) == same
 
 
 def test_a_processor_with_an_attribute_the_device_does_not_know_is_refused():
     """A field that a newer transformers adds to a default processor (not compared: it could change the result)
-    keeps the call on transformers' loop."""
+    keeps the call's token choice off the device (on the host: hf_cascade.host_select)."""
     from transformers import TemperatureLogitsWarper
     from hf_cascade.device_select import SelectionConfig, UnsupportedSelection
     from transformers import GenerationConfig
