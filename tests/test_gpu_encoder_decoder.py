@@ -130,8 +130,10 @@ def test_whisper_float32_beam_search_matches_stock(monkeypatch):
         kw = dict(kw, language="en", max_new_tokens=24)
         assert torch.equal(stock.generate(features, **kw), cascade.generate(features, **kw))
     runners = [r for r in spy.runners if r is not None]
-    assert runners and all(r.disabled is None and r.captures >= 1 and r.replays >= 15 for r in runners), \
+    # (the second call's 12 rows share the first's bucket of 16 rows: it may replay the graph the first captured)
+    assert runners and all(r.disabled is None and r.replays >= 15 for r in runners), \
         [(r.disabled, r.captures, r.replays) for r in runners]
+    assert sum(r.captures for r in runners) >= 1
 
 
 @pytest.mark.parametrize("kw", [dict(num_beams=5, no_repeat_ngram_size=2),
