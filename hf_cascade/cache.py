@@ -39,6 +39,8 @@ def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wri
     ``copies``), then K/V ``[tokens, kv_heads, head_dim]`` into ``pool[write_block, 0|1, write_offset]``. On a GPU
     whose kernel library is loaded (the cuda backend's), one kernel for the copies and one for K and V
     (``csrc/write.cu``; ``$HF_CASCADE_WRITE_KERNEL=0`` turns it off); else :func:`_write_slots_torch`'s four."""
+    if not key.shape[0] and not (copies and copy_src.numel()):
+        return      # nothing to move (a prefill of empty prompts): its pool may hold no block yet (a NULL pointer)
     if pool.is_cuda and _write_slots_kernel(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies):
         return
     _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies)

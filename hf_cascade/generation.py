@@ -13,7 +13,6 @@ A call that shares too little to pay for the paged cache runs on stock's own pat
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -436,16 +435,6 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     _fuse_projections(model, hf_cascade_config)
     _warn_unused_compile(model, hf_cascade_config)
     capped = hf_cascade_config.max_kv_bytes is not None
-    mask = model_kwargs.get("attention_mask")
-    if (mask is not None and not bool(mask.any()) and not (explicit and existing.get_seq_length())
-            and graphs.unsupported_reason(model, hf_cascade_config) is None):
-        # Every prompt is empty (all padding): nothing is stored before the first generated token, and the static
-        # step from there gives other tokens than stock (not found yet): decode without the runner.
-        if explicit:
-            raise NotImplementedError(
-                "Every prompt of this batch is empty (an all-zero attention_mask), which a CascadeCache with decode "
-                "graphs cannot start from yet. Make the cache with CascadeConfig(cuda_graphs=False), or pass no cache.")
-        hf_cascade_config = dataclasses.replace(hf_cascade_config, cuda_graphs=False)
 
     def stock():
         return decode(model, input_ids, logits_processor, stopping_criteria, generation_config,

@@ -18,6 +18,11 @@ call. One step:
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
+Where the call's token choice is not one device_select reproduces (a processor or stopping criterion of the user's
+own, a streamer, ``return_dict_in_generate``), the chooser is :class:`hf_cascade.host_select.HostChooser` instead: the
+step is 1 and 2, and after each step the host runs transformers' own per-step choice on its logits, writes the next
+step's ids, positions and parents into the step's inputs, and reads once whether the call finished.
+
 With ``CascadeConfig(compile=True)`` each of the three is also one compiled graph (the token choice of a sampling
 call stays eager: its generator). On CUDA the three are captured as one graph per decode layout and replayed
 (``cuda_graphs="eager"``: the same step runs eagerly, on any device). The host replays and reads two scalars every
@@ -42,7 +47,7 @@ from typing import Protocol
 
 import torch
 
-from . import device_blocks, device_select, graphs, seq2seq_models
+from . import device_blocks, device_select, graphs, host_select, seq2seq_models
 from .blocks import PoolExhausted
 from .plan import shape_bucket
 from .logs import log_once
@@ -71,8 +76,8 @@ class _Names:
 
 
 def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
-    """Why this call's settings keep transformers' decode loop (None: the token choice decides, see :func:`decode`).
-    Runs before any step."""
+    """Why this call's settings keep transformers' decode loop (None: the loop serves it, with the token choice on
+    the device or on the host, see :func:`decode`). Runs before any step."""
     model, cache = session.model, session.cache
     blocks = getattr(cache, "blocks", None)
     if blocks is not None and (cache.cascade_config.max_kv_bytes is not None or blocks.max_blocks is not None):
@@ -80,14 +85,12 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     reason = graphs.outer_hooks_reason(model)
     if reason is not None:
         return reason
-    if generation_config.return_dict_in_generate:
-        return "return_dict_in_generate (scores, beam indices and the other per-step outputs are not kept)"
-    if model_kwargs.get("streamer") is not None:
-        return "a streamer (it takes every token as it is chosen)"
     if synced_gpus:
         return "synced_gpus"
     if getattr(generation_config, "prefill_chunk_size", None) is not None:
         return "prefill_chunk_size"
+    if generation_config.num_beams > 1 and generation_config.low_memory:
+        return "low_memory (transformers' beam search refuses it)"
     names = _Names(model)
     if model_kwargs.get(names.embeds) is not None:
         return names.embeds
@@ -113,27 +116,58 @@ def _selection_config(input_ids, logits_processor, stopping_criteria, generation
     return config, None
 
 
+def host_choice_reason(generation_config, model_kwargs) -> str | None:
+    """Why this call's token choice runs on the host whatever its processors (None: :func:`_selection_config`
+    decides)."""
+    if generation_config.return_dict_in_generate:
+        return "return_dict_in_generate (scores, logits and beam indices are kept on the host)"
+    if model_kwargs.get("streamer") is not None:
+        return "a streamer (it takes every token as it is chosen)"
+    return None
+
+
 def decode(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict,
            synced_gpus: bool, stock):
-    """The decode loop of ``session``'s call: on the device where :func:`refusal` allows, else ``stock()``
-    (transformers' loop, with the session's graph runner as today; the reason logged once)."""
+    """The decode loop of ``session``'s call where :func:`refusal` allows, with the token choice on the device where
+    :mod:`hf_cascade.device_select` reproduces it, else on the host (:mod:`hf_cascade.host_select`; the reason
+    logged once). Otherwise ``stock()`` (transformers' loop, with the session's graph runner; the reason logged
+    once)."""
     if session.cache is None or session.runner is None:
         return stock()              # no static decode step to build on (the runner's reason was logged)
+    names = _Names(session.model)
     reason = refusal(session, generation_config, model_kwargs, synced_gpus)
-    config = inputs = None
-    if reason is None:
-        config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config,
-                                           model_kwargs.get(_Names(session.model).mask))
-    kind = hold_kind(session.cache)
-    if reason is None:
-        inputs, first, reason = _first_inputs(session.model, session.cache, input_ids, model_kwargs, kind)
+    inputs = first = None
+    if reason is None:          # (the streamer is generate's, not the forward's)
+        forward_kwargs = {k: v for k, v in model_kwargs.items() if k != "streamer"}
+        inputs, first, reason = _first_inputs(session.model, session.cache, input_ids, forward_kwargs,
+                                              hold_kind(session.cache))
     if reason is not None:
-        log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers' (token "
-                 "choice on the host): %s", reason)
+        log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers': %s", reason)
         return stock()
-    loop = WholeStepLoop(session, config, input_ids, model_kwargs.get(_Names(session.model).mask), inputs,
-                         _encoder_ngrams(logits_processor), first_inputs=first)
-    return loop.run()
+    mask = model_kwargs.get(names.mask)
+    reason = host_choice_reason(generation_config, model_kwargs)
+    if reason is None:
+        config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config, mask)
+    if reason is None:
+        chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), session.runner.compiled)
+    else:
+        log_once(("host choice", reason), logging.INFO, "token choice on the host: %s", reason)
+        chooser = host_select.HostChooser(session.model, input_ids, logits_processor, stopping_criteria,
+                                          generation_config, model_kwargs.get("streamer"))
+    return WholeStepLoop(session, chooser, input_ids, inputs, first_inputs=first,
+                         second_positions=_second_positions(session.model, mask)).run()
+
+
+def _second_positions(model, decoder_mask) -> torch.Tensor | None:
+    """The second step's decoder positions as stock computes them where the family takes them from the decoder mask
+    every step (Whisper: ``cumsum - 1``, a pad at 0), or None where the steps' plus one gives them. After a decoder
+    prompt whose last token is a pad, Whisper's next position is the count of the row's real tokens, not the pad's
+    position (0) plus one."""
+    if not _Names(model).encoder_decoder or not isinstance(decoder_mask, torch.Tensor):
+        return None
+    grown = torch.cat([decoder_mask, decoder_mask.new_ones(decoder_mask.shape[0], 1)], -1)   # + the chosen token
+    positions = seq2seq_models.family_of(model).decoder_position_ids(grown)
+    return None if positions is None else positions[:, -1:]
 
 
 def _encoder_ngrams(logits_processor) -> list[dict] | None:
@@ -174,21 +208,29 @@ def _first_inputs(model, cache, input_ids, model_kwargs, kind) -> tuple[dict | N
         reason = seq2seq_models.step_positions_reason(model, inputs)
         if reason is not None:
             return None, None, reason
-    inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
-              if k not in names.dropped}
-    return {**inputs, "return_dict": True}, first, None
+    steps = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in {**inputs, names.ids: ids}.items()
+             if k not in names.dropped}
+    steps["return_dict"] = True
+    if first is None:
+        # the first step runs on the host path with the masks, as transformers' first iteration (and the graph runner's
+        # step that is not static) runs it: where no row holds a token yet (every prompt empty, or one token after
+        # left padding) it is a fresh step, whose dense attention takes the pads from the mask alone (without it an
+        # empty prompt's last pad attended to itself, where stock's sees nothing)
+        first = {**steps, **{k: inputs[k] for k in names.dropped if k in inputs}}
+    return steps, first, None
 
 
 class _Captured:
     """A captured whole step and the tensors it reads and writes, kept on the graph runner for the model's next call:
-    a call of the same shape (same selection settings, inputs, decode layout, pools) fills the same tensors with its
-    own values and replays the graph without capturing. ``call_key`` covers the selection state, inputs and parents
-    (decided before the first step); ``step_key`` the held cache state, layout and pools (decided when the device
-    takes the state: ``DeviceHold.key``)."""
+    a call of the same shape (same chooser and selection settings, inputs, decode layout, pools) fills the same
+    tensors with its own values and replays the graph without capturing. ``call_key`` covers the chooser's state,
+    inputs and parents (decided before the first step); ``step_key`` the held cache state, layout and pools (decided
+    when the device takes the state: ``DeviceHold.key``). ``logits``: the captured step's output, which the host
+    chooser reads after each replay."""
 
     def __init__(self, call_key, state, inputs: dict, parents, peak):
         self.call_key, self.state, self.inputs, self.parents, self.peak = call_key, state, inputs, parents, peak
-        self.step_key = self.held_tensors = self.graph = None
+        self.step_key = self.held_tensors = self.graph = self.logits = None
 
 
 def _fill(kept: dict, fresh: dict) -> None:
@@ -196,38 +238,72 @@ def _fill(kept: dict, fresh: dict) -> None:
         kept[name].copy_(tensor)
 
 
-class WholeStepLoop:
-    """One call's decode loop (see the module docstring). ``inputs``: the decode steps' forward arguments; their
-    tensors are the loop's static inputs, advanced in place by every step. ``first_inputs``: the first step's, where
-    they differ (a dense cache's decoder prompt)."""
+class DeviceChooser:
+    """The token choice inside the step (:mod:`hf_cascade.device_select`'s state and step): what
+    :class:`WholeStepLoop` asks of a chooser (``host_select.HostChooser`` is the other one, run after each step).
+    ``state``: the device tensors the step reads and writes, kept with a captured step."""
 
-    def __init__(self, session, config: device_select.SelectionConfig, input_ids, attention_mask, inputs: dict,
-                 encoder_ngrams: list[dict] | None = None, first_inputs: dict | None = None):
+    in_step = True
+
+    def __init__(self, config: device_select.SelectionConfig, input_ids, attention_mask,
+                 encoder_ngrams: list[dict] | None = None, compiled=False):
+        self.state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
+        # (the config less its prompt's lengths, which the state holds as tensors: a call of another prompt length
+        # of the same bucketed shapes refills the kept tensors)
+        self.key = ("device", device_select.shape_key(config))
+        self.beam, self.max_length = config.is_beam, config.max_length
+        # with compile the token choice is one compiled graph too (but for sampling: its generator stays eager)
+        self._choose = _Compiled(choose, "token choice", compiled) if compiled and not config.do_sample else choose
+
+    def adopt(self, kept: device_select.SelectionState) -> None:
+        """Run on ``kept`` (a kept step's state, already filled with this call's values)."""
+        kept.config = self.state.config         # (read on the host only: finalize's crop)
+        self.state = kept
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.state.done)            # (a host read)
+
+    def choose(self, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor, positions: tuple) -> None:
+        self._choose(self.state, logits[:, -1], parents, input_ids, positions)
+
+    def finalize(self, cache=None) -> torch.Tensor:
+        return device_select.finalize(self.state).sequences
+
+
+class WholeStepLoop:
+    """One call's decode loop (see the module docstring). ``chooser``: the token choice, inside the step
+    (:class:`DeviceChooser`) or after it on the host (``host_select.HostChooser``). ``inputs``: the decode steps'
+    forward arguments; their tensors are the loop's static inputs, advanced in place by every step. ``first_inputs``:
+    the first step's, where they differ (a dense cache's decoder prompt; the masks). ``second_positions``: the decoder
+    positions the first step leads to where they are not its own plus one (:func:`_second_positions`)."""
+
+    def __init__(self, session, chooser, input_ids, inputs: dict, first_inputs: dict | None = None,
+                 second_positions: torch.Tensor | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
         self.names = _Names(self.model)
         self.kind = hold_kind(self.cache)
-        state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
-        # (the config less its prompt's lengths, which the state holds as tensors: a call of another prompt length
-        # of the same bucketed shapes refills the kept tensors)
-        call_key = (device_select.shape_key(config), _signature(inputs), _signature(state.tensors()),
-                    self.runner.compiled)
+        self.chooser = chooser
+        state = chooser.state
+        call_key = (chooser.key, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
         kept = self.runner.whole_step_kept
         if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values
             _fill(kept.state.tensors(), state.tensors())
-            kept.state.config = config          # (read on the host only: finalize's crop)
+            chooser.adopt(kept.state)
             _fill(kept.inputs, {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
-            kept.parents.copy_(state.row_ids)
+            kept.parents.copy_(torch.arange(input_ids.shape[0], device=input_ids.device))
             kept.inputs.update({k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)})
         else:
-            kept = _Captured(call_key, state, inputs, state.row_ids.clone(),
+            kept = _Captured(call_key, state, inputs, torch.arange(input_ids.shape[0], device=input_ids.device),
                              torch.zeros((), dtype=torch.int64, device=input_ids.device))
         self.runner.whole_step_kept = self.kept = kept
-        self.state, self.inputs, self.parents, self.peak = kept.state, kept.inputs, kept.parents, kept.peak
+        self.inputs, self.parents, self.peak = kept.inputs, kept.parents, kept.peak
         self.first_inputs = first_inputs or self.inputs
+        self.second_positions = second_positions     # (see _second_positions)
         self.device = input_ids.device
-        self.beam = config.is_beam
+        self.beam = chooser.beam
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
-        self.max_length = config.max_length
+        self.max_length = chooser.max_length
         self.held: DeviceHold | None = None    # set while the device holds the cache's state
         self.step_context = None               # the last device step's (its layers' writes, its backends)
         self.graph = None
@@ -235,25 +311,26 @@ class WholeStepLoop:
         self.room = 0
         self.device_ok = True       # False: a step cannot be planned on the device (see _hold_on_device)
         self.host_planned = False   # the last step ran on the host path (its context tells how it was planned)
-        # with compile, the bookkeeping and (but for sampling: its generator stays eager) the token choice each run as
-        # one compiled graph too: a hundred small kernels fused into a few
+        # with compile, the bookkeeping runs as one compiled graph too: a hundred small kernels fused into a few
         compiled = self.runner.compiled
         self.advance_fn = (_Compiled(self.kind.advance_fn, "cache bookkeeping", compiled) if compiled
                            else self.kind.advance_fn)
-        self.choose = _Compiled(choose, "token choice", compiled) if compiled and not config.do_sample else choose
         self.host_steps = 0
 
     # ---- the loop ----------------------------------------------------------------------------------------
-    def run(self) -> torch.Tensor:
+    def run(self):
+        """What generate returns: the chooser's ``finalize``."""
         try:
             self._host_step(first=True)
-            finished = bool(self.state.done)
+            if self.second_positions is not None:
+                self.inputs[self.names.positions].copy_(self.second_positions)
+            finished = self.chooser.finished
             while not finished:
                 if self.held is None and self.device_ok and self.host_planned:
                     self._hold_on_device()
                 if self.held is None:
                     self._host_step()
-                    finished = bool(self.state.done)
+                    finished = self.chooser.finished
                 else:
                     finished = self._chunk(max(1, min(CHECK_EVERY, self.room, self.max_length - self.made)))
         except BaseException:
@@ -261,12 +338,14 @@ class WholeStepLoop:
             self.runner.whole_step_kept = None      # a step may have stopped half way: keep nothing of it
             raise
         self._take_back()
+        if self.beam and not self.chooser.in_step:
+            self.cache.reorder_cache(self.parents)  # as transformers' loop leaves the cache (a call may return it)
         # what is kept for the next call holds none of this call's objects (an encoder-decoder's encoder outputs keep
         # its encoder states alive): a call that reuses the kept step puts its own in (same names: same call_key)
         for name, value in self.kept.inputs.items():
             if not isinstance(value, torch.Tensor) and not isinstance(value, (bool, int, float, str, type(None))):
                 self.kept.inputs[name] = None
-        return device_select.finalize(self.state).sequences
+        return self.chooser.finalize(self.cache)
 
     def _host_step(self, first: bool = False) -> None:
         """One step on the host path (a layout that is outgrown widens here)."""
@@ -295,29 +374,38 @@ class WholeStepLoop:
             _fill(_tensors(kept.held_tensors), _tensors(held.tensors))
             held.tensors = kept.held_tensors
         else:
-            kept.step_key, kept.held_tensors, kept.graph = held.key, held.tensors, None
+            kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
         self.held, self.graph, self.room = held, kept.graph, held.room
 
     def _chunk(self, steps: int) -> bool:
-        """``steps`` device steps, then one read of the flags; returns whether the call has finished."""
-        for _ in range(steps):
+        """``steps`` device steps, then one read of the flags; returns whether the call has finished. With the
+        chooser on the host, its choice after each step (and its read: the chunk ends where the call does)."""
+        ran = 0
+        while ran < steps:
             self.held.count_step()
             if self.graph is not None:
                 self.graph.replay()
                 self.runner.replays += 1
+                logits = self.kept.logits
             elif self.capture:
-                self._warm_up_and_capture()
+                logits = self._warm_up_and_capture()
             else:
-                self._device_step()
+                logits = self._device_step()
                 self.runner.eager_calls += 1
-        self.room -= steps
-        self.made += steps
+            ran += 1
+            if not self.chooser.in_step:
+                self._choose(logits)
+                if self.chooser.finished:
+                    break
+        self.room -= ran
+        self.made += ran
         self.host_planned = False
-        self.runner.device_steps += steps
+        self.runner.device_steps += ran
+        done = self.chooser.state.done
         if self.held.flags is None:
-            flags, done = 0, bool(self.state.done)      # the one read
+            flags, done = 0, bool(done)      # the one read
         else:
-            flags, done = torch.stack((self.held.flags.long(), self.state.done.long())).tolist()   # the one read
+            flags, done = torch.stack((self.held.flags.long(), done.long())).tolist()   # the one read
         if flags & device_blocks.POOL_EXHAUSTED:
             raise PoolExhausted("KV block pool exhausted in a decode step on the device")
         if flags:
@@ -335,12 +423,16 @@ class WholeStepLoop:
         held.take_back()
 
     # ---- one device step ------------------------------------------------------------------------------------
-    def _device_step(self) -> None:
+    def _device_step(self) -> torch.Tensor:
+        """The step (the token choice too where it is on the device); returns its logits."""
         self._advance()
-        self._choose(self._forward())
+        logits = self._forward()
+        if self.chooser.in_step:
+            self._choose(logits)
+        return logits
 
     def _advance(self) -> None:
-        self.held.advance(self.parents, self.state.done)
+        self.held.advance(self.parents, self.chooser.state.done)
 
     def _forward(self) -> torch.Tensor:
         """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
@@ -355,28 +447,29 @@ class WholeStepLoop:
         """Token choice on the last position's logits; the next step's inputs and parents, in place."""
         positions = tuple(self.inputs[name] for name in self.names.advanced[1:]
                           if isinstance(self.inputs.get(name), torch.Tensor))
-        self.choose(self.state, logits[:, -1], self.parents, self.inputs[self.names.ids], positions)
+        self.chooser.choose(logits, self.parents, self.inputs[self.names.ids], positions)
 
-    def _warm_up_and_capture(self) -> None:
-        """This step eagerly (a side stream, as the capture runs on one), then the same step captured."""
+    def _warm_up_and_capture(self) -> torch.Tensor:
+        """This step eagerly (a side stream, as the capture runs on one), then the same step captured; returns the
+        eager step's logits."""
         with self.runner.capture_guard():
             side = graphs._side_stream(torch.cuda.current_device())
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._device_step()
+                logits = self._device_step()
             torch.cuda.current_stream().wait_stream(side)
             self.runner.eager_calls += 1
             reason = self.held.capture_refusal(self.step_context)
             if reason is not None:
                 self.capture = False
                 log_once(("whole step capture", reason), logging.INFO, "the whole decode step runs eagerly: %s", reason)
-                return
+                return logits
             started = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             try:
                 with graphs._gc_paused(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
                                                     capture_error_mode="thread_local"):
-                    self._device_step()
+                    captured = self._device_step()
             except Exception as err:  # noqa: BLE001 — e.g. a host sync in the model's forward: run eagerly
                 graphs._end_failed_capture()
                 self.capture = False
@@ -385,10 +478,13 @@ class WholeStepLoop:
                 log_once(("whole step capture", type(err).__name__), logging.WARNING,
                          "the whole decode step could not be captured (%s: %s; at %s); it runs eagerly",
                          type(err).__name__, str(err)[:200], where)
-                return
+                return logits
             self.graph = self.kept.graph = graph
+            # (the host chooser reads the replays' logits there)
+            self.kept.logits = None if self.chooser.in_step else captured
             self.runner.captures += 1
             self.runner.capture_seconds += time.perf_counter() - started
+        return logits
 
 
 # ---- the cache's state on the device: one kind per cache kind --------------------------------------------------
@@ -455,9 +551,11 @@ class BlocksHold:
         cache, layout = loop.cache, loop.cache.layout
         ctx = cache.step
         if ctx is None or layout is None or ctx.plan.layout is not layout:
-            if loop.host_steps == 1:
-                # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
-                # rows empty, a padded prompt's last token a write mask); its second is
+            # the call's first step may not be static (an encoder-decoder's one-token decoder prompt leaves the
+            # rows empty, a padded prompt's last token a write mask), nor one that began with an empty row (an empty
+            # prompt's first token; after the first step a row holding at most one token was empty before it): the
+            # step after is
+            if loop.host_steps == 1 or bool((cache.blocks.lengths <= 1).any()):
                 return None, None
             return None, "the step was not planned on a static decode layout"
         # the device writes the plan into the layout's buffers: every layer must read it from there

@@ -138,8 +138,9 @@ def runner_spy(monkeypatch):
 
 
 class KeepScores(LogitsProcessor):
-    """A processor of the user's own that changes nothing: the whole step does not serve it, so generate keeps
-    transformers' decode loop (the token choice on the host) around the graph runner's forward."""
+    """A processor of the user's own that changes nothing. A call with one would run hf_cascade's decode loop with the
+    token choice on the host (hf_cascade.host_select); in these tests it keeps transformers' decode loop around the
+    graph runner's forward instead (:func:`keep_scores_keeps_transformers_loop`): the tests of that path use it."""
 
     def __call__(self, input_ids, scores):
         return scores
@@ -148,6 +149,21 @@ class KeepScores(LogitsProcessor):
 def host_loop() -> dict:
     """generate's keyword arguments that keep transformers' decode loop around the runner (see KeepScores)."""
     return dict(logits_processor=LogitsProcessorList([KeepScores()]))
+
+
+@pytest.fixture(autouse=True)
+def keep_scores_keeps_transformers_loop(monkeypatch):
+    """A call with :class:`KeepScores` among its processors runs transformers' loop around the graph runner (what
+    :func:`host_loop` promises); any other call's decode loop is hf_cascade.whole_step.decode's."""
+    from hf_cascade import whole_step
+    real = whole_step.decode
+
+    def decode(session, input_ids, logits_processor, *args):
+        if any(isinstance(p, KeepScores) for p in logits_processor):
+            return args[-1]()          # stock(): transformers' loop, the session's runner as the forward
+        return real(session, input_ids, logits_processor, *args)
+
+    monkeypatch.setattr(whole_step, "decode", decode)
 
 
 def plans_every_step(monkeypatch) -> None:
@@ -167,15 +183,16 @@ def no_tf32():
 
 
 def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
-    """Generate 32 tokens on the cuda kernels with the runner's eager static step, then with it captured and replayed:
-    both runners serve every decode step, and tokens and scores are bitwise the same."""
+    """Generate 32 tokens on the cuda kernels with the runner's eager static step, then with it captured and replayed
+    (inside transformers' loop: :func:`host_loop`): both runners serve every decode step, and tokens and scores are
+    bitwise the same."""
     spy = RunnerSpy(monkeypatch)
     outs = []
     for graphs in ("eager", True):
         outs.append(cascade.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32,
                                      return_dict_in_generate=True, output_scores=True,
                                      hf_cascade_config=hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=graphs),
-                                     **generate_kwargs))
+                                     **host_loop(), **generate_kwargs))
     eager_run, graph_run = spy.runners
     assert eager_run.disabled is None and eager_run.replays >= 18, eager_run.disabled
     assert graph_run.disabled is None and graph_run.captures >= 1 and graph_run.replays >= 18, graph_run.disabled
@@ -186,9 +203,10 @@ def assert_replay_equals_eager(cascade, ids, mask, monkeypatch, **generate_kwarg
 
 
 def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **generate_kwargs) -> None:
-    """Generate 32 tokens with stock and with the cascade's captured decode steps (float32 with TF32 off: the
-    ``no_tf32`` fixture): the same tokens, and the runner captured and replayed without refusing."""
-    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **generate_kwargs)
+    """Generate 32 tokens with stock and with the cascade's captured decode steps inside transformers' loop
+    (:func:`host_loop`; float32 with TF32 off: the ``no_tf32`` fixture): the same tokens, and the runner captured and
+    replayed without refusing."""
+    kw = dict(max_new_tokens=32, return_dict_in_generate=True, output_scores=True, **host_loop(), **generate_kwargs)
     want = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     spy = RunnerSpy(monkeypatch)
     got = cascade.generate(input_ids=ids, attention_mask=mask, **kw)

@@ -302,8 +302,8 @@ def test_nan_after_the_call_finished_changes_nothing(runner_spy):
 @pytest.mark.parametrize("setting", ["greedy", "sample", "beam"])
 def test_a_users_repetition_penalty_is_compared_field_by_field(ignore, setting, runner_spy):
     """A RepetitionPenaltyLogitsProcessor of the user's with the config's penalty (transformers 5.24 puts it in place
-    of its own) but its own prompt_ignore_length: stock's tokens; the device choice serves it only where every field
-    is what it reproduces."""
+    of its own) but its own prompt_ignore_length: stock's tokens, from the whole step's loop; the device choice serves
+    it only where every field is what it reproduces, the host chooser (hf_cascade.host_select) otherwise."""
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
     from hf_cascade import device_select
     stock, cascade = model_pair("llama", seed=3)
@@ -318,12 +318,13 @@ def test_a_users_repetition_penalty_is_compared_field_by_field(ignore, setting, 
     assert torch.equal(outs[1], outs[0])
     starts = device_select.penalty_start(mask.repeat_interleave(rows // 2, 0), rows, "cpu")
     same = ignore is None and not bool(starts.any())
-    assert (sum(r.device_steps for r in runner_spy.runners if r is not None) > 0) == same
+    assert sum(r.device_steps for r in runner_spy.runners if r is not None) > 0
+    assert isinstance(runner_spy.runners[-1].whole_step_kept.state, device_select.SelectionState) == same
 
 
 def test_a_processor_with_an_attribute_the_device_does_not_know_is_refused():
     """A field that a newer transformers adds to a default processor (not compared: it could change the result)
-    keeps the call on transformers' loop."""
+    keeps the call's token choice off the device (on the host: hf_cascade.host_select)."""
     from transformers import TemperatureLogitsWarper
     from hf_cascade.device_select import SelectionConfig, UnsupportedSelection
     from transformers import GenerationConfig
@@ -424,6 +425,73 @@ def test_one_real_token_per_prompt_on_a_cascade_cache_with_graphs():
     want = _generate(stock, ids, mask, num_beams=3, max_new_tokens=6)
     got = _generate(cascade, ids, mask, num_beams=3, max_new_tokens=6, **cache_kw(cascade, cache))
     assert torch.equal(got, want)
+
+
+# ---- a padded batch with empty prompts -------------------------------------------------------------------------------
+EMPTY_BATCHES = {"all-empty": [[0, 0, 0, 0], [0, 0, 0, 0]], "all-empty-width-one": [[0], [0]],
+                 "empty-and-one-token": [[0, 0, 0, 0], [0, 0, 0, 1]], "empty-and-longer": [[0, 0, 0, 0], [0, 1, 1, 1]]}
+
+
+@pytest.fixture(scope="module")
+def pad_embedding_pair():
+    """Token 0 (the pad) has an embedding of its own (no pad_token_id in the config): a pad's query, key and value are
+    not zero, so what an empty prompt's last pad attends to shows in the tokens (with a zero pad embedding it did not)."""
+    return model_pair("llama", pad_token_id=None)
+
+
+def _empty_batch(name):
+    mask = torch.tensor(EMPTY_BATCHES[name])
+    return torch.randint(3, 96, mask.shape, generator=torch.Generator().manual_seed(0)).masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("loop", ["whole-step", "transformers-loop"])
+@pytest.mark.parametrize("setting", sorted(AUTOCAST_SETTINGS))
+@pytest.mark.parametrize("batch", sorted(EMPTY_BATCHES))
+def test_empty_prompts_on_the_static_step_give_stock_tokens(pad_embedding_pair, batch, setting, loop, monkeypatch):
+    """A batch where some or every prompt is empty (all padding): nothing of it is stored and the first decode step
+    feeds its last pad, whose query stock's mask hides every key from (sdpa gives 0). The whole step ran that first
+    step without the attention mask, so where no row held a token yet (a fresh step: dense attention over the new K/V)
+    the pad attended to itself: other tokens than stock (worked around by decoding an all-empty batch without the
+    runner, and refusing it on a caller's CascadeCache; a batch of an empty prompt and one-token prompts was wrong).
+    The whole step's device steps begin at the third step (the second stores an empty row's first token: not static),
+    not never."""
+    from hf_cascade import CascadeCache, CascadeConfig
+    from conftest import RunnerSpy, cache_kw, host_loop
+    stock, cascade = pad_embedding_pair
+    ids, mask = _empty_batch(batch)
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 6, "pad_token_id": 0,
+              **(host_loop() if loop == "transformers-loop" else {})}
+    want = _generate(stock, ids, mask, **kwargs)
+    spy = RunnerSpy(monkeypatch)
+    for extra in (dict(path=PATHS["eager-static"]),
+                  cache_kw(cascade, CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager")))):
+        got = _generate(cascade, ids, mask, **extra, **kwargs)
+        assert torch.equal(got, want), extra
+        runner = spy.runners[-1]      # the runner served the call: its own first step in transformers' loop only
+        assert runner is not None and runner.first_steps == (loop == "transformers-loop"), extra
+        if loop == "whole-step":      # the device takes the steps over once every row holds a token (the third)
+            assert runner.device_steps > 0, extra
+
+
+@pytest.mark.parametrize("setting", sorted(AUTOCAST_SETTINGS))
+@pytest.mark.parametrize("batch", ["all-empty", "empty-and-one-token"])
+def test_continuing_a_cache_that_began_with_empty_prompts(pad_embedding_pair, batch, setting):
+    """A caller's CascadeCache with the static step, filled by a greedy call whose prompts are empty (the whole step),
+    continued with new tokens (a beam search, greedy or sampling call): stock's tokens for the whole conversation."""
+    from hf_cascade import CascadeCache, CascadeConfig
+    from conftest import cache_kw
+    stock, cascade = pad_embedding_pair
+    ids, mask = _empty_batch(batch)
+    cache = CascadeCache(cascade.config, CascadeConfig(cuda_graphs="eager"))
+    first_kw = dict(do_sample=False, max_new_tokens=5, pad_token_id=0)
+    first = _generate(cascade, ids, mask, **first_kw, **cache_kw(cascade, cache))
+    assert torch.equal(first, _generate(stock, ids, mask, **first_kw))
+    new = torch.randint(3, 96, (ids.shape[0], 3), generator=torch.Generator().manual_seed(1))
+    ids2 = torch.cat([first, new], 1)
+    mask2 = torch.cat([mask, mask.new_ones(ids2.shape[0], ids2.shape[1] - mask.shape[1])], 1)
+    kwargs = {**AUTOCAST_SETTINGS[setting], "max_new_tokens": 5, "pad_token_id": 0}
+    got = _generate(cascade, ids2, mask2, **kwargs, **cache_kw(cascade, cache))
+    assert torch.equal(got, _generate(stock, ids2, mask2, **kwargs))     # (stock: the conversation afresh)
 
 
 # ---- Trainer's mixed-precision evaluation ------------------------------------------------------------------------

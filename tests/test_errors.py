@@ -560,9 +560,7 @@ def test_padded_prompts_of_one_token_give_stock_tokens(llama_pair, masks):
     for extra in (dict(hf_cascade_config={"max_kv_bytes": 10 ** 6}), dict(hf_cascade_config={"cuda_graphs": "eager"}),
                   cache_kw(cascade, CascadeCache(cascade.config))):
         assert torch.equal(cascade.generate(**kw, **extra), expected), extra
-    if not mask.any():      # an all-empty batch on a CascadeCache with the runner is still refused
-        with pytest.raises(NotImplementedError, match=r"CascadeConfig\(cuda_graphs=False\)"):
-            cascade.generate(**kw, **cache_kw(cascade, CascadeCache(cascade.config, {"cuda_graphs": "eager"})))
-    else:                   # one-token prompts are served now (the runner's mask fix), with stock's tokens
-        got = cascade.generate(**kw, **cache_kw(cascade, CascadeCache(cascade.config, {"cuda_graphs": "eager"})))
-        assert torch.equal(got, stock.generate(**kw))
+    # on a CascadeCache with the runner too (an all-empty batch was refused there while the whole step's first step
+    # ran without the attention mask: tests/test_edges.py, with a pad embedding of its own, shows it)
+    got = cascade.generate(**kw, **cache_kw(cascade, CascadeCache(cascade.config, {"cuda_graphs": "eager"})))
+    assert torch.equal(got, expected)

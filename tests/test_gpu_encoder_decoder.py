@@ -130,15 +130,17 @@ def test_whisper_float32_beam_search_matches_stock(monkeypatch):
         kw = dict(kw, language="en", max_new_tokens=24)
         assert torch.equal(stock.generate(features, **kw), cascade.generate(features, **kw))
     runners = [r for r in spy.runners if r is not None]
-    assert runners and all(r.disabled is None and r.captures >= 1 and r.replays >= 15 for r in runners), \
+    # (the second call's 12 rows share the first's bucket of 16 rows: it may replay the graph the first captured)
+    assert runners and all(r.disabled is None and r.replays >= 15 for r in runners), \
         [(r.disabled, r.captures, r.replays) for r in runners]
+    assert sum(r.captures for r in runners) >= 1
 
 
 @pytest.mark.parametrize("kw", [dict(num_beams=5, no_repeat_ngram_size=2),
                                 dict(do_sample=True, num_return_sequences=3, top_k=0)], ids=["beam", "sample"])
 def test_whisper_graph_replay_equals_eager_bitwise(kw, monkeypatch):
     """bf16 on the cuda kernels: the replayed decode step gives bitwise the eager static step's tokens and scores."""
-    from conftest import RunnerSpy
+    from conftest import RunnerSpy, host_loop
     torch.manual_seed(0)
     model = _whisper("cascade", torch.bfloat16)
     features = torch.randn(3, 80, 3000, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(
@@ -149,7 +151,7 @@ def test_whisper_graph_replay_equals_eager_bitwise(kw, monkeypatch):
         torch.manual_seed(3)
         outs.append(model.generate(features, language="en", max_new_tokens=24, return_dict_in_generate=True,
                                    output_scores=True, hf_cascade_config=CascadeConfig(backend="cuda", cuda_graphs=mode),
-                                   **kw))
+                                   **host_loop(), **kw))       # (transformers' loop around the runner)
     eager_run, graph_run = spy.runners
     assert graph_run.disabled is None and graph_run.captures == 1 and graph_run.replays >= 15, graph_run.disabled
     a, b = outs

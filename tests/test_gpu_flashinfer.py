@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import math
 import sys
+import threading
 import types
 import zlib
 from dataclasses import dataclass, field
@@ -270,6 +271,46 @@ def test_interleaved_plans_replan(fake_backend):
     qb, pb, plan_b = make_case(12, **kw)
     for q, pool, plan in [(qa, pa, plan_a), (qb, pb, plan_b), (qa, pa, plan_a), (qb, pb, plan_b)]:
         assert rel_err(attend(fake_backend, q, pool, plan, 0.125), reference_out(q, pool, plan, 0.125)) < 1e-2
+
+
+def test_concurrent_threads_never_run_each_others_plans(fake_backend):
+    """Two threads' steps at once: thread B plans its step while thread A's layer is inside a wrapper's run. Each
+    thread has wrappers of its own (a wrapper holds its last plan), so A's run still reads A's plan."""
+    kw = dict(groups=[3, 2, 1], prefixes=[40, 17, 30], suffix=(1, 20), bs=8, Lq=1, Hq=8, Hkv=2, D=64,
+              dtype=torch.bfloat16, device="cpu")
+    cases = {"a": make_case(21, **kw), "b": make_case(22, **kw)}
+    decode = sys.modules["flashinfer"].BatchDecodeWithPagedKVCacheWrapper
+    plain_run, a_running, b_planned = decode.run, threading.Event(), threading.Event()
+
+    def run(self, *args, **kwargs):
+        if threading.current_thread().name == "a" and not a_running.is_set():
+            a_running.set()
+            assert b_planned.wait(30)          # B plans while A is between its plan and its run
+        return plain_run(self, *args, **kwargs)
+
+    decode.run = run
+    outs, errors = {}, []
+
+    def body(name):
+        try:
+            if name == "b":
+                assert a_running.wait(30)
+            q, pool, plan = cases[name]
+            outs[name] = attend(fake_backend, q, pool, plan, 0.125)
+        except BaseException as err:  # noqa: BLE001 — reported below
+            errors.append(err)
+        finally:
+            if name == "b":
+                b_planned.set()
+
+    threads = [threading.Thread(target=body, args=(name,), name=name) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for name, (q, pool, plan) in cases.items():
+        assert rel_err(outs[name], reference_out(q, pool, plan, 0.125)) < 1e-2, name
 
 
 def test_unsupported_reasons(fake_backend):

@@ -24,7 +24,7 @@ from hf_cascade import CascadeCache, CascadeConfig, kernels
 from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning, ops, reference
 from hf_cascade.kernels.base import AttentionParams, as_params, kv_scale, with_kv_scale
-from conftest import RunnerSpy, cache_kw
+from conftest import RunnerSpy, cache_kw, host_loop
 from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
 from test_gpu_kernels import compare
 
@@ -298,8 +298,8 @@ def test_captured_fp8_generate_equals_its_eager_run_bitwise(monkeypatch, memory,
     ids = torch.randint(3, 512, (3, 260), generator=g).cuda()
     mask = torch.ones_like(ids)
     kw = dict(num_beams=4, max_new_tokens=40, pad_token_id=0)
-    if not whole_step:      # (per-step scores keep transformers' loop: the whole step compares the sequences)
-        kw.update(return_dict_in_generate=True, output_scores=True)
+    if not whole_step:      # (transformers' loop around the runner, per-step scores: the whole step compares sequences)
+        kw.update(return_dict_in_generate=True, output_scores=True, **host_loop())
     spy = RunnerSpy(monkeypatch)
     outs = []
     for mode in ("eager", True):

@@ -76,7 +76,8 @@ def test_replay_equals_eager_bitwise(model, monkeypatch, case, backend, memory, 
     if memory == "vmm" and hf_cascade.memory.vmm_unavailable_reason("cuda"):
         pytest.skip("no CUDA virtual memory here")
     ids, mask = _batch((700, 460, 590), seed=1, shared=shared)
-    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case])
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case],
+              **host_loop())      # (transformers' loop around the runner)
     outs = []
     spy = RunnerSpy(monkeypatch)
     for mode in ("eager", True):
@@ -200,7 +201,8 @@ def _windowed_pair(name, dtype, **kw):
 def test_windowed_models_replay_equals_eager_bitwise(monkeypatch, name, case):
     _, model = _windowed_pair(name, torch.bfloat16)
     ids, mask = _batch((700, 460, 590), seed=7)          # the 460-token row passes the window at step 20
-    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case])
+    kw = dict(max_new_tokens=40, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **CASES[case],
+              **host_loop())      # (transformers' loop around the runner)
     spy = RunnerSpy(monkeypatch)
     outs = []
     for mode in ("eager", True):

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import hf_cascade  # noqa: F401  registers "cascade"
 from hf_cascade import CascadeConfig, graphs
 
-from conftest import RunnerSpy
+from conftest import RunnerSpy, host_loop
 
 pytestmark = pytest.mark.gpu
 
@@ -122,10 +122,10 @@ def test_quantized_cascade_against_quantized_stock(checkpoint, name, dtype, whol
     # the whole step keeps no per-step outputs: scores from the runner's path only
     scored = not whole_step
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=4, num_return_sequences=2, max_new_tokens=24,
-              pad_token_id=0, return_dict_in_generate=scored, output_scores=scored)
+              pad_token_id=0, return_dict_in_generate=scored, output_scores=scored, **(host_loop() if scored else {}))
     expected = stock.generate(**kw)
     spy = RunnerSpy(monkeypatch)
-    got = cascade.generate(**kw)       # (scored: its per-step outputs keep transformers' loop around the runner)
+    got = cascade.generate(**kw)       # (scored: host_loop() keeps transformers' loop around the runner)
     runner, = spy.runners
     gap = None
     if scored:

@@ -28,11 +28,12 @@ CASES = {
 }
 
 
-def _models(dtype):
+def _models(dtype, **overrides):
     torch.manual_seed(0)
+    shape = {**SHAPE, **overrides}
     with torch.device("cuda"):
-        stock = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="sdpa", dtype=dtype)
-        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE), attn_implementation="cascade", dtype=dtype)
+        stock = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="sdpa", dtype=dtype)
+        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="cascade", dtype=dtype)
     cascade.load_state_dict(stock.state_dict())
     return stock.eval(), cascade.eval()
 
@@ -75,6 +76,34 @@ def test_float32_whole_step_gives_stock_tokens(monkeypatch, case):
     got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
                            **kw)
     assert torch.equal(expected, got), case
+    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
+
+
+# real tokens per prompt, left padded to at least 8 columns
+EMPTY_BATCHES = {"all-empty": (0, 0), "empty-and-one-token": (0, 1), "empty-and-longer": (0, 200)}
+
+
+@pytest.mark.parametrize("case", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("batch", list(EMPTY_BATCHES))
+def test_float32_empty_prompts_captured_give_stock_tokens(monkeypatch, case, batch):
+    """Empty prompts (all padding, the pad an embedding of its own): the first step runs with the mask (the last pad's
+    query sees nothing, as stock's), the device takes the steps over from the third and captures them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    stock, cascade = _models(torch.float32, pad_token_id=None)
+    lengths = torch.tensor(EMPTY_BATCHES[batch], device="cuda")
+    width = max(int(lengths.max()), 8)
+    mask = (torch.arange(width, device="cuda")[None, :] >= width - lengths[:, None]).long()
+    ids = torch.randint(3, 1000, mask.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    ids = ids.masked_fill(mask == 0, 0)
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
+    torch.manual_seed(5)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.manual_seed(5)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got), (batch, case)
     assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
 
 

@@ -56,8 +56,9 @@ ACTIVATION_ROUNDING = {"torchao-int8-dynamic", "bnb-int8", "bnb-int8-no-outliers
 
 PATHS = {
     "per-step plans": CascadeConfig(),                       # on the CPU: graphs refused, no runner
-    "runner": CascadeConfig(cuda_graphs="eager"),           # its scores keep transformers' loop around the runner
-    "whole step": CascadeConfig(cuda_graphs="eager"),
+    "runner": CascadeConfig(cuda_graphs="eager"),           # host_loop() keeps transformers' loop around the runner
+    "whole step": CascadeConfig(cuda_graphs="eager"),       # tokens only: the token choice on the device
+    "whole step, host choice": CascadeConfig(cuda_graphs="eager"),  # scores: the token choice on the host
 }
 
 
@@ -105,10 +106,12 @@ def _assert_quantized(model, name):
 def test_beam_search_gives_the_quantized_stock_tokens(quantized_pair, path, monkeypatch):
     name, stock, cascade = quantized_pair
     ids, mask = padded_batch(seed=3)
-    # the whole step keeps no per-step outputs (return_dict_in_generate keeps transformers' loop): tokens only there
+    # scores keep the whole step's token choice on the host (hf_cascade.host_select); host_loop() keeps the runner in
+    # transformers' loop
     scored = path != "whole step"
     kw = dict(input_ids=ids, attention_mask=mask, num_beams=4, num_return_sequences=2, max_new_tokens=8,
-              pad_token_id=0, return_dict_in_generate=scored, output_scores=scored)
+              pad_token_id=0, return_dict_in_generate=scored, output_scores=scored,
+              **(host_loop() if path == "runner" else {}))
     expected = stock.generate(**kw)
     spy = RunnerSpy(monkeypatch)
     got = cascade.generate(**kw, hf_cascade_config=PATHS[path])
@@ -126,7 +129,7 @@ def test_beam_search_gives_the_quantized_stock_tokens(quantized_pair, path, monk
         assert runner is None
     else:
         assert runner.disabled is None, runner.disabled
-        assert (runner.device_steps if path == "whole step" else runner.replays) >= 5
+        assert (runner.replays if path == "runner" else runner.device_steps) >= 5
 
 
 @pytest.mark.parametrize("whole_step", [False, True], ids=["runner", "whole step"])

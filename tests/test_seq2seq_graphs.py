@@ -32,7 +32,7 @@ from hf_cascade import cross_kv, encoder_decoder, seq2seq_models
 from hf_cascade.config import CascadeConfig
 from hf_cascade.patches import positions as positions_patch, whisper_encoder as whisper_encoder_patch
 
-from conftest import RunnerSpy, assert_captured_matches_stock, assert_replay_equals_eager
+from conftest import RunnerSpy, assert_captured_matches_stock, assert_replay_equals_eager, host_loop
 from test_encoder_decoder import _LONG, _LONG_MASK, _SHORT, WHISPER_CASES, whisper_pair
 
 VOCAB = 96
@@ -89,9 +89,10 @@ def sources(lengths=(13, 9, 5), seed=0, pad=0):
 
 
 def generate(model, ids, mask, mode, **extra):
+    """Inside transformers' loop (host_loop(): the runner's path) unless ``extra`` brings processors of its own."""
     torch.manual_seed(1234)
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, return_dict_in_generate=True,
-                          output_scores=True, **{**MODES[mode], **extra})
+                          output_scores=True, **{**host_loop(), **MODES[mode], **extra})
 
 
 def assert_same(want, got, mode):

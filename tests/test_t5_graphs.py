@@ -98,10 +98,11 @@ def decoder_prompt(rows=3, lengths=(4, 4, 4), side="left", seed=9):
 
 
 def generate(model, mode, config=None, **inputs):
+    """Inside transformers' loop (host_loop(): the runner's path) unless ``inputs`` bring processors of their own."""
     torch.manual_seed(1234)
     extra = {} if config is None else {"hf_cascade_config": config}
-    return model.generate(**inputs, max_new_tokens=NEW, return_dict_in_generate=True, output_scores=True,
-                          **MODES[mode], **extra)
+    return model.generate(**{**host_loop(), **inputs}, max_new_tokens=NEW, return_dict_in_generate=True,
+                          output_scores=True, **MODES[mode], **extra)
 
 
 class StaticSteps:

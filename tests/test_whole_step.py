@@ -120,25 +120,57 @@ class _BanToken(LogitsProcessor):
         return scores.index_fill(1, torch.tensor([7]), float("-inf"))
 
 
-@pytest.mark.parametrize("kind", ["processor", "return_dict"])
-def test_what_the_loop_does_not_serve_runs_transformers_loop(kind, llama_pair, runner_spy, caplog, monkeypatch):
+@pytest.mark.parametrize("kind", ["processor", "return_dict", "streamer"])
+def test_token_choice_the_device_does_not_reproduce_runs_the_loop_on_the_host(kind, llama_pair, runner_spy, caplog,
+                                                                              monkeypatch):
+    """A processor of the user's own, return_dict_in_generate, a streamer: the loop runs, its token choice on the host
+    (hf_cascade.host_select; tests/test_host_select.py compares whole outputs), the reason logged once."""
     from hf_cascade import logs
+    from transformers.generation.streamers import BaseStreamer
+
+    class Quiet(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
     monkeypatch.setattr(logs, "_logged", set())        # the reason is logged once per process: see this call's
     stock, cascade = llama_pair
     ids, mask = padded_batch(seed=6)
     kwargs = dict(max_new_tokens=12, num_beams=3)
-    config = EAGER
     if kind == "processor":
         kwargs["logits_processor"] = LogitsProcessorList([_BanToken()])
-    else:
+    elif kind == "return_dict":
         kwargs["return_dict_in_generate"] = True
+    else:
+        ids, mask, kwargs = ids[:1], mask[:1], dict(max_new_tokens=12, streamer=Quiet())
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
-        got = _generate(cascade, ids, mask, config=config, **kwargs)
+        got = _generate(cascade, ids, mask, **kwargs)
     expected = _generate(stock, ids, mask, config=None, **kwargs)
     if kind == "return_dict":
         got, expected = got.sequences, expected.sequences
     assert torch.equal(expected, got)
-    assert _device_steps(runner_spy) == 0
+    assert _device_steps(runner_spy) > 0
+    assert any("token choice on the host" in r.getMessage() for r in caplog.records)
+
+
+def test_what_the_loop_does_not_serve_runs_transformers_loop(llama_pair, runner_spy, caplog, monkeypatch):
+    """Forward hooks on the model (they run around every step's forward): transformers' loop around the runner."""
+    from hf_cascade import logs
+    monkeypatch.setattr(logs, "_logged", set())
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=6)
+    kwargs = dict(max_new_tokens=12, num_beams=3)
+    calls = []
+    handle = cascade.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with caplog.at_level(logging.INFO, logger="hf_cascade"):
+            got = _generate(cascade, ids, mask, **kwargs)
+    finally:
+        handle.remove()
+    assert torch.equal(_generate(stock, ids, mask, config=None, **kwargs), got)
+    assert _device_steps(runner_spy) == 0 and calls
     assert any(r.replays + r.eager_calls > 0 for r in runner_spy.runners if r is not None)   # the runner served
     assert any("decode loop stays transformers'" in r.getMessage() for r in caplog.records)
 

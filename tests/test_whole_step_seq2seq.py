@@ -301,16 +301,50 @@ def test_whisper(case, monkeypatch):
     assert _device_steps(spy) > 0
 
 
-def test_whisper_timestamps_keep_transformers_loop(monkeypatch, caplog):
+# decoder prompts of Whisper's tokens (start 3, language 4, task 6) whose last token is a pad in some row
+WHISPER_PADDED_PROMPTS = {"right-padded": [[3, 4, 0], [3, 4, 6]], "empty-and-one-token": [[0, 0, 0], [0, 0, 3]],
+                          "all-empty": [[0, 0, 0], [0, 0, 0]]}
+
+
+@pytest.mark.parametrize("mode", ["beams", "greedy", "sample"])
+@pytest.mark.parametrize("prompt", sorted(WHISPER_PADDED_PROMPTS))
+def test_whisper_decoder_prompt_ending_in_a_pad(prompt, mode, monkeypatch):
+    """Stock Whisper takes its decoder positions from the decoder mask every step (``cumsum - 1``, a pad at 0:
+    WhisperForConditionalGeneration.prepare_inputs_for_generation), so after a last pad the next position is the
+    row's count of real tokens; the device steps' plus one gave the pad's 0 + 1. Where no row stores a token before
+    the first step, that step also needs the decoder mask (tests/test_edges.py's empty prompts)."""
+    stock, cascade = whisper_pair()
+    ids = torch.tensor(WHISPER_PADDED_PROMPTS[prompt])
+    kwargs = dict(decoder_input_ids=ids, decoder_attention_mask=(ids != 0).long(), max_new_tokens=6,
+                  min_new_tokens=6, **{"beams": dict(num_beams=3), "greedy": {},
+                                       "sample": dict(do_sample=True, num_return_sequences=2)}[mode])
+    features = WHISPER_CASES["beams"][0]
+    spy = RunnerSpy(monkeypatch)
+    outs = []
+    for model, extra in ((stock, {}), (cascade, dict(hf_cascade_config=EAGER))):
+        torch.manual_seed(5)     # (GenerationMixin's generate: Whisper's own builds its decoder prompt itself)
+        outs.append(T.GenerationMixin.generate(model, input_features=features, **kwargs, **extra))
+    want, got = outs
+    assert want.shape == got.shape and torch.equal(want, got), (want, got)
+    assert _device_steps(spy) > 0
+
+
+@pytest.mark.parametrize("case", ["timestamps", "temperature_fallback"])
+def test_whisper_timestamps_and_fallback_choose_on_the_host(case, monkeypatch, caplog):
+    """Whisper's timestamp processor and its temperature fallback (scores kept for the fallback's log-probability
+    check): the loop runs, the token choice on the host (hf_cascade.host_select)."""
     monkeypatch.setattr(logs, "_logged", set())
     stock, cascade = whisper_pair()
-    features, kwargs = WHISPER_CASES["timestamps"]
+    features, kwargs = WHISPER_CASES[case]
     spy = RunnerSpy(monkeypatch)
     with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        torch.manual_seed(0)
         got = cascade.generate(features, max_new_tokens=10, language="en", hf_cascade_config=EAGER, **kwargs)
+    torch.manual_seed(0)
     assert torch.equal(stock.generate(features, max_new_tokens=10, language="en", **kwargs), got)
-    assert _device_steps(spy) == 0
-    assert any("WhisperTimeStampLogitsProcessor" in r.getMessage() for r in caplog.records)
+    assert _device_steps(spy) > 0
+    reason = "WhisperTimeStampLogitsProcessor" if case == "timestamps" else "return_dict_in_generate"
+    assert any("token choice on the host" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
 # ---- what the whole step does not serve: transformers' loop, the reason logged -----------------------------------
@@ -319,19 +353,21 @@ class _BanToken(LogitsProcessor):
         return scores.index_fill(1, torch.tensor([7]), -math.inf)
 
 
+# what device_select does not reproduce: the loop with the token choice on the host (hf_cascade.host_select); what the
+# loop does not serve: transformers' loop
 REFUSED = {
-    "own processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])), None, "processors"),
-    "scores": (dict(return_dict_in_generate=True, output_scores=True), None, "return_dict_in_generate"),
-    "max_kv_bytes": ({}, dict(max_kv_bytes=1 << 24), "max_kv_bytes"),
-    "bad words": (dict(bad_words_ids=[[9, 10]]), None, "bad_words_ids"),
-    "encoder repetition penalty": (dict(encoder_repetition_penalty=1.3), None, "encoder_repetition_penalty"),
+    "own processor": (dict(logits_processor=LogitsProcessorList([_BanToken()])), None, "processors", "host"),
+    "scores": (dict(return_dict_in_generate=True, output_scores=True), None, "return_dict_in_generate", "host"),
+    "bad words": (dict(bad_words_ids=[[9, 10]]), None, "bad_words_ids", "host"),
+    "encoder repetition penalty": (dict(encoder_repetition_penalty=1.3), None, "encoder_repetition_penalty", "host"),
+    "max_kv_bytes": ({}, dict(max_kv_bytes=1 << 24), "max_kv_bytes", "transformers"),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_what_the_whole_step_does_not_serve_keeps_transformers_loop(case, monkeypatch, caplog):
+def test_what_the_device_choice_does_not_serve(case, monkeypatch, caplog):
     monkeypatch.setattr(logs, "_logged", set())        # the reason is logged once per process: see this call's
-    extra, config, reason = REFUSED[case]
+    extra, config, reason, loop = REFUSED[case]
     config = dataclasses.replace(EAGER, **(config or {}))
     stock, cascade = pair("bart")
     ids, mask = sources()
@@ -341,12 +377,13 @@ def test_what_the_whole_step_does_not_serve_keeps_transformers_loop(case, monkey
         got = _generate(cascade, ids, mask, hf_cascade_config=config, **kwargs)
     want = _generate(stock, ids, mask, **kwargs)
     if case == "scores":
+        assert all(torch.equal(a, b) for a, b in zip(want.scores, got.scores)) and len(want.scores) == len(got.scores)
         want, got = want.sequences, got.sequences
     assert torch.equal(want, got)
-    assert _device_steps(spy) == 0
-    if reason is not None:
-        messages = [r.getMessage() for r in caplog.records if "decode loop stays transformers'" in r.getMessage()]
-        assert any(reason in m for m in messages), messages
+    assert (_device_steps(spy) > 0) == (loop == "host")
+    said = "token choice on the host" if loop == "host" else "decode loop stays transformers'"
+    messages = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    assert any(reason in m for m in messages), messages
 
 
 def test_callers_decoder_position_ids_keep_transformers_loop(monkeypatch, caplog):

@@ -13,7 +13,9 @@ for steps where every row belongs to a prefix group (other steps use the two wra
 
 The wrappers are planned once per step (by the first layer) from the plan's host arrays and kept in the
 step's metadata (:class:`FlashInferMetadata`, which the step context holds); every layer then only calls
-``run``. Wrapper objects and the 128 MB float workspace are created once per device and reused across steps.
+``run``. Wrapper objects and the 128 MB float workspace are created once per device and thread and reused across
+steps: a wrapper holds its last plan, so two threads' concurrent steps each plan and run their own (a workspace per
+thread that runs FlashInfer steps; freed with the thread).
 
 Importing this module imports FlashInfer; an ImportError here makes ``backend="auto"`` fall
 through to the next backend with one log line.
@@ -21,6 +23,7 @@ through to the next backend with one log line.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 import torch
@@ -63,8 +66,16 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)
 
-_workspaces: dict[str, torch.Tensor] = {}
-_slots: dict[tuple, "_Slot"] = {}
+# per thread: {"workspaces": device -> workspace, "slots": (config..., role) -> _Slot}
+_per_thread = threading.local()
+
+
+def _thread_state(name: str) -> dict:
+    state = getattr(_per_thread, name, None)
+    if state is None:
+        state = {}
+        setattr(_per_thread, name, state)
+    return state
 
 
 class _Slot:
@@ -78,18 +89,18 @@ class _Slot:
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
-    key = str(device)
-    ws = _workspaces.get(key)
+    key, workspaces = str(device), _thread_state("workspaces")
+    ws = workspaces.get(key)
     if ws is None:
         # zero-initialised: the decode wrapper asks for a zeroed buffer on first use
-        ws = _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return ws
 
 
 def _slot(config: tuple, role: str) -> _Slot:
-    """The wrapper for ``role`` under ``config`` (device first), created once and reused across steps."""
-    key = config + (role,)
-    slot = _slots.get(key)
+    """This thread's wrapper for ``role`` under ``config`` (device first), created once and reused across steps."""
+    key, slots = config + (role,), _thread_state("slots")
+    slot = slots.get(key)
     if slot is None:
         device = torch.device(config[0])
         ws = _workspace(device)
@@ -99,7 +110,7 @@ def _slot(config: tuple, role: str) -> _Slot:
             wrapper = _fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
         else:  # "prefix", "suffix_prefill"
             wrapper = _fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        slot = _slots[key] = _Slot(wrapper)
+        slot = slots[key] = _Slot(wrapper)
     return slot
 
 
