@@ -73,6 +73,19 @@ def model_pair(family: str, dtype=torch.float64, seed: int = 0, **overrides):
     return stock, cascade
 
 
+EOS = 3           # eos_llama's end-of-sequence token
+
+
+@pytest.fixture(scope="module")
+def eos_llama():
+    """A tiny Llama whose eos logit is raised, so that rows and hypotheses end at different steps."""
+    stock, cascade = model_pair("llama")
+    with torch.no_grad():
+        for model in (stock, cascade):
+            model.lm_head.weight[EOS] += 0.35 * model.lm_head.weight.norm(dim=1).mean()
+    return stock, cascade
+
+
 def padded_batch(seed: int = 0, lengths=(23, 17)):
     """Two left-padded prompts of different lengths: (input_ids [2, L], attention_mask [2, L])."""
     g = torch.Generator().manual_seed(seed)

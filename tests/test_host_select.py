@@ -22,11 +22,10 @@ from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList, 
 from transformers.generation.streamers import BaseStreamer
 
 from hf_cascade import CascadeCache, CascadeConfig, host_select, logs
-from conftest import RunnerSpy, model_pair, padded_batch, returned_cache
+from conftest import EOS, RunnerSpy, model_pair, padded_batch, returned_cache
 from test_capture_safety import emulated_capture  # noqa: F401  (a fixture)
 
 EAGER = CascadeConfig(cuda_graphs="eager")
-EOS = 3
 
 
 class PenaliseRepeat(LogitsProcessor):
@@ -74,16 +73,6 @@ MODES = {
                                          pad_token_id=0),
     "beam-sample": dict(num_beams=3, do_sample=True, top_k=20, eos_token_id=EOS, pad_token_id=0),
 }
-
-
-@pytest.fixture(scope="module")
-def eos_llama():
-    """A tiny Llama whose eos logit is raised, so that rows and hypotheses end at different steps."""
-    stock, cascade = model_pair("llama")
-    with torch.no_grad():
-        for model in (stock, cascade):
-            model.lm_head.weight[EOS] += 0.35 * model.lm_head.weight.norm(dim=1).mean()
-    return stock, cascade
 
 
 @pytest.fixture

@@ -14,12 +14,11 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_cascade import CascadeCache, device_select, whole_step
-from conftest import VOCAB, cache_kw, model_pair, padded_batch
+from conftest import EOS, VOCAB, cache_kw, model_pair, padded_batch
 
 import test_families
 
 EAGER = dict(cuda_graphs="eager")
-EOS = 3
 
 
 def _generate(model, ids, mask, config=EAGER, seed=123, **kwargs):
@@ -51,16 +50,6 @@ SETTINGS = {
     "beam-never": dict(num_beams=3, early_stopping="never", eos_token_id=EOS, pad_token_id=0),
     "beam-sample": dict(num_beams=3, do_sample=True, top_k=20, eos_token_id=EOS, pad_token_id=0),
 }
-
-
-@pytest.fixture(scope="module")
-def eos_llama():
-    """A tiny Llama whose eos logit is raised, so that rows and hypotheses end at different steps."""
-    stock, cascade = model_pair("llama")
-    with torch.no_grad():
-        for model in (stock, cascade):
-            model.lm_head.weight[EOS] += 0.35 * model.lm_head.weight.norm(dim=1).mean()
-    return stock, cascade
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
