@@ -17,6 +17,7 @@ replay's time outside kernels (the gaps between the graph's kernels).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import collections
@@ -188,6 +189,7 @@ def main():
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
                         "fuse": not args.no_fuse, **found})
+        print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
     # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
