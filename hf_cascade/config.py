@@ -92,7 +92,9 @@ class CascadeConfig:
             every layer (:mod:`hf_cascade.regional`: dynamo compiles one graph per kind of layer, e.g. sliding and
             full attention, not per layer), the embedding, final norm and logits eager; the bookkeeping and token
             choice compile as with ``True``. On the CPU its forward compiled in 18-25 s for 4 and 16 layers against
-            45-95 s whole (benchmarks/regional_compile_cpu.py); its GPU step time is not measured yet.
+            45-95 s whole (benchmarks/regional_compile_cpu.py); on the H200 (8B, 16k x 8 beams) its step is within
+            1% of the whole forward's compile (6.32 vs 6.27 ms, uncompiled 8.71) for half the compile (13 vs 26 s
+            from empty caches; benchmarks/RESULTS.md).
             Encoder-decoder models compile whole (logged).
         kv_dtype: the element type of the self-attention KV pools. ``None`` (default): the model's dtype, as the
             K/V come. ``"float8_e4m3fn"`` (or ``torch.float8_e4m3fn``): one byte per element, half a bf16 pool, with
