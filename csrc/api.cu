@@ -84,4 +84,11 @@ HFC_API int hfc_write(void* pool, const void* key, const void* value, const int6
                                 block_size, token_bytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_rms_norm(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden, int64_t x_stride,
+                         float eps, int32_t dtype, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::rms_norm_launch(out, x, weight, rows, hidden, x_stride, eps, dtype,
+                                   reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // extern "C"

@@ -110,6 +110,12 @@ class CascadeConfig:
             it once, and fuses again. On by default: faster in every shape measured on the H200 (compiled 8B 16k x 8
             beams 8.96 -> 8.72 ms a step, greedy 8.11 -> 7.04, sampling n=8 8.63 -> 6.61); a model with no plain
             projections to fuse runs as it is. ``False``: the model's own separate products.
+        fuse_norms: run each RMSNorm whose class's ``forward`` is transformers' ``LlamaRMSNorm``'s (Llama,
+            Mistral, Qwen2/3, Mixtral, Phi-3, ...) as one kernel of the library (``csrc/norm.cu``) instead of eager
+            mode's eight, in the call's forwards on a CUDA device, bf16 or fp16, uncompiled
+            (:mod:`hf_cascade.fused_norms`; the compiled step fuses them itself; float32 keeps stock's norm). The
+            eager roundings, its sum of squares ordered otherwise. Off by default until measured on the H200; set on
+            a model, ``False`` on a later call takes it off.
 
     Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,
     ``whole_step=False`` and ``compile="max-autotune"``.
@@ -127,6 +133,7 @@ class CascadeConfig:
     compile: bool | str = False
     kv_dtype: str | None = None
     fuse_projections: bool = True
+    fuse_norms: bool = False
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
@@ -140,6 +147,8 @@ class CascadeConfig:
             raise error(f"CascadeConfig.compile must be True, False or one of {COMPILE_MODES}, got {self.compile!r}.")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigTypeError(f"CascadeConfig.fuse_projections must be a bool, got {self.fuse_projections!r}.")
+        if not isinstance(self.fuse_norms, bool):
+            raise ConfigTypeError(f"CascadeConfig.fuse_norms must be a bool, got {self.fuse_norms!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)
         self.memory = _choice("memory", self.memory, MEMORY_POLICIES)
         self.block_size = _integer("block_size", self.block_size, low=1)

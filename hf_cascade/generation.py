@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import compat, encoder_decoder, fused_linears, graphs, seq2seq_models, session, whole_step
+from . import compat, encoder_decoder, fused_linears, fused_norms, graphs, seq2seq_models, session, whole_step
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -414,7 +414,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
     key = compat.cache_key(model_kwargs)
     if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
-        _fuse_projections(model, hf_cascade_config)     # (it refuses a cache of the caller's: this is the call's config)
+        _fuse_model(model, hf_cascade_config)     # (it refuses a cache of the caller's: this is the call's config)
         states = model_kwargs.get("encoder_outputs")
         states = states[0] if states is not None and len(states) else None
         if isinstance(states, torch.Tensor) and states.dim() != 3:
@@ -432,7 +432,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
                              "was made with, so hf_cascade_config would be ignored. Make the cache with it "
                              "(CascadeCache(model.config, hf_cascade_config)) or pass only one of them.")
         hf_cascade_config = existing.cascade_config
-    _fuse_projections(model, hf_cascade_config)
+    _fuse_model(model, hf_cascade_config)
     _warn_unused_compile(model, hf_cascade_config)
     capped = hf_cascade_config.max_kv_bytes is not None
 
@@ -563,14 +563,16 @@ def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> No
                          f"attention_mask where not given); attention_mask and position_ids must have {expected}.")
 
 
-def _fuse_projections(model, cascade_config: CascadeConfig) -> None:
+def _fuse_model(model, cascade_config: CascadeConfig) -> None:
     """``CascadeConfig.fuse_projections``: fuse the model's projections before anything is compiled or captured; a
     model whose fusion no longer holds (:func:`fused_linears.check` unfuses it) or is fused now drops the graphs
-    kept for it, which point at the weights' old storage."""
-    if not cascade_config.fuse_projections:
-        return
-    held = fused_linears.check(model)
-    if fused_linears.fuse(model) or not held:
+    kept for it, which point at the weights' old storage. ``CascadeConfig.fuse_norms`` likewise: a model whose norms
+    change forward drops the graphs captured with the others."""
+    changed = fused_norms.install(model) if cascade_config.fuse_norms else fused_norms.uninstall(model)
+    if cascade_config.fuse_projections:
+        held = fused_linears.check(model)
+        changed = fused_linears.fuse(model) or not held or changed
+    if changed:
         session.release(model)
 
 

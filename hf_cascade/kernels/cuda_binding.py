@@ -164,6 +164,11 @@ class _Lib:
         lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
         lib.hfc_write.restype = ctypes.c_int
         lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
+        # (added without an ABI bump: a library built before it has none, and the norms stay torch's)
+        self.has_rms_norm = hasattr(lib, "hfc_rms_norm")
+        if self.has_rms_norm:
+            lib.hfc_rms_norm.restype = ctypes.c_int
+            lib.hfc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, ctypes.c_float, _i32, ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -289,6 +294,17 @@ class _Lib:
                               None if row_nmid is None else row_nmid.data_ptr(), a.mid_slot0,
                               None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
+
+    def rms_norm(self, out, x, weight, eps: float, stream: int) -> None:
+        """RMSNorm of the rows of ``x`` ``[rows, hidden]`` (rows strided, elements contiguous) into ``out`` (contiguous,
+        ``x``'s shape) with ``weight`` ``[hidden]`` (``csrc/norm.cu``); one dtype (bf16, fp16), one device."""
+        rows, hidden = x.shape
+        try:
+            code = DTYPE_CODES[x.dtype]
+        except KeyError:
+            _no_dtype(x.dtype)
+        self.check(self.lib.hfc_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, hidden, x.stride(0),
+                                         eps, code, stream), "rms_norm")
 
     def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
         """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import _build
-from .cuda_binding import ABI_VERSION, _Lib
+from .cuda_binding import ABI_VERSION, DTYPE_CODES, _Lib
 
 __all__ = ["library", "availability", "prebuilt_library", "build_library", "PREBUILT"]
 
@@ -159,6 +159,25 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
     lib.write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies,
               torch.cuda.current_stream(pool.device).cuda_stream)
     return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of ``x`` ``[..., hidden]`` with ``weight`` ``[hidden]`` in one launch of the library's kernel
+    (``csrc/norm.cu``: the eager forward's roundings, see :mod:`hf_cascade.fused_norms`), or None where it does not run
+    (no library loaded for the device, or one built before the kernel; a dtype other than bf16/fp16; elements not
+    contiguous): the caller runs its own forward."""
+    if not x.is_cuda:
+        return None
+    lib = loaded(x.device)
+    if lib is None or not lib.has_rms_norm or x.dtype not in DTYPE_CODES or weight.dtype != x.dtype:
+        return None
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden) if x.dim() != 2 else x        # (a view where the rows are evenly strided)
+    if rows.stride(-1) != 1 or weight.stride(0) != 1 or weight.shape != (hidden,):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    lib.rms_norm(out, rows, weight, eps, torch.cuda.current_stream(x.device).cuda_stream)
+    return out
 
 
 def availability() -> tuple[bool, str]:

@@ -20,6 +20,9 @@ cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
 cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
                          const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                          int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream);
+// csrc/norm.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out, the eager roundings
+cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
+                            int64_t x_stride, float eps, int dtype, cudaStream_t stream);
 
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
