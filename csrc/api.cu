@@ -91,4 +91,13 @@ HFC_API int hfc_rms_norm(void* out, const void* x, const void* weight, int64_t r
                                    reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void* sin, void* q_out, void* k_out,
+                       int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
+                       const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int32_t dtype,
+                       uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::rotary_launch(q, k, cos, sin, q_out, k_out, batch, tokens, q_heads, k_heads, head_dim, q_stride,
+                                 k_stride, cs_stride, dtype, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // extern "C"

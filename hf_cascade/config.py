@@ -110,12 +110,12 @@ class CascadeConfig:
             it once, and fuses again. On by default: faster in every shape measured on the H200 (compiled 8B 16k x 8
             beams 8.96 -> 8.72 ms a step, greedy 8.11 -> 7.04, sampling n=8 8.63 -> 6.61); a model with no plain
             projections to fuse runs as it is. ``False``: the model's own separate products.
-        fuse_norms: run each RMSNorm whose class's ``forward`` is transformers' ``LlamaRMSNorm``'s (Llama,
-            Mistral, Qwen2/3, Mixtral, Phi-3, ...) as one kernel of the library (``csrc/norm.cu``) instead of eager
-            mode's eight, in the call's forwards on a CUDA device, bf16 or fp16, uncompiled
-            (:mod:`hf_cascade.fused_norms`; the compiled step fuses them itself; float32 keeps stock's norm). The
-            eager roundings, its sum of squares ordered otherwise. Off by default until measured on the H200; set on
-            a model, ``False`` on a later call takes it off.
+        fuse_elementwise: run each RMSNorm whose class's ``forward`` is transformers' ``LlamaRMSNorm``'s, and each
+            rotary embedding whose ``apply_rotary_pos_emb`` is Llama's (Llama, Mistral, Qwen2/3, Mixtral, Granite,
+            ...), as one kernel of the library (``csrc/elementwise.cu``) instead of eager mode's eight and ten, in the
+            call's forwards on a CUDA device, bf16 or fp16, uncompiled (:mod:`hf_cascade.fused_ops`; a compiled step
+            fuses them itself; float32 keeps stock's ops). The rotary kernel gives eager's bits; the norm eager's
+            roundings with its sum of squares ordered otherwise. Off by default until measured on the H200.
 
     Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,
     ``whole_step=False`` and ``compile="max-autotune"``.
@@ -133,7 +133,7 @@ class CascadeConfig:
     compile: bool | str = False
     kv_dtype: str | None = None
     fuse_projections: bool = True
-    fuse_norms: bool = False
+    fuse_elementwise: bool = False
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
@@ -147,8 +147,8 @@ class CascadeConfig:
             raise error(f"CascadeConfig.compile must be True, False or one of {COMPILE_MODES}, got {self.compile!r}.")
         if not isinstance(self.fuse_projections, bool):
             raise ConfigTypeError(f"CascadeConfig.fuse_projections must be a bool, got {self.fuse_projections!r}.")
-        if not isinstance(self.fuse_norms, bool):
-            raise ConfigTypeError(f"CascadeConfig.fuse_norms must be a bool, got {self.fuse_norms!r}.")
+        if not isinstance(self.fuse_elementwise, bool):
+            raise ConfigTypeError(f"CascadeConfig.fuse_elementwise must be a bool, got {self.fuse_elementwise!r}.")
         self.backend = _choice("backend", self.backend, BACKENDS)
         self.memory = _choice("memory", self.memory, MEMORY_POLICIES)
         self.block_size = _integer("block_size", self.block_size, low=1)

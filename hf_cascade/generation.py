@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import compat, encoder_decoder, fused_linears, fused_norms, graphs, seq2seq_models, session, whole_step
+from . import compat, encoder_decoder, fused_linears, fused_ops, graphs, seq2seq_models, session, whole_step
 from .attention import stock_attention
 from .cache import CascadeCache
 from .config import CascadeConfig
@@ -377,8 +377,11 @@ def _serving_fused(generate):
     stock's products. The signature stays ``generate``'s: transformers checks the keywords a custom generate takes."""
     @functools.wraps(generate)
     def serving(*args, **kwargs):
-        with fused_linears.serving():
-            return generate(*args, **kwargs)
+        try:
+            with fused_linears.serving():
+                return generate(*args, **kwargs)
+        finally:
+            fused_ops.call_ended()
     return serving
 
 
@@ -566,9 +569,9 @@ def _check_inputs(model, input_ids, generation_config, model_kwargs: dict) -> No
 def _fuse_model(model, cascade_config: CascadeConfig) -> None:
     """``CascadeConfig.fuse_projections``: fuse the model's projections before anything is compiled or captured; a
     model whose fusion no longer holds (:func:`fused_linears.check` unfuses it) or is fused now drops the graphs
-    kept for it, which point at the weights' old storage. ``CascadeConfig.fuse_norms`` likewise: a model whose norms
-    change forward drops the graphs captured with the others."""
-    changed = fused_norms.install(model) if cascade_config.fuse_norms else fused_norms.uninstall(model)
+    kept for it, which point at the weights' old storage. ``CascadeConfig.fuse_elementwise`` likewise: a model whose
+    call asks otherwise than its last drops the graphs captured with the other choice."""
+    changed = fused_ops.configure(model, cascade_config.fuse_elementwise)
     if cascade_config.fuse_projections:
         held = fused_linears.check(model)
         changed = fused_linears.fuse(model) or not held or changed

@@ -165,10 +165,13 @@ class _Lib:
         lib.hfc_write.restype = ctypes.c_int
         lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
         # (added without an ABI bump: a library built before it has none, and the norms stay torch's)
-        self.has_rms_norm = hasattr(lib, "hfc_rms_norm")
-        if self.has_rms_norm:
+        self.has_elementwise = hasattr(lib, "hfc_rms_norm") and hasattr(lib, "hfc_rotary")
+        if self.has_elementwise:
             lib.hfc_rms_norm.restype = ctypes.c_int
             lib.hfc_rms_norm.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, ctypes.c_float, _i32, ctypes.c_size_t]
+            strides = ctypes.POINTER(_i64)
+            lib.hfc_rotary.restype = ctypes.c_int
+            lib.hfc_rotary.argtypes = [_vp] * 6 + [_i64] * 5 + [strides] * 3 + [_i32, ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -305,6 +308,21 @@ class _Lib:
             _no_dtype(x.dtype)
         self.check(self.lib.hfc_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, hidden, x.stride(0),
                                          eps, code, stream), "rms_norm")
+
+    def rotary(self, q, k, cos, sin, q_out, k_out, stream: int) -> None:
+        """The rotary embedding (``csrc/elementwise.cu``) of ``q`` ``[B, Hq, L, D]`` and ``k`` ``[B, Hk, L, D]``
+        (strided, D contiguous) with ``cos``, ``sin`` ``[B or 1, L, D]`` into contiguous ``q_out``, ``k_out``."""
+        batch, q_heads, tokens, dim = q.shape
+        try:
+            code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
+        arrays = [(_i64 * n)(*values) for n, values in (
+            (3, q.stride()[:3]), (3, k.stride()[:3]),
+            (2, (cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1))))]
+        self.check(self.lib.hfc_rotary(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
+                                       k_out.data_ptr(), batch, tokens, q_heads, k.shape[1], dim, *arrays, code,
+                                       stream), "rotary")
 
     def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
         """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),

@@ -43,11 +43,19 @@ HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream);
 HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,
                       const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                       int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream);
-/* RMSNorm of a step's rows (csrc/norm.cu): x [rows, hidden] with row stride x_stride elements, weight [hidden],
+/* RMSNorm of a step's rows (csrc/elementwise.cu): x [rows, hidden] with row stride x_stride elements, weight [hidden],
    out [rows, hidden] contiguous, one dtype code (HFC_BF16, HFC_FP16) for all three. Added without an ABI bump: the
    binding looks it up and leaves the norms to torch where a library lacks it. */
 HFC_API int hfc_rms_norm(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden, int64_t x_stride,
                          float eps, int32_t dtype, uintptr_t stream);
+/* The rotary embedding of q [batch, q_heads, tokens, head_dim] and k [batch, k_heads, tokens, head_dim] (strides in
+   elements: q_stride, k_stride of batch, head, token; head_dim contiguous) with cos, sin [batch, tokens, head_dim]
+   (cs_stride of batch, token; 0 broadcasts) into contiguous q_out, k_out (csrc/elementwise.cu); added as
+   hfc_rms_norm was. */
+HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void* sin, void* q_out, void* k_out,
+                       int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
+                       const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int32_t dtype,
+                       uintptr_t stream);
 
 #ifdef __cplusplus
 }

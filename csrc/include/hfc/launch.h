@@ -20,9 +20,15 @@ cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
 cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
                          const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                          int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream);
-// csrc/norm.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out, the eager roundings
+// csrc/elementwise.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out; the rotary
+// embedding of q [batch, q_heads, tokens, head_dim] and k (strided, head_dim contiguous) into contiguous q_out,
+// k_out; both with eager mode's roundings
 cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
                             int64_t x_stride, float eps, int dtype, cudaStream_t stream);
+cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const void* sin, void* q_out, void* k_out,
+                          int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
+                          const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int dtype,
+                          cudaStream_t stream);
 
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
