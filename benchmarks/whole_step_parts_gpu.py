@@ -144,6 +144,8 @@ def main():
                         help="CascadeConfig(compile=...) of each variant: false, true, regional (--compile alone: true)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate matrix products")
+    parser.add_argument("--elementwise", action="store_true",
+                        help="CascadeConfig(fuse_elementwise=True): norms and rotary on the library's kernels")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -166,7 +168,7 @@ def main():
             return done
 
         config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=compile,
-                                          fuse_projections=not args.no_fuse)
+                                          fuse_projections=not args.no_fuse, fuse_elementwise=args.elementwise)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
@@ -188,7 +190,7 @@ def main():
         found["compile_s"] = call_s[0] - call_s[1]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
-                        "fuse": not args.no_fuse, **found})
+                        "fuse": not args.no_fuse, "elementwise": args.elementwise, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
