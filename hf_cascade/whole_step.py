@@ -87,8 +87,6 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
         return reason
     if synced_gpus:
         return "synced_gpus"
-    if getattr(generation_config, "prefill_chunk_size", None) is not None:
-        return "prefill_chunk_size"
     if generation_config.num_beams > 1 and generation_config.low_memory:
         return "low_memory (transformers' beam search refuses it)"
     names = _Names(model)

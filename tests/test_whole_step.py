@@ -49,6 +49,9 @@ SETTINGS = {
                                 pad_token_id=0),
     "beam-never": dict(num_beams=3, early_stopping="never", eos_token_id=EOS, pad_token_id=0),
     "beam-sample": dict(num_beams=3, do_sample=True, top_k=20, eos_token_id=EOS, pad_token_id=0),
+    # stock prefills in chunks; hf_cascade's prefill stores each prompt once, unchunked (docs/usage.md)
+    "greedy-prefill-chunks": dict(do_sample=False, prefill_chunk_size=6),
+    "beam-prefill-chunks": dict(num_beams=3, prefill_chunk_size=6, eos_token_id=EOS, pad_token_id=0),
 }
 
 
