@@ -76,3 +76,11 @@ def test_every_docs_page_is_in_the_nav():
     nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
     for page in DOCS.glob("*.md"):
         assert f" {page.name}" in nav, page.name
+
+
+def test_the_gpu_suite_script_runs_every_file_with_gpu_tests():
+    script = (ROOT / "tools" / "gpu_tests.sh").read_text(encoding="utf-8")
+    listed = set(re.findall(r"tests/(test_\w+\.py)", script))
+    marked = {path.name for path in (ROOT / "tests").glob("test_*.py")
+              if re.search(r"mark\.gpu\b", path.read_text(encoding="utf-8"))}
+    assert marked and listed == marked, (sorted(marked - listed), sorted(listed - marked))
