@@ -357,6 +357,33 @@ def _log_stock_path(reason: str) -> None:
              "generate to run the cascade anyway (logged once).", reason)
 
 
+def _prefill_chunk(model, generation_config, tensors: dict, tokens: int) -> int:
+    """generate's ``prefill_chunk_size`` where the prefill of ``tokens`` positions runs in chunks of it (0: in one
+    forward): models that take position ids (each chunk's are the prompt's own, from the mask), no sliding window,
+    no ``inputs_embeds``."""
+    chunk = getattr(generation_config, "prefill_chunk_size", None)
+    if not chunk or tokens <= chunk or "inputs_embeds" in tensors or _has_sliding_window(model) \
+            or not _accepts(model, "position_ids"):
+        return 0
+    return int(chunk)
+
+
+def _prefill_in_chunks(model, cache, ids, mask, positions, key, end: int, chunk: int, tensors: dict,
+                       options: dict) -> None:
+    """Prefill prompt columns ``[0, end)`` of ``ids`` [B, L] ``chunk`` columns at a time (stock's
+    ``prefill_chunk_size``: the activations of one chunk at a time): the first as a fresh prefill (tokens every
+    prompt begins with stored once), each later one continuing the rows, with the prompt's own positions."""
+    if positions is None:
+        positions = (torch.arange(ids.shape[1], device=ids.device).expand_as(ids) if mask is None else
+                     (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0))
+    for start in range(0, end, chunk):
+        part = slice(start, min(start + chunk, end))
+        args = (None if mask is None else mask[:, part], positions[:, part], key)
+        sliced = {k: v[:, part] for k, v in tensors.items()}
+        run = prefill_prompts if start == 0 else prefill
+        run(model, cache, ids[:, part], *args, run_hooks=False, **sliced, **options)
+
+
 def _check_continuation(cache: CascadeCache, past: int, prompts: int, width: int) -> None:
     """What continuing from a filled CascadeCache needs (a chat's next turn)."""
     if getattr(cache, "_filled_by_beam_search", False):
@@ -670,7 +697,12 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
     new = slice(past, width - 1)          # the prompt positions this call prefills (generate feeds the last)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     options = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
-    if width - past > 1:
+    chunk = _prefill_chunk(model, generation_config, tensors, width - 1 - past) if not past else 0
+    if chunk:
+        _prefill_in_chunks(model, cache, input_ids[::n], None if mask is None else mask[::n],
+                           None if positions is None else positions[::n], key, width - 1, chunk,
+                           {k: v[::n] for k, v in tensors.items()}, options)
+    elif width - past > 1:
         ids = None if "inputs_embeds" in tensors and input_ids.shape[1] != width else input_ids[::n, new]
         args = (None if mask is None else mask[::n, new], None if positions is None else positions[::n, new], key)
         sliced = {k: v[::n, new] for k, v in tensors.items()}

@@ -49,7 +49,7 @@ SETTINGS = {
                                 pad_token_id=0),
     "beam-never": dict(num_beams=3, early_stopping="never", eos_token_id=EOS, pad_token_id=0),
     "beam-sample": dict(num_beams=3, do_sample=True, top_k=20, eos_token_id=EOS, pad_token_id=0),
-    # stock prefills in chunks; hf_cascade's prefill stores each prompt once, unchunked (docs/usage.md)
+    # stock prefills in chunks, and so does hf_cascade's prefill (test_prefill_chunk_size_prefills_in_chunks...)
     "greedy-prefill-chunks": dict(do_sample=False, prefill_chunk_size=6),
     "beam-prefill-chunks": dict(num_beams=3, prefill_chunk_size=6, eos_token_id=EOS, pad_token_id=0),
 }
@@ -64,6 +64,28 @@ def test_settings_equal_stock(name, eos_llama, runner_spy):
     got = _generate(cascade, ids, mask, **kwargs)
     assert _device_steps(runner_spy) > 0
     assert expected.shape == got.shape and torch.equal(expected, got), name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-start"])
+def test_prefill_chunk_size_prefills_in_chunks_with_stock_tokens(family, shared, monkeypatch, runner_spy):
+    """generate's prefill_chunk_size: the prompts' prefill forwards see at most that many positions each (Mistral's
+    sliding window: one forward, unchunked), and the tokens are stock's (which prefills in chunks too)."""
+    from hf_cascade import generation
+    stock, cascade = model_pair(family)
+    ids, mask = padded_batch(seed=6, lengths=(30, 19))
+    if shared:                                   # both prompts begin with the same 16 tokens
+        ids[1, 11:27] = ids[0, :16]
+    seen = []
+    real = generation.prefill_forward
+    monkeypatch.setattr(generation, "prefill_forward",
+                        lambda model, **kw: seen.append(kw["input_ids"].shape[1]) or real(model, **kw))
+    kwargs = dict(max_new_tokens=10, num_beams=3, prefill_chunk_size=7, pad_token_id=0)
+    expected = _generate(stock, ids, mask, config=None, **kwargs)
+    assert torch.equal(_generate(cascade, ids, mask, **kwargs), expected)
+    assert _device_steps(runner_spy) > 0
+    # (the prompt's last position is the first decode step's)
+    assert seen == ([29] if family == "mistral" else [7, 7, 7, 7, 1]), seen
 
 
 def test_layout_widens_on_the_host_between_device_chunks(llama_pair, runner_spy, caplog):
