@@ -201,3 +201,28 @@ def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
     odd = torch.zeros(4, 2, 16, 2, 6, dtype=torch.bfloat16)              # 24-byte tokens
     assert not cuda_library.write_slots(odd, key[..., :6].contiguous(), value[..., :6].contiguous(), *args)
     assert len(launches) == 1
+
+
+def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_path):
+    """cuda_library.norm_fits / rotary_fits decide where csrc/elementwise.cu runs (the callers run eager ops
+    elsewhere); a library built before those kernels (the stub: no hfc_rms_norm, no hfc_rotary) has none."""
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_elementwise
+    bf16 = torch.bfloat16
+    x, weight = torch.randn(8, 1, 256, dtype=bf16), torch.randn(256, dtype=bf16)
+    assert cuda_library.norm_fits(x, weight)
+    assert cuda_library.norm_fits(torch.randn(8, 768, dtype=bf16)[:, 256:512], weight)     # strided rows
+    assert not cuda_library.norm_fits(x.float(), weight.float())                          # float32
+    assert not cuda_library.norm_fits(x, weight.float())                                  # weight's dtype
+    assert not cuda_library.norm_fits(torch.randn(256, 8, dtype=bf16).t(), torch.randn(8, dtype=bf16))
+    # q and k as views of one fused q|k|v product [B, L, (Hq + 2 Hk) D], per head, transposed
+    fused = torch.randn(2, 5, (4 + 2 * 2) * 32, dtype=bf16)
+    q = fused[..., :128].view(2, 5, 4, 32).transpose(1, 2)
+    k = fused[..., 128:192].view(2, 5, 2, 32).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 32, dtype=bf16), torch.randn(2, 5, 32, dtype=bf16)
+    assert cuda_library.rotary_fits(q, k, cos, sin)
+    assert cuda_library.rotary_fits(q, k, cos[:1], sin[:1])                               # one row for all
+    assert not cuda_library.rotary_fits(q, k, cos, sin.transpose(0, 1).contiguous().transpose(0, 1))
+    assert not cuda_library.rotary_fits(q.float(), k.float(), cos.float(), sin.float())
+    assert not cuda_library.rotary_fits(q, k, cos.unsqueeze(1), sin.unsqueeze(1))        # [B, 1, L, D]: not 3-D
+    assert not cuda_library.rotary_fits(q.transpose(-1, -2), k.transpose(-1, -2), cos, sin)
+    assert cuda_library.rms_norm(x, weight, 1e-6) is None and cuda_library.rotary(q, k, cos, sin) is None   # (CPU)

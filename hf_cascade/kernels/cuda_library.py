@@ -163,44 +163,59 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of ``x`` ``[..., hidden]`` with ``weight`` ``[hidden]`` in one launch of the library's kernel
-    (``csrc/elementwise.cu``: the eager forward's roundings, see :mod:`hf_cascade.fused_ops`), or None where it does not run
-    (no library loaded for the device, or one built before the kernel; a dtype other than bf16/fp16; elements not
-    contiguous): the caller runs its own forward."""
-    if not x.is_cuda:
+    (``csrc/elementwise.cu``: the eager forward's roundings, see :mod:`hf_cascade.fused_ops`), or None where it does
+    not run (no library loaded for the device, or one built before the kernel; not :func:`norm_fits`): the caller runs
+    its own forward."""
+    lib = _elementwise_library(x)
+    if lib is None or not norm_fits(x, weight):
         return None
-    lib = loaded(x.device)
-    if lib is None or not lib.has_elementwise or x.dtype not in DTYPE_CODES or weight.dtype != x.dtype:
-        return None
-    hidden = x.shape[-1]
-    rows = x.reshape(-1, hidden) if x.dim() != 2 else x        # (a view where the rows are evenly strided)
-    if rows.stride(-1) != 1 or weight.stride(0) != 1 or weight.shape != (hidden,):
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x        # (a view where the rows are evenly strided)
+    if rows.stride(-1) != 1:
         return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     lib.rms_norm(out, rows, weight, eps, torch.cuda.current_stream(x.device).cuda_stream)
     return out
 
 
+def norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm kernel reads ``x`` and ``weight`` as they are: bf16 or fp16, one dtype and device, ``weight``
+    ``[hidden]`` contiguous, ``x``'s last dimension contiguous."""
+    hidden = x.shape[-1]
+    return (x.dtype in DTYPE_CODES and weight.dtype == x.dtype and weight.device == x.device
+            and weight.shape == (hidden,) and weight.stride(0) == 1 and x.stride(-1) == 1)
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``(q_embed, k_embed)``: transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) in one launch
     of the library's kernel, bit for bit eager mode's (:mod:`hf_cascade.fused_ops`), or None where it does not run
-    (no library for the device, a dtype other than bf16/fp16 or not one for all four, a head_dim not contiguous,
-    shapes other than q, k ``[B, H, L, D]`` and cos, sin ``[B or 1, L, D]``)."""
-    if not q.is_cuda:
-        return None
-    lib = loaded(q.device)
-    if lib is None or not lib.has_elementwise or q.dtype not in DTYPE_CODES:
-        return None
-    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or sin.stride() != cos.stride():
-        return None
-    batch, _, tokens, dim = q.shape
-    if k.shape[0] != batch or k.shape[2:] != (tokens, dim) or cos.shape[1:] != (tokens, dim) or \
-            cos.shape[0] not in (1, batch) or any(t.dtype != q.dtype or t.device != q.device for t in (k, cos, sin)) \
-            or any(t.stride(-1) != 1 for t in (q, k, cos)):
+    (no library for the device; not :func:`rotary_fits`)."""
+    lib = _elementwise_library(q)
+    if lib is None or not rotary_fits(q, k, cos, sin):
         return None
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     lib.rotary(q, k, cos, sin, q_out, k_out, torch.cuda.current_stream(q.device).cuda_stream)
     return q_out, k_out
+
+
+def rotary_fits(q, k, cos, sin) -> bool:
+    """Whether the rotary kernel reads them as they are: q, k ``[B, H, L, D]`` (any strides but D's, which is 1),
+    cos, sin ``[B or 1, L, D]`` with the same strides, D even, one dtype (bf16, fp16) and device for all four."""
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape or sin.stride() != cos.stride():
+        return False
+    batch, _, tokens, dim = q.shape
+    return (q.dtype in DTYPE_CODES and dim % 2 == 0 and k.shape[0] == batch and k.shape[2:] == (tokens, dim)
+            and cos.shape[1:] == (tokens, dim) and cos.shape[0] in (1, batch)
+            and all(t.dtype == q.dtype and t.device == q.device for t in (k, cos, sin))
+            and all(t.stride(-1) == 1 for t in (q, k, cos)))
+
+
+def _elementwise_library(x: torch.Tensor) -> _Lib | None:
+    """The library loaded for ``x``'s CUDA device where it has the elementwise kernels."""
+    if not x.is_cuda:
+        return None
+    lib = loaded(x.device)
+    return lib if lib is not None and lib.has_elementwise else None
 
 
 def availability() -> tuple[bool, str]:
