@@ -147,11 +147,6 @@ def serving():
             _serving = _serving_calls > 0
 
 
-def serving_now() -> bool:
-    """Whether a cascade generate call is running (:func:`serving`): its forwards take the fused products and norms."""
-    return _serving
-
-
 def fuse(model: nn.Module) -> int:
     """Fuse every eligible group of ``model`` (see the module docstring); the number of groups fused now (0 on a
     second call). Peak memory: one group's weights more while it is copied."""

@@ -141,8 +141,7 @@ in stock). Returns the model output (logits of the last position only)."""
         if not bool(attention_mask.all()):
             cache.set_write_mask(attention_mask)
         if position_ids is None and _accepts(model, "position_ids"):   # else (BART-family decoders): columns
-            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
-            position_ids = position_ids + cache.get_seq_length()
+            position_ids = _mask_positions(attention_mask) + cache.get_seq_length()
         past = cache.get_seq_length()
         if past:   # the model's mask covers what the cache holds, too
             attention_mask = torch.cat([attention_mask.new_ones(attention_mask.shape[0], past), attention_mask], 1)
@@ -357,6 +356,11 @@ def _log_stock_path(reason: str) -> None:
              "generate to run the cascade anyway (logged once).", reason)
 
 
+def _mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's positions from its left-padded mask [B, L]: 0, 1, ... over its tokens, 0 on its pads."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 def _prefill_chunk(model, generation_config, tensors: dict, tokens: int) -> int:
     """generate's ``prefill_chunk_size`` where the prefill of ``tokens`` positions runs in chunks of it (0: in one
     forward): models that take position ids (each chunk's are the prompt's own, from the mask), no sliding window,
@@ -375,7 +379,7 @@ def _prefill_in_chunks(model, cache, ids, mask, positions, key, end: int, chunk:
     prompt begins with stored once), each later one continuing the rows, with the prompt's own positions."""
     if positions is None:
         positions = (torch.arange(ids.shape[1], device=ids.device).expand_as(ids) if mask is None else
-                     (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0))
+                     _mask_positions(mask))
     for start in range(0, end, chunk):
         part = slice(start, min(start + chunk, end))
         args = (None if mask is None else mask[:, part], positions[:, part], key)
@@ -697,7 +701,7 @@ def _prefill_call(model, cache: CascadeCache, input_ids, generation_config, mode
     new = slice(past, width - 1)          # the prompt positions this call prefills (generate feeds the last)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     options = {k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
-    chunk = _prefill_chunk(model, generation_config, tensors, width - 1 - past) if not past else 0
+    chunk = 0 if past else _prefill_chunk(model, generation_config, tensors, width - 1)
     if chunk:
         _prefill_in_chunks(model, cache, input_ids[::n], None if mask is None else mask[::n],
                            None if positions is None else positions[::n], key, width - 1, chunk,

@@ -164,7 +164,7 @@ class _Lib:
         lib.hfc_prefix_setup.argtypes = [_i32, _i32, _i32, _i32, ctypes.POINTER(_PrefixInfo)]
         lib.hfc_write.restype = ctypes.c_int
         lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
-        # (added without an ABI bump: a library built before it has none, and the norms stay torch's)
+        # (added without an ABI bump: a library built before them has none, and the norms and rotary stay torch's)
         self.has_elementwise = hasattr(lib, "hfc_rms_norm") and hasattr(lib, "hfc_rotary")
         if self.has_elementwise:
             lib.hfc_rms_norm.restype = ctypes.c_int
@@ -300,7 +300,7 @@ class _Lib:
 
     def rms_norm(self, out, x, weight, eps: float, stream: int) -> None:
         """RMSNorm of the rows of ``x`` ``[rows, hidden]`` (rows strided, elements contiguous) into ``out`` (contiguous,
-        ``x``'s shape) with ``weight`` ``[hidden]`` (``csrc/norm.cu``); one dtype (bf16, fp16), one device."""
+        ``x``'s shape) with ``weight`` ``[hidden]`` (``csrc/elementwise.cu``); one dtype (bf16, fp16), one device."""
         rows, hidden = x.shape
         try:
             code = DTYPE_CODES[x.dtype]
