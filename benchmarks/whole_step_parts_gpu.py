@@ -136,6 +136,13 @@ def _compile_mode(text: str):
     return modes[text.lower()]
 
 
+def _on(text: str) -> bool:
+    """``--elementwise``'s word as a bool."""
+    if text.lower() not in ("false", "true"):
+        raise SystemExit(f"--elementwise takes false or true; got {text!r}")
+    return text.lower() == "true"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=["8b:16384:beam8", "8b:4096:greedy"])
@@ -144,15 +151,18 @@ def main():
                         help="CascadeConfig(compile=...) of each variant: false, true, regional (--compile alone: true)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate matrix products")
-    parser.add_argument("--elementwise", action="store_true",
-                        help="CascadeConfig(fuse_elementwise=True): norms and rotary on the library's kernels")
+    parser.add_argument("--elementwise", nargs="*", default=None, metavar="ON",
+                        help="CascadeConfig(fuse_elementwise=...) of each variant, false and/or true (norms and rotary "
+                             "on the library's kernels, the default; --elementwise alone: true), one row each on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
     compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]
-    for entry, compile in ((entry, compile) for entry in args.configs for compile in compiles):
+    elementwise = [hf_cascade.CascadeConfig().fuse_elementwise] if args.elementwise is None else [_on(m) for m in args.elementwise or ["true"]]
+    for entry, compile, fuse_elementwise in ((entry, compile, on) for entry in args.configs for compile in compiles
+                                             for on in elementwise):
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
         model.set_attn_implementation("cascade")
@@ -168,7 +178,7 @@ def main():
             return done
 
         config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=compile,
-                                          fuse_projections=not args.no_fuse, fuse_elementwise=args.elementwise)
+                                          fuse_projections=not args.no_fuse, fuse_elementwise=fuse_elementwise)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
@@ -190,7 +200,7 @@ def main():
         found["compile_s"] = call_s[0] - call_s[1]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
-                        "fuse": not args.no_fuse, "elementwise": args.elementwise, **found})
+                        "fuse": not args.no_fuse, "elementwise": fuse_elementwise, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, found))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch

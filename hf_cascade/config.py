@@ -115,7 +115,9 @@ class CascadeConfig:
             ...), as one kernel of the library (``csrc/elementwise.cu``) instead of eager mode's eight and ten, in the
             call's forwards on a CUDA device, bf16 or fp16, uncompiled (:mod:`hf_cascade.fused_ops`; a compiled step
             fuses them itself; float32 keeps stock's ops). The rotary kernel gives eager's bits; the norm eager's
-            roundings with its sum of squares ordered otherwise. Off by default until measured on the H200.
+            roundings with its sum of squares ordered otherwise. On by default: on the H200 (bf16, uncompiled whole
+            step replayed) 8B 16k x 8 beams 8.68 -> 7.38 ms a step, greedy 4k 7.14 -> 6.28, with no compile.
+            ``False``: the model's own norm and rotary ops.
 
     Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,
     ``whole_step=False`` and ``compile="max-autotune"``.
@@ -133,7 +135,7 @@ class CascadeConfig:
     compile: bool | str = False
     kv_dtype: str | None = None
     fuse_projections: bool = True
-    fuse_elementwise: bool = False
+    fuse_elementwise: bool = True
 
     def __post_init__(self):
         if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):

@@ -1,5 +1,5 @@
-"""``CascadeConfig(fuse_elementwise=True)`` (hf_cascade/fused_ops.py): Llama-style RMSNorms and rotary embeddings
-as one kernel each.
+"""``CascadeConfig(fuse_elementwise=True)``, the default (hf_cascade/fused_ops.py): Llama-style RMSNorms and rotary
+embeddings as one kernel each.
 
 CPU: the kernels' documented semantics are the eager ops bit for bit; exactly the norm classes and modeling modules
 that are Llama's, source for source, are wrapped (Gemma's and OLMo2's norms, Phi-3's rotary are left alone), the
@@ -102,7 +102,8 @@ def test_only_the_calls_that_ask_take_the_kernels(mode, monkeypatch):
     with torch.no_grad():
         cascade(input_ids=ids, attention_mask=mask)                  # a forward outside generate
         stock(input_ids=ids, attention_mask=mask)                    # another model (the classes are wrapped)
-    assert torch.equal(cascade.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs="eager")), expected)
+    off = CascadeConfig(cuda_graphs="eager", fuse_elementwise=False)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=off), expected)
     assert torch.equal(stock.generate(**kw), expected)
     assert (kernels.norms, kernels.rotary) == seen
 
@@ -128,6 +129,16 @@ def test_a_forward_that_wants_gradients_or_is_compiled_runs_the_originals(monkey
     with torch.no_grad():
         norm(x)
     assert kernels.norms == 1
+
+
+def test_the_default_call_takes_the_kernels(monkeypatch):
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model("Llama", "sdpa"), _model("Llama")
+    ids, mask = padded_batch(seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert CascadeConfig().fuse_elementwise
+    assert torch.equal(cascade.generate(**kw), stock.generate(**kw))
+    assert kernels.norms and kernels.rotary
 
 
 def test_fuse_elementwise_must_be_a_bool():

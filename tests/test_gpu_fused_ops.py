@@ -83,9 +83,10 @@ def test_bf16_captured_step_with_the_kernels_gives_the_unfused_tokens(lib, kw, m
         real = getattr(fused_ops, name)
         monkeypatch.setattr(fused_ops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
-    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True, fuse_elementwise=False))
+    assert not calls
     spy = RunnerSpy(monkeypatch)
-    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True, fuse_elementwise=True))
+    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))     # the default takes them
     runner, = spy.runners
     assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
     # (a forward: 9 norms, 4 rotary embeddings; the captured step's calls happen when it is captured)
