@@ -202,11 +202,12 @@ def main():
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
                         "fuse": not args.no_fuse, "elementwise": fuse_elementwise, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
-        calls.append((entry, model, ids, config, kw, found))
+        calls.append((entry, model, ids, config, kw, results[-1]))
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
     # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
     for entry, model, ids, config, kw, found in calls if args.profile else ():
         _stopped_call(model, ids, config, kw, lambda loop: found.update(kernel_profile(loop.graph, args.reps)))
+        # (found: the config's row in results, so the JSON holds its profile)
         found["gaps_us"] = found["whole_us"] - found["kernel_us"]
         console = Console(width=160)
         console.print(f"{entry}: kernels of one whole-step replay (µs): " + ", ".join(

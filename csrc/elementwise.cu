@@ -14,6 +14,7 @@
 #include "hfc/launch.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace hfc {
 namespace {
@@ -31,11 +32,94 @@ struct RotaryArgs {
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
-// CTA r: row r of x [rows, hidden] (row stride x_stride elements) into out [rows, hidden] (contiguous)
+// The row's sum of squares over `threads` threads (a warp tree, then, for more than one warp, the warps' sums
+// through shared memory: `warp_sums` holds kNormThreads / 32 floats), returned to every thread of the row.
+__device__ __forceinline__ float row_sum(float sum, int threads, float* warp_sums) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFull, sum, offset);
+  if (threads <= 32) return sum;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = sum;
+  __syncthreads();
+  sum = lane < threads / 32 ? warp_sums[lane] : 0.f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFull, sum, offset);
+  return sum;
+}
+
+// out = T(w * T(x * rsqrt(mean(x^2) + eps))) for 8 elements at once (one 16-byte vector of x, w and out)
+template <typename T>
+__device__ __forceinline__ uint4 norm_vector(const uint4 x, const uint4 w, float r) {
+  const T* xs = reinterpret_cast<const T*>(&x);
+  const T* ws = reinterpret_cast<const T*>(&w);
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const T lo = Cvt<T>::from_float(to_float(xs[2 * j]) * r), hi = Cvt<T>::from_float(to_float(xs[2 * j + 1]) * r);
+    o[j] = Cvt<T>::pack2(to_float(ws[2 * j]) * to_float(lo), to_float(ws[2 * j + 1]) * to_float(hi));
+  }
+  return out;
+}
+
+__device__ __forceinline__ float sum_of_squares(const uint4 v, float sum, bool bf16) {
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float lo, hi;
+    if (bf16) {
+      lo = __uint_as_float(p[j] << 16), hi = __uint_as_float(p[j] & 0xffff0000u);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p[j]));
+      lo = f.x, hi = f.y;
+    }
+    sum += lo * lo;
+    sum += hi * hi;
+  }
+  return sum;
+}
+
+// Rows whose ends and strides are 16-byte aligned, the row held in registers (kVecs vectors of 8 a thread) so that
+// every load of a row is in flight at once: `threads` threads a row (a warp, or the CTA), kNormThreads / threads rows
+// a CTA. A row of hidden <= threads * 8 * kVecs.
+template <typename T, int kVecs>
+__global__ void __launch_bounds__(kNormThreads)
+    rms_norm_vec_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int64_t rows,
+                        int64_t hidden, int64_t x_stride, float eps, int threads) {
+  __shared__ float warp_sums[kNormThreads / 32];
+  const int64_t r = (int64_t)blockIdx.x * (kNormThreads / threads) + threadIdx.x / threads;
+  const int t = threadIdx.x % threads;
+  const int64_t vecs = hidden / 8;
+  const bool live = r < rows;   // (a warp past the last row still joins its CTA's barriers: threads = kNormThreads)
+  const uint4* row = reinterpret_cast<const uint4*>(x + (live ? r : 0) * x_stride);
+  uint4 v[kVecs];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t c = t + (int64_t)i * threads;
+    v[i] = live && c < vecs ? row[c] : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) sum = sum_of_squares(v[i], sum, std::is_same<T, __nv_bfloat16>::value);
+  sum = row_sum(sum, threads, warp_sums);
+  if (!live) return;
+  const float inv_rms = rsqrtf(sum / (float)hidden + eps);
+  const uint4* w = reinterpret_cast<const uint4*>(weight);
+  uint4* dst = reinterpret_cast<uint4*>(out + r * hidden);
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t c = t + (int64_t)i * threads;
+    if (c < vecs) dst[c] = norm_vector<T>(v[i], w[c], inv_rms);
+  }
+}
+
+// Any other row (hidden not a multiple of 8, unaligned, or wider than the vector kernel's registers): CTA r, row r,
+// element by element.
 template <typename T>
 __global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int64_t hidden,
                     int64_t x_stride, float eps) {
+  __shared__ float warp_sums[kNormThreads / 32];
   const T* row = x + (int64_t)blockIdx.x * x_stride;
   T* dst = out + (int64_t)blockIdx.x * hidden;
   float sum = 0.f;
@@ -43,22 +127,7 @@ __global__ void __launch_bounds__(kNormThreads)
     const float v = to_float(row[i]);
     sum += v * v;
   }
-  // the row's sum: a warp tree, then the warps' partial sums through shared memory
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFull, sum, offset);
-  __shared__ float warp_sums[kNormThreads / 32];
-  __shared__ float inv_rms;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = sum;
-  __syncthreads();
-  if (warp == 0) {
-    sum = lane < kNormThreads / 32 ? warp_sums[lane] : 0.f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(kFull, sum, offset);
-    if (lane == 0) inv_rms = rsqrtf(sum / (float)hidden + eps);
-  }
-  __syncthreads();
-  const float r = inv_rms;
+  const float r = rsqrtf(row_sum(sum, kNormThreads, warp_sums) / (float)hidden + eps);
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
     const T normed = Cvt<T>::from_float(to_float(row[i]) * r);        // hidden_states.to(input_dtype)
     dst[i] = Cvt<T>::from_float(to_float(weight[i]) * to_float(normed));  // self.weight * ...
@@ -127,9 +196,22 @@ cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_
   if (rows > 0x7fffffff) return fail(cudaErrorInvalidConfiguration, "rms_norm: %lld rows in one launch", (long long)rows);
   if (rows == 0) return cudaSuccess;
   if (out == nullptr || x == nullptr || weight == nullptr) return fail(cudaErrorInvalidValue, "rms_norm: a NULL pointer");
+  const bool aligned = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
+  const int64_t vecs = hidden / 8;
   HFC_DISPATCH_DTYPE(dtype, T, {
-    rms_norm_kernel<T><<<(unsigned)rows, kNormThreads, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(weight), hidden, x_stride, eps);
+    T* o = static_cast<T*>(out);
+    const T* xs = static_cast<const T*>(x);
+    const T* w = static_cast<const T*>(weight);
+    if (aligned && vecs <= 32 * 4) {            // a warp a row (Qwen3's q/k norms over head_dim; hidden <= 1024)
+      const int64_t ctas = (rows + kNormThreads / 32 - 1) / (kNormThreads / 32);
+      rms_norm_vec_kernel<T, 4><<<(unsigned)ctas, kNormThreads, 0, stream>>>(o, xs, w, rows, hidden, x_stride, eps, 32);
+    } else if (aligned && vecs <= kNormThreads * 4) {     // a CTA a row (hidden <= 8192)
+      rms_norm_vec_kernel<T, 4><<<(unsigned)rows, kNormThreads, 0, stream>>>(o, xs, w, rows, hidden, x_stride, eps,
+                                                                              kNormThreads);
+    } else {
+      rms_norm_kernel<T><<<(unsigned)rows, kNormThreads, 0, stream>>>(o, xs, w, hidden, x_stride, eps);
+    }
     return cudaGetLastError();
   })
 }
