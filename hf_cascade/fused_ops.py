@@ -14,7 +14,8 @@ process), and the wrappers run the kernel only:
 
 - inside a generate call whose config asked for it (this thread's flag, set by :func:`configure`, cleared by
   :func:`call_ended`), not under ``torch.compile`` (the compiled step fuses them itself), no gradient wanted;
-- on a CUDA device whose kernel library is loaded, bf16 or fp16, the tensors in one dtype, the last dimension
+- on a CUDA device whose kernel library is there before the call's first forward (loaded, or the prebuilt one:
+  decided once a call), bf16 or fp16, the tensors in one dtype, the last dimension
   contiguous (:func:`hf_cascade.kernels.cuda_library.rms_norm`, :func:`~hf_cascade.kernels.cuda_library.rotary`);
 
 and the original otherwise: every other model, call and thread, float32 and float64 (stock's bits). The rotary
@@ -141,8 +142,15 @@ def _wrap_rotary(module) -> None:
 
 
 def configure(model: nn.Module, on: bool) -> bool:
-    """This thread's generate call takes the kernels where ``on`` (the model's classes and modules wrapped first,
-    once); returns whether that differs from the model's last call (its kept graphs hold the other choice)."""
+    """This thread's generate call takes the kernels where ``on`` and a CUDA model's kernel library is there before
+    the call's first forward (loaded, or the prebuilt one: :func:`~hf_cascade.kernels.cuda_library.prebuilt_or_loaded`;
+    a library that the attention backend loaded during the prefill would leave the first norms on the original and
+    the rest on the kernel, and the first call of a process unlike the later ones). The model's classes and modules
+    are wrapped first, once. Returns whether the choice differs from the model's last call (its kept graphs hold the
+    other)."""
+    device = _device_of(model)
+    if on and device is not None and device.type == "cuda" and _library_for(device) is None:
+        on = False
     with _lock:
         changed = _last.get(model, False) != on
         _last[model] = on
@@ -155,6 +163,15 @@ def configure(model: nn.Module, on: bool) -> bool:
                     _wrap_rotary(rotary)
     _call.on = on
     return changed
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    parameter = next(model.parameters(), None)
+    return None if parameter is None else parameter.device
+
+
+def _library_for(device: torch.device):
+    return cuda_library.prebuilt_or_loaded(device)
 
 
 def call_ended() -> None:

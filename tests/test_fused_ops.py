@@ -141,6 +141,24 @@ def test_the_default_call_takes_the_kernels(monkeypatch):
     assert kernels.norms and kernels.rotary
 
 
+@pytest.mark.parametrize("library", [None, "loaded"])
+def test_a_cuda_call_decides_on_the_kernels_before_its_first_forward(library, monkeypatch):
+    """On a CUDA model the call takes the kernels only where the library is there before its first forward (loaded,
+    or the prebuilt one): one the attention backend loaded during the prefill would put the first norms of a
+    process's first call on the original and the rest on the kernel (a captured step then differed from the eager
+    one). Here the model is on the CPU and says it is on CUDA."""
+    kernels = StandIns(monkeypatch)
+    asked = []
+    monkeypatch.setattr(fused_ops, "_device_of", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(fused_ops, "_library_for", lambda device: asked.append(device) or library)
+    stock, cascade = _model("Llama", "sdpa"), _model("Llama")
+    ids, mask = padded_batch(seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), stock.generate(**kw))
+    assert asked == [torch.device("cuda", 0)]
+    assert (kernels.norms > 0) == (library is not None) and (kernels.rotary > 0) == (library is not None)
+
+
 def test_fuse_elementwise_must_be_a_bool():
     with pytest.raises(ConfigTypeError, match="fuse_elementwise must be a bool"):
         CascadeConfig(fuse_elementwise="yes")

@@ -45,7 +45,8 @@ def bf16_models():
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", ["cuda", "reference"])
-def test_captured_whole_step_equals_eager_whole_step_bitwise(bf16_models, monkeypatch, case, backend):
+@pytest.mark.parametrize("elementwise", [True, False], ids=["elementwise", "no-elementwise"])
+def test_captured_whole_step_equals_eager_whole_step_bitwise(bf16_models, monkeypatch, case, backend, elementwise):
     _, model = bf16_models
     ids, mask = _batch((700, 460, 590), seed=1)
     kw = dict(max_new_tokens=90, pad_token_id=0, **CASES[case])     # 90 > the first layout's room: one widening
@@ -53,7 +54,7 @@ def test_captured_whole_step_equals_eager_whole_step_bitwise(bf16_models, monkey
     spy = RunnerSpy(monkeypatch)
     for mode in ("eager", True):
         torch.manual_seed(11)
-        config = CascadeConfig(cuda_graphs=mode, backend=backend)
+        config = CascadeConfig(cuda_graphs=mode, backend=backend, fuse_elementwise=elementwise)
         outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=config, **kw))
     eager_run, graph_run = spy.runners
     assert eager_run.device_steps > 30 and graph_run.device_steps > 30

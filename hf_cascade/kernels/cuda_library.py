@@ -143,6 +143,20 @@ def loaded(device: torch.device) -> _Lib | None:
     return found if isinstance(found, _Lib) else None
 
 
+def prebuilt_or_loaded(device: torch.device) -> _Lib | None:
+    """The library for ``device`` where it is loaded already or the prebuilt one loads (never a build from source:
+    that is the cuda backend's to start), else None. For kernels that a call decides on once, before its first
+    forward (:mod:`hf_cascade.fused_ops`): a library that a backend loads half way through a call would change how
+    the rest of the call computes."""
+    found = loaded(device)
+    if found is None and PREBUILT.is_file():
+        try:
+            found = library(device)
+        except RuntimeError:
+            return None
+    return found
+
+
 def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> bool:
     """The cache write of one layer on the library's kernel (two launches: the block copies, then every new token's
     K and V; four torch kernels otherwise) where the library is loaded for the pool's device and the tensors fit it
