@@ -3,6 +3,7 @@ names every module, every environment variable the package reads is documented, 
 whose commands are the ones CI runs."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import re
@@ -81,6 +82,42 @@ def test_every_docs_page_is_in_the_nav():
 def test_the_gpu_suite_script_runs_every_file_with_gpu_tests():
     script = (ROOT / "tools" / "gpu_tests.sh").read_text(encoding="utf-8")
     listed = set(re.findall(r"tests/(test_\w+\.py)", script))
-    marked = {path.name for path in (ROOT / "tests").glob("test_*.py")
-              if re.search(r"mark\.gpu\b", path.read_text(encoding="utf-8"))}
+    marked = {path.name for path in (ROOT / "tests").glob("test_*.py")     # (this file only names the mark)
+              if path.name != "test_docs.py" and re.search(r"mark\.gpu\b", path.read_text(encoding="utf-8"))}
     assert marked and listed == marked, (sorted(marked - listed), sorted(listed - marked))
+
+
+def _gpu_tests_named_otherwise(path) -> list[str]:
+    """The GPU tests of ``path`` (marked ``gpu`` by the module, a decorator or a parameter's marks) whose file and
+    function names both leave "gpu" out."""
+    source = path.read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    module_marked = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
+                        and "gpu" in ast.unparse(node.value) for node in tree.body)
+    aliases = {t.id for node in tree.body if isinstance(node, ast.Assign) and "mark.gpu" in ast.unparse(node.value)
+               for t in node.targets if isinstance(t, ast.Name)}
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and "gpu" not in node.name:
+            marks = " ".join(ast.unparse(d) for d in node.decorator_list)
+            if module_marked or "mark.gpu" in marks or any(re.search(rf"\b{a}\b", marks) for a in aliases):
+                found.append(node.name)
+    return found
+
+
+def test_gpu_tests_are_recognisable_by_name():
+    """A test that needs the GPU says so in its file's name (tests/test_gpu_*.py) or its own (test_gpu_*, *_gpu_*):
+    ``-k gpu`` and a reader find them all."""
+    unnamed = {path.name: names for path in (ROOT / "tests").glob("test_*.py") if "gpu" not in path.name
+               for names in [_gpu_tests_named_otherwise(path)] if names}
+    assert not unnamed, unnamed
+
+
+def test_the_gpu_name_check_sees_each_way_of_marking(tmp_path):
+    path = tmp_path / "test_sample.py"
+    path.write_text("import pytest\ngpu = pytest.mark.gpu\n\n@gpu\ndef test_a(): pass\n\n@pytest.mark.gpu\n"
+                    "def test_b(): pass\n\n@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.gpu)])\n"
+                    "def test_c(x): pass\n\ndef test_d(): pass\n\n@gpu\ndef test_gpu_e(): pass\n", encoding="utf-8")
+    assert _gpu_tests_named_otherwise(path) == ["test_a", "test_b", "test_c"]
+    path.write_text("import pytest\npytestmark = pytest.mark.gpu\n\ndef test_a(): pass\n", encoding="utf-8")
+    assert _gpu_tests_named_otherwise(path) == ["test_a"]

@@ -226,7 +226,7 @@ def _real_case(dtype=torch.bfloat16, D=128):
 
 @gpu
 @pytest.mark.parametrize("op", ["prefix", "suffix", "merge"])
-def test_opcheck(op):
+def test_gpu_opcheck(op):
     a, _ = _real_case()
     args = {"prefix": ("q", "pool", "group_rows", "prefix_table", "prefix_len", "part_o", "part_lse", "m_tile",
                        "row_tiles", "chunk_tokens", "max_chunks", "scale_log2", "q_limit", "pslot0", "softcap",
@@ -240,7 +240,7 @@ def test_opcheck(op):
 
 @gpu
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)])
-def test_operators_equal_the_eager_backend_bitwise(dtype, D):
+def test_gpu_operators_equal_the_eager_backend_bitwise(dtype, D):
     a, eager = _real_case(dtype, D)
     for name in ("prefix", "suffix", "merge"):
         call(name, a)
@@ -249,7 +249,7 @@ def test_operators_equal_the_eager_backend_bitwise(dtype, D):
 
 
 @gpu
-def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
+def test_gpu_attend_captures_in_a_cuda_graph_and_replays_bitwise():
     # the launches make no CUDA call but the launch (the prefix's one-time setup ran in the first, eager call)
     from test_gpu_kernels import make_case
     q, pool, plan, scale = make_case(41, dtype=torch.bfloat16, D=128, Hkv=2, ratio=4, bs=16,
@@ -271,7 +271,7 @@ def test_attend_captures_in_a_cuda_graph_and_replays_bitwise():
 
 @gpu
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-def test_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
+def test_gpu_compiled_layer_equals_eager_bitwise(compile_backend, fresh_dynamo):
     # the three kernels through hf_cascade.kernels.ops inside torch.compile (the operators) vs eager (ctypes)
     a, _ = _real_case()
     lib = cuda_backend.library(a["q"].device)
