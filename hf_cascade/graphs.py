@@ -31,7 +31,8 @@ This module owns the runner (capture and replay), the forward dispatcher and the
 which runner a call uses, what is kept for the next call and the capture guard
 belong to :mod:`hf_cascade.session`.
 
-Threads: while any generate call runs a runner on a model, ``model.forward`` is one :class:`_ForwardDispatch`
+Threads: while any generate call runs a runner in transformers' loop on a model (the whole step calls its runner
+itself), ``model.forward`` is one :class:`_ForwardDispatch`
 (installed by the first such call, removed by the last, exceptions included), which runs the runner of the
 calling thread's generate call, and the model's own forward for every other caller (another thread's
 ``model(...)``, or its generate call without a runner). Several threads may so generate with one model at

@@ -259,7 +259,8 @@ class DecodeStrategy(Protocol):
 # ---- the session -----------------------------------------------------------------------------------------------
 class DecodeSession:
     """One generate call's decode: :meth:`run` prepares the cache (the strategy), begins its decode layout and
-    runner, runs the decode loop with the runner standing in for ``model.forward``, and ends the call.
+    runner, runs the decode loop, and ends the call. Only transformers' loop (:meth:`transformers_loop`) has the
+    runner stand in for ``model.forward``; the whole step calls the runner itself and leaves ``model.forward`` alone.
 
     Args:
         cache: the caller's CascadeCache (``owned=False``), or None where the session owns the cache: taken from
@@ -298,8 +299,7 @@ class DecodeSession:
         try:
             self.cache = self.strategy.prepare(self.cache)
             self.runner = self._begin_decoding()
-            with self.runner or contextlib.nullcontext():
-                result = decode_loop()
+            result = decode_loop()
             self.strategy.decoded(self.cache)
             ok = True
             return result
@@ -313,6 +313,12 @@ class DecodeSession:
                     if claimed is not None:
                         with _lock:
                             _in_use.pop(id(claimed), None)
+
+    def transformers_loop(self, stock: Callable[[], object]):
+        """``stock()`` (transformers' decode loop) with the call's runner standing in for ``model.forward``: that loop
+        calls the model, and the runner replays the captured forward inside ``model.__call__`` (its hooks around)."""
+        with self.runner or contextlib.nullcontext():
+            return stock()
 
     def _claim(self, cache) -> bool:
         """Refuse a cache that a generate call of another thread is running on (the calls would interleave their

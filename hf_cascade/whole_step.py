@@ -131,7 +131,7 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     logged once). Otherwise ``stock()`` (transformers' loop, with the session's graph runner; the reason logged
     once)."""
     if session.cache is None or session.runner is None:
-        return stock()              # no static decode step to build on (the runner's reason was logged)
+        return session.transformers_loop(stock)   # no static decode step to build on (the runner's reason was logged)
     names = _Names(session.model)
     reason = refusal(session, generation_config, model_kwargs, synced_gpus)
     inputs = first = None
@@ -141,7 +141,7 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
                                               hold_kind(session.cache))
     if reason is not None:
         log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers': %s", reason)
-        return stock()
+        return session.transformers_loop(stock)
     mask = model_kwargs.get(names.mask)
     reason = host_choice_reason(generation_config, model_kwargs)
     if reason is None:

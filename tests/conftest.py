@@ -173,7 +173,7 @@ def keep_scores_keeps_transformers_loop(monkeypatch):
 
     def decode(session, input_ids, logits_processor, *args):
         if any(isinstance(p, KeepScores) for p in logits_processor):
-            return args[-1]()          # stock(): transformers' loop, the session's runner as the forward
+            return session.transformers_loop(args[-1])   # stock(): transformers' loop, the runner as the forward
         return real(session, input_ids, logits_processor, *args)
 
     monkeypatch.setattr(whole_step, "decode", decode)

@@ -189,6 +189,34 @@ def test_what_the_loop_does_not_serve_runs_transformers_loop(llama_pair, runner_
     assert any("decode loop stays transformers'" in r.getMessage() for r in caplog.records)
 
 
+class _SeesForward:
+    """A stopping criterion that records, at every step, whether ``model.forward`` is replaced (never stops)."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append("forward" in self.model.__dict__)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@pytest.mark.parametrize("loop", ["whole-step", "transformers-loop"])
+def test_only_transformers_loop_replaces_model_forward(loop, llama_pair, runner_spy):
+    """The whole step calls its runner itself: ``model.forward`` stays the model's own through the call. Only
+    transformers' loop, which calls the model, has the runner stand in for it (and puts it back after)."""
+    from transformers import StoppingCriteriaList
+    from conftest import host_loop
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=8)
+    seen = _SeesForward(cascade)
+    kwargs = dict(max_new_tokens=6, num_beams=2, **(host_loop() if loop == "transformers-loop" else {}))
+    got = _generate(cascade, ids, mask, stopping_criteria=StoppingCriteriaList([seen]), **kwargs)
+    assert torch.equal(got, _generate(stock, ids, mask, config=None, **kwargs))
+    assert len(seen.seen) >= 5 and set(seen.seen) == {loop == "transformers-loop"}
+    assert "forward" not in cascade.__dict__
+    assert (_device_steps(runner_spy) > 0) == (loop == "whole-step")
+
+
 def test_interrupt_leaves_model_and_cache_usable(llama_pair, runner_spy, monkeypatch):
     """Ctrl-C in a device step: the model's forward is restored and the caller's cache is empty and reusable."""
     stock, cascade = llama_pair
