@@ -151,8 +151,9 @@ def generate(model, input_ids, logits_processor, stopping_criteria, generation_c
                       synced_gpus=synced_gpus, **model_kwargs)
 
     try:
-        result = call.run(lambda: whole_step.decode(call, input_ids, logits_processor, stopping_criteria,
-                                                    generation_config, model_kwargs, synced_gpus, stock))
+        with call.running():
+            result = whole_step.decode(call, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       model_kwargs, synced_gpus, stock)
         return _without_cache(result)
     except PoolExhausted as err:
         if cap is None or not side.paged or isinstance(err, KVCapExceeded):

@@ -629,7 +629,8 @@ def _run(model, cache: CascadeCache | None, cascade_config: CascadeConfig, input
     call = DecodeSession(model, strategy, generation_config, rows=input_ids.shape[0], prompt_width=input_ids.shape[1],
                          cascade_config=cascade_config, cache=cache, keep=cache is None,
                          hands_out=bool(generation_config.return_dict_in_generate))
-    return call.run(lambda: decode_loop(call))
+    with call.running():
+        return decode_loop(call)
 
 
 class PromptPrefill:

@@ -258,8 +258,8 @@ class DecodeStrategy(Protocol):
 
 # ---- the session -----------------------------------------------------------------------------------------------
 class DecodeSession:
-    """One generate call's decode: :meth:`run` prepares the cache (the strategy), begins its decode layout and
-    runner, runs the decode loop, and ends the call. Only transformers' loop (:meth:`transformers_loop`) has the
+    """One generate call's decode: :meth:`running` prepares the cache (the strategy), begins its decode layout and
+    runner, lets the caller run the decode loop, and ends the call. Only transformers' loop (:meth:`transformers_loop`) has the
     runner stand in for ``model.forward``; the whole step calls the runner itself and leaves ``model.forward`` alone.
 
     Args:
@@ -292,17 +292,19 @@ class DecodeSession:
             cache, self._kept_runner = _take_kept(model, self.descriptor)
         self.cache = cache
 
-    def run(self, decode_loop: Callable[[], object]):
-        """``decode_loop()``'s result, between the strategy's prepare and the end of the call."""
+    @contextlib.contextmanager
+    def running(self):
+        """The call's decode, for the caller's ``with`` block: the cache prepared (the strategy), its decode layout
+        and runner begun; the block runs the decode loop (the caller's: the session calls nothing above it); then
+        the call ends, also where the block raises (the cache emptied, nothing kept)."""
         claimed = self.cache if self._claim(self.cache) else None   # before anything that could touch another's
         ok = False
         try:
             self.cache = self.strategy.prepare(self.cache)
             self.runner = self._begin_decoding()
-            result = decode_loop()
+            yield self
             self.strategy.decoded(self.cache)
             ok = True
-            return result
         finally:
             try:
                 self._end(ok)
