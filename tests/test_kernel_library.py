@@ -97,6 +97,24 @@ def test_wrong_abi_falls_back_to_building(loader, tmp_path, caplog):
     assert not ok and "unusable" in reason and "nvcc" in reason
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_prebuilt_or_loaded_loads_the_prebuilt_library_and_never_builds(loader, tmp_path):
+    """What a call's fused norms decide on before its first forward (hf_cascade.fused_ops.configure): the library
+    loaded already, or the prebuilt one (loaded, remembered, the one library() then gives), never a build."""
+    loader.setattr(cuda_library, "_arch_of", {})
+    loader.setattr(torch.cuda, "current_device", lambda: 0)
+    loader.setattr(cuda_library, "build_library", lambda arch: pytest.fail("prebuilt_or_loaded built a library"))
+    device = torch.device("cuda", 0)
+    loader.setattr(cuda_library, "PREBUILT", tmp_path / "absent.so")
+    assert cuda_library.prebuilt_or_loaded(device) is None
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION - 1))
+    assert cuda_library.prebuilt_or_loaded(device) is None and cuda_library._libs == {}    # unusable: not remembered
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    lib = cuda_library.prebuilt_or_loaded(device)
+    assert lib is not None and lib.path == cuda_library.PREBUILT
+    assert cuda_library.prebuilt_or_loaded(device) is lib and cuda_library.library("cuda:0") is lib
+
+
 def test_neither_prebuilt_nor_nvcc(loader, tmp_path, caplog):
     loader.setattr(cuda_library, "PREBUILT", tmp_path / "absent.so")
     with caplog.at_level(logging.WARNING, logger="hf_cascade"):

@@ -150,10 +150,15 @@ def prebuilt_or_loaded(device: torch.device) -> _Lib | None:
     the rest of the call computes."""
     found = loaded(device)
     if found is None and PREBUILT.is_file():
-        try:
-            found = library(device)
-        except RuntimeError:
-            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        with _lock:
+            if f"sm_{major}{minor}" not in _libs:
+                try:
+                    _libs[f"sm_{major}{minor}"] = _Lib(PREBUILT)
+                except (OSError, RuntimeError):
+                    return None         # (not remembered: the backend's library() may still build one)
+        found = loaded(device)
     return found
 
 
