@@ -152,15 +152,17 @@ def main():
     parser.add_argument("--no-fuse", action="store_true",
                         help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate matrix products")
     parser.add_argument("--elementwise", nargs="*", default=None, metavar="ON",
-                        help="CascadeConfig(fuse_elementwise=...) of each variant, false and/or true (norms and rotary "
-                             "on the library's kernels, the default; --elementwise alone: true), one row each on the same model")
+                        help="CascadeConfig(fuse_elementwise=...) of each variant, false and/or true (norms and "
+                             "rotary on the library's kernels, the default; --elementwise alone: true), one row each "
+                             "on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
     compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]
-    elementwise = [hf_cascade.CascadeConfig().fuse_elementwise] if args.elementwise is None else [_on(m) for m in args.elementwise or ["true"]]
+    elementwise = ([hf_cascade.CascadeConfig().fuse_elementwise] if args.elementwise is None
+                   else [_on(m) for m in args.elementwise or ["true"]])
     for entry, compile, fuse_elementwise in ((entry, compile, on) for entry in args.configs for compile in compiles
                                              for on in elementwise):
         shape, prompt, mode = entry.split(":")
@@ -202,12 +204,11 @@ def main():
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
                         "fuse": not args.no_fuse, "elementwise": fuse_elementwise, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
-        calls.append((entry, model, ids, config, kw, results[-1]))
+        calls.append((entry, model, ids, config, kw, results[-1]))     # (the row itself: its profile joins it)
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
     # against 12-23 µs (the profiler's CUPTI hooks are the suspect), so no timing runs after a profile
     for entry, model, ids, config, kw, found in calls if args.profile else ():
         _stopped_call(model, ids, config, kw, lambda loop: found.update(kernel_profile(loop.graph, args.reps)))
-        # (found: the config's row in results, so the JSON holds its profile)
         found["gaps_us"] = found["whole_us"] - found["kernel_us"]
         console = Console(width=160)
         console.print(f"{entry}: kernels of one whole-step replay (µs): " + ", ".join(

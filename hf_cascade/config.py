@@ -115,10 +115,10 @@ class CascadeConfig:
             ...), as one kernel of the library (``csrc/elementwise.cu``) instead of eager mode's eight and ten, in the
             call's forwards on a CUDA device whose kernel library is there before the call (prebuilt, or loaded
             already), bf16 or fp16, uncompiled (:mod:`hf_cascade.fused_ops`; a compiled step fuses them itself;
-            float32 keeps stock's ops). The rotary kernel gives eager's bits; the norm eager's
-            roundings with its sum of squares ordered otherwise. On by default: on the H200 (bf16, uncompiled whole
-            step replayed) 8B 16k x 8 beams 8.70 -> 6.93 ms a step, greedy 4k 7.22 -> 5.80, with no compile.
-            ``False``: the model's own norm and rotary ops.
+            float32 keeps stock's ops). The rotary kernel gives eager's bits; the norm eager's roundings with its
+            sum of squares ordered otherwise. On by default: on the H200 (bf16, uncompiled whole step replayed) 8B
+            16k x 8 beams 8.70 -> 6.93 ms a step, greedy 4k 7.22 -> 5.80, with no compile. ``False``: the model's
+            own norm and rotary ops.
 
     Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,
     ``whole_step=False`` and ``compile="max-autotune"``.

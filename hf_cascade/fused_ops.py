@@ -149,7 +149,7 @@ def configure(model: nn.Module, on: bool) -> bool:
     are wrapped first, once. Returns whether the choice differs from the model's last call (its kept graphs hold the
     other)."""
     device = _device_of(model)
-    if on and device is not None and device.type == "cuda" and _library_for(device) is None:
+    if on and device is not None and device.type == "cuda" and cuda_library.prebuilt_or_loaded(device) is None:
         on = False
     with _lock:
         changed = _last.get(model, False) != on
@@ -168,10 +168,6 @@ def configure(model: nn.Module, on: bool) -> bool:
 def _device_of(model: nn.Module) -> torch.device | None:
     parameter = next(model.parameters(), None)
     return None if parameter is None else parameter.device
-
-
-def _library_for(device: torch.device):
-    return cuda_library.prebuilt_or_loaded(device)
 
 
 def call_ended() -> None:

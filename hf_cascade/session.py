@@ -259,8 +259,9 @@ class DecodeStrategy(Protocol):
 # ---- the session -----------------------------------------------------------------------------------------------
 class DecodeSession:
     """One generate call's decode: :meth:`running` prepares the cache (the strategy), begins its decode layout and
-    runner, lets the caller run the decode loop, and ends the call. Only transformers' loop (:meth:`transformers_loop`) has the
-    runner stand in for ``model.forward``; the whole step calls the runner itself and leaves ``model.forward`` alone.
+    runner, lets the caller run the decode loop, and ends the call. Only transformers' loop
+    (:meth:`transformers_loop`) has the runner stand in for ``model.forward``; the whole step calls the runner itself
+    and leaves ``model.forward`` alone.
 
     Args:
         cache: the caller's CascadeCache (``owned=False``), or None where the session owns the cache: taken from

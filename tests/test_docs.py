@@ -92,8 +92,8 @@ def _gpu_tests_named_otherwise(path) -> list[str]:
     function names both leave "gpu" out."""
     source = path.read_text(encoding="utf-8")
     tree = ast.parse(source)
-    module_marked = any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in node.targets)
-                        and "gpu" in ast.unparse(node.value) for node in tree.body)
+    module_marked = any(isinstance(node, ast.Assign) and "gpu" in ast.unparse(node.value)
+                        and any(getattr(t, "id", None) == "pytestmark" for t in node.targets) for node in tree.body)
     aliases = {t.id for node in tree.body if isinstance(node, ast.Assign) and "mark.gpu" in ast.unparse(node.value)
                for t in node.targets if isinstance(t, ast.Name)}
     found = []

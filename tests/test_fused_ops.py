@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_cascade import CascadeConfig, fused_ops
 from hf_cascade.config import ConfigTypeError
+from hf_cascade.kernels import cuda_library
 
 from conftest import padded_batch
 from test_families import FAMILIES
@@ -150,7 +151,7 @@ def test_a_cuda_call_decides_on_the_kernels_before_its_first_forward(library, mo
     kernels = StandIns(monkeypatch)
     asked = []
     monkeypatch.setattr(fused_ops, "_device_of", lambda model: torch.device("cuda", 0))
-    monkeypatch.setattr(fused_ops, "_library_for", lambda device: asked.append(device) or library)
+    monkeypatch.setattr(cuda_library, "prebuilt_or_loaded", lambda device: asked.append(device) or library)
     stock, cascade = _model("Llama", "sdpa"), _model("Llama")
     ids, mask = padded_batch(seed=6)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)

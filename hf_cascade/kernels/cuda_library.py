@@ -134,13 +134,18 @@ def library(device) -> _Lib:
 def loaded(device: torch.device) -> _Lib | None:
     """The library if it is already loaded for ``device``'s architecture (by a backend that uses it), else None;
     never loads or builds one (callers with a torch fallback, such as the cache write, use it only where it is)."""
+    found = _libs.get(_arch(device))
+    return found if isinstance(found, _Lib) else None
+
+
+def _arch(device: torch.device) -> str:
+    """``device``'s "sm_XY" (read once a device: loaded() runs per layer)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch = _arch_of.get(index)
     if arch is None:
         major, minor = torch.cuda.get_device_capability(index)
         arch = _arch_of[index] = f"sm_{major}{minor}"
-    found = _libs.get(arch)
-    return found if isinstance(found, _Lib) else None
+    return arch
 
 
 def prebuilt_or_loaded(device: torch.device) -> _Lib | None:
@@ -150,12 +155,11 @@ def prebuilt_or_loaded(device: torch.device) -> _Lib | None:
     the rest of the call computes."""
     found = loaded(device)
     if found is None and PREBUILT.is_file():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
+        arch = _arch(device)
         with _lock:
-            if f"sm_{major}{minor}" not in _libs:
+            if arch not in _libs:
                 try:
-                    _libs[f"sm_{major}{minor}"] = _Lib(PREBUILT)
+                    _libs[arch] = _Lib(PREBUILT)
                 except (OSError, RuntimeError):
                     return None         # (not remembered: the backend's library() may still build one)
         found = loaded(device)
@@ -188,7 +192,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib = _elementwise_library(x)
     if lib is None or not norm_fits(x, weight):
         return None
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x    # (a view where the rows are evenly strided, else a copy)
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x    # (a view where the rows are evenly strided)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     lib.rms_norm(out, rows, weight, eps, torch.cuda.current_stream(x.device).cuda_stream)
     return out
@@ -203,9 +207,9 @@ def norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """``(q_embed, k_embed)``: transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) in one launch
-    of the library's kernel, bit for bit eager mode's (:mod:`hf_cascade.fused_ops`), or None where it does not run
-    (no library for the device; not :func:`rotary_fits`)."""
+    """``(q_embed, k_embed)``: transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) in one
+    launch of the library's kernel, bit for bit eager mode's (:mod:`hf_cascade.fused_ops`), or None where it does
+    not run (no library for the device; not :func:`rotary_fits`)."""
     lib = _elementwise_library(q)
     if lib is None or not rotary_fits(q, k, cos, sin):
         return None
