@@ -21,8 +21,9 @@ import transformers
 from packaging.version import Version
 
 # [min, max) transformers versions hf_cascade supports; the patches act only inside it. CI runs both ends checked
-# (TESTED: .ci/run's 5.17 virtual environment and the default one).
-SUPPORTED = (Version("5.17.0"), Version("6.0.0"))
+# (TESTED: .ci/run's 5.17 virtual environment and the default one). Capped below 5.25 until it is tested: 5.25
+# rewrote Falcon's attention (no FALCON_ATTENTION_CLASSES table; an ALiBi Falcon no longer gets the clear refusal).
+SUPPORTED = (Version("5.17.0"), Version("5.25.0"))
 TESTED = (Version("5.17.0"), Version("5.24.0"))
 VERSION = Version(Version(transformers.__version__).base_version)    # (a dev or rc build as its release)
 _5_24 = VERSION >= Version("5.24")
@@ -34,9 +35,9 @@ def in_range() -> bool:
 
 
 def range_text() -> str:
-    """The supported range as messages and the metadata say it: ``>=5.17,<6``."""
+    """The supported range as messages and the metadata say it: ``>=5.17,<5.25``."""
     low, high = SUPPORTED
-    return f">={low.major}.{low.minor},<{high.major}"
+    return f">={low.major}.{low.minor},<{high.major}" + (f".{high.minor}" if high.minor else "")
 
 
 # ---- the cache keyword: 5.24 renamed generate's and the models' ``past_key_values`` to ``cache`` ------------------
