@@ -101,6 +101,7 @@ class GraphDescriptor:
     cascade_config: CascadeConfig      # every field: pools (memory, block size, cap), plan thresholds, backend, mode
     autocast: tuple = (False, None)    # the casts a captured step baked in (precision.state)
     hooks: str | None = None           # forward hooks the steps must run (graphs.inner_hooks_reason): eager steps
+    outer_hooks: str | None = None     # hooks on the model (graphs.outer_hooks_reason): eager steps through its __call__
 
     @classmethod
     def of(cls, model, cascade_config: CascadeConfig, rows: int) -> "GraphDescriptor":
@@ -109,15 +110,21 @@ class GraphDescriptor:
         except (AttributeError, StopIteration):       # no parameters: graphs are refused for it anyway
             dtype, device = None, ""
         return cls(_ModelRef(model), bool(getattr(model.config, "is_encoder_decoder", False)), int(rows), dtype,
-                   device, cascade_config, precision.state(device), graphs.inner_hooks_reason(model))
+                   device, cascade_config, precision.state(device), graphs.inner_hooks_reason(model),
+                   graphs.outer_hooks_reason(model))
+
+    @property
+    def eager_reason(self) -> str | None:
+        """Why the steps run eagerly whatever the config says (None: captured and compiled as it says)."""
+        return self.hooks or self.outer_hooks
 
     @property
     def capture(self) -> bool:
-        return self.cascade_config.cuda_graphs != "eager" and self.hooks is None
+        return self.cascade_config.cuda_graphs != "eager" and self.eager_reason is None
 
     @property
     def compile(self) -> bool | str:
-        return self.cascade_config.compile if self.hooks is None else False
+        return self.cascade_config.compile if self.eager_reason is None else False
 
     def fits_pools(self, other: "GraphDescriptor") -> bool:
         return dataclasses.replace(self, rows=other.rows) == other
@@ -259,9 +266,9 @@ class DecodeStrategy(Protocol):
 # ---- the session -----------------------------------------------------------------------------------------------
 class DecodeSession:
     """One generate call's decode: :meth:`running` prepares the cache (the strategy), begins its decode layout and
-    runner, lets the caller run the decode loop, and ends the call. Only transformers' loop
-    (:meth:`transformers_loop`) has the runner stand in for ``model.forward``; the whole step calls the runner itself
-    and leaves ``model.forward`` alone.
+    step runner, lets the caller run the decode loop (hf_cascade.whole_step's, which calls the runner; where the call
+    cannot run there, transformers' own loop with eager forwards: :meth:`transformers_loop`), and ends the call.
+    ``model.forward`` is never replaced.
 
     Args:
         cache: the caller's CascadeCache (``owned=False``), or None where the session owns the cache: taken from
@@ -281,6 +288,8 @@ class DecodeSession:
         self.descriptor = GraphDescriptor.of(model, cascade_config, rows)
         self.owned, self.keep, self.hands_out = cache is None, keep, hands_out
         self.runner: graphs.DecodeGraphRunner | None = None
+        self.runner_refusal: str | None = None     # why the call has no runner (decode_runner)
+        self.mode = None                           # how the decode ran (hf_cascade.whole_step.DecodeMode)
         self._kept_runner = None
         if cache is None and keep and self.descriptor.encoder_decoder:
             # the strategy makes its caches; the last call's (cross storages, step context) only where all fits
@@ -318,10 +327,12 @@ class DecodeSession:
                             _in_use.pop(id(claimed), None)
 
     def transformers_loop(self, stock: Callable[[], object]):
-        """``stock()`` (transformers' decode loop) with the call's runner standing in for ``model.forward``: that loop
-        calls the model, and the runner replays the captured forward inside ``model.__call__`` (its hooks around)."""
-        with self.runner or contextlib.nullcontext():
-            return stock()
+        """``stock()``: transformers' decode loop on the call's cache, its forwards the model's own and eager (no runner
+        inside, ``model.forward`` untouched). The call's runner, if one was begun, is dropped."""
+        if self.runner is not None:
+            self.runner.release()
+            self.runner = None
+        return stock()
 
     def _claim(self, cache) -> bool:
         """Refuse a cache that a generate call of another thread is running on (the calls would interleave their
@@ -354,21 +365,17 @@ class DecodeSession:
         """A DecodeGraphRunner for this call (the kept one where it fits), or None (the reason logged once). Called
         once per call that decodes on a CascadeCache (tests and benchmarks wrap it to see the runner)."""
         mode = self.cache.cascade_config.cuda_graphs
-        reason = graphs.unsupported_reason(self.model, self.cache.cascade_config)
+        reason = self.runner_refusal = graphs.unsupported_reason(self.model, self.cache.cascade_config)
         if reason is not None:
             if mode is not False:
                 log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
                          "decode steps run without CUDA graphs: %s", reason)
             return None
-        log_once(("on", mode), logging.INFO, "decode steps run as %s",
-                 "the graph runner's static path without capture" if mode == "eager" else "a replayed CUDA graph")
-        if self.descriptor.hooks is not None and (mode != "eager" or self.descriptor.cascade_config.compile):
-            log_once(("hooks", self.descriptor.hooks), logging.INFO, "decode steps run eagerly, not captured or "
-                     "compiled: %s", self.descriptor.hooks)
-        runner = self._kept_runner
+        runner = self._kept_runner      # (how its steps run is logged once with the call's mode: whole_step.decode)
         if runner is None:
             runner = graphs.DecodeGraphRunner(self.model, self.cache, capture_guard.capturing,
-                                              capture=self.descriptor.capture, compile=self.descriptor.compile)
+                                              capture=self.descriptor.capture, compile=self.descriptor.compile,
+                                              through_call=self.descriptor.outer_hooks is not None)
         runner.attach(self.model)
         runner.begin_call()
         return runner
@@ -384,8 +391,7 @@ class DecodeSession:
         if self.owned and not (ok and self.hands_out):
             # nobody else can reach an owned cache that is not handed out: every block goes back now
             extra = extra_key = None
-            keeping = self.keep and ok and runner is not None and (runner.graph is not None
-                                                                   or runner.whole_step_kept is not None)
+            keeping = self.keep and ok and runner is not None and runner.whole_step_kept is not None
             if keeping and self.descriptor.encoder_decoder:
                 extra_key = getattr(self.strategy, "keep_key", None)
                 extra = None if extra_key is None else self.strategy.kept_state()

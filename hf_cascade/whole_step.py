@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-import traceback
 from typing import Protocol
 
 import torch
@@ -58,13 +56,19 @@ logger = logging.getLogger("hf_cascade")
 # to CHECK_EVERY - 1 steps after the end are wasted (benchmarks/generate_gpu.py --whole-step measures the choice)
 CHECK_EVERY = 8
 
+# an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
+# call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
+_DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
+            "inputs_embeds": "decoder_inputs_embeds"}
+
+
 class _Names:
     """The decode step's input names: the decoder-only ones, or an encoder-decoder model's ``decoder_*`` (its encoder
     outputs and cross K/V are fixed for the call: objects the step passes through as they are)."""
 
     def __init__(self, model):
         self.encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
-        rename = graphs._DECODER if self.encoder_decoder else {}
+        rename = _DECODER if self.encoder_decoder else {}
         self.ids, self.positions, self.embeds = (rename.get(name, name) for name in (
             "input_ids", "position_ids", "inputs_embeds"))
         self.mask = "decoder_attention_mask" if self.encoder_decoder else "attention_mask"
@@ -72,7 +76,7 @@ class _Names:
         # not inputs of a static step (the graph runner leaves them out too): its attention reads each row's stored
         # tokens (pads are never stored) and takes positions from the position ids; an encoder-decoder's
         # cross-attention reads each input's stored (unpadded) K/V
-        self.dropped = graphs._IGNORED if self.encoder_decoder else ("attention_mask",)
+        self.dropped = ("attention_mask", "decoder_attention_mask") if self.encoder_decoder else ("attention_mask",)
 
 
 def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str | None:
@@ -80,11 +84,8 @@ def refusal(session, generation_config, model_kwargs, synced_gpus: bool) -> str 
     the device or on the host, see :func:`decode`). Runs before any step."""
     model, cache = session.model, session.cache
     blocks = getattr(cache, "blocks", None)
-    if blocks is not None and (cache.cascade_config.max_kv_bytes is not None or blocks.max_blocks is not None):
-        return "CascadeConfig.max_kv_bytes (the device block bookkeeping needs one scratch block beyond the cap)"
-    reason = graphs.outer_hooks_reason(model)
-    if reason is not None:
-        return reason
+    if blocks is not None and cache.cascade_config.max_kv_bytes is not None and blocks.max_blocks is None:
+        return "CascadeConfig.max_kv_bytes without a block cap on the cache's block manager"
     if synced_gpus:
         return "synced_gpus"
     if generation_config.num_beams > 1 and generation_config.low_memory:
@@ -124,14 +125,46 @@ def host_choice_reason(generation_config, model_kwargs) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeMode:
+    """How one call's decode steps run: decided once, before the first step (:func:`decode`), and logged once per
+    mode. ``loop``: ``"whole step"`` (this module's loop, on the session's step runner) or ``"transformers' loop"``
+    (its ``_sample`` / ``_beam_search`` with the model's own eager forwards, where the whole step cannot serve the
+    call); ``steps``: ``"captured"``, ``"compiled, captured"``, ``"compiled"`` or ``"eager"``; ``chooser``:
+    ``"device"`` or ``"host"``; ``reasons``: what held the call back from the fastest mode, in words."""
+
+    loop: str
+    steps: str | None = None
+    chooser: str | None = None
+    reasons: tuple = ()
+
+    @classmethod
+    def of_runner(cls, runner, chooser: str, *reasons) -> "DecodeMode":
+        steps = ("compiled, captured" if runner.compiled else "captured") if runner.capture_enabled else (
+            "compiled" if runner.compiled else "eager")
+        return cls("whole step", steps, chooser, tuple(r for r in reasons if r))
+
+    def __str__(self) -> str:
+        if self.loop != "whole step":
+            return f"generate's decode loop stays transformers' (eager forwards): {'; '.join(self.reasons)}"
+        said = f"decode steps: the whole step, {self.steps}, token choice on the {self.chooser}"
+        if self.chooser == "host":
+            said = f"{said} (token choice on the host: {self.reasons[-1]})"
+            reasons = self.reasons[:-1]
+        else:
+            reasons = self.reasons
+        return f"{said}{' — ' + '; '.join(reasons) if reasons else ''}"
+
+
 def decode(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict,
            synced_gpus: bool, stock):
-    """The decode loop of ``session``'s call where :func:`refusal` allows, with the token choice on the device where
-    :mod:`hf_cascade.device_select` reproduces it, else on the host (:mod:`hf_cascade.host_select`; the reason
-    logged once). Otherwise ``stock()`` (transformers' loop, with the session's graph runner; the reason logged
-    once)."""
+    """The call's decode, in the one :class:`DecodeMode` decided here and logged once: this module's loop on the
+    session's step runner, with the token choice on the device where :mod:`hf_cascade.device_select` reproduces it,
+    else on the host (:mod:`hf_cascade.host_select`); where the loop cannot serve the call (no runner, or
+    :func:`refusal`), ``stock()``: transformers' loop with eager forwards (``session.transformers_loop``)."""
+    reason = None if session.cache is None else session.runner_refusal
     if session.cache is None or session.runner is None:
-        return session.transformers_loop(stock)   # no static decode step to build on (the runner's reason was logged)
+        return _transformers_loop(session, stock, reason or "no cache of the call's own")
     names = _Names(session.model)
     reason = refusal(session, generation_config, model_kwargs, synced_gpus)
     inputs = first = None
@@ -140,20 +173,31 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         inputs, first, reason = _first_inputs(session.model, session.cache, input_ids, forward_kwargs,
                                               hold_kind(session.cache))
     if reason is not None:
-        log_once(("whole step off", reason), logging.INFO, "generate's decode loop stays transformers': %s", reason)
-        return session.transformers_loop(stock)
+        return _transformers_loop(session, stock, reason)
     mask = model_kwargs.get(names.mask)
     reason = host_choice_reason(generation_config, model_kwargs)
     if reason is None:
         config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config, mask)
+    runner = session.runner
+    eager = session.descriptor.eager_reason or ("CascadeConfig(cuda_graphs='eager')"
+                                                if session.descriptor.cascade_config.cuda_graphs == "eager" else None)
     if reason is None:
-        chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), session.runner.compiled)
+        mode = DecodeMode.of_runner(runner, "device", eager)
+        chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled)
     else:
-        log_once(("host choice", reason), logging.INFO, "token choice on the host: %s", reason)
+        mode = DecodeMode.of_runner(runner, "host", eager, reason)
         chooser = host_select.HostChooser(session.model, input_ids, logits_processor, stopping_criteria,
                                           generation_config, model_kwargs.get("streamer"))
+    session.mode = mode
+    log_once(("decode mode", mode), logging.INFO, "%s", mode)
     return WholeStepLoop(session, chooser, input_ids, inputs, first_inputs=first,
                          second_positions=_second_positions(session.model, mask)).run()
+
+
+def _transformers_loop(session, stock, reason: str):
+    session.mode = mode = DecodeMode("transformers' loop", reasons=(reason,))
+    log_once(("decode mode", mode), logging.INFO, "%s", mode)
+    return session.transformers_loop(stock)
 
 
 def _second_positions(model, decoder_mask) -> torch.Tensor | None:
@@ -303,6 +347,7 @@ class WholeStepLoop:
         self.made = input_ids.shape[1]                 # sequence width after the steps run (an upper bound)
         self.max_length = chooser.max_length
         self.held: DeviceHold | None = None    # set while the device holds the cache's state
+        self.first_of_hold = False             # the next device step is the first of its hold, with no graph kept
         self.step_context = None               # the last device step's (its layers' writes, its backends)
         self.graph = None
         self.capture = self.runner.capture_enabled
@@ -368,12 +413,14 @@ class WholeStepLoop:
         if held is None:
             return
         kept = self.kept
-        if kept.step_key == held.key:     # the captured step fits: this call's state into its tensors
+        fits = kept.step_key == held.key
+        if fits:                          # the captured step fits: this call's state into its tensors
             _fill(_tensors(kept.held_tensors), _tensors(held.tensors))
             held.tensors = kept.held_tensors
         else:
             kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
         self.held, self.graph, self.room = held, kept.graph, held.room
+        self.first_of_hold = not fits     # (in the eager form: the step a GPU would capture)
 
     def _chunk(self, steps: int) -> bool:
         """``steps`` device steps, then one read of the flags; returns whether the call has finished. With the
@@ -389,7 +436,14 @@ class WholeStepLoop:
                 logits = self._warm_up_and_capture()
             else:
                 logits = self._device_step()
-                self.runner.eager_calls += 1
+                if self.runner.capture_enabled:     # a capture was refused or failed: eager from now on
+                    self.runner.eager_calls += 1
+                elif self.first_of_hold:            # the step's eager form: the step a GPU captures ...
+                    self.runner.first_steps += 1
+                    self.runner.eager_calls += 1
+                else:                               # ... and its replays
+                    self.runner.replays += 1
+            self.first_of_hold = False
             ran += 1
             if not self.chooser.in_step:
                 self._choose(logits)
@@ -448,40 +502,14 @@ class WholeStepLoop:
         self.chooser.choose(logits, self.parents, self.inputs[self.names.ids], positions)
 
     def _warm_up_and_capture(self) -> torch.Tensor:
-        """This step eagerly (a side stream, as the capture runs on one), then the same step captured; returns the
-        eager step's logits."""
-        with self.runner.capture_guard():
-            side = graphs._side_stream(torch.cuda.current_device())
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                logits = self._device_step()
-            torch.cuda.current_stream().wait_stream(side)
-            self.runner.eager_calls += 1
-            reason = self.held.capture_refusal(self.step_context)
-            if reason is not None:
-                self.capture = False
-                log_once(("whole step capture", reason), logging.INFO, "the whole decode step runs eagerly: %s", reason)
-                return logits
-            started = time.perf_counter()
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with graphs._gc_paused(), torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(),
-                                                    capture_error_mode="thread_local"):
-                    captured = self._device_step()
-            except Exception as err:  # noqa: BLE001 — e.g. a host sync in the model's forward: run eagerly
-                graphs._end_failed_capture()
-                self.capture = False
-                where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
-                                    for f in reversed(traceback.extract_tb(err.__traceback__)[-4:]))
-                log_once(("whole step capture", type(err).__name__), logging.WARNING,
-                         "the whole decode step could not be captured (%s: %s; at %s); it runs eagerly",
-                         type(err).__name__, str(err)[:200], where)
-                return logits
-            self.graph = self.kept.graph = graph
-            # (the host chooser reads the replays' logits there)
-            self.kept.logits = None if self.chooser.in_step else captured
-            self.runner.captures += 1
-            self.runner.capture_seconds += time.perf_counter() - started
+        """This step, then the same step captured (the runner's recipe); returns the eager step's logits."""
+        logits, graph, captured = self.runner.capture(self._device_step,
+                                                      lambda: self.held.capture_refusal(self.step_context))
+        if graph is None:
+            self.capture = False
+            return logits
+        self.graph = self.kept.graph = graph
+        self.kept.logits = None if self.chooser.in_step else captured      # (the host chooser reads the replays')
         return logits
 
 
@@ -570,6 +598,14 @@ class BlocksHold:
         R = manager.num_rows
         # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
         pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1) + 1) - 1
+        if manager.max_blocks is not None:
+            # a cap (max_kv_bytes): the device's pool and its scratch block inside it, and only as many steps as
+            # cannot pass it; the steps the device cannot take run on the host path, whose block manager raises
+            # PoolExhausted at the very step transformers' loop would
+            pool_blocks = min(pool_blocks, manager.max_blocks - 1)
+            room = min(room, bs * ((pool_blocks - manager.blocks_in_use) // R - 1))
+            if room < 1 or manager.capacity > pool_blocks:
+                return None, None
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block

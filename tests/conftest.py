@@ -151,32 +151,16 @@ def runner_spy(monkeypatch):
 
 
 class KeepScores(LogitsProcessor):
-    """A processor of the user's own that changes nothing. A call with one would run hf_cascade's decode loop with the
-    token choice on the host (hf_cascade.host_select); in these tests it keeps transformers' decode loop around the
-    graph runner's forward instead (:func:`keep_scores_keeps_transformers_loop`): the tests of that path use it."""
+    """A processor of the user's own that changes nothing: a call with one runs hf_cascade's decode loop with the
+    token choice on the host (hf_cascade.host_select), the step's forward replayed as with the device chooser."""
 
     def __call__(self, input_ids, scores):
         return scores
 
 
 def host_loop() -> dict:
-    """generate's keyword arguments that keep transformers' decode loop around the runner (see KeepScores)."""
+    """generate's keyword arguments that put the token choice on the host (see KeepScores)."""
     return dict(logits_processor=LogitsProcessorList([KeepScores()]))
-
-
-@pytest.fixture(autouse=True)
-def keep_scores_keeps_transformers_loop(monkeypatch):
-    """A call with :class:`KeepScores` among its processors runs transformers' loop around the graph runner (what
-    :func:`host_loop` promises); any other call's decode loop is hf_cascade.whole_step.decode's."""
-    from hf_cascade import whole_step
-    real = whole_step.decode
-
-    def decode(session, input_ids, logits_processor, *args):
-        if any(isinstance(p, KeepScores) for p in logits_processor):
-            return session.transformers_loop(args[-1])   # stock(): transformers' loop, the runner as the forward
-        return real(session, input_ids, logits_processor, *args)
-
-    monkeypatch.setattr(whole_step, "decode", decode)
 
 
 def plans_every_step(monkeypatch) -> None:

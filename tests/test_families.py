@@ -275,21 +275,14 @@ PATCHED = [name for name, family in FAMILIES.items()
 def test_patched_family_on_the_graph_runner(name, monkeypatch):
     """On the GPU decode steps are replayed from a captured graph: the runner's static path (cuda_graphs="eager": the
     same fixed inputs and buffers, replayed without capture) gives stock's beams for these modules too."""
-    from hf_cascade import graphs
-    runners = []
-    call = graphs.DecodeGraphRunner.__call__
-
-    def spy(self, *args, **kwargs):
-        runners.append(self)
-        return call(self, *args, **kwargs)
-
-    monkeypatch.setattr(graphs.DecodeGraphRunner, "__call__", spy)
+    from conftest import RunnerSpy
+    spy = RunnerSpy(monkeypatch)
     stock, cascade = model_pair(name)
     ids, mask = padded_batch(seed=3, lengths=PROMPTS)
     expected = run(stock, "beam", ids, mask)
     got = run(cascade, "beam", ids, mask, hf_cascade_config=dict(cuda_graphs="eager"), **host_loop())
     assert torch.equal(expected, got)
-    assert runners and runners[-1].replays > 0
+    assert spy.runners and spy.runners[-1] is not None and spy.runners[-1].replays > 0
 
 
 def test_table_is_consistent():

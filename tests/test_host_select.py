@@ -246,7 +246,7 @@ def test_gpu_captured_steps_with_a_user_processor_give_stock_scores(monkeypatch,
         eager, got = (_generate(cascade, ids, mask, hf_cascade_config=CascadeConfig(cuda_graphs=graphs), **kwargs)
                       for graphs in ("eager", True))
         eager_run, runner = spy.runners
-        assert eager_run.device_steps > 30 and eager_run.replays == 0, (eager_run.device_steps, mode)
+        assert eager_run.device_steps > 30 and eager_run.captures == 0, (eager_run.device_steps, mode)
         assert runner.captures >= 1 and runner.replays > 30, (runner.captures, runner.replays, mode)
         assert_same_output(eager, got)
         assert torch.equal(want.sequences, got.sequences), mode

@@ -197,41 +197,6 @@ def test_eager_stock_attention_too(family, mode, monkeypatch):
     assert_served(spy)
 
 
-@pytest.mark.parametrize("mode", ["beam", "greedy"])
-@pytest.mark.parametrize("family", ["t5", "umt5"])
-def test_frozen_host_lengths_still_give_stock_tokens(family, mode, monkeypatch, frozen_host_lengths):
-    """Nothing the decoder reads on the host in a decode step moves its tokens: with the cache's host counts frozen
-    at the first static step (what a replayed graph keeps), stock's tokens and scores."""
-    stock, cascade = pair(family)
-    ids, mask = sources()
-    spy = RunnerSpy(monkeypatch)
-    want = generate(stock, mode, input_ids=ids, attention_mask=mask)
-    got = generate(cascade, mode, _STATIC, input_ids=ids, attention_mask=mask)
-    assert_same(want, got, mode)
-    assert_served(spy)
-    assert len(frozen_host_lengths) >= NEW - 2
-
-
-def test_control_a_frozen_device_position_changes_the_tokens(monkeypatch):
-    """Control for the frozen-host test: freezing the device position (the length the bias and the mask follow)
-    does change the tokens, so the static step really reads it."""
-    stock, cascade = pair("t5")
-    ids, mask = sources()
-    cls = dense_cache.StaticSelfAttentionCache
-    prepare = cls.prepare_step
-
-    def prepare_stale(cache, *args, **kwargs):
-        step = prepare(cache, *args, **kwargs)
-        first = cache.__dict__.setdefault("_first_position", int(cache._position))
-        cache._position.fill_(first)
-        return step
-
-    monkeypatch.setattr(cls, "prepare_step", prepare_stale)
-    want = generate(stock, "greedy", input_ids=ids, attention_mask=mask)
-    got = generate(cascade, "greedy", _STATIC, input_ids=ids, attention_mask=mask)
-    assert not torch.equal(want.sequences, got.sequences)
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("mode", ["beam", "greedy", "sample"])
 @pytest.mark.parametrize("family", ["t5", "mt5", "umt5"])
