@@ -155,9 +155,9 @@ WHOLE_VARIANTS = {
     "whole": dict(backend="cuda", cuda_graphs=True),         # the whole step on the device
     "compile": dict(backend="cuda", cuda_graphs=True, compile=True),
     "whole-compile": dict(backend="cuda", cuda_graphs=True, compile=True),
-    # one compiled decoder layer for every layer (hf_cascade/regional.py): first_call_wall_s says its compile
+    # one compiled decoder layer for every layer (hf_cascade/decode/regional.py): first_call_wall_s says its compile
     "whole-regional": dict(backend="cuda", cuda_graphs=True, compile="regional"),
-    # the default before the norms and rotary embeddings ran on the library's kernels (hf_cascade/fused_ops.py)
+    # the default before the norms and rotary embeddings ran on the library's kernels (hf_cascade/decode/fused_ops.py)
     "whole-no-elementwise": dict(backend="cuda", cuda_graphs=True, fuse_elementwise=False),
     # q/k/v and gate/up as separate products (CascadeConfig(fuse_projections=False)), on stock's model: see _model_of
     "whole-unfused": dict(backend="cuda", cuda_graphs=True, compile=True, fuse_projections=False),

@@ -1,10 +1,10 @@
-"""GPU time of the whole decode step's parts (hf_cascade/whole_step.py), each captured as its own CUDA graph and
+"""GPU time of the whole decode step's parts (hf_cascade/decode/whole_step.py), each captured as its own CUDA graph and
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph. Where the whole step is slower than transformers' loop replaying the forward, this says
 which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
 stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--compile MODE ...`` with each of
 ``false``, ``true`` (the whole forward as one graph) and ``regional`` (one compiled decoder layer for every layer:
-hf_cascade/regional.py), one row each on the same model, back to back, with the first call's wall time (compile and
+hf_cascade/decode/regional.py), one row each on the same model, back to back, with the first call's wall time (compile and
 capture) and the second's ("compile_s": the first less the second; run one mode per process with empty inductor and
 Triton cache directories for compile seconds that no earlier compile served); ``--no-fuse`` with
 ``CascadeConfig(fuse_projections=False)`` (q/k/v and gate/up as separate products); ``--profile`` also lists the kernels of

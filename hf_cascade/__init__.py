@@ -17,12 +17,32 @@ if _cli.invoked():      # `python -m hf_cascade ...`: answer --help or a bad fla
     _cli.check_argv()
 
 from .attention import register
-from .blocks import PoolExhausted
-from .cache import CacheStats, CascadeCache
+from .kv.blocks import PoolExhausted
+from .kv.cache import CacheStats, CascadeCache
 from .config import CascadeConfig
 from .generation import cascade_generate, prefill
 from ._version import __version__  # noqa: F401 (the package version)
-from .session import release
+from .decode.session import release
+
+# The modules' names before the subpackages (hf_cascade.cache, hf_cascade.whole_step, ...) stay importable: each is
+# the moved module itself.
+_MOVED = {**{name: "kv" for name in ("blocks", "cache", "context", "memory", "plan", "static_step")},
+          **{name: "decode" for name in ("device_blocks", "device_select", "fused_linears", "fused_ops", "graphs",
+                                         "host_select", "regional", "session", "whole_step")},
+          **{name: "seq2seq" for name in ("cross_attention", "cross_kv", "dense_cache", "encoder_decoder",
+                                          "encoder_expansion", "seq2seq_models")}}
+
+
+def _alias_moved_modules() -> None:
+    import importlib
+    import sys
+    for name, package in _MOVED.items():
+        module = importlib.import_module(f"{__name__}.{package}.{name}")
+        sys.modules.setdefault(f"{__name__}.{name}", module)
+        globals().setdefault(name, module)
+
+
+_alias_moved_modules()
 
 __all__ = ["CascadeCache", "CascadeConfig", "CacheStats", "PoolExhausted", "cascade_generate", "prefill", "register",
            "release"]

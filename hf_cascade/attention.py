@@ -25,8 +25,8 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, eager_mask, sdpa_mask
 
-from . import cross_attention
-from .context import STEP_KWARG, BoundAttention, LayerStep, StepContext, get_context
+from .seq2seq import cross_attention
+from .kv.context import STEP_KWARG, BoundAttention, LayerStep, StepContext, get_context
 from .kernels.base import AttentionParams
 from .precision import as_computed, kernels_context
 

@@ -16,7 +16,7 @@ COMPILE_MODES = ("regional",)
 # KV cache element types besides the model's own (None). float8_e4m3fn: K and V stored as e4m3 with a float32 scale per
 # layer, K/V and KV head (hf_cascade.memory says how they are chosen); half the bytes of bf16.
 KV_DTYPES = ("float8_e4m3fn",)
-# the backends that read an fp8 pool, as each declares it (kernels.base.Backend.kv_dtypes; tests/test_fp8_kv.py keeps
+# the backends that read an fp8 pool, as each declares it (kernels.base.Backend.kv_dtypes; tests/kv/test_fp8_kv.py keeps
 # the two in step): FlashInfer's wrappers read K/V in the queries' dtype only
 FP8_BACKENDS = ("auto", "cuda", "reference")
 # Largest block_size accepted. A block is what a row's private tail and every shared prefix are rounded up to, and
@@ -79,12 +79,12 @@ class CascadeConfig:
             tokens; below it every row reads its whole table (one kernel fewer, no merge). ``None``
             (default): the threshold measured for the kernel backend the layers' shapes get (its declared
             ``min_saved_tokens``: cuda 8192, flashinfer 262144, reference 0; benchmarks/RESULTS.md).
-        cuda_graphs: run generate's decode steps as a replayed CUDA graph of the whole forward
-            (:mod:`hf_cascade.graphs`). ``None`` (default): on where it applies (CUDA, one device, the
-            ``cuda`` kernels for every layer, ...; the reason is logged once where it does not); ``False``:
-            off; ``True``: as None, but a model it cannot apply to is logged at WARNING; ``"eager"``: the
-            runner's static path (fixed buffers, one plan upload per step) run without capturing, on any
-            device (for debugging and CPU tests).
+        cuda_graphs: run generate's decode steps in hf_cascade's decode loop as a replayed CUDA graph of the whole
+            step: block bookkeeping, forward and token choice (:mod:`hf_cascade.decode`). ``None`` (default): on
+            where it applies (CUDA, one device, the ``cuda`` kernels for every layer, ...; the reason is logged once
+            where it does not, and transformers' loop runs with eager forwards); ``False``: off; ``True``: as None,
+            but a model it cannot apply to is logged at WARNING; ``"eager"``: the same loop and static step run
+            without capturing, on any device (for debugging and CPU tests).
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
             shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
             norms, rotary and MLP glue. The first call of a shape compiles (5-41 s for the H200 benchmarks); off by

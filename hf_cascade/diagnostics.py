@@ -8,7 +8,8 @@ import platform
 
 import torch
 
-from . import kernels, memory
+from . import kernels
+from .kv import memory
 
 # The environment variables hf_cascade (and the tools it calls) reads: the one list `env` reports and
 # docs/environment.md is generated from (tools/docs_pages.py). Markdown: the docs page shows it as written.

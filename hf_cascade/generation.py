@@ -1,15 +1,16 @@
-"""The decoding entry for cascade models: prefill each unique prompt once, fork, then hand over to
-transformers' own beam search / sampling loop.
+"""The decoding entry for cascade models: check the call, prefill each unique prompt once, fork, then decode in
+one :class:`~hf_cascade.decode.session.DecodeSession` (:mod:`hf_cascade.decode`).
 
 ``generate`` prepares inputs as usual (expanding every prompt to ``n`` rows, n = beams or returned
 sequences) and calls :func:`cascade_generate` (``patches`` makes it the default for cascade models).
 We run the model on rows ``0, n, 2n, ...`` minus their last token into a :class:`CascadeCache`
-(padding not stored), fork the cache to all rows without copying K/V, and call
-``GenerationMixin._beam_search`` / ``_sample``, whose own prefill then feeds the last prompt token
-for all rows. Other per-token model inputs (``token_type_ids``, ``inputs_embeds``) are sliced the same way.
-A call that shares too little to pay for the paged cache runs on stock's own path instead
-(:func:`stock_path_reason`). The call's cache, decode layout, graph runner and end belong to its
-:class:`~hf_cascade.session.DecodeSession`; this module gives it the decoder-only strategy (:class:`PromptPrefill`).
+(padding not stored), fork the cache to all rows without copying K/V, and decode: the one loop
+(:mod:`hf_cascade.decode.whole_step`), whose first step feeds the last prompt token for all rows, or where it cannot
+serve the call ``GenerationMixin._beam_search`` / ``_sample`` with eager forwards. Other per-token model inputs
+(``token_type_ids``, ``inputs_embeds``) are sliced the same way. A call that shares too little to pay for the paged
+cache runs on stock's own path instead (:func:`stock_path_reason`). The call's cache, decode layout, step runner and
+end belong to its :class:`~hf_cascade.decode.session.DecodeSession`; this module gives it the decoder-only strategy
+(:class:`PromptPrefill`).
 """
 from __future__ import annotations
 
@@ -23,12 +24,14 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
-from . import compat, encoder_decoder, fused_linears, fused_ops, graphs, seq2seq_models, session, whole_step
+from . import compat
+from .seq2seq import encoder_decoder, seq2seq_models
+from .decode import fused_linears, fused_ops, graphs, session, whole_step
 from .attention import stock_attention
-from .cache import CascadeCache
+from .kv.cache import CascadeCache
 from .config import CascadeConfig
 from .logs import log_once
-from .session import DecodeSession, prefill_forward, register_prefill_hook  # noqa: F401 (re-exported)
+from .decode.session import DecodeSession, prefill_forward, register_prefill_hook  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_cascade")
 
@@ -77,7 +80,7 @@ def uses_alibi(model) -> bool:
 def unsupported_reason(model) -> str | None:
     """Why the cascade path cannot serve ``model`` (None when it can)."""
     config, text = model.config, _text_config(model)
-    if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+    if getattr(config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/seq2seq/encoder_decoder.py
         reason = seq2seq_models.unsupported_reason(model)
         if reason is None and config.model_type in seq2seq_models.COMPOSITE:
             # stock's path, but the "cascade" mask reaches every part: each must take it through the interface
@@ -447,7 +450,7 @@ def cascade_generate(model, input_ids, logits_processor, stopping_criteria, gene
     beam = generation_config.num_beams > 1
     decode = GenerationMixin._beam_search if beam else GenerationMixin._sample
     key = compat.cache_key(model_kwargs)
-    if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/encoder_decoder.py
+    if getattr(model.config, "is_encoder_decoder", False):   # encoder-decoder: hf_cascade/seq2seq/encoder_decoder.py
         _fuse_model(model, hf_cascade_config)     # (it refuses a cache of the caller's: this is the call's config)
         states = model_kwargs.get("encoder_outputs")
         states = states[0] if states is not None and len(states) else None

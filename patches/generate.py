@@ -81,9 +81,9 @@ def _wrap(original):
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        from hf_cascade.cache import CascadeCache
+        from hf_cascade.kv.cache import CascadeCache
         from hf_cascade.generation import cascade_generate, check_model_supported
-        from hf_cascade.session import capturing_call
+        from hf_cascade.decode.session import capturing_call
 
         bound = signature.bind_partial(self, *args, **kwargs)
         arguments = bound.arguments
@@ -145,7 +145,7 @@ def _wrap_expand(original):
         if not getattr(_state, "defer_encoder_expansion", False) or encoder_outputs is None or size == 1 \
                 or not kwargs.get("is_encoder_decoder", False):
             return function(*args, **kwargs)
-        from hf_cascade.encoder_expansion import defer_expansion
+        from hf_cascade.seq2seq.encoder_expansion import defer_expansion
 
         kwargs = {**kwargs, "is_encoder_decoder": False}
         del kwargs["encoder_outputs"]

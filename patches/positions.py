@@ -14,7 +14,7 @@ ignore) runs stock's code unchanged.
 
 Guarded by the transformers versions it was checked on and by what it relies on (the decoder computes its
 positions from ``get_seq_length()`` and passes them to ``embed_positions``; the embeddings' forward signatures);
-tests/test_seq2seq_graphs.py checks each reliance. A family outside them is not registered, and its decode steps
+tests/seq2seq/test_seq2seq_graphs.py checks each reliance. A family outside them is not registered, and its decode steps
 run without graphs with the reason logged, as before.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def unchanged_reason(name: str, decoder: str, embedding: str, kind: str) -> str 
 # ---- the patched forwards ----------------------------------------------------------------------------------------
 def _wrap_decoder(original):
     """The decoder's forward: with the keyword, its positional embedding reads ``decoder_position_ids``."""
-    from hf_cascade.seq2seq_models import DEVICE_POSITIONS_KWARG
+    from hf_cascade.seq2seq.seq2seq_models import DEVICE_POSITIONS_KWARG
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -202,7 +202,7 @@ def apply() -> None:
         logger.debug("hf_cascade.patches.positions: transformers %s is outside %s; BART-family decode steps run "
                      "without graphs", transformers.__version__, SUPPORTED)
         return
-    from hf_cascade.seq2seq_models import register_device_positions
+    from hf_cascade.seq2seq.seq2seq_models import register_device_positions
 
     for name, decoder, embedding, kind in FAMILIES:
         reason = unchanged_reason(name, decoder, embedding, kind)

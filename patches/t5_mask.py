@@ -12,7 +12,7 @@ forward (no such cache, the decoder prompt's, the encoder's) runs stock's code u
 
 Guarded by the transformers versions it was checked on and by what it relies on (the stack builds its mask with
 ``create_causal_mask`` from its ``attention_mask`` argument; the self-attention computes its bias from
-``get_seq_length(self.layer_idx)``); tests/test_t5_graphs.py checks each reliance. A stack outside them is not
+``get_seq_length(self.layer_idx)``); tests/seq2seq/test_t5_graphs.py checks each reliance. A stack outside them is not
 registered, and its decode steps run eagerly on the dense cache, the reason logged, as before.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def apply() -> None:
         logger.debug("hf_cascade.patches.t5_mask: transformers %s is outside %s; T5-family decode steps run "
                      "eagerly", transformers.__version__, SUPPORTED)
         return
-    from hf_cascade.seq2seq_models import register_static_mask
+    from hf_cascade.seq2seq.seq2seq_models import register_static_mask
 
     for name, stack, attention in FAMILIES:
         reason = unchanged_reason(name, stack, attention)

@@ -13,7 +13,7 @@ own runs of different batches (a GPU test compares the tokens in float32).
 
 Not with ``output_attentions`` / ``output_hidden_states`` (the encoder's per-layer outputs are then part of the
 result: stock's way). Guarded by the transformers versions it was checked on and by what it relies on
-(``generate_with_fallback`` and the encoder step's names and parameters); tests/test_seq2seq_graphs.py checks them.
+(``generate_with_fallback`` and the encoder step's names and parameters); tests/seq2seq/test_seq2seq_graphs.py checks them.
 """
 from __future__ import annotations
 

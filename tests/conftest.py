@@ -3,14 +3,23 @@ the `gpu` marker's skip; the cache keyword of this transformers version."""
 from __future__ import annotations
 
 import inspect
+import pathlib
+import sys
 
 import pytest
+
 import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessor, LogitsProcessorList, MistralConfig,
                           Qwen2Config)
 
 import hf_cascade  # noqa: F401  registers "cascade"
 from hf_cascade import generation
+
+# tests live in folders that mirror the package (kv/, decode/, seq2seq/, kernels/); each folder is on the path, so
+# that a test module imports another's helpers by name (from test_static_decode import ...) wherever it lives
+for _folder in sorted(pathlib.Path(__file__).resolve().parent.iterdir()):
+    if _folder.is_dir() and not _folder.name.startswith((".", "_")) and str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 VOCAB = 96
 

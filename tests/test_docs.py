@@ -24,7 +24,7 @@ def pages():
     return tool
 
 
-@pytest.mark.parametrize("name", ["configuration.md", "environment.md", "families.md"])
+@pytest.mark.parametrize("name", ["configuration.md", "environment.md", "families.md", "modules.md"])
 def test_generated_pages_are_fresh(pages, name):
     if name == "families.md" and Version(transformers.__version__) < Version("5.24"):
         pytest.skip("the family table is made on transformers >= 5.24")
@@ -46,12 +46,12 @@ def test_a_field_without_a_description_stops_the_generator(pages, monkeypatch):
         pages.configuration()
 
 
-def test_architecture_page_names_every_module():
-    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+def test_modules_page_names_every_module():
+    text = (DOCS / "modules.md").read_text(encoding="utf-8")
     modules = sorted([*ROOT.glob("hf_cascade/**/*.py"), *ROOT.glob("patches/*.py")])
     assert len(modules) > 40
     missing = [str(m.relative_to(ROOT)) for m in modules if f"`{m.relative_to(ROOT)}`" not in text]
-    assert not missing, f"name these modules on docs/architecture.md: {missing}"
+    assert not missing, f"docs/modules.md misses these modules (run python tools/docs_pages.py): {missing}"
 
 
 def test_every_environment_variable_read_is_documented():
@@ -81,8 +81,8 @@ def test_every_docs_page_is_in_the_nav():
 
 def test_the_gpu_suite_script_runs_every_file_with_gpu_tests():
     script = (ROOT / "tools" / "gpu_tests.sh").read_text(encoding="utf-8")
-    listed = set(re.findall(r"tests/(test_\w+\.py)", script))
-    marked = {path.name for path in (ROOT / "tests").glob("test_*.py")     # (this file only names the mark)
+    listed = set(re.findall(r"tests/((?:\w+/)?test_\w+\.py)", script))
+    marked = {str(path.relative_to(ROOT / "tests")) for path in (ROOT / "tests").rglob("test_*.py")  # (this file only names the mark)
               if path.name != "test_docs.py" and re.search(r"mark\.gpu\b", path.read_text(encoding="utf-8"))}
     assert marked and listed == marked, (sorted(marked - listed), sorted(listed - marked))
 
@@ -108,7 +108,7 @@ def _gpu_tests_named_otherwise(path) -> list[str]:
 def test_gpu_tests_are_recognisable_by_name():
     """A test that needs the GPU says so in its file's name (tests/test_gpu_*.py) or its own (test_gpu_*, *_gpu_*):
     ``-k gpu`` and a reader find them all."""
-    unnamed = {path.name: names for path in (ROOT / "tests").glob("test_*.py") if "gpu" not in path.name
+    unnamed = {path.name: names for path in (ROOT / "tests").rglob("test_*.py") if "gpu" not in path.name
                for names in [_gpu_tests_named_otherwise(path)] if names}
     assert not unnamed, unnamed
 

@@ -22,7 +22,7 @@ def test_the_kernels_and_the_block_bookkeeping_import_nothing_of_the_rest(edges)
     for name, targets in edges.items():
         if name.startswith("hf_cascade.kernels"):
             assert all(t.startswith("hf_cascade.kernels") for t in targets), (name, targets)
-    assert edges["hf_cascade.blocks"] == set()
+    assert edges["hf_cascade.kv.blocks"] == set() and edges["hf_cascade.config"] == set()
 
 
 def test_no_more_floors_than_after_the_redesign(edges):

@@ -3,7 +3,8 @@
 - ``docs/configuration.md``: every :class:`hf_cascade.CascadeConfig` field, its type and default from the dataclass,
   its description from the class docstring's ``Args:`` section;
 - ``docs/families.md``: the model-family table (``tools/support_table.py``, from ``tests/test_families.py``);
-- ``docs/environment.md``: ``hf_cascade.diagnostics.ENV_VARS``, the list ``python -m hf_cascade env`` reports.
+- ``docs/environment.md``: ``hf_cascade.diagnostics.ENV_VARS``, the list ``python -m hf_cascade env`` reports;
+- ``docs/modules.md``: every module of the package by subpackage, with the first line of its docstring.
 
     python tools/docs_pages.py            # rewrite the pages
     python tools/docs_pages.py --check    # exit 1 naming the pages that differ (tests/test_docs.py does the same)
@@ -102,7 +103,49 @@ def environment() -> str:
     return "\n".join(out) + "\n"
 
 
-PAGES = {"configuration.md": configuration, "families.md": families, "environment.md": environment}
+# the package's parts as docs/modules.md shows them: (folder, heading, what it holds)
+PARTS = [
+    ("hf_cascade", "The package: its entry, commands and house rules",
+     "`import hf_cascade` registers the attention; `generation.py` is the decoding entry of a generate call."),
+    ("hf_cascade/kv", "`kv/`: the KV cache and one step's plan",
+     "The transformers Cache over a paged, copy-on-write block pool, and what a forward step needs of it."),
+    ("hf_cascade/decode", "`decode/`: the decode loop",
+     "The call's owner (the session), the one loop with its step runner and token choosers, the step's speed-ups."),
+    ("hf_cascade/seq2seq", "`seq2seq/`: encoder–decoder models",
+     "Cross-attention K/V stored once per input, the families' differences, the dense self-attention cache."),
+    ("hf_cascade/kernels", "`kernels/`: attention backends as classes with declared capabilities",
+     "Imports nothing of the rest of the package."),
+    ("patches", "`patches/` (installed as `hf_cascade.patches`): where transformers' behaviour is changed", ""),
+]
+
+
+def _first_line(path: str) -> str:
+    import ast
+    with open(path, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    if not doc:
+        raise SystemExit(f"{os.path.relpath(path, ROOT)} has no docstring: its first line says what it owns")
+    return markdown(doc.split("\n\n", 1)[0].replace("\n", " "))
+
+
+def modules() -> str:
+    out = [NOTE.format(source="each module's docstring"), "# Modules", "",
+           "Every module of the package by part, with the first line of its docstring (which says what it owns). How "
+           "one call runs through them: [architecture](architecture.md). Dependencies point one way "
+           "(`python tools/import_graph.py`).", ""]
+    for folder, heading, what in PARTS:
+        out += [f"## {heading}", ""] + ([what, ""] if what else [])
+        base = os.path.join(ROOT, folder)
+        for name in sorted(os.listdir(base)):
+            if name.endswith(".py"):
+                rel = os.path.relpath(os.path.join(base, name), ROOT)
+                out.append(f"- `{rel}` — {_first_line(os.path.join(base, name))}")
+        out.append("")
+    return "\n".join(out)
+
+
+PAGES = {"configuration.md": configuration, "families.md": families, "environment.md": environment,
+         "modules.md": modules}
 
 
 def main(argv=None) -> int:

@@ -16,13 +16,13 @@ group() {   # name, setup script (or ""), test files...
     timeout "$limit" python -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log" ) &
 }
-group p1 "" tests/test_gpu_whole_step.py tests/test_gpu_encoder_decoder.py tests/test_gpu_graphs.py \
-  tests/test_host_select.py tests/test_edges.py tests/test_gpu_generate.py tests/test_gpu_threads.py
-group p2 "" tests/test_compile.py tests/test_seq2seq_graphs.py tests/test_t5_graphs.py tests/test_seq2seq_keep.py \
-  tests/test_whole_step_t5.py tests/test_whole_step_seq2seq.py tests/test_gpu_fused_ops.py
-group p3 .device/setup.sh tests/test_gpu_flashinfer.py tests/test_gpu_variants.py tests/test_cache_lifetime.py \
-  tests/test_multi_device.py tests/test_fused_linears.py tests/test_gpu_sinks.py tests/test_gpu_memory.py
-group p4 .device/quant/setup.sh tests/test_gpu_fp8.py tests/test_gpu_quantized.py tests/test_gpu_kernels.py \
-  tests/test_kernel_ops.py
+group p1 "" tests/decode/test_gpu_whole_step.py tests/seq2seq/test_gpu_encoder_decoder.py tests/decode/test_gpu_graphs.py \
+  tests/decode/test_host_select.py tests/test_edges.py tests/test_gpu_generate.py tests/decode/test_gpu_threads.py
+group p2 "" tests/decode/test_compile.py tests/seq2seq/test_seq2seq_graphs.py tests/seq2seq/test_t5_graphs.py tests/seq2seq/test_seq2seq_keep.py \
+  tests/seq2seq/test_whole_step_t5.py tests/seq2seq/test_whole_step_seq2seq.py tests/decode/test_gpu_fused_ops.py
+group p3 .device/setup.sh tests/kernels/test_gpu_flashinfer.py tests/test_gpu_variants.py tests/kv/test_cache_lifetime.py \
+  tests/test_multi_device.py tests/decode/test_fused_linears.py tests/kernels/test_gpu_sinks.py tests/kv/test_gpu_memory.py
+group p4 .device/quant/setup.sh tests/kv/test_gpu_fp8.py tests/test_gpu_quantized.py tests/kernels/test_gpu_kernels.py \
+  tests/kernels/test_kernel_ops.py
 wait
 for f in "$out"/p*.log; do echo "== $f"; grep -E "passed|failed|error|^FAILED|^ERROR|rc=" "$f" | tail -25; done

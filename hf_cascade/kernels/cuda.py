@@ -228,7 +228,7 @@ class CudaBackend(Backend):
     dtypes = tuple(DTYPE_CODES)
     kv_dtypes = KV_SCALED_DTYPES
     # "auto" hands it fp8 pools too (the failure of fp8 generate on the H200 was the debug mode's device sync inside
-    # the capture, cuda_binding._Lib.check; tests/test_gpu_fp8.py runs the captured fp8 step against its eager one)
+    # the capture, cuda_binding._Lib.check; tests/kv/test_gpu_fp8.py runs the captured fp8 step against its eager one)
     auto_kv_dtypes = KV_SCALED_DTYPES
     head_dims = HEAD_DIMS
     devices = ("cuda",)

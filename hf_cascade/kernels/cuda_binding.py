@@ -198,7 +198,7 @@ class _Lib:
             raise RuntimeError(f"hf_cascade CUDA kernel {what} failed: {self._message(rc)} (cudaError {rc})")
         # never inside a CUDA graph capture: a device synchronisation there is refused
         # (cudaErrorStreamCaptureUnsupported), invalidates the capture, and was left as the thread's last CUDA error for
-        # the next launch to report (how tests/test_gpu_fp8.py's generate, debug_sync on, failed on the H200)
+        # the next launch to report (how tests/kv/test_gpu_fp8.py's generate, debug_sync on, failed on the H200)
         if debug_sync and not capture_underway():
             rc = self.lib.hfc_sync()
             if rc != 0:

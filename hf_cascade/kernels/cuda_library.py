@@ -33,7 +33,7 @@ logger = logging.getLogger("hf_cascade")
 
 PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 # the cache write's kernel (csrc/write.cu) is on unless 0/false/off/no: on the H200 it equals the torch write bytewise
-# (tests/test_gpu_kernels.py) and took the 8B 16k x 8 whole step from 7.07 to 6.76 ms (benchmarks/RESULTS.md)
+# (tests/kernels/test_gpu_kernels.py) and took the 8B 16k x 8 whole step from 7.07 to 6.76 ms (benchmarks/RESULTS.md)
 WRITE_KERNEL_ENV = "HF_CASCADE_WRITE_KERNEL"
 write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")  # tests set it
 

@@ -1,0 +1,181 @@
+"""A cascade generate call's RMSNorms and rotary embeddings as one kernel each (``CascadeConfig.fuse_elementwise``).
+
+Uncompiled, transformers' ``LlamaRMSNorm`` is eight kernels (a cast, the square, the mean, the epsilon, the rsqrt, the
+product, the cast back, the weight) and ``apply_rotary_pos_emb`` ten (for q and k: two products, rotate_half's
+negation and concatenation, the sum): ~27 launches a decoder layer, ~850 in an 8B model's decode step, each a few
+microseconds of a step otherwise bound by reading the weights. A compiled step fuses them; this does it without a
+compile, with the library's kernels (``csrc/elementwise.cu``).
+
+What takes them: the norm classes whose ``forward`` is ``LlamaRMSNorm``'s and the modeling modules whose
+``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's, source for source (Mistral, Qwen2/3, Mixtral, Granite,
+DeepSeek-V3, ... share them; Gemma's and OLMo2's norms, Phi-3's and GLM's rotary differ and are left alone).
+:func:`configure` wraps those of a model's classes and modules once (a wrapper per class or module, kept for the
+process), and the wrappers run the kernel only:
+
+- inside a generate call whose config asked for it (this thread's flag, set by :func:`configure`, cleared by
+  :func:`call_ended`), not under ``torch.compile`` (the compiled step fuses them itself), no gradient wanted;
+- on a CUDA device whose kernel library is there before the call's first forward (loaded, or the prebuilt one:
+  decided once a call), bf16 or fp16, the tensors in one dtype, the last dimension
+  contiguous (:func:`hf_cascade.kernels.cuda_library.rms_norm`, :func:`~hf_cascade.kernels.cuda_library.rotary`);
+
+and the original otherwise: every other model, call and thread, float32 and float64 (stock's bits). The rotary
+kernel rounds each product and the sum as eager mode does: eager's result bit for bit
+(:func:`rotary_reference`). The norm keeps the eager roundings (:func:`rms_norm_reference`) but orders its sum of
+squares otherwise: a normalised value can differ from eager's in its last float32 bits before the cast.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import textwrap
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from ..kernels import cuda_library
+
+_lock = threading.Lock()
+_call = threading.local()       # .on: this thread's generate call asked for the kernels
+_wrapped: dict = {}             # norm class -> its original forward; modeling module -> its original rotary
+_checked: dict = {}             # (class or module) -> whether it is Llama's, source for source
+_last: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # model -> whether its last call asked
+_norm_kernel = cuda_library.rms_norm        # (tests put CPU stand-ins here)
+_rotary_kernel = cuda_library.rotary
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm kernel's semantics: ``LlamaRMSNorm.forward`` (float32, cast back before the weight's product)."""
+    y = x.to(torch.float32)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def rotary_reference(q, k, cos, sin):
+    """The rotary kernel's semantics: ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``)."""
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def _active() -> bool:
+    if torch.compiler.is_compiling():       # (first: a traced forward reads no thread state)
+        return False
+    return getattr(_call, "on", False) and not torch.is_grad_enabled()
+
+
+# ---- which classes and modules are Llama's --------------------------------------------------------------------
+def _source(obj) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(obj))
+    except (OSError, TypeError):
+        return None
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+    return modeling_llama
+
+
+def _original_forward(cls):
+    return _wrapped.get(cls, cls.forward)
+
+
+def _norm_eligible(module: nn.Module) -> bool:
+    cls = type(module)
+    if not cls.__name__.endswith("RMSNorm") or "forward" in module.__dict__:
+        return False
+    if cls not in _checked:
+        reference = _source(_original_forward(_llama().LlamaRMSNorm))
+        _checked[cls] = reference is not None and _source(_original_forward(cls)) == reference
+    weight = getattr(module, "weight", None)
+    return (_checked[cls] and isinstance(weight, nn.Parameter) and weight.dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _rotary_module(module: nn.Module):
+    """The modeling module of an attention layer whose ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's."""
+    found = sys.modules.get(type(module).__module__)
+    if found is None or not hasattr(found, "apply_rotary_pos_emb") or not hasattr(found, "rotate_half"):
+        return None
+    if found not in _checked:
+        llama = _llama()
+        pairs = ((_wrapped.get(found, found.apply_rotary_pos_emb), _wrapped.get(llama, llama.apply_rotary_pos_emb)),
+                 (found.rotate_half, llama.rotate_half))
+        _checked[found] = all(_source(a) is not None and _source(a) == _source(b) for a, b in pairs)
+    return found if _checked[found] else None
+
+
+# ---- the wrappers ----------------------------------------------------------------------------------------------
+def _wrap_norm(cls) -> None:
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if _active():
+            out = _norm_kernel(hidden_states, self.weight, self.variance_epsilon)
+            if out is not None:
+                return out
+        return original(self, hidden_states)
+
+    _wrapped[cls] = original
+    cls.forward = forward
+
+
+def _wrap_rotary(module) -> None:
+    original = module.apply_rotary_pos_emb
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not args and not kwargs and _active():
+            out = _rotary_kernel(q, k, cos, sin)
+            if out is not None:
+                return out
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    _wrapped[module] = original
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+def configure(model: nn.Module, on: bool) -> bool:
+    """This thread's generate call takes the kernels where ``on`` and a CUDA model's kernel library is there before
+    the call's first forward (loaded, or the prebuilt one: :func:`~hf_cascade.kernels.cuda_library.prebuilt_or_loaded`;
+    a library that the attention backend loaded during the prefill would leave the first norms on the original and
+    the rest on the kernel, and the first call of a process unlike the later ones). The model's classes and modules
+    are wrapped first, once. Returns whether the choice differs from the model's last call (its kept graphs hold the
+    other)."""
+    device = _device_of(model)
+    if on and device is not None and device.type == "cuda" and cuda_library.prebuilt_or_loaded(device) is None:
+        on = False
+    with _lock:
+        changed = _last.get(model, False) != on
+        _last[model] = on
+        if on:
+            for module in model.modules():
+                if type(module) not in _wrapped and _norm_eligible(module):
+                    _wrap_norm(type(module))
+                rotary = _rotary_module(module) if hasattr(module, "q_proj") else None
+                if rotary is not None and rotary not in _wrapped:
+                    _wrap_rotary(rotary)
+    _call.on = on
+    return changed
+
+
+def _device_of(model: nn.Module) -> torch.device | None:
+    parameter = next(model.parameters(), None)
+    return None if parameter is None else parameter.device
+
+
+def call_ended() -> None:
+    """The end of this thread's generate call (the next forward outside one runs the originals)."""
+    _call.on = False
+
+
+def takes_kernels(module: nn.Module) -> bool:
+    """Whether ``module``'s norm forward, or its attention's rotary embedding, is wrapped (for tests)."""
+    found = sys.modules.get(type(module).__module__)
+    return type(module) in _wrapped or (hasattr(module, "q_proj") and found in _wrapped)

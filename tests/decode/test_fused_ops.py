@@ -1,0 +1,165 @@
+"""``CascadeConfig(fuse_elementwise=True)``, the default (hf_cascade/decode/fused_ops.py): Llama-style RMSNorms and rotary
+embeddings as one kernel each.
+
+CPU: the kernels' documented semantics are the eager ops bit for bit; exactly the norm classes and modeling modules
+that are Llama's, source for source, are wrapped (Gemma's and OLMo2's norms, Phi-3's rotary are left alone), the
+model's state_dict unchanged; inside a generate call that asks (and only there) every norm and every rotary
+embedding of every forward goes to the kernels (CPU stand-ins here: the library's kernels decline CPU tensors), stock's
+tokens in float64, and a call that does not ask, a forward outside generate, a forward that wants gradients and a
+compiled forward run the originals. GPU (tests/decode/test_gpu_fused_ops.py): the kernels against the references, and
+tokens with them in a captured step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hf_cascade import CascadeConfig, fused_ops
+from hf_cascade.config import ConfigTypeError
+from hf_cascade.kernels import cuda_library
+
+from conftest import padded_batch
+from test_families import FAMILIES
+
+EAGER = CascadeConfig(cuda_graphs="eager", fuse_elementwise=True)
+# per forward of the tiny 2-layer families: (norms: 2 a layer and the final one, Qwen3's q/k norms 2 more a layer;
+# rotary embeddings: 1 a layer; OLMo2's rotary casts, Phi-3's is partial)
+PER_FORWARD = {"Llama": (5, 2), "Mistral": (5, 2), "Qwen2": (5, 2), "Qwen3": (9, 2), "Granite": (5, 2),
+               "Phi3": (5, 0), "Gemma": (0, 2), "OLMo2": (0, 0), "OPT": (0, 0)}
+
+
+def _model(name, attn="cascade", dtype=torch.float64):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(FAMILIES[name].make(), attn_implementation=attn, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_references_are_the_eager_ops_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(2)
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x = (torch.randn(7, 3, 96, generator=g) * 3).to(dtype)
+    q, k = (torch.randn(2, h, 5, 32, generator=g).to(dtype) for h in (4, 2))
+    cos, sin = (torch.randn(2, 5, 32, generator=g).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        assert torch.equal(fused_ops._original_forward(LlamaRMSNorm)(norm, x),
+                           fused_ops.rms_norm_reference(x, norm.weight, norm.variance_epsilon))
+        original = fused_ops._wrapped.get(modeling_llama, modeling_llama.apply_rotary_pos_emb)
+        for got, want in zip(fused_ops.rotary_reference(q, k, cos, sin), original(q, k, cos, sin)):
+            assert torch.equal(got, want)
+
+
+class StandIns:
+    """The kernels' places on the CPU: count their calls and compute the references (what the kernels compute)."""
+
+    def __init__(self, monkeypatch):
+        self.norms = self.rotary = 0
+        monkeypatch.setattr(fused_ops, "_norm_kernel", self.norm)
+        monkeypatch.setattr(fused_ops, "_rotary_kernel", self.rope)
+
+    def norm(self, x, weight, eps):
+        self.norms += 1
+        return fused_ops.rms_norm_reference(x, weight, eps)
+
+    def rope(self, q, k, cos, sin):
+        self.rotary += 1
+        return fused_ops.rotary_reference(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("name", list(PER_FORWARD))
+def test_exactly_the_llama_norms_and_rotary_take_the_kernels(name, monkeypatch):
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model(name, "sdpa"), _model(name)
+    state = cascade.state_dict(keep_vars=True)
+    ids, mask = padded_batch(seed=3)
+    new = 6
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    expected = stock.generate(**kw)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    norms, rotary = PER_FORWARD[name]
+    # every one of every forward (the prefill, then the decode steps)
+    forwards = max(kernels.norms // max(norms, 1), kernels.rotary // max(rotary, 1))
+    assert (kernels.norms, kernels.rotary) == (norms * forwards, rotary * forwards)
+    assert forwards >= new or norms == rotary == 0
+    after = cascade.state_dict(keep_vars=True)
+    assert list(after) == list(state) and all(after[k] is state[k] for k in state)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_only_the_calls_that_ask_take_the_kernels(mode, monkeypatch):
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model("Qwen3", "sdpa"), _model("Qwen3")
+    ids, mask = padded_batch(seed=4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, pad_token_id=0,
+              **(dict(num_beams=3) if mode == "beam" else {}))
+    expected = stock.generate(**kw)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    assert kernels.norms and kernels.rotary
+    seen = kernels.norms, kernels.rotary
+    with torch.no_grad():
+        cascade(input_ids=ids, attention_mask=mask)                  # a forward outside generate
+        stock(input_ids=ids, attention_mask=mask)                    # another model (the classes are wrapped)
+    off = CascadeConfig(cuda_graphs="eager", fuse_elementwise=False)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=off), expected)
+    assert torch.equal(stock.generate(**kw), expected)
+    assert (kernels.norms, kernels.rotary) == seen
+
+
+def test_a_forward_that_wants_gradients_or_is_compiled_runs_the_originals(monkeypatch):
+    kernels = StandIns(monkeypatch)
+    model = _model("Llama", dtype=torch.float32)
+    fused_ops.configure(model, True)             # (as a generate call that asks: the flag is this thread's)
+    try:
+        norm = model.model.norm
+        assert fused_ops.takes_kernels(norm) and fused_ops.takes_kernels(model.model.layers[0].self_attn)
+        x = torch.randn(2, 3, 64, requires_grad=True)
+        norm(x).sum().backward()                                      # gradients wanted: the original
+        assert kernels.norms == 0 and x.grad is not None
+        with torch.no_grad():
+            compiled = torch.compile(lambda t: norm(t) * 2, fullgraph=True, backend="eager")
+            assert torch.equal(compiled(x), fused_ops.rms_norm_reference(x, norm.weight, 1e-6) * 2)
+            assert kernels.norms == 0
+            norm(x)                                                   # the call's own forward: the kernel
+            assert kernels.norms == 1
+    finally:
+        fused_ops.call_ended()
+    with torch.no_grad():
+        norm(x)
+    assert kernels.norms == 1
+
+
+def test_the_default_call_takes_the_kernels(monkeypatch):
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model("Llama", "sdpa"), _model("Llama")
+    ids, mask = padded_batch(seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert CascadeConfig().fuse_elementwise
+    assert torch.equal(cascade.generate(**kw), stock.generate(**kw))
+    assert kernels.norms and kernels.rotary
+
+
+@pytest.mark.parametrize("library", [None, "loaded"])
+def test_a_cuda_call_decides_on_the_kernels_before_its_first_forward(library, monkeypatch):
+    """On a CUDA model the call takes the kernels only where the library is there before its first forward (loaded,
+    or the prebuilt one): one the attention backend loaded during the prefill would put the first norms of a
+    process's first call on the original and the rest on the kernel (a captured step then differed from the eager
+    one). Here the model is on the CPU and says it is on CUDA."""
+    kernels = StandIns(monkeypatch)
+    asked = []
+    monkeypatch.setattr(fused_ops, "_device_of", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_library, "prebuilt_or_loaded", lambda device: asked.append(device) or library)
+    stock, cascade = _model("Llama", "sdpa"), _model("Llama")
+    ids, mask = padded_batch(seed=6)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), stock.generate(**kw))
+    assert asked == [torch.device("cuda", 0)]
+    assert (kernels.norms > 0) == (library is not None) and (kernels.rotary > 0) == (library is not None)
+
+
+def test_fuse_elementwise_must_be_a_bool():
+    with pytest.raises(ConfigTypeError, match="fuse_elementwise must be a bool"):
+        CascadeConfig(fuse_elementwise="yes")

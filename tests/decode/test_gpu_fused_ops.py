@@ -1,0 +1,112 @@
+"""GPU: ``csrc/elementwise.cu`` against :func:`hf_cascade.fused_ops.rms_norm_reference` and
+:func:`~hf_cascade.fused_ops.rotary_reference` (the eager ops), and a bf16 model's tokens with
+``CascadeConfig(fuse_elementwise=True)`` in a captured whole step. CPU side: tests/decode/test_fused_ops.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_cascade import CascadeConfig, fused_ops
+from hf_cascade.kernels import cuda_library
+
+from conftest import RunnerSpy
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return cuda_library.library(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# (a warp a row up to 1024 wide: 64, Qwen3's 128-wide q/k norms, 1000 rows past a CTA's last; a CTA a row up to
+# 8192; 100 and 16384: element by element)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (256, 128), (1001, 1024), (8, 4096), (33, 5120), (64, 2048),
+                                         (2, 8192), (3, 100), (2, 16384)])
+def test_norm_kernel_equals_the_eager_norm_but_for_the_sum_order(lib, dtype, rows, hidden):
+    g = torch.Generator("cuda").manual_seed(rows * hidden)
+    x = (torch.randn(rows, hidden, device="cuda", generator=g) * 4).to(dtype)
+    weight = torch.randn(hidden, device="cuda", generator=g).to(dtype)
+    got = cuda_library.rms_norm(x, weight, 1e-5)
+    assert got is not None and got.shape == x.shape and got.dtype == dtype
+    want = fused_ops.rms_norm_reference(x, weight, 1e-5)
+    # the normalised value before the cast may differ in its last float32 bits: at most a step of the element type
+    # after the cast and the weight's product, and almost everywhere none
+    step = torch.finfo(dtype).eps * want.abs().float().clamp_min(torch.finfo(dtype).tiny) * 2
+    assert ((got.float() - want.float()).abs() <= step).all()
+    assert (got == want).float().mean() >= 0.99
+
+
+def test_norm_kernel_takes_rows_that_are_not_16_byte_aligned(lib):
+    g = torch.Generator("cuda").manual_seed(3)
+    base = torch.randn(5, 4096 + 8, device="cuda", generator=g).to(torch.bfloat16)
+    weight = torch.randn(4096 + 8, device="cuda", generator=g).to(torch.bfloat16)
+    for offset in (1, 2, 8):            # (an element's offset: 2 or 4 bytes; 8 elements: aligned again)
+        x, w = base[:, offset:offset + 4096], weight[offset:offset + 4096]
+        want = fused_ops.rms_norm_reference(x, w, 1e-6)
+        assert (cuda_library.rms_norm(x, w, 1e-6) == want).float().mean() >= 0.99, offset
+
+
+def test_norm_kernel_takes_strided_rows_and_declines_what_it_does_not_run(lib):
+    wide = torch.randn(8, 3 * 256, device="cuda", dtype=torch.bfloat16)
+    rows = wide[:, 256:512]                               # (a column slice: rows 768 elements apart)
+    weight = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    want = fused_ops.rms_norm_reference(rows, weight, 1e-6)
+    assert (cuda_library.rms_norm(rows, weight, 1e-6) == want).float().mean() >= 0.99
+    assert cuda_library.rms_norm(rows.float(), weight.float(), 1e-6) is None      # float32: the original
+    assert cuda_library.rms_norm(rows, weight.float(), 1e-6) is None              # weight in another dtype
+    assert cuda_library.rms_norm(wide.t(), torch.ones(8, device="cuda", dtype=torch.bfloat16), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,q_heads,k_heads,tokens,dim", [(8, 32, 8, 1, 128), (2, 4, 2, 37, 64), (1, 16, 16, 5, 256)])
+def test_rotary_kernel_is_the_eager_rotary_bit_for_bit(lib, dtype, batch, q_heads, k_heads, tokens, dim):
+    g = torch.Generator("cuda").manual_seed(batch * tokens + dim)
+    # q and k as a fused q|k|v product gives them: [B, L, (Hq + 2 Hk) D], viewed per head and transposed
+    fused = torch.randn(batch, tokens, (q_heads + 2 * k_heads) * dim, device="cuda", generator=g).to(dtype) * 3
+    q = fused[..., :q_heads * dim].view(batch, tokens, q_heads, dim).transpose(1, 2)
+    k = fused[..., q_heads * dim:(q_heads + k_heads) * dim].view(batch, tokens, k_heads, dim).transpose(1, 2)
+    angles = torch.rand(batch, tokens, dim, device="cuda", generator=g) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = cuda_library.rotary(q, k, cos, sin)
+    assert got is not None
+    for a, b in zip(got, fused_ops.rotary_reference(q, k, cos, sin)):
+        assert torch.equal(a, b)
+    one = cuda_library.rotary(q, k, cos[:1], sin[:1])     # cos/sin of one row for every batch row (broadcast)
+    for a, b in zip(one, fused_ops.rotary_reference(q, k, cos[:1].expand_as(cos), sin[:1].expand_as(sin))):
+        assert torch.equal(a, b)
+
+
+def _llama():
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="cascade",
+                                            dtype=torch.bfloat16).cuda().eval()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_beams=4)], ids=["greedy", "beam"])
+def test_bf16_captured_step_with_the_kernels_follows_the_unfused_tokens(lib, kw, monkeypatch):
+    model = _llama()
+    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    calls = []
+    for name in ("_norm_kernel", "_rotary_kernel"):
+        real = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
+    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True, fuse_elementwise=False))
+    assert not calls
+    spy = RunnerSpy(monkeypatch)
+    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))     # the default takes them
+    runner, = spy.runners
+    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
+    # (a forward: 9 norms, 4 rotary embeddings; the captured step's calls happen when it is captured)
+    assert calls.count("_norm_kernel") >= 9 * 2 and calls.count("_rotary_kernel") >= 4 * 2
+    # the norm sums its squares in another order than eager's (its last float32 bits): a bf16 tie late in a call may
+    # break otherwise (the kernel of 6f0731c gave these very tokens, the vectorised one parts at one of 48 greedy)
+    new = ids.shape[1]
+    assert torch.equal(plain[:, :new + 12], fused[:, :new + 12])
+    agree = (plain[:, new:] == fused[:, new:]).float().mean().item()
+    assert agree >= 0.9, f"new tokens agree {agree:.3f}"

@@ -1,0 +1,119 @@
+"""The whole decode step captured on the GPU (hf_cascade/decode/whole_step.py): block bookkeeping, forward and token choice
+in one CUDA graph per decode layout. Replays equal the same step run eagerly bitwise in bf16; float32 (TF32 off)
+gives stock's tokens for greedy, beam search and seeded sampling; a second call and a layout widening work.
+
+Run on the GPU machine: ``pytest -m gpu tests/decode/test_gpu_whole_step.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_cascade import CascadeConfig
+
+from conftest import RunnerSpy
+from test_gpu_graphs import _batch
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(hidden_size=512, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             intermediate_size=1024, vocab_size=1000, max_position_embeddings=8192, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None)
+CASES = {
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "beam-eos": dict(num_beams=4, eos_token_id=[5, 6, 7, 8, 9], early_stopping=True, length_penalty=1.5),
+    "sample": dict(do_sample=True, num_return_sequences=3, top_k=50, top_p=0.95, temperature=0.8),
+    "greedy": dict(do_sample=False, repetition_penalty=1.2),
+}
+
+
+def _models(dtype, **overrides):
+    torch.manual_seed(0)
+    shape = {**SHAPE, **overrides}
+    with torch.device("cuda"):
+        stock = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="sdpa", dtype=dtype)
+        cascade = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation="cascade", dtype=dtype)
+    cascade.load_state_dict(stock.state_dict())
+    return stock.eval(), cascade.eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_models():
+    return _models(torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+@pytest.mark.parametrize("elementwise", [True, False], ids=["elementwise", "no-elementwise"])
+def test_captured_whole_step_equals_eager_whole_step_bitwise(bf16_models, monkeypatch, case, backend, elementwise):
+    _, model = bf16_models
+    ids, mask = _batch((700, 460, 590), seed=1)
+    kw = dict(max_new_tokens=90, pad_token_id=0, **CASES[case])     # 90 > the first layout's room: one widening
+    outs = []
+    spy = RunnerSpy(monkeypatch)
+    for mode in ("eager", True):
+        torch.manual_seed(11)
+        config = CascadeConfig(cuda_graphs=mode, backend=backend, fuse_elementwise=elementwise)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=config, **kw))
+    eager_run, graph_run = spy.runners
+    assert eager_run.device_steps > 30 and graph_run.device_steps > 30
+    assert graph_run.captures >= 2 and graph_run.replays > 30      # one graph per layout
+    assert torch.equal(outs[0], outs[1])
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_whole_step_gives_stock_tokens(monkeypatch, case):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    stock, cascade = _models(torch.float32)
+    ids, mask = _batch((300, 210), seed=2)
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
+    torch.manual_seed(5)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.manual_seed(5)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got), case
+    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
+
+
+# real tokens per prompt, left padded to at least 8 columns
+EMPTY_BATCHES = {"all-empty": (0, 0), "empty-and-one-token": (0, 1), "empty-and-longer": (0, 200)}
+
+
+@pytest.mark.parametrize("case", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("batch", list(EMPTY_BATCHES))
+def test_float32_empty_prompts_captured_give_stock_tokens(monkeypatch, case, batch):
+    """Empty prompts (all padding, the pad an embedding of its own): the first step runs with the mask (the last pad's
+    query sees nothing, as stock's), the device takes the steps over from the third and captures them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    stock, cascade = _models(torch.float32, pad_token_id=None)
+    lengths = torch.tensor(EMPTY_BATCHES[batch], device="cuda")
+    width = max(int(lengths.max()), 8)
+    mask = (torch.arange(width, device="cuda")[None, :] >= width - lengths[:, None]).long()
+    ids = torch.randint(3, 1000, mask.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    ids = ids.masked_fill(mask == 0, 0)
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
+    torch.manual_seed(5)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.manual_seed(5)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got), (batch, case)
+    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
+
+
+def test_second_call_gives_the_same_tokens(bf16_models, monkeypatch):
+    _, model = bf16_models
+    ids, mask = _batch((500, 380), seed=3)
+    kw = dict(num_beams=4, max_new_tokens=30, pad_token_id=0, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    first = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    spy = RunnerSpy(monkeypatch)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), first)
+    assert spy.runners[0].device_steps > 20
+    assert spy.runners[0].captures == 0          # the kept graph replays (vmm pools keep their addresses)

@@ -1,0 +1,246 @@
+"""Where the CUDA backend's library comes from (hf_cascade/kernels/cuda_library.py), on the CPU: a prebuilt library
+with the right ABI version and struct layout is used without a compiler; a wrong one falls back to building; with
+neither a usable prebuilt library nor nvcc the backend is off with a one-line reason (hf_cascade.kernels.select turns
+it into the one WARNING: tests/test_errors.py) and nothing logged above INFO here; availability() reports each case.
+The prebuilt library is stood in for by a stub with the same C symbols, compiled with the system C compiler, whose
+layout table is the real one (csrc/include/hfc/layout.h over params.h): the ctypes mirrors of
+hf_cascade/kernels/cuda_binding.py are checked against the C structs here (the real library needs nvcc:
+tools/check_wheel.py checks it in CI).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_cascade.kernels import _build, cuda_binding, cuda_library, ops
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+INCLUDE = Path(__file__).resolve().parents[2] / "csrc" / "include"
+STUB = r"""
+#include <stdint.h>
+#include "hfc/layout.h"
+#ifdef BREAK_LAYOUT   /* a library whose hfc_suffix_params has one more field than the binding knows */
+typedef struct { hfc_suffix_params base; int32_t extra; } broken_suffix;
+static const hfc_layout_entry broken[] = {HFC_PARAMS_LAYOUT_ROWS, {"hfc_suffix_params", "extra",
+    (int64_t)offsetof(broken_suffix, extra), 4}};
+const hfc_layout_entry* hfc_params_layout(int32_t* n) { *n = sizeof(broken) / sizeof(broken[0]); return broken; }
+#else
+const hfc_layout_entry* hfc_params_layout(int32_t* n) { *n = hfc_params_layout_rows; return hfc_params_layout_table; }
+#endif
+int hfc_abi_version(void) { return ABI; }
+const char* hfc_error_string(int e) { (void)e; return "stub"; }
+const char* hfc_last_error(void) { return "head_dim 96 has no instantiation (compiled: 64, 128, 256)"; }
+int hfc_sync(void) { return 0; }
+int hfc_prefix_setup(int32_t a, int32_t b, int32_t c, int32_t t, void* d) {
+  (void)a; (void)b; (void)c; (void)t; (void)d; return 0;
+}
+int hfc_prefix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
+int hfc_suffix(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
+int hfc_merge(const void* p, uintptr_t s) { (void)p; (void)s; return 0; }
+int hfc_write(void* a, const void* b, const void* c, const void* d, const void* e, int64_t f, const void* g,
+              const void* h, int64_t i, int64_t j, int64_t k, uintptr_t s) {
+  (void)a; (void)b; (void)c; (void)d; (void)e; (void)f; (void)g; (void)h; (void)i; (void)j; (void)k; (void)s;
+  return 0;
+}
+"""
+
+
+def stub_library(tmp_path, abi, *defines):
+    name = f"stub{abi}{''.join(defines)}"
+    src = tmp_path / f"{name}.c"
+    src.write_text(STUB)
+    out = tmp_path / f"lib{name}.so"
+    subprocess.run(["cc", "-shared", "-fPIC", f"-I{INCLUDE}", f"-DABI={abi}", *(f"-D{d}" for d in defines),
+                    "-o", str(out), str(src)], check=True)
+    return out
+
+
+@pytest.fixture
+def loader(monkeypatch, tmp_path):
+    """A fresh loader on a pretend sm_90 GPU, without nvcc, with an empty build cache."""
+    monkeypatch.setattr(cuda_library, "_libs", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_build, "find_nvcc", lambda: None)
+    monkeypatch.setenv("HF_CASCADE_CACHE", str(tmp_path / "cache"))
+    return monkeypatch
+
+
+def test_prebuilt_library_is_used_without_a_compiler(loader, tmp_path, caplog):
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        lib = cuda_library.library("cuda:0")
+    assert lib.path == cuda_library.PREBUILT
+    assert cuda_library.library("cuda:0") is lib                     # loaded once
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert cuda_library.prebuilt_library() == str(cuda_library.PREBUILT)
+    ok, reason = cuda_library.availability()
+    assert "prebuilt" in reason and (ok or "no CUDA GPU" in reason)
+
+
+def test_wrong_abi_falls_back_to_building(loader, tmp_path, caplog):
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION - 1))
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        for _ in range(3):          # the failure is remembered: one attempt, the same reason every time
+            with pytest.raises(RuntimeError, match=f"ABI version {cuda_binding.ABI_VERSION - 1}.*nvcc not found"):
+                cuda_library.library("cuda:0")
+    assert len([r for r in caplog.records if "unusable" in r.getMessage()]) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert cuda_library.prebuilt_library() is None
+    ok, reason = cuda_library.availability()
+    assert not ok and "unusable" in reason and "nvcc" in reason
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_prebuilt_or_loaded_loads_the_prebuilt_library_and_never_builds(loader, tmp_path):
+    """What a call's fused norms decide on before its first forward (hf_cascade.fused_ops.configure): the library
+    loaded already, or the prebuilt one (loaded, remembered, the one library() then gives), never a build."""
+    loader.setattr(cuda_library, "_arch_of", {})
+    loader.setattr(torch.cuda, "current_device", lambda: 0)
+    loader.setattr(cuda_library, "build_library", lambda arch: pytest.fail("prebuilt_or_loaded built a library"))
+    device = torch.device("cuda", 0)
+    loader.setattr(cuda_library, "PREBUILT", tmp_path / "absent.so")
+    assert cuda_library.prebuilt_or_loaded(device) is None
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION - 1))
+    assert cuda_library.prebuilt_or_loaded(device) is None and cuda_library._libs == {}    # unusable: not remembered
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    lib = cuda_library.prebuilt_or_loaded(device)
+    assert lib is not None and lib.path == cuda_library.PREBUILT
+    assert cuda_library.prebuilt_or_loaded(device) is lib and cuda_library.library("cuda:0") is lib
+
+
+def test_neither_prebuilt_nor_nvcc(loader, tmp_path, caplog):
+    loader.setattr(cuda_library, "PREBUILT", tmp_path / "absent.so")
+    with caplog.at_level(logging.WARNING, logger="hf_cascade"):
+        with pytest.raises(RuntimeError, match="no prebuilt kernel library.*nvcc not found") as err:
+            cuda_library.library("cuda:0")
+    assert "\n" not in str(err.value) and not caplog.records
+    ok, reason = cuda_library.availability()
+    assert not ok and "no prebuilt kernel library" in reason and "nvcc" in reason
+
+
+def test_a_failed_build_is_one_line_with_the_details_at_info(loader, tmp_path, caplog):
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "fake nvcc 0.0"; exit 0; fi\n'
+                    'echo "prefix.cu(1): error: something broke" >&2\necho "second line of the details" >&2\nexit 2\n')
+    nvcc.chmod(0o755)
+    loader.setattr(cuda_library, "PREBUILT", tmp_path / "absent.so")
+    loader.setattr(_build, "find_nvcc", lambda: str(nvcc))
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        with pytest.raises(RuntimeError, match="nvcc failed with exit code 2") as err:
+            cuda_library.library("cuda:0")
+    assert "\n" not in str(err.value) and "second line" not in str(err.value)
+    assert any("second line of the details" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_the_binding_structs_are_the_c_structs(tmp_path):
+    # the real layout table (sizeof / offsetof of csrc/include/hfc/params.h by the C compiler) against the mirrors
+    lib = ctypes.CDLL(str(stub_library(tmp_path, cuda_binding.ABI_VERSION)))
+    table = cuda_binding.read_layout(lib)
+    assert {row[0] for row in table} == set(cuda_binding.PARAMS_STRUCTS)
+    cuda_binding.check_layout(table)
+    for struct, mirror in cuda_binding.PARAMS_STRUCTS.items():      # every field of every mirror is described
+        assert {row[1] for row in table if row[0] == struct} == {None} | {f for f, _ in mirror._fields_}
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda rows: [r if r[:2] != ("hfc_prefix_params", "window") else (*r[:2], r[2] + 4, r[3]) for r in rows],
+     r"hfc_prefix_params\.window: offset \d+, 4 bytes in the library's C struct, offset \d+"),
+    (lambda rows: [r if r[:2] != ("hfc_merge_params", None) else (*r[:3], r[3] + 8) for r in rows],
+     r"sizeof\(hfc_merge_params\) is \d+ in the library"),
+    (lambda rows: [r for r in rows if r[:2] != ("hfc_suffix_params", "softcap")],
+     r"hfc_suffix_params\.softcap is in the ctypes mirror _SuffixParams but not in the library's C struct"),
+    (lambda rows: [r for r in rows if r[0] != "hfc_prefix_info"], r"does not describe struct hfc_prefix_info")])
+def test_a_layout_mismatch_names_the_struct_and_field(tmp_path, change, message):
+    table = cuda_binding.read_layout(ctypes.CDLL(str(stub_library(tmp_path, cuda_binding.ABI_VERSION))))
+    with pytest.raises(cuda_binding.LayoutMismatch, match=message):
+        cuda_binding.check_layout(change(table))
+
+
+def test_a_library_with_another_layout_is_not_loaded(loader, tmp_path, caplog):
+    # a prebuilt library whose struct has a field the binding lacks: unusable, named, then a build is tried
+    loader.setattr(cuda_library, "PREBUILT", stub_library(tmp_path, cuda_binding.ABI_VERSION, "BREAK_LAYOUT"))
+    with pytest.raises(cuda_binding.LayoutMismatch, match=r"hfc_suffix_params\.extra .* not in its ctypes mirror"):
+        cuda_binding._Lib(cuda_library.PREBUILT)
+    with pytest.raises(RuntimeError, match=r"unusable .*hfc_suffix_params\.extra.*nvcc not found"):
+        cuda_library.library("cuda:0")
+
+
+def test_a_refused_call_says_why(loader, tmp_path):
+    # hfc_last_error's words (a dispatch naming the value) join CUDA's name of the code in the raised error
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    with pytest.raises(RuntimeError, match=r"suffix failed: stub: head_dim 96 has no instantiation \(compiled: 64, "
+                                           r"128, 256\) \(cudaError 1\)"):
+        lib.check(1, "suffix")
+
+
+def test_a_dtype_without_kernels_is_named(tmp_path):
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION))
+    out = torch.zeros(1, 1, 8, 128)
+    with pytest.raises(TypeError, match=r"dtype torch.float32 has no instantiation \(compiled: torch.bfloat16, "
+                                        r"torch.float16\)"):
+        lib.merge(ops.MergeArgs(out, out, out, out, 0, 1), 0)
+
+
+def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
+    """cuda_library.write_slots (the cache write on csrc/write.cu) writes only with a loaded library and tensors the
+    kernel reads as they are: contiguous, int64 indices, the pool's element size, whole 16-byte vectors per token;
+    anything else is left to the torch write (False), never launched with a wrong layout."""
+    launches = []
+
+    class Loaded:
+        def write(self, *args):
+            launches.append(args)
+
+    pool = torch.zeros(4, 2, 16, 2, 8, dtype=torch.bfloat16)          # a token: 2 x 8 x 2 = 32 bytes
+    key, value = torch.randn(3, 2, 8).bfloat16(), torch.randn(3, 2, 8).bfloat16()
+    index = torch.zeros(3, dtype=torch.long)
+    args = (index, index, index, index, True)
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: None)
+    assert not cuda_library.write_slots(pool, key, value, *args)          # no library loaded: none is loaded for it
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: Loaded())
+    monkeypatch.setattr(cuda_library, "write_kernel", False)
+    assert not cuda_library.write_slots(pool, key, value, *args)          # turned off ($HF_CASCADE_WRITE_KERNEL=0)
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 0}))
+    assert cuda_library.write_slots(pool, key, value, *args) and len(launches) == 1
+    strided = torch.randn(2, 3, 8).bfloat16().transpose(0, 1)
+    assert not cuda_library.write_slots(pool, strided, value, *args)
+    assert not cuda_library.write_slots(pool, key, value, index.int(), index, index, index, True)
+    assert not cuda_library.write_slots(pool.to(torch.float8_e4m3fn), key, value, *args)
+    odd = torch.zeros(4, 2, 16, 2, 6, dtype=torch.bfloat16)              # 24-byte tokens
+    assert not cuda_library.write_slots(odd, key[..., :6].contiguous(), value[..., :6].contiguous(), *args)
+    assert len(launches) == 1
+
+
+def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_path):
+    """cuda_library.norm_fits / rotary_fits decide where csrc/elementwise.cu runs (the callers run eager ops
+    elsewhere); a library built before those kernels (the stub: no hfc_rms_norm, no hfc_rotary) has none."""
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_elementwise
+    bf16 = torch.bfloat16
+    x, weight = torch.randn(8, 1, 256, dtype=bf16), torch.randn(256, dtype=bf16)
+    assert cuda_library.norm_fits(x, weight)
+    assert cuda_library.norm_fits(torch.randn(8, 768, dtype=bf16)[:, 256:512], weight)     # strided rows
+    assert not cuda_library.norm_fits(x.float(), weight.float())                          # float32
+    assert not cuda_library.norm_fits(x, weight.float())                                  # weight's dtype
+    assert not cuda_library.norm_fits(torch.randn(256, 8, dtype=bf16).t(), torch.randn(8, dtype=bf16))
+    # q and k as views of one fused q|k|v product [B, L, (Hq + 2 Hk) D], per head, transposed
+    fused = torch.randn(2, 5, (4 + 2 * 2) * 32, dtype=bf16)
+    q = fused[..., :128].view(2, 5, 4, 32).transpose(1, 2)
+    k = fused[..., 128:192].view(2, 5, 2, 32).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 32, dtype=bf16), torch.randn(2, 5, 32, dtype=bf16)
+    assert cuda_library.rotary_fits(q, k, cos, sin)
+    assert cuda_library.rotary_fits(q, k, cos[:1], sin[:1])                               # one row for all
+    assert not cuda_library.rotary_fits(q, k, cos, sin.transpose(0, 1).contiguous().transpose(0, 1))
+    assert not cuda_library.rotary_fits(q.float(), k.float(), cos.float(), sin.float())
+    assert not cuda_library.rotary_fits(q, k, cos.unsqueeze(1), sin.unsqueeze(1))        # [B, 1, L, D]: not 3-D
+    assert not cuda_library.rotary_fits(q.transpose(-1, -2), k.transpose(-1, -2), cos, sin)
+    assert cuda_library.rms_norm(x, weight, 1e-6) is None and cuda_library.rotary(q, k, cos, sin) is None   # (CPU)
