@@ -527,12 +527,19 @@ def _uncapped(what: str, fix: str) -> str:
 
 
 def _check_counts(generation_config) -> None:
-    """What stock generate refuses only by crashing somewhere inside (num_beams=0: ZeroDivisionError) or lets
-    through to a different decoding (num_beams=-2 would run greedy here)."""
+    """What stock generate refuses only by crashing somewhere inside (num_beams=0: ZeroDivisionError; beam search
+    with num_return_sequences=0) or lets through to a different decoding (num_beams=-2 would run greedy here; beam
+    search with num_return_sequences=-1 returns rows of no prompt)."""
     beams = generation_config.num_beams
     if isinstance(beams, numbers.Real) and not isinstance(beams, bool) and beams < 1:
         raise ValueError(f"num_beams must be a positive integer (1: greedy search or sampling, > 1: beam search), got "
                          f"{beams!r}.")
+    returned = generation_config.num_return_sequences
+    if (isinstance(beams, numbers.Real) and beams > 1 and isinstance(returned, numbers.Real)
+            and not isinstance(returned, bool) and returned < 1):
+        # stock crashes inside its beam search (0) or returns rows that belong to no prompt (-1)
+        raise ValueError(f"num_return_sequences must be a positive integer, at most num_beams ({beams}), got "
+                         f"{returned!r}.")
 
 
 def active_dropout(model) -> str | None:

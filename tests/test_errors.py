@@ -410,6 +410,24 @@ def test_a_mask_wider_or_narrower_than_the_ids_says_what_generate_expects(llama_
         assert f"[2, {width}]" in str(info.value) and "use model.generate" not in str(info.value)
 
 
+@pytest.mark.parametrize("config", [None, dict(cuda_graphs="eager")], ids=["default", "whole-step"])
+@pytest.mark.parametrize("returned", [0, -1])
+def test_beam_search_returning_fewer_than_one_sequence_is_refused(llama_pair, returned, config):
+    """Stock crashes inside its beam search (0) or returns rows that belong to no prompt (-1, 4 rows for 2 prompts);
+    the whole step answered with an internal error (-1) or 2 rows (0): refused at the entry, on every path."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3, num_return_sequences=returned,
+              pad_token_id=0)
+    if returned == 0:
+        with pytest.raises(Exception):
+            stock.generate(**kw)
+    else:
+        assert stock.generate(**kw).shape[0] != ids.shape[0] * 3
+    with pytest.raises(ValueError, match=f"num_return_sequences must be a positive integer.*got {returned}"):
+        cascade.generate(**kw, **({} if config is None else dict(hf_cascade_config=config)))
+
+
 @pytest.mark.parametrize("beams", [0, -2])
 def test_num_beams_below_one_is_refused(llama_pair, beams):
     """Stock raises (ZeroDivisionError, a negative dimension) from inside; the cascade entry ran it as greedy."""

@@ -47,6 +47,7 @@ REFUSED = {
     "decoder_mask",     # a padded decoder prompt (encoder-decoder; item 9)
     "positions",        # position_ids of another width than the ids (stock runs them, reading past the prompt)
     "mask_1d", "mask_rows", "mask_narrow",   # a mask of the wrong shape, which stock broadcasts over the ids
+    "return_sequences",  # beam search with num_return_sequences -1: stock returns rows that belong to no prompt
 }
 # refusals of one family's path where stock runs, each with a message naming the fix (hf_cascade's known limits)
 REFUSED_BY_FAMILY = {
