@@ -370,8 +370,9 @@ def write_json(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Exit codes: 0 same tokens (also where the cascade call ran on stock's path: the report says why),
-    1 the tokens differ, 2 bad flags (one line on stderr), 3 the run failed: for a reason the message names
+    """Exit codes: 0 same tokens (also where the cascade call ran on stock's path: the report says why; in bfloat16 /
+    float16, whatever rounding changed: the report gives the agreement), 1 the tokens differ (float32 / float64),
+    2 bad flags (one line on stderr), 3 the run failed: for a reason the message names
     (unsupported model or backend, KV pool too small, checkpoint unreadable) in one line, otherwise with
     the traceback (Python's own exit code for an uncaught error, 1, would read as "the tokens differ")."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -398,7 +399,8 @@ def main(argv=None) -> int:
     print_table(result, Console(stderr=args.json == "-"))     # keep stdout pure JSON with --json -
     if args.json:
         write_json(result, args.json)
-    if not result["tokens_identical"]:
+    # bf16/fp16 promise stock's tokens only up to rounding: the report gives the agreement, and that is no failure
+    if not result["tokens_identical"] and result["dtype"] not in _cli.HALF_DTYPES:
         raise SystemExit(1)
     return 0
 

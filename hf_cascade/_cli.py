@@ -136,7 +136,8 @@ def build_parser() -> Parser:
         prog=name, description="The same beam search with stock sdpa and with cascade, side by side: whether the "
                                "tokens match, the KV bytes each kept, the rows each prefilled, the time per new token "
                                "and the wall time (medians of interleaved rounds after a warm-up, with their spread).",
-        epilog="Exit codes: 0 same tokens, 1 the tokens differ, 2 bad flags, 3 the run failed (the message says why). "
+        epilog="Exit codes: 0 same tokens (bfloat16/float16: up to rounding, the agreement reported), 1 the tokens "
+               "differ (float32/float64), 2 bad flags, 3 the run failed (the message says why). "
                f"Run `{name} env` for versions, GPUs and which kernel backends are available.")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="local checkpoint folder to load (default: a built-in random Llama-shaped model: 8 layers, "

@@ -101,6 +101,11 @@ def test_main_exit_codes(monkeypatch, capsys):
         main(["--device", "cpu"])
     assert info.value.code == 1                       # 1: the tokens differ, and only that
 
+    def rounded(*args, **kwargs):                     # bf16: stock's tokens up to rounding, the agreement reported
+        return {**FAKE, "dtype": "bfloat16", "tokens_identical": False, "token_agreement": 0.6}
+    monkeypatch.setattr(cli, "run_comparison", rounded)
+    assert main(["--device", "cpu"]) == 0
+
     def bug(*args, **kwargs):
         raise KeyError("stats")
     monkeypatch.setattr(cli, "run_comparison", bug)
