@@ -103,7 +103,7 @@ class GraphDescriptor:
     cascade_config: CascadeConfig      # every field: pools (memory, block size, cap), plan thresholds, backend, mode
     autocast: tuple = (False, None)    # the casts a captured step baked in (precision.state)
     hooks: str | None = None           # forward hooks the steps must run (graphs.inner_hooks_reason): eager steps
-    outer_hooks: str | None = None     # hooks on the model (graphs.outer_hooks_reason): eager steps through its __call__
+    outer_hooks: str | None = None     # hooks on the model (graphs.outer_hooks_reason): eager, through __call__
 
     @classmethod
     def of(cls, model, cascade_config: CascadeConfig, rows: int) -> "GraphDescriptor":

@@ -15,8 +15,8 @@ How the context reaches the attention function (decided once, at import, by the 
 - below 5.24 ``update`` gets no such dict (nor from the few modeling files that pass none, e.g. GPT-NeoX's):
   :func:`set_context` / :func:`get_context` / :func:`reset_context` are then the one channel (nano-vllm's
   ``utils/context.py``). It keeps the context per thread, because two threads may generate at once
-  (tests/decode/test_threads.py), and weakly, so that a dropped cache frees its pools at once. The attention reads it only
-  for a layer written and not yet read in that step, so a stale context never reaches a later dense forward.
+  (tests/decode/test_threads.py), and weakly, so that a dropped cache frees its pools at once. The attention reads it
+  only for a layer written and not yet read in that step, so a stale context never reaches a later dense forward.
 
 - a compiled forward (the graph runner's ``compile``) gets the context as the forward's own ``cascade_step`` argument,
   which transformers hands on to every attention call: a thread-local cannot be read inside a traced graph, so the

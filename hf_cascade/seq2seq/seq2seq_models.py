@@ -113,8 +113,8 @@ class T5Family(Seq2SeqFamily):
 
 _BART, _T5 = Seq2SeqFamily(), T5Family()
 _M2M100 = Seq2SeqFamily(positions_skip_pads=True)
-# model_type -> adapter; every entry is tested token-exact against stock (tests/seq2seq/test_encoder_decoder.py; pegasus,
-# plbart and blenderbot(-small) in tests/seq2seq/test_seq2seq_graphs.py)
+# model_type -> adapter; every entry is tested token-exact against stock (tests/seq2seq/test_encoder_decoder.py;
+# pegasus, plbart and blenderbot(-small) in tests/seq2seq/test_seq2seq_graphs.py)
 SUPPORTED: dict[str, Seq2SeqFamily] = {
     "bart": _BART, "mbart": _BART, "marian": _BART, "m2m_100": _M2M100,
     "pegasus": _BART, "plbart": _BART, "blenderbot": _BART, "blenderbot-small": _BART,
