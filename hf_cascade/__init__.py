@@ -24,22 +24,19 @@ from .generation import cascade_generate, prefill
 from ._version import __version__  # noqa: F401 (the package version)
 from .decode.session import release
 
-# The modules' names before the subpackages (hf_cascade.cache, hf_cascade.whole_step, ...) stay importable: each is
-# the moved module itself.
-_MOVED = {**{name: "kv" for name in ("blocks", "cache", "context", "memory", "plan", "static_step")},
-          **{name: "decode" for name in ("device_blocks", "device_select", "fused_linears", "fused_ops", "graphs",
-                                         "host_select", "regional", "session", "whole_step")},
-          **{name: "seq2seq" for name in ("cross_attention", "cross_kv", "dense_cache", "encoder_decoder",
-                                          "encoder_expansion", "seq2seq_models")}}
 
 
 def _alias_moved_modules() -> None:
+    """The modules' names before the subpackages (hf_cascade.cache, hf_cascade.whole_step, ...) stay importable: each
+    is the moved module itself."""
     import importlib
+    import pkgutil
     import sys
-    for name, package in _MOVED.items():
-        module = importlib.import_module(f"{__name__}.{package}.{name}")
-        sys.modules.setdefault(f"{__name__}.{name}", module)
-        globals().setdefault(name, module)
+    for package in ("kv", "decode", "seq2seq"):
+        for info in pkgutil.iter_modules(importlib.import_module(f"{__name__}.{package}").__path__):
+            module = importlib.import_module(f"{__name__}.{package}.{info.name}")
+            sys.modules.setdefault(f"{__name__}.{info.name}", module)
+            globals().setdefault(info.name, module)
 
 
 _alias_moved_modules()

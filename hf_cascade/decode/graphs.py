@@ -45,7 +45,6 @@ logger = logging.getLogger("hf_cascade")
 _lock = threading.RLock()
 
 
-
 def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
     """Why generate's decode steps cannot run on the graph runner for ``model`` under ``cascade_config`` (None when
     they can: captured and replayed, or with ``cuda_graphs="eager"`` its static path without capture)."""
@@ -104,8 +103,7 @@ def inner_hooks_reason(model) -> str | None:
     name = next((name for name, module in model.named_modules() if name and _hooked(module)), None)
     if name is not None:
         return f"forward hooks on {name} (a captured step would not run them)"
-    # (global hooks run on every submodule too; hooks on the model itself run in its __call__, around the replayed
-    # forward)
+    # (global hooks run on every submodule too; hooks on the model itself: outer_hooks_reason)
     return _global_hooks_reason()
 
 

@@ -5,13 +5,13 @@ A session holds, for one call, everything that lives from the prefill to the end
 - the :class:`~hf_cascade.cache.CascadeCache` the decode steps run on: the caller's, or one the call owns
   (taken from what the model's last call kept, else new), claimed against another thread's call on it;
 - the cache's static decode layout (``begin_decode`` / ``end_decode``);
-- the :class:`~hf_cascade.graphs.DecodeGraphRunner` standing in for ``model.forward`` during the decode loop,
-  chosen by a :class:`GraphDescriptor` (what a captured graph depends on);
+- the step runner the decode loop calls (:class:`~hf_cascade.graphs.DecodeGraphRunner`: eager, captured or
+  compiled), chosen by a :class:`GraphDescriptor` (what a captured graph depends on);
 - what is kept for the model's next call (:class:`KeptCall`: the emptied cache and its runner, in one registry
   weakly keyed by model; :func:`release` drops it); for an encoder-decoder call
   also its strategy's state (the cross-attention storages and context), reused only where everything matches;
-- the end of the call on every exit path (exceptions, KeyboardInterrupt): the model's forward restored, the cache
-  reset, kept, or (the caller's) left with its tokens.
+- the end of the call on every exit path (exceptions, KeyboardInterrupt): the cache reset, kept, or (the
+  caller's) left with its tokens.
 
 What fills the cache before the decode loop is the session's :class:`DecodeStrategy`: the decoder-only prefill
 (prefill once + fork, :mod:`hf_cascade.generation`) or the encoder side of an encoder-decoder call

@@ -132,29 +132,24 @@ class DecodeMode:
     mode. ``loop``: ``"whole step"`` (this module's loop, on the session's step runner) or ``"transformers' loop"``
     (its ``_sample`` / ``_beam_search`` with the model's own eager forwards, where the whole step cannot serve the
     call); ``steps``: ``"captured"``, ``"compiled, captured"``, ``"compiled"`` or ``"eager"``; ``chooser``:
-    ``"device"`` or ``"host"``; ``reasons``: what held the call back from the fastest mode, in words."""
+    ``"device"`` or ``"host"``; ``reason``: why the loop, the steps or the chooser is not the fastest, in words."""
 
     loop: str
     steps: str | None = None
     chooser: str | None = None
-    reasons: tuple = ()
+    reason: str | None = None
 
     @classmethod
     def of_runner(cls, runner, chooser: str, *reasons) -> "DecodeMode":
         steps = ("compiled, captured" if runner.compiled else "captured") if runner.capture_enabled else (
             "compiled" if runner.compiled else "eager")
-        return cls("whole step", steps, chooser, tuple(r for r in reasons if r))
+        return cls("whole step", steps, chooser, "; ".join(r for r in reasons if r) or None)
 
     def __str__(self) -> str:
         if self.loop != "whole step":
-            return f"generate's decode loop stays transformers' (eager forwards): {'; '.join(self.reasons)}"
+            return f"generate's decode loop stays transformers' (eager forwards): {self.reason}"
         said = f"decode steps: the whole step, {self.steps}, token choice on the {self.chooser}"
-        if self.chooser == "host":
-            said = f"{said} (token choice on the host: {self.reasons[-1]})"
-            reasons = self.reasons[:-1]
-        else:
-            reasons = self.reasons
-        return f"{said}{' — ' + '; '.join(reasons) if reasons else ''}"
+        return said if self.reason is None else f"{said} ({self.reason})"
 
 
 def decode(session, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs: dict,
@@ -163,9 +158,10 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     session's step runner, with the token choice on the device where :mod:`hf_cascade.device_select` reproduces it,
     else on the host (:mod:`hf_cascade.host_select`); where the loop cannot serve the call (no runner, or
     :func:`refusal`), ``stock()``: transformers' loop with eager forwards (``session.transformers_loop``)."""
-    reason = None if session.cache is None else session.runner_refusal
-    if session.cache is None or session.runner is None:
-        return _transformers_loop(session, stock, reason or "no cache of the call's own")
+    if session.cache is None:
+        return _transformers_loop(session, stock, "no cache of the call's own")
+    if session.runner is None:
+        return _transformers_loop(session, stock, session.runner_refusal)
     names = _Names(session.model)
     reason = refusal(session, generation_config, model_kwargs, synced_gpus)
     inputs = first = None
@@ -186,7 +182,7 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         mode = DecodeMode.of_runner(runner, "device", eager)
         chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled)
     else:
-        mode = DecodeMode.of_runner(runner, "host", eager, reason)
+        mode = DecodeMode.of_runner(runner, "host", eager, f"token choice on the host: {reason}")
         chooser = host_select.HostChooser(session.model, input_ids, logits_processor, stopping_criteria,
                                           generation_config, model_kwargs.get("streamer"))
     session.mode = mode
@@ -196,7 +192,7 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
 
 
 def _transformers_loop(session, stock, reason: str):
-    session.mode = mode = DecodeMode("transformers' loop", reasons=(reason,))
+    session.mode = mode = DecodeMode("transformers' loop", reason=reason)
     log_once(("decode mode", mode), logging.INFO, "%s", mode)
     return session.transformers_loop(stock)
 

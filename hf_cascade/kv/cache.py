@@ -356,8 +356,8 @@ class CascadeCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         ctx = self._context
         if ctx is not None and not ctx.finished and not ctx.written and not _is_compiling():
-            # a step begun before the forward (prepare_step: the graph runner) already counts its tokens: this forward's
-            # mask must not count them twice (a fresh step reads the mask's last columns as its own tokens)
+            # a step begun before the forward (prepare_step, begin_planned_step) already counts its tokens: this
+            # forward's mask must not count them twice (a fresh step reads the mask's last columns as its own tokens)
             return self._mask_length(), 0
         return self._mask_length() + query_length, 0
 
