@@ -1,6 +1,6 @@
-"""Which decode loop the CPU default should run: transformers' loop with the cascade cache (eager forwards, the
-CPU default) against hf_cascade's whole step in its eager form (``CascadeConfig(cuda_graphs="eager")``, what a GPU
-captures), on ``python -m hf_cascade``'s built-in model, float32, one thread.
+"""What the one decode loop costs on the CPU: the default (hf_cascade's whole step, its steps eager: nothing is
+captured on a CPU) against transformers' loop with the cascade cache (``CascadeConfig(cuda_graphs=False)``: eager
+forwards, the CPU default before the one loop), on ``python -m hf_cascade``'s built-in model, float32, one thread.
 
 Each case's two variants interleaved after a warm-up, medians of ``--rounds``; the tokens of the two compared (the
 same seed). Writes ``benchmarks/results/cpu/cpu_decode_loop.json``.
@@ -21,7 +21,7 @@ from hf_cascade.__main__ import build_model
 # (name, prompt tokens, generate's settings)
 CASES = [("beam 8, 1k", 1024, dict(num_beams=8)), ("beam 4, 512", 512, dict(num_beams=4)),
          ("sampling n=4, 256", 256, dict(do_sample=True, num_return_sequences=4))]
-VARIANTS = {"transformers' loop (default)": None, "whole step, eager": CascadeConfig(cuda_graphs="eager")}
+VARIANTS = {"default (the whole step, eager)": None, "transformers' loop": CascadeConfig(cuda_graphs=False)}
 
 
 def main(argv=None) -> None:

@@ -82,9 +82,10 @@ class CascadeConfig:
         cuda_graphs: run generate's decode steps in hf_cascade's decode loop as a replayed CUDA graph of the whole
             step: block bookkeeping, forward and token choice (:mod:`hf_cascade.decode`). ``None`` (default): on
             where it applies (CUDA, one device, the ``cuda`` kernels for every layer, ...; the reason is logged once
-            where it does not, and transformers' loop runs with eager forwards); ``False``: off; ``True``: as None,
-            but a model it cannot apply to is logged at WARNING; ``"eager"``: the same loop and static step run
-            without capturing, on any device (for debugging and CPU tests).
+            where it does not, and the same loop runs its steps eagerly, as on the CPU); ``False``: off (transformers'
+            loop, eager forwards); ``True``: as None, but a model it cannot apply to is logged at WARNING;
+            ``"eager"``: the same loop and static step run without capturing, on any device (for debugging and CPU
+            tests).
         compile: with CUDA graphs, compile the decode forward with ``torch.compile`` (default mode, fixed
             shapes; in the whole step also its bookkeeping and token choice) and capture the compiled step: fused
             norms, rotary and MLP glue. The first call of a shape compiles (5-41 s for the H200 benchmarks); off by

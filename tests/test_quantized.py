@@ -55,7 +55,8 @@ QUANTIZERS = {
 ACTIVATION_ROUNDING = {"torchao-int8-dynamic", "bnb-int8", "bnb-int8-no-outliers", "bnb-nf4"}
 
 PATHS = {
-    "per-step plans": CascadeConfig(),                       # on the CPU: graphs refused, no runner
+    "per-step plans": CascadeConfig(cuda_graphs=False),      # transformers' loop, no runner
+    "default": CascadeConfig(),                              # on the CPU: the whole step's eager steps
     "runner": CascadeConfig(cuda_graphs="eager"),           # host_loop() keeps transformers' loop around the runner
     "whole step": CascadeConfig(cuda_graphs="eager"),       # tokens only: the token choice on the device
     "whole step, host choice": CascadeConfig(cuda_graphs="eager"),  # scores: the token choice on the host
@@ -127,6 +128,8 @@ def test_beam_search_gives_the_quantized_stock_tokens(quantized_pair, path, monk
     runner, = spy.runners
     if path == "per-step plans":
         assert runner is None
+    elif path == "default":
+        assert not runner.capture_enabled and runner.device_steps >= 5
     else:
         assert runner.disabled is None, runner.disabled
         assert (runner.replays if path == "runner" else runner.device_steps) >= 5
@@ -165,8 +168,8 @@ def test_capture_refused_only_where_a_quantized_kernel_syncs_the_host(quantized_
 
 
 def test_generate_with_graphs_asked_for_says_why_bnb_int8_steps_run_eagerly(checkpoint, monkeypatch, caplog):
-    """``cuda_graphs=True`` on a model whose layers sync the host: no runner, the reason logged as a warning (the
-    quantizer's, ahead of the CPU's own), stock's tokens."""
+    """``cuda_graphs=True`` on a model whose layers sync the host: its steps run eagerly on the runner, the reason
+    logged as a warning (the quantizer's, ahead of the CPU's own), stock's tokens."""
     _, stock, cascade = _pair(checkpoint, "bnb-int8")
     caplog.set_level(logging.INFO, logger="hf_cascade")
     ids, mask = padded_batch(seed=6)
@@ -175,6 +178,7 @@ def test_generate_with_graphs_asked_for_says_why_bnb_int8_steps_run_eagerly(chec
     spy = RunnerSpy(monkeypatch)
     got = cascade.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
     assert torch.equal(expected, got)
-    assert spy.runners == [None]
+    runner, = spy.runners
+    assert not runner.capture_enabled and runner.captures == 0 and runner.device_steps >= 1
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("without CUDA graphs" in m and "llm_int8_threshold=6.0" in m for m in warned), warned

@@ -3,7 +3,8 @@
 A generate call's :class:`~hf_cascade.session.DecodeSession` hands its decode loop (:mod:`hf_cascade.whole_step`) one
 :class:`DecodeGraphRunner`, which says how each decode step runs:
 
-- **eager** (``cuda_graphs="eager"``, any device; or where hooks must run): every step runs its Python;
+- **eager** (the CPU and steps that cannot be captured, :func:`capture_reason`; ``cuda_graphs="eager"``, any device;
+  or where hooks must run): every step runs its Python;
 - **captured** (CUDA): a layout's first device step runs eagerly on a side stream, then the same step is captured as a
   CUDA graph (:meth:`DecodeGraphRunner.capture`: the one capture recipe) and replayed for the rest of the layout;
 - **compiled** (``CascadeConfig(compile=True)`` or ``"regional"``): the forward the step runs is
@@ -15,8 +16,9 @@ The runner keeps the captured step for the model's next call of the same shape (
 ``model.forward`` is never replaced: where the decode loop is transformers' (hf_cascade.whole_step.decode says when),
 its forwards are the model's own, eager.
 
-This module owns the runner and the support policy (:func:`unsupported_reason`, with quantized layers' capture safety
-in :func:`quantized_capture_reason`, and the hooks that keep steps eager); which runner a call uses, what is kept for
+This module owns the runner and the support policy (:func:`runner_reason`: whether a call's steps run on a runner at
+all; :func:`capture_reason`: whether they are captured, with quantized layers' capture safety in
+:func:`quantized_capture_reason`; and the hooks that keep steps eager); which runner a call uses, what is kept for
 the next call and the capture guard belong to :mod:`hf_cascade.session`.
 """
 from __future__ import annotations
@@ -45,11 +47,11 @@ logger = logging.getLogger("hf_cascade")
 _lock = threading.RLock()
 
 
-def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
-    """Why generate's decode steps cannot run on the graph runner for ``model`` under ``cascade_config`` (None when
-    they can: captured and replayed, or with ``cuda_graphs="eager"`` its static path without capture)."""
-    mode = cascade_config.cuda_graphs
-    if mode is False:
+def runner_reason(model, cascade_config: CascadeConfig) -> str | None:
+    """Why ``model``'s decode steps cannot run on a step runner at all under ``cascade_config`` (None when they can:
+    hf_cascade's decode loop serves the call, captured where :func:`capture_reason` allows, else eager); where they
+    cannot, transformers' loop runs with the model's own eager forwards."""
+    if cascade_config.cuda_graphs is False:
         return "CascadeConfig(cuda_graphs=False)"
     devices = {str(p.device) for p in model.parameters()}
     if not devices:
@@ -58,23 +60,40 @@ def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
         return "the model spans several devices (device_map)"
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         return "accelerate hooks (offloading or a device map) run inside the forward"
-    if mode != "eager":                    # (the runner's eager form captures nothing)
-        reason = quantized_capture_reason(model)
-        if reason is not None:
-            return reason
     text = model.config.get_text_config(decoder=True)
-    can_set_experts = getattr(type(model), "_can_set_experts_implementation", None)
-    if (mode != "eager" and getattr(model.config, "_experts_implementation", None) == "eager"
-            and can_set_experts is not None and can_set_experts()):     # (the runner's eager form captures nothing)
-        return ("experts_implementation='eager' (its loop over the experts synchronises with the host); load the "
-                "model with experts_implementation='grouped_mm' (the default on CUDA) for graphs")
     rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in ("dynamic", "longrope"):
         return f"{rope.get('rope_type', rope.get('type'))} RoPE changes its frequencies on the host with the length"
+    return None
+
+
+def capture_reason(model, cascade_config: CascadeConfig) -> str | None:
+    """Why a runner's decode steps cannot be captured as CUDA graphs (None where they can); they then run eagerly on
+    the runner (not compiled either: compile applies to captured steps, or to ``cuda_graphs="eager"``)."""
+    if cascade_config.cuda_graphs == "eager":
+        return "CascadeConfig(cuda_graphs='eager')"
+    reason = quantized_capture_reason(model)
+    if reason is not None:
+        return reason
+    can_set_experts = getattr(type(model), "_can_set_experts_implementation", None)
+    if (getattr(model.config, "_experts_implementation", None) == "eager"
+            and can_set_experts is not None and can_set_experts()):
+        return ("experts_implementation='eager' (its loop over the experts synchronises with the host); load the "
+                "model with experts_implementation='grouped_mm' (the default on CUDA) for graphs")
     device = next(model.parameters()).device
-    if device.type != "cuda" and mode != "eager":        # "eager": the static path without capture, any device
+    if device.type != "cuda":
         return f"the model is on {device.type}, not CUDA"
     return None
+
+
+def unsupported_reason(model, cascade_config: CascadeConfig) -> str | None:
+    """Why generate's decode steps cannot run as asked (None when they can: captured and replayed, or with
+    ``cuda_graphs="eager"`` the runner's eager steps on any device): :func:`runner_reason`, else
+    :func:`capture_reason` unless the config asks for eager steps."""
+    reason = runner_reason(model, cascade_config)
+    if reason is None and cascade_config.cuda_graphs != "eager":
+        reason = capture_reason(model, cascade_config)
+    return reason
 
 
 def _hooked(module) -> bool:

@@ -291,6 +291,7 @@ class DecodeSession:
         self.owned, self.keep, self.hands_out = cache is None, keep, hands_out
         self.runner: graphs.DecodeGraphRunner | None = None
         self.runner_refusal: str | None = None     # why the call has no runner (decode_runner)
+        self.capture_refusal: str | None = None    # why its runner's steps are not captured (decode_runner)
         self.mode = None                           # how the decode ran (hf_cascade.whole_step.DecodeMode)
         self._kept_runner = None
         if cache is None and keep and self.descriptor.encoder_decoder:
@@ -364,19 +365,28 @@ class DecodeSession:
         return self.decode_runner()
 
     def decode_runner(self):
-        """A DecodeGraphRunner for this call (the kept one where it fits), or None (the reason logged once). Called
+        """A DecodeGraphRunner for this call (the kept one where it fits), or None where the call's steps cannot run on
+        one (:func:`graphs.runner_reason`; transformers' loop serves it). Steps are captured (and compiled as the config
+        says) where :func:`graphs.capture_reason` allows or the config asks for eager steps; otherwise (the CPU, a
+        quantized layer that cannot be captured) they run eagerly, uncompiled (``capture_refusal`` says why). Called
         once per call that decodes on a CascadeCache (tests and benchmarks wrap it to see the runner)."""
-        mode = self.cache.cascade_config.cuda_graphs
-        reason = self.runner_refusal = graphs.unsupported_reason(self.model, self.cache.cascade_config)
+        config = self.cache.cascade_config
+        reason = self.runner_refusal = graphs.runner_reason(self.model, config)
         if reason is not None:
-            if mode is not False:
-                log_once(("off", reason), logging.WARNING if mode is True else logging.INFO,
-                         "decode steps run without CUDA graphs: %s", reason)
+            if config.cuda_graphs is not False:
+                log_once(("off", reason), logging.WARNING if config.cuda_graphs is True else logging.INFO,
+                         "decode steps run without a step runner (transformers' loop, eager forwards): %s", reason)
             return None
+        self.capture_refusal = None if config.cuda_graphs == "eager" else graphs.capture_reason(self.model, config)
+        if self.capture_refusal is not None:
+            log_once(("off", self.capture_refusal), logging.WARNING if config.cuda_graphs is True else logging.INFO,
+                     "decode steps run without CUDA graphs: %s", self.capture_refusal)
         runner = self._kept_runner      # (how its steps run is logged once with the call's mode: whole_step.decode)
         if runner is None:
+            as_asked = self.capture_refusal is None
             runner = graphs.DecodeGraphRunner(self.model, self.cache, capture_guard.capturing,
-                                              capture=self.descriptor.capture, compile=self.descriptor.compile,
+                                              capture=self.descriptor.capture and as_asked,
+                                              compile=self.descriptor.compile if as_asked else False,
                                               through_call=self.descriptor.outer_hooks is not None)
         runner.attach(self.model)
         runner.begin_call()
@@ -393,7 +403,10 @@ class DecodeSession:
         if self.owned and not (ok and self.hands_out):
             # nobody else can reach an owned cache that is not handed out: every block goes back now
             extra = extra_key = None
-            keeping = self.keep and ok and runner is not None and runner.whole_step_kept is not None
+            # (a runner whose steps could not be captured as asked keeps nothing: no graph points at the pools, and a
+            # CPU call's pools go back to the allocator as stock's cache does)
+            keeping = (self.keep and ok and runner is not None and runner.whole_step_kept is not None
+                       and self.capture_refusal is None)
             if keeping and self.descriptor.encoder_decoder:
                 extra_key = getattr(self.strategy, "keep_key", None)
                 extra = None if extra_key is None else self.strategy.kept_state()

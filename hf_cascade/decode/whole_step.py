@@ -57,6 +57,10 @@ logger = logging.getLogger("hf_cascade")
 # to CHECK_EVERY - 1 steps after the end are wasted (benchmarks/generate_gpu.py --whole-step measures the choice)
 CHECK_EVERY = 8
 
+# steps a device hold takes at most where steps cannot be captured (WholeStepLoop.frugal): each hold begins with a host
+# step, which costs an eager step no more on the CPU
+EAGER_ROOM = 4 * CHECK_EVERY
+
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
 # call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
@@ -176,8 +180,8 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     if reason is None:
         config, reason = _selection_config(input_ids, logits_processor, stopping_criteria, generation_config, mask)
     runner = session.runner
-    eager = session.descriptor.eager_reason or ("CascadeConfig(cuda_graphs='eager')"
-                                                if session.descriptor.cascade_config.cuda_graphs == "eager" else None)
+    eager = session.descriptor.eager_reason or session.capture_refusal or (
+        "CascadeConfig(cuda_graphs='eager')" if session.descriptor.cascade_config.cuda_graphs == "eager" else None)
     if reason is None:
         mode = DecodeMode.of_runner(runner, "device", eager)
         chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled)
@@ -320,6 +324,10 @@ class WholeStepLoop:
     def __init__(self, session, chooser, input_ids, inputs: dict, first_inputs: dict | None = None,
                  second_positions: torch.Tensor | None = None):
         self.model, self.cache, self.runner = session.model, session.cache, session.runner
+        # steps that cannot be captured (the CPU, a quantized layer that syncs): nothing replays a shape, so the device
+        # pool is not bucketed and takes only EAGER_ROOM steps at a time (reserved memory follows the tokens, as on
+        # transformers' loop)
+        self.frugal = getattr(session, "capture_refusal", None) is not None
         self.names = _Names(self.model)
         self.kind = hold_kind(self.cache)
         self.chooser = chooser
@@ -593,8 +601,22 @@ class BlocksHold:
         # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
         # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
         R = manager.num_rows
-        # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
-        pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1) + 1) - 1
+
+        def pool_for(steps: int) -> int:     # (a row takes at most one id a step)
+            return max(manager.capacity, manager.blocks_in_use + R * min(steps, -(-steps // bs) + 1) + 1)
+
+        if loop.frugal:
+            # the most steps (up to EAGER_ROOM) that the pools hold with the scratch block: as they are, else grown
+            # as a growing pool doubles
+            held = min((layer.storage.num_blocks for layer in cache.layers if layer.storage is not None), default=0)
+            while pool_for(1) + 1 > held:
+                held = max(2 * held, 16)
+            room = next(steps for steps in range(min(room, EAGER_ROOM), 0, -1) if pool_for(steps) + 1 <= held)
+            pool_blocks = pool_for(room)
+        else:
+            # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
+            pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
+                                       + 1) - 1
         if manager.max_blocks is not None:
             # a cap (max_kv_bytes): the device's pool and its scratch block inside it, and only as many steps as
             # cannot pass it; the steps the device cannot take run on the host path, whose block manager raises

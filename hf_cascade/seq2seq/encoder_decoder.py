@@ -284,7 +284,7 @@ class EncoderSide:
         them, nor over a caller's own decoder_position_ids (the runner then says why its steps run eagerly)."""
         model, model_kwargs, width = self.model, self.model_kwargs, self.input_ids.shape[1]
         if family_of(model).positions_from_decoder_mask or "decoder_position_ids" in model_kwargs \
-                or graphs.unsupported_reason(model, self.cascade_config) is not None:
+                or graphs.runner_reason(model, self.cascade_config) is not None:
             return
         reason = device_positions_reason(model, self.generation_config.max_length or width + 1)
         if reason is not None:
@@ -325,7 +325,8 @@ class KeptCross:
 def _static_self_attention(model, config: CascadeConfig) -> bool:
     """Whether a relative-bias family's decoder self-attention runs on ``dense_cache.StaticSelfAttentionCache``: where
     the decode steps run on the graph runner and ``hf_cascade.patches.t5_mask`` serves the decoder stack (else the
-    dense cache, every step eager, the reason logged once)."""
+    dense cache, every step eager, the reason logged once). Not where the steps cannot be captured (the CPU): the
+    static buffers hold ``max_length`` from the first step, the dense cache grows with the tokens as stock's does."""
     if not family_of(model).relative_bias or graphs.unsupported_reason(model, config) is not None:
         return False
     reason = static_mask_reason(model)

@@ -14,7 +14,6 @@ wait for the device or upload from the host on a GPU (``.item()``, ``.tolist()``
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import types
@@ -266,10 +265,13 @@ def emulated_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(graphs, "_side_stream", lambda device: stream)
-    real = graphs.unsupported_reason
-    monkeypatch.setattr(graphs, "unsupported_reason",           # a CPU model "on CUDA"
-                        lambda model, config: real(model, dataclasses.replace(config, cuda_graphs="eager")
-                                                   if config.cuda_graphs is True else config))
+    real = graphs.capture_reason
+
+    def on_cuda(model, config):         # a CPU model "on CUDA" where the call asks for graphs
+        reason = real(model, config)
+        return None if config.cuda_graphs is True and reason is not None and reason.endswith("not CUDA") else reason
+
+    monkeypatch.setattr(graphs, "capture_reason", on_cuda)
     return _EmulatedCapture
 
 

@@ -607,8 +607,9 @@ def test_max_kv_bytes_holds(family, paged):
     base = dict(backend="reference", block_size=4) if paged else {}
     with pytest.raises(hf_cascade.PoolExhausted, match="max_kv_bytes"):
         _capped_call(family, {**base, "max_kv_bytes": 2048})
-    # find what the call needs, then cap just above it (and a little below: refused)
-    want, got, need = _capped_call(family, hf_cascade.CascadeConfig(**base))
+    # find what the call needs on the path a capped call takes (a cap no call reaches), then cap just above it (and a
+    # little below: refused)
+    want, got, need = _capped_call(family, hf_cascade.CascadeConfig(**base, max_kv_bytes=1 << 40))
     assert torch.equal(want, got) and need > 2048
     want, got, peak = _capped_call(family, {**base, "max_kv_bytes": need})
     assert torch.equal(want, got) and 0 < peak <= need
