@@ -9,7 +9,10 @@ import from the installed version or read from the code it concerns:
 - how the step context reaches the attention: from 5.24 ``Cache.update(k, v, layer_idx, kwargs=<the attention
   kwargs>)``, before it the per-thread shim of :mod:`hf_cascade.context` (:data:`UPDATE_PASSES_KWARGS`);
 - two rules of beam search and the repetition penalty that 5.24 changed (:data:`BEAM_RULES_5_24`, read by
-  :mod:`hf_cascade.device_select`).
+  :mod:`hf_cascade.device_select`);
+- a modeling function decorated with ``use_kernel_forward_from_hub`` (Llama's ``apply_rotary_pos_emb``): from 5.25
+  an ``nn.Module`` instance of kernels' making that calls the function, before it the function
+  (:func:`hub_function`, read by :mod:`hf_cascade.decode.fused_ops`).
 
 Imports nothing of the package: every module may use it.
 """
@@ -67,3 +70,21 @@ UPDATE_PASSES_KWARGS = _5_24
 
 # ---- device_select: 5.24's beam search and repetition-penalty rules (shared/reference/device_beam_search.md) -----
 BEAM_RULES_5_24 = _5_24
+
+
+# ---- hub-kernel functions: 5.25 requires kernels>=0.19.1, whose use_kernel_forward_from_hub turns a decorated
+# function into an instance of an nn.Module class it makes (``_create_func_module.<locals>.Func``) whose forward calls
+# the function; 5.17-5.24 accepted no kernels release that does this and kept the function -------------------------
+def hub_function(obj):
+    """The plain function behind ``obj``: ``obj`` itself where it is a function; where it is kernels' module for a
+    function decorated with ``use_kernel_forward_from_hub``, the function it calls; None for anything else."""
+    if inspect.isfunction(obj):
+        return obj
+    cls = type(obj)
+    if cls.__qualname__ != "_create_func_module.<locals>.Func" or not hasattr(cls, "kernel_layer_name"):
+        return None
+    try:
+        func = inspect.getclosurevars(cls.forward).nonlocals.get("func")
+    except (TypeError, AttributeError):
+        return None
+    return func if inspect.isfunction(func) else None
