@@ -12,7 +12,9 @@ import from the installed version or read from the code it concerns:
   :mod:`hf_cascade.device_select`);
 - a modeling function decorated with ``use_kernel_forward_from_hub`` (Llama's ``apply_rotary_pos_emb``): from 5.25
   an ``nn.Module`` instance of kernels' making that calls the function, before it the function
-  (:func:`hub_function`, read by :mod:`hf_cascade.decode.fused_ops`).
+  (:func:`hub_function`, read by :mod:`hf_cascade.decode.fused_ops`);
+- Falcon's attention: from 5.25 through the attention interface, before it its own table of classes
+  (:data:`FALCON_ROUTES_ATTENTION`, read by the Falcon patch).
 
 Imports nothing of the package: every module may use it.
 """
@@ -70,6 +72,11 @@ UPDATE_PASSES_KWARGS = _5_24
 
 # ---- device_select: 5.24's beam search and repetition-penalty rules (shared/reference/device_beam_search.md) -----
 BEAM_RULES_5_24 = _5_24
+
+
+# ---- Falcon: 5.25 removed modeling_falcon's FALCON_ATTENTION_CLASSES table; its FalconAttention calls the attention
+# interface itself (and caches the K/V heads unbroadcast), so patches/families.py's Falcon module is for before only --
+FALCON_ROUTES_ATTENTION = VERSION >= Version("5.25")
 
 
 # ---- hub-kernel functions: 5.25 requires kernels>=0.19.1, whose use_kernel_forward_from_hub turns a decorated
