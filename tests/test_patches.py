@@ -342,6 +342,19 @@ def test_alibi_is_refused_with_the_reason():
         bloom.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
 
 
+def test_alibi_falcon_built_without_the_loader_is_refused():
+    """An ALiBi Falcon built by its class (not through from_config / from_pretrained) is refused too: before 5.25 by
+    its table's "cascade" entry, from 5.25 (stock routes its attention) by generate, before any forward, whose first
+    check is ALiBi (its forward would otherwise meet the deferred cascade mask)."""
+    from transformers import FalconForCausalLM
+    config = _falcon_config(alibi=True)
+    config._attn_implementation = "cascade"
+    ids, mask = padded_batch(seed=0)
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'"):
+        model = FalconForCausalLM(config).eval()
+        model.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
+
+
 def test_upstream_encoder_expansion_hook_still_exists():
     """The encoder output of a cascade encoder-decoder model is not expanded per beam: generate must still
     expand inputs through _expand_inputs_for_generation(expand_size=, is_encoder_decoder=, encoder_outputs=)."""
