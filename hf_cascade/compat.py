@@ -1,7 +1,7 @@
 """What differs between the transformers versions hf_cascade supports, in one place.
 
 The supported range (:data:`SUPPORTED`; the packaging metadata's ``install_requires`` says the same, checked by
-tests/test_compat.py), and each difference between the oldest (5.17) and the newest (5.24) checked, decided once at
+tests/test_compat.py), and each difference between the oldest (5.17) and the newest (5.25) checked, decided once at
 import from the installed version or read from the code it concerns:
 
 - generate's and the models' cache keyword: ``cache`` from 5.24, ``past_key_values`` before (:data:`CACHE_KWARG`,
@@ -26,10 +26,9 @@ import transformers
 from packaging.version import Version
 
 # [min, max) transformers versions hf_cascade supports; the patches act only inside it. CI runs both ends checked
-# (TESTED: .ci/run's 5.17 virtual environment and the default one). Capped below 5.25 until it is tested: 5.25
-# rewrote Falcon's attention (no FALCON_ATTENTION_CLASSES table; an ALiBi Falcon no longer gets the clear refusal).
-SUPPORTED = (Version("5.17.0"), Version("5.25.0"))
-TESTED = (Version("5.17.0"), Version("5.24.0"))
+# (TESTED: .ci/run's 5.17 virtual environment and the default one). Capped below 5.26 until that is tested.
+SUPPORTED = (Version("5.17.0"), Version("5.26.0"))
+TESTED = (Version("5.17.0"), Version("5.25.0"))
 VERSION = Version(Version(transformers.__version__).base_version)    # (a dev or rc build as its release)
 _5_24 = VERSION >= Version("5.24")
 
@@ -40,7 +39,7 @@ def in_range() -> bool:
 
 
 def range_text() -> str:
-    """The supported range as messages and the metadata say it: ``>=5.17,<5.25``."""
+    """The supported range as messages and the metadata say it: ``>=5.17,<5.26``."""
     low, high = SUPPORTED
     return f">={low.major}.{low.minor},<{high.major}" + (f".{high.minor}" if high.minor else "")
 
