@@ -292,7 +292,8 @@ def _apply_gptj_codegen() -> None:
 
 def apply() -> None:
     """Route the families above once (idempotent); outside the checked versions, or where modeling_falcon changed
-    under the patch, log and leave it (Falcon is then refused at load, patches/loading.py)."""
+    under the patch, log and leave it (Falcon is then refused at load, patches/loading.py). From 5.25 Falcon routes
+    its attention itself and is left alone."""
     if _checked:
         return
     _checked.append(True)
