@@ -92,10 +92,12 @@ def unsupported_reason(model) -> str | None:
         return reason
     if getattr(text, "num_attention_heads", None) is None:
         return f"{type(model).__name__} has no attention layers (e.g. a state-space model): there is no K/V to share"
+    # ALiBi before routing: a model that routes its attention and adds ALiBi to the mask (Falcon from 5.25) would
+    # otherwise run the cascade attention, which takes no additive bias
+    if uses_alibi(model):
+        return (f"{type(model).__name__} adds ALiBi position biases to its attention scores, and the cascade "
+                "kernels have no ALiBi bias (a model with rotary or learned positions is served)")
     if not routes_attention(model):
-        if uses_alibi(model):
-            return (f"{type(model).__name__} adds ALiBi position biases to its attention scores, and the cascade "
-                    "kernels have no ALiBi bias (a model with rotary or learned positions is served)")
         return (f"{type(model).__name__} computes attention in its own code: no module of it calls transformers' "
                 "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so the cascade attention would never run")
     if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):

@@ -1,8 +1,10 @@
 """Families whose modeling code does not route attention through transformers' AttentionInterface, served
 by an attention module of our own that does.
 
-Falcon picks its attention class from ``FALCON_ATTENTION_CLASSES[config._attn_implementation]`` while it is
-built and calls ``torch.nn.functional.scaled_dot_product_attention`` itself. A "cascade" entry is added to
+Falcon before transformers 5.25 (:data:`hf_cascade.compat.FALCON_ROUTES_ATTENTION`: from 5.25 it routes its
+attention itself and is left alone) picks its attention class from
+``FALCON_ATTENTION_CLASSES[config._attn_implementation]`` while it is built and calls
+``torch.nn.functional.scaled_dot_product_attention`` itself. A "cascade" entry is added to
 that table: ``FalconCascadeAttention`` keeps stock's projections, head split and RoPE, stores the K/V heads
 once (the new decoder architecture broadcasts its K/V heads to every query head before caching them; we
 store the ``num_kv_heads`` heads and let the attention group the queries), and calls the "cascade"
@@ -33,7 +35,8 @@ import logging
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # a global name: routes_attention reads it
 
-from hf_cascade.compat import CACHE_KWARGS, SUPPORTED, UPDATE_PASSES_KWARGS, VERSION, cache_kwarg, cache_of, in_range
+from hf_cascade.compat import (CACHE_KWARGS, FALCON_ROUTES_ATTENTION, SUPPORTED, UPDATE_PASSES_KWARGS, VERSION, cache_kwarg,
+                               cache_of, in_range)
 
 logger = logging.getLogger("hf_cascade")
 
@@ -289,7 +292,8 @@ def _apply_gptj_codegen() -> None:
 
 def apply() -> None:
     """Route the families above once (idempotent); outside the checked versions, or where modeling_falcon changed
-    under the patch, log and leave it (Falcon is then refused at load, patches/loading.py)."""
+    under the patch, log and leave it (Falcon is then refused at load, patches/loading.py). From 5.25 Falcon routes
+    its attention itself and is left alone."""
     if _checked:
         return
     _checked.append(True)
@@ -300,13 +304,14 @@ def apply() -> None:
                        "attn_implementation='cascade'.",
                        version, *SUPPORTED)
         return
-    reason = falcon_unchanged_reason()
-    if reason is None:
-        attention, entry = _falcon_classes()
-        _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
-        _applied.append(attention)
-    else:
-        logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
+    if not FALCON_ROUTES_ATTENTION:     # (from 5.25 stock's Falcon routes its attention itself)
+        reason = falcon_unchanged_reason()
+        if reason is None:
+            attention, entry = _falcon_classes()
+            _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
+            _applied.append(attention)
+        else:
+            logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
     _apply_gptj_codegen()
     _apply_gpt_neo()
     _apply_xglm()

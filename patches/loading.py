@@ -5,6 +5,11 @@ attn_implementation="cascade".
 Such models index a per-model dict with ``config._attn_implementation`` while they are built and
 fail with a bare ``KeyError: 'cascade'``; ``from_pretrained`` / ``from_config`` now turn that into an
 error that names the reason and the alternative.
+
+Also refused as they are built: models that add ALiBi biases and route their attention through the interface
+(Falcon with ``alibi=True`` from transformers 5.25; before, its table's "cascade" entry refused it). Their forward
+would call the cascade attention, which adds no bias, and fail on the deferred mask; the refusal is generate's
+(:func:`hf_cascade.generation.check_model_supported`), given at load as before 5.25.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ def _wrap(name: str):
     @functools.wraps(original)
     def loader(cls, *args, **kwargs):
         try:
-            return original(cls, *args, **kwargs)
+            loaded = original(cls, *args, **kwargs)
         except KeyError as err:
             if err.args and err.args[0] == "cascade":
                 stock = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"   # GPT-Neo has no sdpa
@@ -30,9 +35,19 @@ def _wrap(name: str):
                     "entry, so attn_implementation='cascade' cannot serve it. Load it with "
                     f"attn_implementation='{stock}' instead.") from err
             raise
+        _refuse_routed_alibi(loaded[0] if isinstance(loaded, tuple) else loaded)    # (output_loading_info: a tuple)
+        return loaded
 
     loader.__hf_cascade_original__ = original
     return classmethod(loader)
+
+
+def _refuse_routed_alibi(model) -> None:
+    if not isinstance(model, PreTrainedModel) or getattr(model.config, "_attn_implementation", None) != "cascade":
+        return
+    from hf_cascade.generation import check_model_supported, routes_attention, uses_alibi
+    if uses_alibi(model) and routes_attention(model):
+        check_model_supported(model)        # raises: ALiBi is its first refusal
 
 
 def is_applied() -> bool:

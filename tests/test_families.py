@@ -23,6 +23,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from hf_cascade import CascadeCache
+from hf_cascade.compat import FALCON_ROUTES_ATTENTION
 from conftest import VOCAB, cache_kw, host_loop, padded_batch
 
 NEW = 7            # new tokens per generate call
@@ -123,17 +124,16 @@ FAMILIES: dict[str, Family] = {
                             num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=256),
                        quirks="partial RoPE, parallel residual"),
     "Falcon": Family(_falcon(multi_query=True, new_decoder_architecture=False),
-                     quirks="old architecture, MQA, parallel attention/MLP, RoPE; served through patches/families.py "
-                            "(its own attention-class table and attention code)"),
+                     quirks="old architecture, MQA, parallel attention/MLP, RoPE; before transformers 5.25 served "
+                            "through patches/families.py (its own attention-class table and attention code)"),
     "Falcon (multi-head)": Family(_falcon(multi_query=False, new_decoder_architecture=False, parallel_attn=False),
-                                  quirks="old architecture, MHA, sequential attention/MLP, RoPE (patches/families.py)"),
+                                  quirks="old architecture, MHA, sequential attention/MLP, RoPE"),
     "Falcon (new architecture)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=2),
                                         quirks="new decoder architecture, GQA 4/2 (stock caches K/V broadcast to "
-                                               "every head; we store the 2), two layer norms (patches/families.py)"),
+                                               "every head before 5.25; we store the 2), two layer norms"),
     "Falcon (new architecture, MQA)": Family(_falcon(new_decoder_architecture=True, num_kv_heads=1,
                                                      num_ln_in_parallel_attn=1),
-                                             quirks="new decoder architecture, MQA, one layer norm "
-                                                    "(patches/families.py)"),
+                                             quirks="new decoder architecture, MQA, one layer norm"),
     "Falcon (ALiBi)": Family(_falcon(alibi=True), status="load error", error_type=NotImplementedError,
                              error="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'",
                              quirks="ALiBi: the cascade kernels have no ALiBi bias; refused at load, told to load sdpa "
@@ -265,10 +265,12 @@ def test_family(name, mode):
     assert torch.equal(expected, got), f"{name} {mode}: cascade tokens differ from stock"
 
 
-# families served through patches/families.py's attention modules on this transformers (GPT-J and CodeGen: 5.17)
-_ROUTED_UPSTREAM = {"GPT-J": not _GPTJ, "CodeGen": not _CODEGEN}
+# families served through patches/families.py's attention modules on this transformers (GPT-J and CodeGen: 5.17;
+# Falcon: before 5.25)
+_ROUTED_UPSTREAM = {"GPT-J": not _GPTJ, "CodeGen": not _CODEGEN, "Falcon": FALCON_ROUTES_ATTENTION}
 PATCHED = [name for name, family in FAMILIES.items()
-           if family.status == "exact" and "patches/families.py" in family.quirks and not _ROUTED_UPSTREAM.get(name)]
+           if family.status == "exact" and ("patches/families.py" in family.quirks or name.startswith("Falcon"))
+           and not _ROUTED_UPSTREAM.get(name.split(" (")[0])]
 
 
 @pytest.mark.parametrize("name", PATCHED)

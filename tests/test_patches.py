@@ -133,14 +133,26 @@ def _falcon_config(**overrides):
 
 
 def test_falcon_patch_fits_installed_transformers():
-    """Falcon still builds its attention from FALCON_ATTENTION_CLASSES, with the forward signature, head split and
-    RoPE our FalconCascadeAttention relies on; the table's "cascade" entry builds it."""
+    """Before 5.25 Falcon builds its attention from FALCON_ATTENTION_CLASSES, with the forward signature, head split
+    and RoPE our FalconCascadeAttention relies on; the table's "cascade" entry builds it. From 5.25 it has no table and
+    its own attention calls the interface: the patch leaves it, and a cascade Falcon's layers are stock's."""
+    from transformers import AutoModelForCausalLM
     from transformers.models.falcon import modeling_falcon
     from hf_cascade import patches
+    from hf_cascade.compat import FALCON_ROUTES_ATTENTION
+    from hf_cascade.generation import routes_attention
     from hf_cascade.patches.families import SUPPORTED, falcon_unchanged_reason
     from packaging.version import Version
     assert SUPPORTED[0] <= Version(transformers.__version__) < SUPPORTED[1]
     assert patches.families_patch_applied()
+    if FALCON_ROUTES_ATTENTION:
+        assert not hasattr(modeling_falcon, "FALCON_ATTENTION_CLASSES")
+        assert "ALL_ATTENTION_FUNCTIONS" in modeling_falcon.FalconAttention.forward.__code__.co_names
+        model = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
+                                                 attn_implementation="cascade")
+        assert routes_attention(model)
+        assert type(model.transformer.h[0].self_attention) is modeling_falcon.FalconAttention
+        return
     assert falcon_unchanged_reason() is None
     assert "FALCON_ATTENTION_CLASSES[" in inspect.getsource(modeling_falcon.FalconDecoderLayer.__init__)
     # stock's new architecture broadcasts its K/V heads to every query head (we store them once, unbroadcast)
@@ -163,12 +175,16 @@ def test_falcon_new_architecture_stores_each_kv_head_once():
 
 
 def test_falcon_dense_forward_and_attention_weights_are_stock():
-    """Without our cache (a loss pass) and with output_attentions, the cascade Falcon computes what stock does
-    (stock eager: stock sdpa's output_attentions branch adds its boolean mask to the scores)."""
+    """Without our cache (a loss pass) and with output_attentions, the cascade Falcon computes what stock does:
+    before 5.25 stock eager's (stock sdpa's output_attentions branch adds its boolean mask to the scores; our module
+    runs stock's eager branch for weights); from 5.25, where Falcon routes its attention itself, stock sdpa's, as for
+    every routed family (stock eager's softmax is float32 there, and sdpa returns no weights)."""
     from transformers import AutoModelForCausalLM
+    from hf_cascade.compat import FALCON_ROUTES_ATTENTION
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
-                                             attn_implementation="eager", dtype=torch.float64).eval()
+                                             attn_implementation="sdpa" if FALCON_ROUTES_ATTENTION else "eager",
+                                             dtype=torch.float64).eval()
     cascade = AutoModelForCausalLM.from_config(_falcon_config(new_decoder_architecture=True, num_kv_heads=2),
                                                attn_implementation="cascade", dtype=torch.float64).eval()
     cascade.load_state_dict(stock.state_dict())
@@ -180,7 +196,8 @@ def test_falcon_dense_forward_and_attention_weights_are_stock():
     real = mask.bool()             # a padding position attends to nothing: eager and sdpa fill it differently
     assert torch.allclose(expected.logits[real], dense[real], atol=1e-12)
     assert torch.equal(expected.logits, got.logits)
-    assert all(torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
+    assert len(expected.attentions) == len(got.attentions)
+    assert all(a is b is None if a is None else torch.equal(a, b) for a, b in zip(expected.attentions, got.attentions))
 
 
 def _assert_same_forward(stock, cascade) -> None:
@@ -323,6 +340,19 @@ def test_alibi_is_refused_with_the_reason():
     ids, mask = padded_batch(seed=0)
     with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='eager'"):
         bloom.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
+
+
+def test_alibi_falcon_built_without_the_loader_is_refused():
+    """An ALiBi Falcon built by its class (not through from_config / from_pretrained) is refused too: before 5.25 by
+    its table's "cascade" entry, from 5.25 (stock routes its attention) by generate, before any forward, whose first
+    check is ALiBi (its forward would otherwise meet the deferred cascade mask)."""
+    from transformers import FalconForCausalLM
+    config = _falcon_config(alibi=True)
+    config._attn_implementation = "cascade"
+    ids, mask = padded_batch(seed=0)
+    with pytest.raises(NotImplementedError, match="ALiBi.*no ALiBi bias.*attn_implementation='sdpa'"):
+        model = FalconForCausalLM(config).eval()
+        model.generate(input_ids=ids % 64, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=0)
 
 
 def test_upstream_encoder_expansion_hook_still_exists():

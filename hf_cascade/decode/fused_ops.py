@@ -35,6 +35,7 @@ import weakref
 import torch
 from torch import nn
 
+from .. import compat
 from ..kernels import cuda_library
 
 _lock = threading.Lock()
@@ -76,6 +77,11 @@ def _source(obj) -> str | None:
         return None
 
 
+def _function_source(obj) -> str | None:
+    function = compat.hub_function(obj)
+    return None if function is None else _source(function)
+
+
 def _llama():
     from transformers.models.llama import modeling_llama
     return modeling_llama
@@ -104,9 +110,11 @@ def _rotary_module(module: nn.Module):
         return None
     if found not in _checked:
         llama = _llama()
+        # (from 5.25 apply_rotary_pos_emb is kernels' module around the function: the function's source is compared)
         pairs = ((_wrapped.get(found, found.apply_rotary_pos_emb), _wrapped.get(llama, llama.apply_rotary_pos_emb)),
                  (found.rotate_half, llama.rotate_half))
-        _checked[found] = all(_source(a) is not None and _source(a) == _source(b) for a, b in pairs)
+        sources = [(_function_source(a), _function_source(b)) for a, b in pairs]
+        _checked[found] = all(a is not None and a == b for a, b in sources)
     return found if _checked[found] else None
 
 
@@ -129,7 +137,7 @@ def _wrap_norm(cls) -> None:
 def _wrap_rotary(module) -> None:
     original = module.apply_rotary_pos_emb
 
-    @functools.wraps(original)
+    @functools.wraps(compat.hub_function(original))      # (the function's name and docstring, not a module's)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if not args and not kwargs and _active():
             out = _rotary_kernel(q, k, cos, sin)

@@ -11,13 +11,17 @@ tokens with them in a captured step.
 """
 from __future__ import annotations
 
+import inspect
+import sys
+import types
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_cascade import CascadeConfig, fused_ops
+from hf_cascade import CascadeConfig, compat, fused_ops
 from hf_cascade.config import ConfigTypeError
 from hf_cascade.kernels import cuda_library
 
@@ -158,6 +162,41 @@ def test_a_cuda_call_decides_on_the_kernels_before_its_first_forward(library, mo
     assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), stock.generate(**kw))
     assert asked == [torch.device("cuda", 0)]
     assert (kernels.norms > 0) == (library is not None) and (kernels.rotary > 0) == (library is not None)
+
+
+def _rotary_of_another_kind(q, k, cos, sin, unsqueeze_dim=2):     # Llama's, but for [batch, length, heads, dim]
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (modeling_llama.rotate_half(q) * sin), (k * cos) + (modeling_llama.rotate_half(k) * sin)
+
+
+def test_the_rotary_is_llama_s_by_the_source_of_the_function_it_runs(monkeypatch):
+    """From transformers 5.25 ``apply_rotary_pos_emb`` is kernels' ``nn.Module`` around the function
+    (``use_kernel_forward_from_hub``): the function inside is compared, source for source. A module whose rotary runs
+    another function, plain or inside kernels' module, is left alone; so is an object that only looks like one."""
+    llama = fused_ops._wrapped.get(modeling_llama, modeling_llama.apply_rotary_pos_emb)
+    function = compat.hub_function(llama)
+    assert inspect.isfunction(function) and function.__module__ == modeling_llama.__name__
+    assert (function is llama) == inspect.isfunction(llama)      # (5.17-5.24: the function itself)
+    impostor = type("Func", (torch.nn.Module,), {"kernel_layer_name": "rotary_pos_emb", "forward": llama})
+    assert compat.hub_function(impostor()) is None and compat.hub_function(len) is None
+
+    def module_with(rotary):
+        name = f"fake_modeling_{len(fused_ops._checked)}"
+        fake = types.ModuleType(name)
+        fake.apply_rotary_pos_emb, fake.rotate_half = rotary, modeling_llama.rotate_half
+        monkeypatch.setitem(sys.modules, name, fake)
+        return type("FakeAttention", (torch.nn.Module,), {"__module__": name})()
+
+    kinds = [(function, True), (_rotary_of_another_kind, False)]
+    if not inspect.isfunction(llama):                           # kernels' module around each
+        kinds += [(type(llama)(), True), (_hub_module(_rotary_of_another_kind), False)]
+    for rotary, llama_s in kinds:
+        assert (fused_ops._rotary_module(module_with(rotary)) is not None) == llama_s, rotary
+
+
+def _hub_module(function):
+    from kernels import use_kernel_forward_from_hub
+    return use_kernel_forward_from_hub("rotary_pos_emb")(function)
 
 
 def test_fuse_elementwise_must_be_a_bool():
