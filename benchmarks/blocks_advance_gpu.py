@@ -95,8 +95,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replays", type=int, default=30)
     args = parser.parse_args()
-    lib = cuda_library.prebuilt_or_loaded(torch.device("cuda"))
-    assert lib is not None and lib.has_blocks, "no kernel library with hfc_blocks_advance"
+    device = torch.device("cuda")
+    lib = cuda_library.prebuilt_or_loaded(device) or cuda_library.library(device)    # (advance takes a loaded one)
+    assert lib.has_blocks, "no kernel library with hfc_blocks_advance"
     print(f"{'shape':40s} {'rows':>5s} {'torch ops µs':>13s} {'kernel µs':>10s} {'flags':>6s}")
     for shape in SHAPES:
         ops, flags_ops = time_advance(shape, False, args.replays)

@@ -240,12 +240,12 @@ def blocks_advance(blocks, plan, parents: torch.Tensor, done: torch.Tensor, peak
     """A decode step's block bookkeeping (``hf_cascade.decode.whole_step.advance``: ``device_blocks.reorder`` by
     ``parents``, ``device_blocks.append`` unless ``done``, the step's plan into ``plan``, ``peak`` raised) in one launch
     of the library's kernel (``csrc/blocks.cu``, bit for bit the torch code's), where the library is loaded for the
-    device, or its prebuilt one loads, and the tensors fit (:func:`blocks_fit`); False where it did not run (the caller
-    runs the torch ops). ``blocks``: a DeviceBlocks; ``plan``: a DevicePlan; ``parents`` int64 [R]; ``done`` bool [];
+    device (:func:`loaded`: a library not loaded yet is not loaded for this) and the tensors fit (:func:`blocks_fit`);
+    False where it did not run (the caller runs the torch ops). ``blocks``: a DeviceBlocks; ``plan``: a DevicePlan; ``parents`` int64 [R]; ``done`` bool [];
     ``peak`` int64 []."""
     if not blocks.tables.is_cuda:
         return False
-    lib = prebuilt_or_loaded(blocks.tables.device)
+    lib = loaded(blocks.tables.device)
     if lib is None or not lib.has_blocks or not blocks_fit(blocks, plan, parents, done, peak):
         return False
     lib.blocks_advance(blocks, plan, parents, done, peak, torch.cuda.current_stream(blocks.tables.device).cuda_stream)
