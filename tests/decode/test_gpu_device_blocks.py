@@ -91,16 +91,16 @@ def _assert_same(a, b, what):
     same(a[2], b[2], "peak")
 
 
-def _drive(case, advance, device, seed=0):
+def _drive(case, advance, device, seed=0, steps=STEPS):
     """The torch ops and ``advance`` over the same random parents and done flags from one host state, compared after
-    every step; returns (the flags they ended on, the steps appended, the layout)."""
+    every step (``steps`` at most); returns (the flags they ended on, the steps appended, the layout)."""
     bs, system_len, prompt_lens, beams, room, spare, cross_rate, _ = CASES[case]
     m, layout, pool = _setup(case, device)
     want, got = _fresh(m, layout, pool, device), _fresh(m, layout, pool, device)
     _assert_same(want, got, "from_host")
     rng = np.random.default_rng(seed)
     flagged_at = None
-    for step in range(STEPS):
+    for step in range(steps):
         parents = torch.as_tensor(_parents(rng, len(prompt_lens), beams, rng.random() < cross_rate), device=device)
         done = torch.tensor(bool(rng.random() < 0.1), device=device)
         _torch_advance(*want[:2], parents, done, want[2])
