@@ -59,8 +59,8 @@ __device__ __forceinline__ int cta_scan(int v, int* warp_sums, int* total) {
 }
 
 // One row's suffix table (the blocks after its first `skip`) and q_limit, from the committed state.
-__device__ __forceinline__ void suffix(const BlocksAdvanceArgs& a, const int64_t* skip_blocks, int64_t width, int32_t* table,
-                                      int32_t* q_limit, int64_t length, bool row) {
+__device__ __forceinline__ void suffix(const BlocksAdvanceArgs& a, const int64_t* skip_blocks, int64_t width,
+                                      int32_t* table, int32_t* q_limit, int64_t length, bool row) {
   const int64_t W = a.width, bs = a.block_size, n = a.rows * width;
   for (int64_t k = threadIdx.x; k < n; k += kBlocksThreads) {
     const int64_t r = k / width, c = k % width, skip = skip_blocks[r];
@@ -268,7 +268,8 @@ __global__ void __launch_bounds__(kBlocksThreads, 1) blocks_advance_kernel(const
     }
   }
   suffix(a, a.row_prefix_blocks, a.suffix_width, a.suffix_table, a.q_limit, length, row);
-  if (a.inner_width > 0) suffix(a, a.row_inner_blocks, a.inner_width, a.inner_suffix_table, a.inner_q_limit, length, row);
+  if (a.inner_width > 0)
+    suffix(a, a.row_inner_blocks, a.inner_width, a.inner_suffix_table, a.inner_q_limit, length, row);
 }
 
 }  // namespace

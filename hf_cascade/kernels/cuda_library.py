@@ -241,8 +241,8 @@ def blocks_advance(blocks, plan, parents: torch.Tensor, done: torch.Tensor, peak
     ``parents``, ``device_blocks.append`` unless ``done``, the step's plan into ``plan``, ``peak`` raised) in one launch
     of the library's kernel (``csrc/blocks.cu``, bit for bit the torch code's), where the library is loaded for the
     device (:func:`loaded`: a library not loaded yet is not loaded for this) and the tensors fit (:func:`blocks_fit`);
-    False where it did not run (the caller runs the torch ops). ``blocks``: a DeviceBlocks; ``plan``: a DevicePlan; ``parents`` int64 [R]; ``done`` bool [];
-    ``peak`` int64 []."""
+    False where it did not run (the caller runs the torch ops). ``blocks``: a DeviceBlocks; ``plan``: a DevicePlan;
+    ``parents`` int64 [R]; ``done`` bool []; ``peak`` int64 []."""
     if not blocks.tables.is_cuda:
         return False
     lib = loaded(blocks.tables.device)

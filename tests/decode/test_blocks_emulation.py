@@ -107,7 +107,8 @@ extern "C" {signature} {{
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   for (int w = 0; w < 32; ++w) warps.emplace_back(new std::barrier<>(32)), emu_warp[w] = warps.back().get();
   std::vector<std::thread> threads;
-  for (int t = 0; t < hfc::kBlocksThreads; ++t) threads.emplace_back([&a, t] {{ threadIdx.x = t; hfc::blocks_advance_kernel(a); }});
+  for (int t = 0; t < hfc::kBlocksThreads; ++t)
+    threads.emplace_back([&a, t] {{ threadIdx.x = t; hfc::blocks_advance_kernel(a); }});
   for (auto& t : threads) t.join();
   return 0;
 }}

@@ -47,8 +47,9 @@ CASES = {
 STEPS = 50
 
 
-def _setup(case, device, seed=0):
-    bs, system_len, prompt_lens, beams, room, spare, cross_rate, _ = CASES[case]
+def _setup(case):
+    """(a BlockManager after prefill and fork, its layout frozen, the pool's size) of ``case``."""
+    bs, system_len, prompt_lens, beams, room, spare, _, _ = CASES[case]
     m = _prefilled(bs, system_len, prompt_lens, beams)
     layout = DecodeLayout.freeze(m.tables(), m.lengths, bs, room, min_group_rows=2)
     pool = m.capacity + spare
@@ -57,8 +58,8 @@ def _setup(case, device, seed=0):
 
 def _fresh(m, layout, pool, device):
     """A DeviceBlocks, a DevicePlan of its own (the layout's buffers are one per device) and a peak."""
-    return (db.DeviceBlocks.from_host(m, layout, pool, device=device), _StaticBuffers(layout, torch.device(device)).plan,
-            torch.zeros((), dtype=torch.int64, device=device))
+    return (db.DeviceBlocks.from_host(m, layout, pool, device=device),
+            _StaticBuffers(layout, torch.device(device)).plan, torch.zeros((), dtype=torch.int64, device=device))
 
 
 def _torch_advance(blocks, plan, parents, done, peak):
@@ -95,7 +96,7 @@ def _drive(case, advance, device, seed=0, steps=STEPS):
     """The torch ops and ``advance`` over the same random parents and done flags from one host state, compared after
     every step (``steps`` at most); returns (the flags they ended on, the steps appended, the layout)."""
     bs, system_len, prompt_lens, beams, room, spare, cross_rate, _ = CASES[case]
-    m, layout, pool = _setup(case, device)
+    m, layout, pool = _setup(case)
     want, got = _fresh(m, layout, pool, device), _fresh(m, layout, pool, device)
     _assert_same(want, got, "from_host")
     rng = np.random.default_rng(seed)
@@ -129,7 +130,7 @@ def test_the_cases_cover_what_they_name():
 
 
 def test_cpu_tensors_and_tensors_it_does_not_take_fall_back_to_torch():
-    m, layout, pool = _setup("bs16-mid", "cpu")
+    m, layout, pool = _setup("bs16-mid")
     blocks, plan, peak = _fresh(m, layout, pool, "cpu")
     parents, done = torch.arange(blocks.num_rows), torch.tensor(False)
     assert not cuda_library.blocks_advance(blocks, plan, parents, done, peak)     # CPU tensors
@@ -161,7 +162,7 @@ def test_advance_on_cpu_runs_the_torch_ops(monkeypatch):
     asked = []
     real = cuda_library.blocks_advance
     monkeypatch.setattr(cuda_library, "blocks_advance", lambda *a: asked.append(1) or real(*a))
-    m, layout, pool = _setup("bs16-mid", "cpu")
+    m, layout, pool = _setup("bs16-mid")
     blocks, plan, peak = _fresh(m, layout, pool, "cpu")
     whole_step.advance(blocks, plan, torch.arange(blocks.num_rows), torch.tensor(False), peak)
     assert asked == [1] and int(blocks.steps) == 1 and int(peak) > 0
@@ -190,7 +191,7 @@ def test_kernel_runs_in_a_captured_graph_and_advance_uses_it(monkeypatch):
     """Captured (the whole step's use): 20 replays of 20 captured steps equal the torch ops' 400 steps; and advance
     runs the kernel (one launch) where it runs, the torch ops where blocks_kernel is off."""
     _library()
-    m, _, _ = _setup("bs16-many-rows", "cuda")
+    m, _, _ = _setup("bs16-many-rows")
     layout = DecodeLayout.freeze(m.tables(), m.lengths, 16, 420, min_group_rows=2)     # room for every step
     pool = m.capacity + 40_000
     want, got = _fresh(m, layout, pool, "cuda"), _fresh(m, layout, pool, "cuda")
@@ -246,8 +247,9 @@ def test_whole_step_beam_search_gives_the_same_tokens_with_the_kernel_on_and_off
     for on in (True, False):
         monkeypatch.setattr(whole_step, "blocks_kernel", on)
         _, model = _models(torch.bfloat16)
-        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
-                                   max_new_tokens=80, pad_token_id=0, **GENERATE_CASES[case]))
+        config = CascadeConfig(cuda_graphs=True)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=config, max_new_tokens=80,
+                                   pad_token_id=0, **GENERATE_CASES[case]))
         if on:
             assert len(calls) >= 2 and all(calls)     # the kernel ran for every step the device held
             used = len(calls)
