@@ -100,4 +100,22 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                                  k_stride, cs_stride, dtype, reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_blocks_advance(int32_t* tables, int64_t* lengths, int32_t* refcount, int32_t* flags, int64_t* steps,
+                               const int64_t* token_limit, const int64_t* row_prefix_blocks,
+                               const int64_t* row_inner_blocks, const int64_t* check_rows, const int64_t* check_cols,
+                               const int32_t* check_ids, const uint8_t* check_used, const int64_t* parents,
+                               const uint8_t* done, int64_t* peak, int32_t* suffix_table, int32_t* q_limit,
+                               int32_t* inner_suffix_table, int32_t* inner_q_limit, int64_t* write_block,
+                               int64_t* write_offset, int64_t* copy_src, int64_t* copy_dst, int64_t rows,
+                               int64_t width, int64_t pool_blocks, int64_t block_size, int64_t suffix_width,
+                               int64_t inner_width, int64_t checks, uintptr_t stream) {
+  hfc::clear_error();
+  const hfc::BlocksAdvanceArgs args{tables, lengths, refcount, flags, steps, token_limit, row_prefix_blocks,
+                                    row_inner_blocks, check_rows, check_cols, check_ids, check_used, parents, done,
+                                    peak, suffix_table, q_limit, inner_suffix_table, inner_q_limit, write_block,
+                                    write_offset, copy_src, copy_dst, rows, width, pool_blocks, block_size,
+                                    suffix_width, inner_width, checks};
+  return (int)hfc::blocks_advance_launch(args, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // extern "C"

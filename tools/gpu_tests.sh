@@ -23,6 +23,6 @@ group p2 "" tests/decode/test_compile.py tests/seq2seq/test_seq2seq_graphs.py te
 group p3 .device/setup.sh tests/kernels/test_gpu_flashinfer.py tests/test_gpu_variants.py tests/kv/test_cache_lifetime.py \
   tests/test_multi_device.py tests/decode/test_fused_linears.py tests/kernels/test_gpu_sinks.py tests/kv/test_gpu_memory.py
 group p4 .device/quant/setup.sh tests/kv/test_gpu_fp8.py tests/test_gpu_quantized.py tests/kernels/test_gpu_kernels.py \
-  tests/kernels/test_kernel_ops.py
+  tests/kernels/test_kernel_ops.py tests/decode/test_gpu_device_blocks.py
 wait
 for f in "$out"/p*.log; do echo "== $f"; grep -E "passed|failed|error|^FAILED|^ERROR|rc=" "$f" | tail -25; done

@@ -13,8 +13,9 @@ call. One step:
 1. the cache's bookkeeping, by the :class:`DeviceHold` of its kind: for a paged cache (:class:`BlocksHold`,
    :mod:`hf_cascade.device_blocks`) the beam reorder by the last step's parents, one token appended per row
    (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and copies written into the
-   static decode layout's plan buffers; for a dense one (``dense_cache.DenseHold``) the write position moved on, the
-   beam reorder of its gather table and the step's mask;
+   static decode layout's plan buffers (uncompiled on a GPU: one launch of ``csrc/blocks.cu``, the same values); for
+   a dense one (``dense_cache.DenseHold``) the write position moved on, the beam reorder of its gather table and the
+   step's mask;
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
@@ -47,6 +48,7 @@ import torch
 
 from . import device_blocks, device_select, graphs, host_select
 from ..seq2seq import seq2seq_models
+from ..kernels import cuda_library
 from ..kv.blocks import PoolExhausted
 from ..kv.plan import shape_bucket
 from ..logs import log_once
@@ -60,6 +62,10 @@ CHECK_EVERY = 8
 # steps a device hold takes at most where steps cannot be captured (WholeStepLoop.frugal): each hold begins with a host
 # step, which costs an eager step no more on the CPU
 EAGER_ROOM = 4 * CHECK_EVERY
+
+# the uncompiled step's block bookkeeping in one launch of the kernel library's csrc/blocks.cu where it runs (bit for
+# bit the torch ops of `advance`, ~80 launches); tests turn it off to compare
+blocks_kernel = True
 
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
 # call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
@@ -523,7 +529,11 @@ def advance(blocks: device_blocks.DeviceBlocks, plan, parents: torch.Tensor, don
             peak: torch.Tensor) -> None:
     """The step's block bookkeeping: beam reorder by ``parents``, one token appended per row unless the call is
     ``done``, the step's tables and slots copied into the layout's plan buffers ``plan`` (a DevicePlan), the peak of
-    blocks in use raised."""
+    blocks in use raised. One launch of the library's kernel where it runs (:data:`blocks_kernel`), except where the
+    step is compiled (torch.compile fuses the ops below)."""
+    if blocks_kernel and not torch.compiler.is_compiling() and cuda_library.blocks_advance(blocks, plan, parents, done,
+                                                                                          peak):
+        return
     device_blocks.reorder(blocks, parents)
     step = device_blocks.append(blocks, active=~done)
     for field in dataclasses.fields(step):        # (the plan's per-step tensors, by the same names)

@@ -172,6 +172,11 @@ class _Lib:
             strides = ctypes.POINTER(_i64)
             lib.hfc_rotary.restype = ctypes.c_int
             lib.hfc_rotary.argtypes = [_vp] * 6 + [_i64] * 5 + [strides] * 3 + [_i32, ctypes.c_size_t]
+        # (likewise: a library without it leaves the whole step's block bookkeeping to torch ops)
+        self.has_blocks = hasattr(lib, "hfc_blocks_advance")
+        if self.has_blocks:
+            lib.hfc_blocks_advance.restype = ctypes.c_int
+            lib.hfc_blocks_advance.argtypes = [_vp] * 23 + [_i64] * 7 + [ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -323,6 +328,23 @@ class _Lib:
         self.check(self.lib.hfc_rotary(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
                                        k_out.data_ptr(), batch, tokens, q_heads, k.shape[1], dim, *arrays, code,
                                        stream), "rotary")
+
+    def blocks_advance(self, blocks, plan, parents, done, peak, stream: int) -> None:
+        """One step's block bookkeeping (``csrc/blocks.cu``): ``blocks`` (a DeviceBlocks) and ``peak`` advanced in
+        place, the step's plan written into ``plan`` (a DevicePlan); shapes and dtypes as
+        ``cuda_library.blocks_fit`` checks them."""
+        inner = blocks.inner_width > 0
+        ptr = (lambda t: t.data_ptr() if t is not None and inner else None)
+        R, W = blocks.tables.shape
+        self.check(self.lib.hfc_blocks_advance(
+            blocks.tables.data_ptr(), blocks.lengths.data_ptr(), blocks.refcount.data_ptr(), blocks.flags.data_ptr(),
+            blocks.steps.data_ptr(), blocks.token_limit.data_ptr(), blocks.row_prefix_blocks.data_ptr(),
+            blocks.row_inner_blocks.data_ptr(), blocks.check_rows.data_ptr(), blocks.check_cols.data_ptr(),
+            blocks.check_ids.data_ptr(), blocks.check_used.data_ptr(), parents.data_ptr(), done.data_ptr(),
+            peak.data_ptr(), plan.suffix_table.data_ptr(), plan.q_limit.data_ptr(), ptr(plan.inner_suffix_table),
+            ptr(plan.inner_q_limit), plan.write_block.data_ptr(), plan.write_offset.data_ptr(),
+            plan.copy_src.data_ptr(), plan.copy_dst.data_ptr(), R, W, blocks.pool_blocks, blocks.block_size,
+            blocks.suffix_width, blocks.inner_width, blocks.check_rows.shape[0], stream), "blocks_advance")
 
     def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
         """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),

@@ -231,6 +231,54 @@ def rotary_fits(q, k, cos, sin) -> bool:
             and all(t.stride(-1) == 1 for t in (q, k, cos)))
 
 
+# the block bookkeeping kernel's limits (csrc/blocks.cu): a thread per row in one CTA; pool ids counted in at most 2048
+# chunks of 4096
+BLOCKS_MAX_ROWS, BLOCKS_MAX_POOL = 1024, 2048 * 4096
+
+
+def blocks_advance(blocks, plan, parents: torch.Tensor, done: torch.Tensor, peak: torch.Tensor) -> bool:
+    """A decode step's block bookkeeping (``hf_cascade.decode.whole_step.advance``: ``device_blocks.reorder`` by
+    ``parents``, ``device_blocks.append`` unless ``done``, the step's plan into ``plan``, ``peak`` raised) in one launch
+    of the library's kernel (``csrc/blocks.cu``, bit for bit the torch code's), where the library is loaded for the
+    device (:func:`loaded`: a library not loaded yet is not loaded for this) and the tensors fit (:func:`blocks_fit`);
+    False where it did not run (the caller runs the torch ops). ``blocks``: a DeviceBlocks; ``plan``: a DevicePlan;
+    ``parents`` int64 [R]; ``done`` bool []; ``peak`` int64 []."""
+    if not blocks.tables.is_cuda:
+        return False
+    lib = loaded(blocks.tables.device)
+    if lib is None or not lib.has_blocks or not blocks_fit(blocks, plan, parents, done, peak):
+        return False
+    lib.blocks_advance(blocks, plan, parents, done, peak, torch.cuda.current_stream(blocks.tables.device).cuda_stream)
+    return True
+
+
+def blocks_fit(blocks, plan, parents, done, peak) -> bool:
+    """Whether the bookkeeping kernel reads and writes these tensors as they are: DeviceBlocks' and DevicePlan's
+    dtypes and shapes (R rows, 1 <= R <= 1024; 1 <= pool_blocks <= 2^23), the middle level's plan tensors present
+    exactly where it has one, every tensor contiguous on one device."""
+    R, W = blocks.tables.shape
+    P, K = blocks.pool_blocks, blocks.check_rows.shape[0]
+    if not (1 <= R <= BLOCKS_MAX_ROWS and W >= 1 and 1 <= P <= BLOCKS_MAX_POOL):
+        return False
+    inner = blocks.inner_width > 0
+    if (plan.inner_suffix_table is not None) != inner or (plan.inner_q_limit is not None) != inner:
+        return False
+    i32, i64, b = torch.int32, torch.int64, torch.bool
+    want = [(blocks.tables, i32, (R, W)), (blocks.lengths, i64, (R,)), (blocks.refcount, i32, (P + 1,)),
+            (blocks.flags, i32, ()), (blocks.steps, i64, ()), (blocks.token_limit, i64, ()),
+            (blocks.row_prefix_blocks, i64, (R,)), (blocks.row_inner_blocks, i64, (R,)),
+            (blocks.check_rows, i64, (K,)), (blocks.check_cols, i64, (K,)), (blocks.check_ids, i32, (K,)),
+            (blocks.check_used, b, (K,)), (parents, i64, (R,)), (done, b, ()), (peak, i64, ()),
+            (plan.suffix_table, i32, (R, blocks.suffix_width)), (plan.q_limit, i32, (R, 1)),
+            (plan.write_block, i64, (R,)), (plan.write_offset, i64, (R,)), (plan.copy_src, i64, (R,)),
+            (plan.copy_dst, i64, (R,))]
+    if inner:
+        want += [(plan.inner_suffix_table, i32, (R, blocks.inner_width)), (plan.inner_q_limit, i32, (R, 1))]
+    device = blocks.tables.device
+    return all(t.dtype == dtype and tuple(t.shape) == shape and t.device == device and t.is_contiguous()
+               for t, dtype, shape in want)
+
+
 def _elementwise_library(x: torch.Tensor) -> _Lib | None:
     """The library loaded for ``x``'s CUDA device where it has the elementwise kernels."""
     if not x.is_cuda:

@@ -15,10 +15,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from hf_cascade import device_blocks as db
 from hf_cascade.kernels import _build, cuda_binding, cuda_library, ops
+from hf_cascade.kv.blocks import BlockManager
+from hf_cascade.kv.plan import DecodeLayout, _StaticBuffers
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -49,6 +53,22 @@ int hfc_write(void* a, const void* b, const void* c, const void* d, const void* 
   (void)a; (void)b; (void)c; (void)d; (void)e; (void)f; (void)g; (void)h; (void)i; (void)j; (void)k; (void)s;
   return 0;
 }
+#ifdef WITH_BLOCKS   /* a library with the bookkeeping kernel: it keeps what it was called with */
+const void* stub_blocks_ptrs[23];
+int64_t stub_blocks_sizes[8];
+int hfc_blocks_advance(void* p0, void* p1, void* p2, void* p3, void* p4, const void* p5, const void* p6,
+                       const void* p7, const void* p8, const void* p9, const void* p10, const void* p11,
+                       const void* p12, const void* p13, void* p14, void* p15, void* p16, void* p17, void* p18,
+                       void* p19, void* p20, void* p21, void* p22, int64_t rows, int64_t width, int64_t pool,
+                       int64_t block_size, int64_t suffix_width, int64_t inner_width, int64_t checks, uintptr_t s) {
+  const void* p[23] = {p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15, p16, p17, p18, p19,
+                       p20, p21, p22};
+  const int64_t n[8] = {rows, width, pool, block_size, suffix_width, inner_width, checks, (int64_t)s};
+  for (int i = 0; i < 23; ++i) stub_blocks_ptrs[i] = p[i];
+  for (int i = 0; i < 8; ++i) stub_blocks_sizes[i] = n[i];
+  return 0;
+}
+#endif
 """
 
 
@@ -244,3 +264,40 @@ def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_pat
     assert not cuda_library.rotary_fits(q, k, cos.unsqueeze(1), sin.unsqueeze(1))        # [B, 1, L, D]: not 3-D
     assert not cuda_library.rotary_fits(q.transpose(-1, -2), k.transpose(-1, -2), cos, sin)
     assert cuda_library.rms_norm(x, weight, 1e-6) is None and cuda_library.rotary(q, k, cos, sin) is None   # (CPU)
+
+
+def test_the_bookkeeping_kernel_is_called_with_the_state_and_plan_it_names(tmp_path):
+    """cuda_binding passes hfc_blocks_advance (csrc/api.cu) every tensor of the state, the step and the plan in the C
+    signature's order, the middle level's plan tensors as NULL without one, and the sizes; a library built before the
+    kernel (no symbol) has none, and whole_step.advance runs the torch ops."""
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_blocks
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION, "WITH_BLOCKS"))
+    assert lib.has_blocks
+    for system_len in (0, 5):       # without, then with a middle level
+        m = BlockManager(4)
+        if system_len:
+            m.add_rows(1)
+            m.append([system_len])
+            m.fork(2)
+        else:
+            m.add_rows(2)
+        m.append([9, 6])
+        m.fork(3)
+        layout = DecodeLayout.freeze(m.tables(), m.lengths, 4, 8, min_group_rows=2)
+        assert (layout.inner_width > 0) == bool(system_len)
+        blocks = db.DeviceBlocks.from_host(m, layout, m.capacity + 10)
+        plan = _StaticBuffers(layout, torch.device("cpu")).plan
+        parents, done, peak = torch.arange(6), torch.tensor(False), torch.zeros((), dtype=torch.int64)
+        lib.blocks_advance(blocks, plan, parents, done, peak, stream=77)
+        tensors = [blocks.tables, blocks.lengths, blocks.refcount, blocks.flags, blocks.steps, blocks.token_limit,
+                   blocks.row_prefix_blocks, blocks.row_inner_blocks, blocks.check_rows, blocks.check_cols,
+                   blocks.check_ids, blocks.check_used, parents, done, peak, plan.suffix_table, plan.q_limit,
+                   plan.inner_suffix_table, plan.inner_q_limit, plan.write_block, plan.write_offset, plan.copy_src,
+                   plan.copy_dst]
+        got = (ctypes.c_void_p * 23).in_dll(lib.lib, "stub_blocks_ptrs")
+        assert list(got) == [t.data_ptr() if t is not None else None for t in tensors]
+        sizes = list((ctypes.c_int64 * 8).in_dll(lib.lib, "stub_blocks_sizes"))
+        assert sizes == [6, blocks.tables.shape[1], m.capacity + 10, 4, layout.suffix_width, layout.inner_width,
+                         blocks.check_rows.shape[0], 77]
+        assert cuda_library.blocks_fit(blocks, plan, parents, done, peak)
+    assert np.all(got[17:19]) and not cuda_library.blocks_advance(blocks, plan, parents, done, peak)   # (CPU)

@@ -56,6 +56,24 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                        int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
                        const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int32_t dtype,
                        uintptr_t stream);
+/* A static decode layout's block bookkeeping of one step in one launch (csrc/blocks.cu): the beam reorder by parents
+   [R] (int64), one token appended per row unless *done, the step's plan written into the layout's plan buffers, the
+   peak of blocks in use raised; bit for bit hf_cascade/decode/whole_step.py `advance` (device_blocks.py is the spec).
+   The state: tables [R, W] int32, lengths [R] int64, refcount [pool_blocks + 1] int32, flags [] int32, steps [] int64,
+   token_limit [] int64, row_prefix_blocks / row_inner_blocks [R] int64, the K prefix checks (rows, cols int64, ids
+   int32, used bool); done [] bool, peak [] int64; the plan: suffix_table [R, suffix_width], q_limit [R],
+   inner_suffix_table [R, inner_width], inner_q_limit [R] (NULL where inner_width is 0) int32, write_block,
+   write_offset, copy_src, copy_dst [R] int64. All contiguous; 1 <= R <= 1024, 1 <= pool_blocks <= 2^23. One CTA;
+   capture safe. Added as hfc_rms_norm was. */
+HFC_API int hfc_blocks_advance(int32_t* tables, int64_t* lengths, int32_t* refcount, int32_t* flags, int64_t* steps,
+                               const int64_t* token_limit, const int64_t* row_prefix_blocks,
+                               const int64_t* row_inner_blocks, const int64_t* check_rows, const int64_t* check_cols,
+                               const int32_t* check_ids, const uint8_t* check_used, const int64_t* parents,
+                               const uint8_t* done, int64_t* peak, int32_t* suffix_table, int32_t* q_limit,
+                               int32_t* inner_suffix_table, int32_t* inner_q_limit, int64_t* write_block,
+                               int64_t* write_offset, int64_t* copy_src, int64_t* copy_dst, int64_t rows,
+                               int64_t width, int64_t pool_blocks, int64_t block_size, int64_t suffix_width,
+                               int64_t inner_width, int64_t checks, uintptr_t stream);
 
 #ifdef __cplusplus
 }

@@ -30,6 +30,37 @@ cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const v
                           const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int dtype,
                           cudaStream_t stream);
 
+// csrc/blocks.cu: a decode step's block bookkeeping in one launch (hf_cascade/decode/whole_step.py `advance`:
+// device_blocks.reorder, device_blocks.append, the plan buffers, the peak), bit for bit the torch code's. Every
+// tensor contiguous on one device; shapes with R rows, W table columns, P = pool_blocks, K checks.
+struct BlocksAdvanceArgs {
+  int32_t* tables;                     // [R, W], -1 padded
+  int64_t* lengths;                    // [R]
+  int32_t* refcount;                   // [P + 1]
+  int32_t* flags;                      // []
+  int64_t* steps;                      // []
+  const int64_t* token_limit;          // []
+  const int64_t* row_prefix_blocks;    // [R]
+  const int64_t* row_inner_blocks;     // [R]
+  const int64_t* check_rows;           // [K]
+  const int64_t* check_cols;           // [K]
+  const int32_t* check_ids;            // [K]
+  const uint8_t* check_used;           // [K] bool
+  const int64_t* parents;              // [R]
+  const uint8_t* done;                 // [] bool
+  int64_t* peak;                       // []
+  int32_t* suffix_table;               // [R, suffix_width]
+  int32_t* q_limit;                    // [R]
+  int32_t* inner_suffix_table;         // [R, inner_width]; NULL without a middle level (inner_width 0)
+  int32_t* inner_q_limit;              // [R]; likewise
+  int64_t* write_block;                // [R]
+  int64_t* write_offset;               // [R]
+  int64_t* copy_src;                   // [R]
+  int64_t* copy_dst;                   // [R]
+  int64_t rows, width, pool_blocks, block_size, suffix_width, inner_width, checks;
+};
+cudaError_t blocks_advance_launch(const BlocksAdvanceArgs& a, cudaStream_t stream);
+
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
 cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe
