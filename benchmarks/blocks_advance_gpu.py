@@ -10,6 +10,8 @@ whether a system prompt makes a middle level.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,8 +19,10 @@ import torch
 from hf_cascade import device_blocks as db
 from hf_cascade.decode import whole_step
 from hf_cascade.kernels import cuda_library
-from hf_cascade.kv.blocks import BlockManager
 from hf_cascade.kv.plan import DecodeLayout, _StaticBuffers, decode_room, shape_bucket
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "decode"))
+from test_device_blocks import _prefilled  # noqa: E402  (the tests' prefill and fork, shared)
 
 # name: (block size, system prompt tokens, prompt tokens, beams)
 SHAPES = {
@@ -31,15 +35,7 @@ STEPS = 20
 
 
 def _state(bs, system_len, prompt_lens, beams):
-    m = BlockManager(bs)
-    if system_len:
-        m.add_rows(1)
-        m.append([system_len])
-        m.fork(len(prompt_lens))
-    else:
-        m.add_rows(len(prompt_lens))
-    m.append(prompt_lens)
-    m.fork(beams)
+    m = _prefilled(bs, system_len, prompt_lens, beams)
     room = decode_room(0)
     layout = DecodeLayout.freeze(m.tables(), m.lengths, bs, STEPS * 4, min_group_rows=2)
     # the pool as BlocksHold.take sizes it
