@@ -764,10 +764,12 @@ def _assign(target: torch.Tensor, value: torch.Tensor, active: torch.Tensor) -> 
 
 
 def _gather_beams(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """transformers' ``_gather_beams``: ``tensor[b, indices[b, i], ...]``."""
+    """transformers' ``_gather_beams``: ``tensor[b, indices[b, i], ...]`` (``indices`` >= 0). One gather on the indices
+    expanded (``take_along_dim`` would first wrap them with a remainder over the whole expanded shape: a kernel and a
+    materialised index tensor per call, ~10 a beam step)."""
     while indices.dim() < tensor.dim():
         indices = indices.unsqueeze(-1)
-    return torch.take_along_dim(input=tensor, indices=indices, dim=1)
+    return tensor.gather(1, indices.expand(*indices.shape[:2], *tensor.shape[2:]))
 
 
 def _length_divisors(config: SelectionConfig, device) -> torch.Tensor:
