@@ -57,7 +57,7 @@ def time_advance(shape, kernel: bool, replays: int) -> tuple[float, int]:
     staged = [_parents(rng, len(prompt_lens), beams) for _ in range(STEPS)]
     done = torch.tensor(False, device="cuda")
     peak = torch.zeros((), dtype=torch.int64, device="cuda")
-    whole_step.blocks_kernel = kernel
+    was, whole_step.blocks_kernel = whole_step.blocks_kernel, kernel
     try:
         kept = [t.clone() for t in (blocks.tables, blocks.lengths, blocks.refcount, blocks.flags, blocks.steps)]
         stream = torch.cuda.Stream()
@@ -84,7 +84,7 @@ def time_advance(shape, kernel: bool, replays: int) -> tuple[float, int]:
             times.append(start.elapsed_time(end) * 1000 / STEPS)
         return float(np.median(times)), int(blocks.flags)
     finally:
-        whole_step.blocks_kernel = True
+        whole_step.blocks_kernel = was
 
 
 def main():

@@ -63,11 +63,11 @@ def _fresh(m, layout, pool, device):
 
 
 def _torch_advance(blocks, plan, parents, done, peak):
-    whole_step.blocks_kernel = False
+    was, whole_step.blocks_kernel = whole_step.blocks_kernel, False
     try:
         whole_step.advance(blocks, plan, parents, done, peak)
     finally:
-        whole_step.blocks_kernel = True
+        whole_step.blocks_kernel = was
 
 
 def _kernel_advance(blocks, plan, parents, done, peak):
@@ -158,7 +158,9 @@ def test_cpu_tensors_and_tensors_it_does_not_take_fall_back_to_torch():
 
 
 def test_advance_on_cpu_runs_the_torch_ops(monkeypatch):
-    """whole_step.advance asks the kernel first and, where it does not run (CPU), runs the torch ops itself."""
+    """whole_step.advance asks the kernel first (where blocks_kernel is on) and, where it does not run (CPU), runs the
+    torch ops itself."""
+    monkeypatch.setattr(whole_step, "blocks_kernel", True)
     asked = []
     real = cuda_library.blocks_advance
     monkeypatch.setattr(cuda_library, "blocks_advance", lambda *a: asked.append(1) or real(*a))
@@ -191,6 +193,7 @@ def test_kernel_runs_in_a_captured_graph_and_advance_uses_it(monkeypatch):
     """Captured (the whole step's use): 20 replays of 20 captured steps equal the torch ops' 400 steps; and advance
     runs the kernel (one launch) where it runs, the torch ops where blocks_kernel is off."""
     _library()
+    monkeypatch.setattr(whole_step, "blocks_kernel", True)
     m, _, _ = _setup("bs16-many-rows")
     layout = DecodeLayout.freeze(m.tables(), m.lengths, 16, 420, min_group_rows=2)     # room for every step
     pool = m.capacity + 40_000
