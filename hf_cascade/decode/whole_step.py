@@ -334,7 +334,7 @@ class WholeStepLoop:
         # steps that cannot be captured (the CPU, a quantized layer that syncs): nothing replays a shape, so the device
         # pool is not bucketed and takes only EAGER_ROOM steps at a time (reserved memory follows the tokens, as on
         # transformers' loop)
-        self.frugal = getattr(session, "capture_refusal", None) is not None
+        self.frugal = session.capture_refusal is not None
         self.names = _Names(self.model)
         self.kind = hold_kind(self.cache)
         self.chooser = chooser
