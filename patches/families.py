@@ -35,8 +35,8 @@ import logging
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # a global name: routes_attention reads it
 
-from hf_cascade.compat import (CACHE_KWARGS, FALCON_ROUTES_ATTENTION, SUPPORTED, UPDATE_PASSES_KWARGS, VERSION, cache_kwarg,
-                               cache_of, in_range)
+from hf_cascade.compat import (CACHE_KWARGS, FALCON_ROUTES_ATTENTION, SUPPORTED, UPDATE_PASSES_KWARGS, VERSION,
+                               cache_kwarg, cache_of, in_range)
 
 logger = logging.getLogger("hf_cascade")
 
@@ -290,6 +290,16 @@ def _apply_gptj_codegen() -> None:
         _applied.append(routed)
 
 
+def _apply_falcon() -> None:
+    reason = falcon_unchanged_reason()
+    if reason is not None:
+        logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
+        return
+    attention, entry = _falcon_classes()
+    _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
+    _applied.append(attention)
+
+
 def apply() -> None:
     """Route the families above once (idempotent); outside the checked versions, or where modeling_falcon changed
     under the patch, log and leave it (Falcon is then refused at load, patches/loading.py). From 5.25 Falcon routes
@@ -305,13 +315,7 @@ def apply() -> None:
                        version, *SUPPORTED)
         return
     if not FALCON_ROUTES_ATTENTION:     # (from 5.25 stock's Falcon routes its attention itself)
-        reason = falcon_unchanged_reason()
-        if reason is None:
-            attention, entry = _falcon_classes()
-            _falcon_module().FALCON_ATTENTION_CLASSES["cascade"] = entry
-            _applied.append(attention)
-        else:
-            logger.warning("%s: Falcon is not served by attn_implementation='cascade'.", reason)
+        _apply_falcon()
     _apply_gptj_codegen()
     _apply_gpt_neo()
     _apply_xglm()

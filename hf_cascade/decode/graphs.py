@@ -69,9 +69,8 @@ def runner_reason(model, cascade_config: CascadeConfig) -> str | None:
 
 def capture_reason(model, cascade_config: CascadeConfig) -> str | None:
     """Why a runner's decode steps cannot be captured as CUDA graphs (None where they can); they then run eagerly on
-    the runner (not compiled either: compile applies to captured steps, or to ``cuda_graphs="eager"``)."""
-    if cascade_config.cuda_graphs == "eager":
-        return "CascadeConfig(cuda_graphs='eager')"
+    the runner (not compiled either: compile applies to captured steps, or to ``cuda_graphs="eager"``, which asks for
+    eager steps and is not asked this)."""
     reason = quantized_capture_reason(model)
     if reason is not None:
         return reason

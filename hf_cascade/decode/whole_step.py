@@ -13,9 +13,9 @@ call. One step:
 1. the cache's bookkeeping, by the :class:`DeviceHold` of its kind: for a paged cache (:class:`BlocksHold`,
    :mod:`hf_cascade.device_blocks`) the beam reorder by the last step's parents, one token appended per row
    (copy-on-write of a shared, partly filled block), the step's suffix tables, write slots and copies written into the
-   static decode layout's plan buffers (uncompiled on a GPU, where :data:`blocks_kernel` is on: one launch of ``csrc/blocks.cu``, the same values); for
-   a dense one (``dense_cache.DenseHold``) the write position moved on, the beam reorder of its gather table and the
-   step's mask;
+   static decode layout's plan buffers (uncompiled on a GPU, where :data:`blocks_kernel` is on: one launch of
+   ``csrc/blocks.cu``, the same values); for a dense one (``dense_cache.DenseHold``) the write position moved on,
+   the beam reorder of its gather table and the step's mask;
 2. the forward on that plan (the runner's forward: the model's own, or the compiled one);
 3. token choice (:mod:`hf_cascade.device_select`) and the next step's inputs (ids, positions) written in place.
 
@@ -610,10 +610,11 @@ class BlocksHold:
         if room < 1:
             return None, None
         # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
-        # row adds in `room` steps (one block per block_size tokens, one copy-on-write): the pool never overflows
+        # row adds in `steps` steps (at most one id a step; one block per block_size tokens and one copy-on-write):
+        # the pool never overflows
         R = manager.num_rows
 
-        def pool_for(steps: int) -> int:     # (a row takes at most one id a step)
+        def pool_for(steps: int) -> int:
             return max(manager.capacity, manager.blocks_in_use + R * min(steps, -(-steps // bs) + 1) + 1)
 
         if loop.frugal:
@@ -626,6 +627,8 @@ class BlocksHold:
             pool_blocks = pool_for(room)
         else:
             # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
+            # (per row one block per block_size tokens and one copy-on-write: the bound the captured steps were
+            # measured with)
             pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
                                        + 1) - 1
         if manager.max_blocks is not None:
