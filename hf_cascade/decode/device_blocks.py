@@ -93,9 +93,12 @@ class DeviceBlocks:
         return self.pool_blocks
 
     @classmethod
-    def from_host(cls, manager, layout, pool_blocks: int | None = None, device=None) -> "DeviceBlocks":
+    def from_host(cls, manager, layout, pool_blocks: int | None = None, device=None,
+                  like: "DeviceBlocks | None" = None) -> "DeviceBlocks":
         """The state of ``manager`` (a BlockManager at the first decode step of ``layout``) on ``device``.
-        ``pool_blocks``: the pool's fixed size (default the manager's ``max_blocks``)."""
+        ``pool_blocks``: the pool's fixed size (default the manager's ``max_blocks``). ``like``: a kept state of the
+        same layout whose shapes are at least this one's (a captured step's): its table width and count of prefix
+        checks where they are wider (padding, which no step reads), so that the state fits the kept step."""
         pool_blocks = manager.max_blocks if pool_blocks is None else int(pool_blocks)
         if pool_blocks is None:
             raise ValueError("a device pool needs a fixed size: pass pool_blocks or give the manager max_blocks")
@@ -107,11 +110,14 @@ class DeviceBlocks:
         # every shape bucketed (plan.shape_bucket), every value that follows the prompt's length a tensor: one
         # compiled (and captured) step serves a range of prompt lengths
         width = max(layout.table_width, shape_bucket(manager.tables().shape[1]))
+        rows, cols, ids = _prefix_checks(layout)
+        # as many as the level tables' widths allow (their shapes, not the prompt's length: see DecodeLayout.adopt)
+        checks = shape_bucket(max(rows.size, _check_capacity(layout)))
+        if like is not None:
+            width, checks = max(width, like.tables.shape[1]), max(checks, like.check_rows.shape[0])
         tables = manager.tables(width)
         refcount = np.zeros(pool_blocks + 1, dtype=np.int32)
         refcount[: manager.capacity] = manager.refcount
-        rows, cols, ids = _prefix_checks(layout)
-        checks = shape_bucket(rows.size)
         used = np.arange(checks) < rows.size
         rows, cols, ids = (np.concatenate([a, np.zeros(checks - a.size, dtype=a.dtype)]) for a in (rows, cols, ids))
 
@@ -123,6 +129,12 @@ class DeviceBlocks:
                    t(layout.row_prefix_blocks, torch.int64), t(layout.row_inner_blocks, torch.int64),
                    t(rows, torch.int64), t(cols, torch.int64), t(ids, torch.int32), t(used, torch.bool),
                    torch.zeros((), dtype=torch.int32, device=device), torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _check_capacity(layout) -> int:
+    """The most prefix checks a layout of these rows, levels and table widths can have."""
+    members = ((layout.group_rows >= 0).sum(), (layout.mid_group_rows >= 0).sum())
+    return int(members[0]) * layout.prefix_table.shape[1] + int(members[1]) * layout.mid_table.shape[1]
 
 
 def _prefix_checks(layout):

@@ -305,11 +305,14 @@ class SelectionState:
 
 
 def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              generator: torch.Generator | None = None, encoder_ngrams: list[dict] | None = None) -> SelectionState:
+              generator: torch.Generator | None = None, encoder_ngrams: list[dict] | None = None,
+              width: int | None = None) -> SelectionState:
     """The state for one call. ``input_ids`` / ``attention_mask`` are ``[rows, prompt_length]``, expanded as
     transformers expands them (each prompt repeated num_beams or num_return_sequences times, prompt-major).
     ``encoder_ngrams``: with ``encoder_no_repeat_ngram_size``, the call's EncoderNoRepeatNGramLogitsProcessor's
-    ``generated_ngrams`` (one dict per prompt: n-gram prefix -> the tokens that complete it in that encoder input)."""
+    ``generated_ngrams`` (one dict per prompt: n-gram prefix -> the tokens that complete it in that encoder input).
+    ``width``: the sequence buffers' width where it is wider than ``max_length`` bucketed (a kept step's, which a
+    call of a shorter prompt then fills: the columns past ``max_length`` are never read)."""
     rows, prompt_length = input_ids.shape
     if rows != config.rows or prompt_length != config.prompt_length:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the config's {config.rows} rows of "
@@ -317,7 +320,8 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
     if config.max_length <= prompt_length:
         raise ValueError(f"max_length {config.max_length} leaves no room after a {prompt_length}-token prompt")
     device = input_ids.device
-    sequences = torch.full((rows, shape_bucket(config.max_length, MIN_BUCKET_TOKENS)), _fill_value(config),
+    sequences = torch.full((rows, max(shape_bucket(config.max_length, MIN_BUCKET_TOKENS), width or 0)),
+                           _fill_value(config),
                            dtype=torch.int64, device=device)
     sequences[:, :prompt_length] = input_ids
     prompt_start = penalty_start(attention_mask, rows, device)

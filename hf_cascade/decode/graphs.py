@@ -12,7 +12,8 @@ A generate call's :class:`~hf_cascade.session.DecodeSession` hands its decode lo
   gets the step context as its ``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
 
 The runner keeps the captured step for the model's next call of the same shape (``whole_step_kept``: one reuse key,
-:class:`hf_cascade.whole_step._Captured`'s). transformers' own ``_sample`` / ``_beam_search`` never run a runner, and
+:class:`hf_cascade.whole_step._Captured`'s), whatever the prompt's length where the kept layout adopts the call's
+values (:meth:`hf_cascade.plan.DecodeLayout.adopt`). transformers' own ``_sample`` / ``_beam_search`` never run a runner, and
 ``model.forward`` is never replaced: where the decode loop is transformers' (hf_cascade.whole_step.decode says when),
 its forwards are the model's own, eager.
 

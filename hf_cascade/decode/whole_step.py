@@ -50,7 +50,7 @@ from . import device_blocks, device_select, graphs, host_select
 from ..seq2seq import seq2seq_models
 from ..kernels import cuda_library
 from ..kv.blocks import PoolExhausted
-from ..kv.plan import shape_bucket
+from ..kv.plan import ADOPT_SPAN, shape_bucket
 from ..logs import log_once
 
 logger = logging.getLogger("hf_cascade")
@@ -191,7 +191,8 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
         "CascadeConfig(cuda_graphs='eager')" if session.descriptor.cascade_config.cuda_graphs == "eager" else None)
     if reason is None:
         mode = DecodeMode.of_runner(runner, "device", eager)
-        chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled)
+        chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled,
+                                kept=runner.whole_step_kept)
     else:
         mode = DecodeMode.of_runner(runner, "host", eager, f"token choice on the host: {reason}")
         chooser = host_select.HostChooser(session.model, input_ids, logits_processor, stopping_criteria,
@@ -296,11 +297,16 @@ class DeviceChooser:
     in_step = True
 
     def __init__(self, config: device_select.SelectionConfig, input_ids, attention_mask,
-                 encoder_ngrams: list[dict] | None = None, compiled=False):
-        self.state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams)
+                 encoder_ngrams: list[dict] | None = None, compiled=False, kept: "_Captured | None" = None):
         # (the config less its prompt's lengths, which the state holds as tensors: a call of another prompt length
         # of the same bucketed shapes refills the kept tensors)
         self.key = ("device", device_select.shape_key(config))
+        # a kept step's sequence buffers where they are wider, up to ADOPT_SPAN times this call's (a shorter prompt
+        # than the kept step's call: its state then fits the kept step)
+        own = shape_bucket(config.max_length, device_select.MIN_BUCKET_TOKENS)
+        width = kept.state.sequences.shape[1] if kept is not None and kept.call_key[0] == self.key else own
+        self.state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams,
+                                             width=width if own <= width <= ADOPT_SPAN * own else None)
         self.beam, self.max_length = config.is_beam, config.max_length
         # with compile the token choice is one compiled graph too (but for sampling: its generator stays eager)
         self._choose = _Compiled(choose, "token choice", compiled) if compiled and not config.do_sample else choose
@@ -371,6 +377,15 @@ class WholeStepLoop:
         self.advance_fn = (_Compiled(self.kind.advance_fn, "cache bookkeeping", compiled) if compiled
                            else self.kind.advance_fn)
         self.host_steps = 0
+
+    def kept_blocks(self, layout) -> "device_blocks.DeviceBlocks | None":
+        """The block state of the step kept from an earlier call, where it was captured on ``layout`` (which then
+        adopted this call's values, or held them already): the shapes this call's state takes where they are
+        wider, so that the kept step replays."""
+        kept = self.kept
+        if kept.step_key is None or kept.step_key[:2] != ("blocks", layout.serial):
+            return None
+        return kept.held_tensors
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self):
@@ -631,6 +646,9 @@ class BlocksHold:
             # measured with)
             pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
                                        + 1) - 1
+            like = loop.kept_blocks(layout)
+            if like is not None and pool_blocks <= like.pool_blocks <= ADOPT_SPAN * pool_blocks:
+                pool_blocks = like.pool_blocks      # (the kept step's pool: a larger pool serves as well)
         if manager.max_blocks is not None:
             # a cap (max_kv_bytes): the device's pool and its scratch block inside it, and only as many steps as
             # cannot pass it; the steps the device cannot take run on the host path, whose block manager raises
@@ -642,7 +660,10 @@ class BlocksHold:
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
-        blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device)
+        like = loop.kept_blocks(layout)
+        if like is not None and like.pool_blocks != pool_blocks:
+            like = None
+        blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device, like=like)
         scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width"))
         key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
         loop.peak.zero_()

@@ -39,8 +39,9 @@ This module is the backend (the step state, the launches of one layer); below it
 
 The chunking (chunk length in tokens, chunks per group, suffix splits) and the partial-output buffers are
 the backend's metadata (:class:`_StepState`, from :meth:`CudaBackend.build`), derived from the plan's host arrays:
-once per step, or once per generate call on a static decode layout (then the suffix split follows the tables'
-capacity; the layout keeps it); every layer reuses them.
+once per step, or once per generate call on a static decode layout (then the prefix chunks and the suffix split
+follow the tables' capacity, not the lengths: a layout that adopts another call's values keeps its launches; the
+layout keeps the state); every layer reuses them.
 """
 from __future__ import annotations
 
@@ -143,6 +144,14 @@ def _has_middle(plan) -> bool:
             and plan.inner_suffix_table is not None and plan.inner_q_limit is not None)
 
 
+def _lengths_for_launch(plan, group_rows, lengths, table, bs) -> np.ndarray:
+    """The prefix lengths a level's launch is planned for: a static step's table capacity for every group that
+    holds a row (its launch must not follow the lengths), else the lengths themselves."""
+    if not plan.static:
+        return lengths
+    return np.where((np.asarray(group_rows) >= 0).any(axis=1), table.shape[1] * bs, 0).astype(np.int64)
+
+
 def _sm_count(dev) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
@@ -165,10 +174,17 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     _validate(plan, R, Lq, bs, num_blocks, three)
     grp = Hq // Hkv
     sms = _sm_count(dev)
-    pre = _prefix_level(lib, plan.group_rows, plan.prefix_len, plan.prefix_table.shape[1], R, Lq, grp, Hkv, D,
-                        q.dtype, bs, sms, tune, plain)
-    mid = (_prefix_level(lib, plan.mid_group_rows, plan.mid_len, plan.mid_table.shape[1], R, Lq, grp, Hkv, D,
-                         q.dtype, bs, sms, tune, plain) if three else None)
+    # a static step's prefix chunks cover each level's table capacity, not its lengths (as its suffix split follows
+    # the table's capacity): the launch then follows the layout's shapes alone, so a captured step serves a later
+    # call of another prompt length whose values the layout adopts (plan.DecodeLayout.adopt); the chunks past a
+    # group's length write empty partials
+    pre = _prefix_level(lib, plan.group_rows, _lengths_for_launch(plan, plan.group_rows, plan.prefix_len,
+                                                                  plan.prefix_table, bs),
+                        plan.prefix_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain)
+    mid = (_prefix_level(lib, plan.mid_group_rows, _lengths_for_launch(plan, plan.mid_group_rows, plan.mid_len,
+                                                                      plan.mid_table, bs),
+                         plan.mid_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain)
+           if three else None)
     suffix_table, q_limit = (plan.inner_suffix_table, plan.inner_q_limit) if three else (plan.suffix_table, plan.q_limit)
     nqb = -(-(Lq * grp) // SUFFIX_QB)
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph

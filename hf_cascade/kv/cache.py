@@ -670,9 +670,10 @@ class CascadeCache(Cache):
                                      self._min_saved_tokens(),
                                      solo_rows=bool(backends) and all(b.solo_prefix for b in backends))
         kept, self._kept_layout = self._kept_layout, None
-        if kept is not None and kept.holds(layout):
+        if kept is not None and (kept.holds(layout) or kept.adopt(layout)):
             # the last call's buffers (and the graph that points at them) fit: its capacity is what a call of
-            # this shape came to need
+            # this shape came to need; a call of another prompt length whose rows share as the last call's did
+            # hands it its prefix tables and lengths
             return kept
         if kept is not None:
             kept.release()

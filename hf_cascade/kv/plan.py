@@ -302,6 +302,8 @@ def _suffix(tables, lengths, prev, seen_new, prefix_blocks, block_size, width=No
 # ------------------------------------------------------------------------------ static decode layout
 
 _LAYOUT_SERIALS = itertools.count()
+# the level arrays a static step's buffers hold as device tensors (DecodeLayout.adopt rewrites them)
+_LEVEL_TENSORS = ("group_rows", "prefix_table", "prefix_len", "mid_group_rows", "mid_table", "mid_len")
 _LEVEL_FIELDS = ("group_rows", "prefix_table", "prefix_len", "mid_group_rows", "mid_table", "mid_len",
                  "row_prefix_blocks", "row_inner_blocks")
 
@@ -364,6 +366,34 @@ class DecodeLayout:
                 and self.suffix_width >= other.suffix_width and self.inner_width >= other.inner_width
                 and self.token_limit >= other.token_limit and (self.inner_width > 0) == (other.inner_width > 0)
                 and all(np.array_equal(getattr(self, f), getattr(other, f)) for f in _LEVEL_FIELDS))
+
+    def adopt(self, other: "DecodeLayout") -> bool:
+        """Take ``other``'s values where this layout's shapes serve it: the same rows in the same levels (which rows
+        share, not how many blocks), this layout's widths and capacities at least ``other``'s and at most
+        :data:`ADOPT_SPAN` times its tables' widths. ``other`` is the layout a new call froze; this one, the last call's,
+        then carries the new call's prefix tables and lengths (host arrays and device buffers, written in place), so
+        the graph captured on it replays for a call of another prompt length (a backend's launch state on a static
+        layout follows its shapes, not its lengths). Returns whether it did."""
+        if not self._serves(other):
+            return False
+        self.prefix_table = _padded_to(other.prefix_table, self.prefix_table.shape[1])
+        self.mid_table = _padded_to(other.mid_table, self.mid_table.shape[1])
+        self.prefix_len, self.mid_len = other.prefix_len, other.mid_len
+        self.row_prefix_blocks, self.row_inner_blocks = other.row_prefix_blocks, other.row_inner_blocks
+        for buffers in self._buffers.values():
+            buffers.adopt_levels(self)
+        return True
+
+    def _serves(self, other: "DecodeLayout") -> bool:
+        wider = ((self.prefix_table.shape[1], other.prefix_table.shape[1]),
+                 (self.mid_table.shape[1], other.mid_table.shape[1]), (self.table_width, other.table_width))
+        return (self.num_rows == other.num_rows and self.block_size == other.block_size
+                and (self.inner_width > 0) == (other.inner_width > 0)
+                and self.suffix_width >= other.suffix_width and self.inner_width >= other.inner_width
+                and self.token_limit >= other.token_limit
+                and all(theirs <= ours <= ADOPT_SPAN * max(theirs, 1) for ours, theirs in wider)
+                and np.array_equal(self.group_rows, other.group_rows)
+                and np.array_equal(self.mid_group_rows, other.mid_group_rows))
 
     @property
     def max_row_tokens(self) -> int:
@@ -535,6 +565,11 @@ class DecodeLayout:
         self.metadata.clear()
 
 
+# a kept layout adopts a new call's values (DecodeLayout.adopt) while its tables are at most this many times as wide as
+# the call's own: a prefix level's launch follows the tables' width (its chunks cover the capacity), so a layout much
+# wider than a call needs would read that call's prefix in fewer, longer chunks
+ADOPT_SPAN = 4
+
 FIRST_ROOM = 64      # new tokens per row that a call's first decode layout makes room for
 
 
@@ -586,8 +621,12 @@ def shape_bucket(n: int, floor: int = MIN_BUCKET_BLOCKS) -> int:
 
 def _padded_columns(table: np.ndarray) -> np.ndarray:
     """``table [G, M]`` (-1 padded) widened to ``shape_bucket(M)`` columns of -1."""
-    width = shape_bucket(table.shape[1])
-    if width == table.shape[1] or table.shape[0] == 0:
+    return table if table.shape[0] == 0 else _padded_to(table, shape_bucket(table.shape[1]))
+
+
+def _padded_to(table: np.ndarray, width: int) -> np.ndarray:
+    """``table [G, M]`` (-1 padded) widened to ``width >= M`` columns of -1."""
+    if width == table.shape[1]:
         return table
     return np.concatenate([table, np.full((table.shape[0], width - table.shape[1]), -1, dtype=table.dtype)], axis=1)
 
@@ -634,6 +673,17 @@ class _StaticBuffers:
             mid_group_rows=t(layout.mid_group_rows, torch.int32), mid_table=t(layout.mid_table, torch.int32),
             mid_len=t(layout.mid_len, torch.int32),
             inner_suffix_table=views32[2] if W2 else None, inner_q_limit=views32[3] if W2 else None)
+
+    def adopt_levels(self, layout: DecodeLayout) -> None:
+        """Write ``layout``'s level arrays (same shapes) into the level tensors in place (a graph reads them by
+        address); the planned step's host arrays are made again from the layout's."""
+        refuse_in_capture("a decode layout's level tensors written from the host")
+        plan = self.plan
+        for name in _LEVEL_TENSORS:
+            values = getattr(layout, name)
+            if values.size:
+                getattr(plan, name).copy_(torch.from_numpy(np.ascontiguousarray(values)).to(torch.int32))
+        self.planned = None
 
     def fill(self, plan: StepPlan) -> DevicePlan:
         i = self.turn

@@ -451,3 +451,54 @@ def test_the_write_kernel_addresses_the_slots_the_torch_write_does(dtype):
     emulated_write(got, *args)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(got.view(torch.uint8), pool.view(torch.uint8))
+
+
+class _StubLayout:
+    """Marks a plan as a static decode step's (``plan.static``); its device plan is the plan's own tensors."""
+
+    def upload(self, plan, device):
+        return replace(plan, layout=None, _on_device={}).on(device)
+
+
+def _static_plan(lay, prefix_width: int, suffix_width: int):
+    """``lay``'s plan as a static layout's step, its tables padded to the given widths (-1: as a layout pads)."""
+    plan = step_plan(lay)
+    pad = lambda a, w: np.concatenate([a, np.full((a.shape[0], w - a.shape[1]), -1, a.dtype)], axis=1)  # noqa: E731
+    return replace(plan, prefix_table=pad(plan.prefix_table, prefix_width),
+                   suffix_table=pad(plan.suffix_table, suffix_width), layout=_StubLayout())
+
+
+@pytest.mark.parametrize("sm90", [False, True], ids=["portable", "hopper"])
+def test_a_static_launch_follows_the_shapes_and_serves_shorter_prefixes(sm90, monkeypatch):
+    """A static step's launch state (chunks, slots, each row's partial count) follows the layout's table widths,
+    not its prefix lengths: built for a 600-token prefix, it is the state a 150-token prefix of the same rows and
+    widths gets, and run on the shorter prefix's values (what a kept layout holds after adopting a new call's:
+    plan.DecodeLayout.adopt) it gives the reference's attention; the chunks past the prefix write empty partials."""
+    monkeypatch.setattr(_FakeLib, "sm90", sm90)
+    common = dict(groups=((3, 600),), lone_rows=1, suffix=(1, 20), D=128, ratio=4, shuffle=False, dtype=torch.float64)
+    long = random_layout(11, **common)
+    short = random_layout(12, **{**common, "groups": ((3, 150),)})
+    assert np.array_equal(long.group_rows.numpy(), short.group_rows.numpy())
+    widths = (long.prefix_table.shape[1], max(long.suffix_table.shape[1], short.suffix_table.shape[1]))
+    params = AttentionParams(long.scale)
+
+    def state(lay):
+        return cuda_backend.BACKEND.build(_static_plan(lay, *widths), lay.q.to(torch.bfloat16),
+                                          lay.pool.to(torch.bfloat16), params, lib=_FakeLib())
+
+    kept, own = state(long), state(short)
+    launch = ("has_prefix", "m_tile", "row_tiles", "chunk_tokens", "max_chunks", "split_tokens", "nsplit", "slots",
+              "tune")
+    assert [getattr(kept, f) for f in launch] == [getattr(own, f) for f in launch]
+    assert torch.equal(kept.row_nchunks, own.row_nchunks) and kept.max_chunks > 2
+    # the per-step state of the short prefix alone has fewer chunks: the static one covers the capacity
+    assert cuda_backend.BACKEND.build(step_plan(short), short.q.to(torch.bfloat16), short.pool.to(torch.bfloat16),
+                                      params, lib=_FakeLib()).max_chunks < kept.max_chunks
+    plan = _static_plan(short, *widths)
+    kept.dp = plan.on("cpu")
+    q, pool = short.q.to(torch.bfloat16), short.pool.to(torch.bfloat16)
+    emu = Emulated()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(_FakeLib(), 0, q, pool, kept, params, out, kernels=emu)
+    check_launches(emu)
+    check(out, reference.attend(q.double(), pool.double(), plan, params), emu)

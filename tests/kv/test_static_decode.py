@@ -89,6 +89,64 @@ def test_static_buffers_keep_their_addresses_and_take_each_step():
     assert len(set(seen)) == 1
 
 
+def _frozen(prompts, beams, steps=6):
+    """(block manager, layout) after a prefill of ``prompts`` (token counts), a fork to ``beams`` each."""
+    blocks = BlockManager(BS)
+    blocks.add_rows(len(prompts))
+    blocks.append(np.asarray(prompts))
+    blocks.fork(beams)
+    return blocks, DecodeLayout.freeze(blocks.tables(), blocks.lengths.copy(), BS, steps)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_kept_layout_adopts_a_shorter_prompts_values_and_attends_like_its_own(seed):
+    """A layout frozen for longer prompts takes the values of a later call's layout of the same rows and levels
+    (DecodeLayout.adopt): its host arrays and its device level tensors (written in place: a captured step reads
+    them by address) become the new call's, padded to its own widths, and every step then attends as the new
+    call's own layout and a per-step plan do (float64 reference)."""
+    rng = np.random.default_rng(seed)
+    long_prompts = rng.integers(100, 130, size=2)
+    kept = _frozen(long_prompts, 3)[1]
+    device_levels = kept.device_plan("cpu")
+    addresses = [getattr(device_levels, name).data_ptr() for name in ("prefix_table", "prefix_len", "group_rows")]
+    blocks, own = _frozen(rng.integers(30, 70, size=2), 3)
+    assert not np.array_equal(kept.prefix_len, own.prefix_len)
+    assert not kept.holds(own) and kept.adopt(own)
+    assert kept.prefix_table.shape[1] >= own.prefix_table.shape[1]
+    assert np.array_equal(kept.prefix_len, own.prefix_len)
+    assert np.array_equal(kept.row_prefix_blocks, own.row_prefix_blocks)
+    dp = kept.device_plan("cpu")
+    assert [getattr(dp, name).data_ptr() for name in ("prefix_table", "prefix_len", "group_rows")] == addresses
+    assert np.array_equal(dp.prefix_table.numpy(), kept.prefix_table)
+    assert np.array_equal(dp.prefix_len.numpy(), own.prefix_len)
+    Hkv, Hq, D = 2, 4, 8
+    for _ in range(5):
+        blocks.select(np.repeat(np.arange(2) * 3, 3) + rng.integers(0, 3, size=6))
+        counts = np.ones(blocks.num_rows, dtype=np.int64)
+        append = blocks.append(counts)
+        adopted = kept.step(blocks.tables(), blocks.lengths, append)
+        anew = build_step_plan(blocks.tables(), blocks.lengths, counts, None, 1, append, BS, 2)
+        pool = torch.randn(blocks.capacity + 1, 2, BS, Hkv, D, dtype=torch.float64)
+        q = torch.randn(blocks.num_rows, 1, Hq, D, dtype=torch.float64)
+        torch.testing.assert_close(_attend(adopted, q, pool), _attend(anew, q, pool), rtol=1e-12, atol=1e-12)
+        assert adopted.on("cpu") is dp
+
+
+def test_a_kept_layout_refuses_other_rows_levels_or_widths():
+    """adopt takes nothing where the shapes do not serve: other rows or sharing, a wider need, or tables more
+    than ADOPT_SPAN times as wide as the call's own (a launch planned for the capacity would read a short prompt's
+    prefix in too few chunks)."""
+    from hf_cascade.plan import ADOPT_SPAN
+    kept = _frozen([300, 330], 3)[1]
+    before = kept.prefix_table.copy()
+    for prompts, beams in (([300, 330], 2), ([300], 3), ([600, 660], 3), ([5, 6], 3)):
+        other = _frozen(prompts, beams)[1]
+        assert not kept.adopt(other), (prompts, beams)
+        assert np.array_equal(kept.prefix_table, before)
+    tiny = _frozen([5, 6], 3)[1]
+    assert kept.prefix_table.shape[1] > ADOPT_SPAN * tiny.prefix_table.shape[1]
+
+
 def test_layout_outgrown_when_rows_pass_max_length_or_leave_their_prefix():
     blocks = BlockManager(BS)
     blocks.add_rows(1)
@@ -286,6 +344,40 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
     assert cascade in session._kept
     hf_cascade.release()                                 # every model's
     assert not session._kept
+
+
+# an evaluation loop's prompt lengths, in its order (block size 4: 2 to 10 blocks each)
+EVAL_LENGTHS = (36, 9, 27, 14, 40, 6, 21, 31)
+
+
+@pytest.mark.parametrize("case", ["beam", "greedy", "sample"])
+def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkeypatch, case):
+    """Eight prompt lengths, twice over, on one model (pools of a fixed address: memory="static"): the step kept
+    from a call serves every later one whose layout of the same rows and levels it holds: that layout hands the kept
+    one its values (DecodeLayout.adopt) and the call's state takes the kept step's wider shapes (the sequence buffers,
+    the block tables and pool). No call of the second pass captures; every call gives stock's tokens."""
+    stock, cascade = llama_pair
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4)
+    kw = {"beam": dict(num_beams=4, early_stopping=False), "greedy": dict(do_sample=False),
+          "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}[case]
+    kw.update(max_new_tokens=10, pad_token_id=0)
+    spy = RunnerSpy(monkeypatch)
+    first_steps = []
+    for _ in range(2):
+        for n in EVAL_LENGTHS:
+            ids = torch.randint(3, 60, (1, n), generator=torch.Generator().manual_seed(n))
+            torch.manual_seed(n)
+            expected = stock.generate(input_ids=ids, **kw)
+            torch.manual_seed(n)
+            assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config), expected), n
+            first_steps.append(spy.runners[-1].first_steps)
+    assert len({id(r) for r in spy.runners}) == 1
+    cold, warm = first_steps[:len(EVAL_LENGTHS)], first_steps[len(EVAL_LENGTHS):]
+    # the first pass captures where a prompt is longer than every one before (the kept layout's token limit is the
+    # longest call's) and at most once where the pool's bucket grows; the second pass, never
+    longer = sum(n > max(EVAL_LENGTHS[:i], default=0) for i, n in enumerate(EVAL_LENGTHS))
+    assert cold[0] == 1 and sum(cold) <= longer + 1 < len(EVAL_LENGTHS), cold
+    assert warm == [0] * len(EVAL_LENGTHS), warm
 
 
 def test_the_graph_descriptor_decides_what_a_next_call_reuses(llama_pair):
