@@ -1,5 +1,5 @@
 """Tiny random models, built from configs (no downloads), in pairs: stock sdpa and cascade, same weights;
-the `gpu` marker's skip; the cache keyword of this transformers version."""
+the `gpu` and `multi_gpu` markers' skip; the cache keyword of this transformers version."""
 from __future__ import annotations
 
 import inspect
@@ -33,13 +33,15 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` (or ``gpu(n)`` for n GPUs) skips a test where torch sees fewer CUDA devices."""
+    """``@pytest.mark.gpu`` (or ``gpu(n)`` for n GPUs) skips a test where torch sees fewer CUDA devices; so does
+    ``@pytest.mark.multi_gpu`` (``multi_gpu(n)``, default 2: the tests spread over the GPUs of one host)."""
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        marker = item.get_closest_marker("gpu")
-        need = int(marker.args[0]) if marker is not None and marker.args else 1
-        if marker is not None and have < need:
-            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), torch sees {have}"))
+        needs = [int(marker.args[0]) if marker.args else default
+                 for name, default in (("gpu", 1), ("multi_gpu", 2))
+                 for marker in [item.get_closest_marker(name)] if marker is not None]
+        if needs and have < max(needs):
+            item.add_marker(pytest.mark.skip(reason=f"needs {max(needs)} CUDA GPU(s), torch sees {have}"))
 
 
 def cache_kw(model, cache) -> dict:

@@ -1,8 +1,10 @@
 """The model spread over several devices: tensor parallelism (torchrun, each rank caching its own KV
-heads) and accelerate's device_map over GPUs, each against the same checkpoint on one device.
+heads) and accelerate's device_map over GPUs, each against the same weights on one device.
 
-The CPU case (tensor parallelism over gloo, float64) runs everywhere; the GPU cases need two GPUs.
-All run benchmarks/multi_gpu.py, the script that measures the same on the Llama-3-8B shape.
+The CPU cases (tensor parallelism over gloo, float64) run everywhere; the GPU cases need two GPUs (marked
+``gpu(2)`` and ``multi_gpu``). All run benchmarks/multi_gpu.py, the script that measures the same on the Llama-3-8B
+and Llama-3-70B shapes; its weights come from a saved checkpoint or, built sharded, from no checkpoint
+(``--random``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
 # NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service)
@@ -51,7 +54,7 @@ def _check_tp(tmp: Path, single: dict, ranks: int = 2) -> None:
 
 def test_tensor_parallel_on_cpu_matches_one_process(tiny_checkpoint, tmp_path):
     common = ["--device", "cpu", "--dtype", "float64", "--dir", str(tiny_checkpoint), "--prompt", "40",
-              "--beams", "4", "--new-tokens", "12"]
+              "--beams", "4", "--new-tokens", "12", "--rounds", "0"]
     _run(["single", *common, "--out", str(tmp_path / "single.json")])
     single = _load(tmp_path / "single.json")
     assert single["kv_heads_cached"] == single["kv_heads_model"] == 2
@@ -67,7 +70,7 @@ def gpu_checkpoint(tmp_path_factory):
     return folder
 
 
-GPU_COMMON = ["--dtype", "float32", "--prompt", "1000", "--beams", "4", "--new-tokens", "16"]
+GPU_COMMON = ["--dtype", "float32", "--prompt", "1000", "--beams", "4", "--new-tokens", "16", "--rounds", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,7 @@ def gpu_single(gpu_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.gpu(2)
+@pytest.mark.multi_gpu
 def test_device_map_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tmp_path):
     _run(["device-map", *GPU_COMMON, "--gpus", "2", "--dir", str(gpu_checkpoint), "--ref", str(gpu_single),
           "--out", str(tmp_path / "dmap.json")])
@@ -88,6 +92,7 @@ def test_device_map_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tm
 
 
 @pytest.mark.gpu(2)
+@pytest.mark.multi_gpu
 def test_tensor_parallel_over_two_gpus_matches_one_gpu(gpu_checkpoint, gpu_single, tmp_path):
     _run(["tp", *GPU_COMMON, "--dir", str(gpu_checkpoint), "--ref", str(gpu_single),
           "--out", str(tmp_path / "tp.json")], torchrun=True)
@@ -98,7 +103,7 @@ def test_tensor_parallel_whole_step_on_cpu_matches_one_process(tiny_checkpoint, 
     """Tensor parallelism (gloo, 2 ranks) with decode steps on the graph runner's static path and the whole step on
     the device (each rank chooses the same tokens from the same gathered logits): the one-process tokens."""
     common = ["--device", "cpu", "--dtype", "float64", "--dir", str(tiny_checkpoint), "--prompt", "40",
-              "--beams", "4", "--new-tokens", "12", "--graphs", "eager"]
+              "--beams", "4", "--new-tokens", "12", "--graphs", "eager", "--rounds", "0"]
     _run(["single", *common, "--out", str(tmp_path / "single.json")])
     single = _load(tmp_path / "single.json")
     assert single["device_steps"] > 0
@@ -106,3 +111,141 @@ def test_tensor_parallel_whole_step_on_cpu_matches_one_process(tiny_checkpoint, 
          torchrun=True)
     _check_tp(tmp_path, single)
     assert all(_load(path)["device_steps"] > 0 for path in (tmp_path / "tp.json", tmp_path / "tp.json.rank1"))
+
+
+# ---- no checkpoint: the model built sharded, filled with seeded random weights (--random) ----
+
+def _ranks(tmp: Path, name: str, ranks: int = 2) -> list[dict]:
+    return [_load(tmp / name)] + [_load(tmp / f"{name}.rank{r}") for r in range(1, ranks)]
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny70b"])
+def random_runs(request, tmp_path_factory):
+    """One process, then tensor parallelism over gloo (2 ranks) with stock interleaved, of a shape built from no
+    checkpoint (tiny70b: the 70B's head ratios, 8 query heads per KV head); decode steps on the runner's static path
+    and one timed round of the whole-generate step. Returns (shape, one-process result, the ranks' results)."""
+    tmp = tmp_path_factory.mktemp(f"random_{request.param}")
+    common = ["--random", request.param, "--device", "cpu", "--dtype", "float64", "--prompt", "40", "--beams", "4",
+              "--new-tokens", "12", "--graphs", "eager", "--rounds", "1"]
+    _run(["single", *common, "--out", str(tmp / "single.json")])
+    _run(["tp", *common, "--with-stock", "--ref", str(tmp / "single.json"), "--out", str(tmp / "tp.json")],
+         torchrun=True)
+    return request.param, _load(tmp / "single.json"), _ranks(tmp, "tp.json")
+
+
+def test_random_weights_sharded_on_cpu_match_one_process(random_runs):
+    """Each rank fills its shards of the weights the one process holds whole (the same tokens), caches only its share
+    of the KV heads, and holds less than the whole model's weights; stock on the same shards gives the same tokens."""
+    shape, single, ranks = random_runs
+    assert single["kv_heads_cached"] == single["kv_heads_model"] == 2
+    assert len({t for row in single["tokens"] for t in row}) > 1, "one token throughout: the comparison says little"
+    for res in ranks:
+        assert res["world_size"] == 2 and res["shape"] == shape
+        assert res["tokens"] == single["tokens"], "tensor-parallel beams differ from the one-process run"
+        assert res["kv_heads_cached"] == 1
+        assert res["peak_kv_bytes_in_use"] * 2 == single["peak_kv_bytes_in_use"]
+        # (the norms, and on transformers < 5.24 the embedding, are replicated: more than half, less than all)
+        assert single["weight_bytes_per_process"] / 2 <= res["weight_bytes_per_process"] \
+            < single["weight_bytes_per_process"]
+        assert res["kv_bytes_per_process"] * 2 == single["kv_bytes_per_process"]
+        assert res["stock"]["tokens_match"] and res["stock"]["kv_heads_cached"] == 1
+
+
+def test_whole_generate_step_fields_on_cpu(random_runs):
+    """The whole-generate step beside the per-forward one: with decode steps on the runner no forward hook runs
+    (step_ms None), the whole-generate step still comes (the calls longer with more tokens), its timed calls make the
+    measured call's tokens on the device loop, and the floor is the bytes a step reads at the given bandwidth."""
+    _, single, ranks = random_runs
+    for res in [single, *ranks]:
+        assert res["step_ms"] is None and res["device_steps"] > 0
+        assert res["whole_full_s"] > res["whole_short_s"] > 0 and res["whole_step_ms"] > 0
+        assert len(res["whole_step_ms_rounds"]) == 1
+        assert res["whole_captures"] == [0], "the CPU captures nothing"
+        assert res["whole_device_steps"][0] > 0, "the timed calls left the device loop"
+        assert res["whole_tokens_match"]
+        floor = (res["weight_bytes_per_process"] + res["kv_bytes_per_process"]) / res["bandwidth_bytes_per_s"] * 1e3
+        assert res["floor_ms"] == pytest.approx(floor)
+        assert res["whole_step_vs_floor"] == pytest.approx(res["whole_step_ms"] / res["floor_ms"])
+    for res in ranks:
+        assert res["whole_step_vs_ref"] == pytest.approx(res["whole_step_ms"] / single["whole_step_ms"])
+        assert res["stock"]["whole_step_ms"] > 0 and res["stock"]["whole_captures"] == [None]
+
+
+@pytest.fixture
+def multi_gpu_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import multi_gpu
+    return multi_gpu
+
+
+def test_random_weights_follow_the_parameter_names(multi_gpu_module):
+    """fill_random: the same weights on every build (seeded by name, whatever else used the global generator),
+    different weights for different names, at the model's init scale (norms ones)."""
+    from transformers import LlamaForCausalLM
+    config = multi_gpu_module.llama_config("tiny70b")
+    models = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float64)
+        multi_gpu_module.fill_random(model)
+        models.append(dict(model.named_parameters()))
+    first, second = models
+    for name, param in first.items():
+        assert torch.equal(param, second[name]), name
+    q, k = first["model.layers.0.self_attn.q_proj.weight"], first["model.layers.1.self_attn.q_proj.weight"]
+    assert not torch.equal(q, k)
+    assert q.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+    assert torch.equal(first["model.norm.weight"], torch.ones_like(first["model.norm.weight"]))
+
+
+def test_whole_step_reports_stock_out_of_memory(multi_gpu_module, monkeypatch):
+    """Stock running out of memory gives {"oom": True} and is not called again; the cascade's rounds go on."""
+    import argparse
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM(multi_gpu_module.llama_config("tiny")).to(torch.float64).eval()
+    model.set_attn_implementation("cascade")
+    real, stock_calls = model.generate, []
+
+    def generate(*args, **kwargs):
+        if model.config._attn_implementation == "sdpa":
+            stock_calls.append(kwargs["max_new_tokens"])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", generate)
+    args = argparse.Namespace(new_tokens=6, step_base=1, rounds=2, beams=4, prompt=40, graphs="eager",
+                              attn="cascade", stock_attn="sdpa")
+    ids = torch.randint(1, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    got = multi_gpu_module.whole_step(model, args, ids, [torch.device("cpu")], ["cascade", "stock"])
+    assert got["stock"] == {"oom": True}
+    assert stock_calls == [1], "stock ran again after running out of memory"
+    assert len(got["cascade"]["whole_step_ms_rounds"]) == 2 and got["cascade"]["whole_step_ms"] > 0
+    assert model.config._attn_implementation == "cascade"
+
+
+# ---- two GPUs: decode steps captured with the all-reduces inside, token choice on the device ----
+
+@pytest.mark.gpu(2)
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_tensor_parallel_captured_whole_step(dtype, tmp_path):
+    """Tensor parallelism over 2 GPUs with the decode steps captured (--graphs on): every rank's steps ran on the
+    device and were captured, each rank caching half the KV heads; float32 (TF32 off): the one-GPU run's tokens and
+    stock's; bf16: the tokens' agreement with one GPU is reported (rounding differs with the sums' order). The timed
+    calls of the whole-generate step replay the graph kept from the warm-up (no capture inside the step figure)."""
+    common = ["--random", "1b", "--dtype", dtype, "--prompt", "1024", "--beams", "4", "--new-tokens", "16",
+              "--graphs", "on", "--rounds", "1"]
+    _run(["single", *common, "--out", str(tmp_path / "single.json")])
+    single = _load(tmp_path / "single.json")
+    assert single["device_steps"] > 0 and single["runner_captures"] > 0
+    _run(["tp", *common, *(["--with-stock"] if dtype == "float32" else []), "--ref", str(tmp_path / "single.json"),
+          "--out", str(tmp_path / "tp.json")], torchrun=True)
+    for res in _ranks(tmp_path, "tp.json"):
+        assert res["kv_heads_cached"] * 2 == res["kv_heads_model"]
+        assert res["device_steps"] > 0 and res["runner_captures"] > 0, (res["device_steps"], res["runner_captures"])
+        assert res["whole_device_steps"][0] > 0 and res["whole_captures"] == [0], res["whole_captures"]
+        assert res["whole_step_ms"] > 0 and 0 <= res["token_agreement_ref"] <= 1
+        if dtype == "float32":
+            assert res["tokens_match_ref"], "float32 tensor-parallel beams differ from the one-GPU run"
+            assert res["stock"]["tokens_match"], "float32 tensor-parallel beams differ from stock's"
+            assert res["whole_tokens_match"]
