@@ -11,9 +11,9 @@ A generate call's :class:`~hf_cascade.session.DecodeSession` hands its decode lo
   ``torch.compile(fullgraph=True)`` of the model's forward (or :class:`hf_cascade.regional.RegionalForward`), which
   gets the step context as its ``cascade_step`` argument; a forward that cannot compile runs uncompiled, logged once.
 
-The runner keeps the captured step for the model's next call of the same shape (``whole_step_kept``: one reuse key,
-:class:`hf_cascade.whole_step._Captured`'s), whatever the prompt's length where the kept layout adopts the call's
-values (:meth:`hf_cascade.plan.DecodeLayout.adopt`). transformers' own ``_sample`` / ``_beam_search`` never run a runner, and
+The runner keeps the captured steps for the model's next calls of the same shape (``kept_steps``: the latest first,
+as many as the cache keeps layouts; each with one reuse key, :class:`hf_cascade.whole_step._Captured`'s), whatever
+the prompt's length where a kept layout adopts the call's values (:meth:`hf_cascade.plan.DecodeLayout.adopt`). transformers' own ``_sample`` / ``_beam_search`` never run a runner, and
 ``model.forward`` is never replaced: where the decode loop is transformers' (hf_cascade.whole_step.decode says when),
 its forwards are the model's own, eager.
 
@@ -37,7 +37,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 
 from . import regional
-from ..kv.cache import CascadeCache
+from ..kv.cache import KEPT_LAYOUTS, CascadeCache
 from ..config import CascadeConfig
 from ..kv.static_step import StaticStepCache
 from ..kv.context import STEP_KWARG
@@ -180,8 +180,23 @@ class DecodeGraphRunner:
         self.original = self.forward_fn = None
         self.attach(model)
         self.disabled: str | None = None      # why the call's steps stopped being captured
-        self.whole_step_kept = None           # hf_cascade.whole_step's captured step, kept for the next call
+        # hf_cascade.whole_step's captured steps kept for the next calls, the latest first: as many as the cache keeps
+        # layouts (one per way the rows share)
+        self.kept_steps: list = []
         self.begin_call()
+
+    @property
+    def whole_step_kept(self):
+        """The latest captured step kept for the next call (None: none)."""
+        return self.kept_steps[0] if self.kept_steps else None
+
+    def keep_step(self, kept) -> None:
+        """Keep ``kept`` (a new captured step, or one about to be captured) first; a kept step of the same layout
+        (the same hold kind and serial: superseded) and the oldest beyond :data:`KEPT_LAYOUTS` are dropped."""
+        same = kept.step_key[:2] if kept.step_key is not None else None
+        others = [k for k in self.kept_steps if k is not kept and (same is None or k.step_key is None
+                                                                    or k.step_key[:2] != same)]
+        self.kept_steps = ([kept] + others)[:KEPT_LAYOUTS]
 
     @property
     def model(self):
@@ -210,8 +225,8 @@ class DecodeGraphRunner:
         self.disabled = None
 
     def release(self) -> None:
-        """Drop the kept step (its graph, memory pool and tensors)."""
-        self.whole_step_kept = None
+        """Drop the kept steps (their graphs, memory pools and tensors)."""
+        self.kept_steps = []
 
     # ---- one forward --------------------------------------------------------------------------------
     def _call(self, static):

@@ -192,7 +192,7 @@ def decode(session, input_ids, logits_processor, stopping_criteria, generation_c
     if reason is None:
         mode = DecodeMode.of_runner(runner, "device", eager)
         chooser = DeviceChooser(config, input_ids, mask, _encoder_ngrams(logits_processor), runner.compiled,
-                                kept=runner.whole_step_kept)
+                                kept=runner.kept_steps)
     else:
         mode = DecodeMode.of_runner(runner, "host", eager, f"token choice on the host: {reason}")
         chooser = host_select.HostChooser(session.model, input_ids, logits_processor, stopping_criteria,
@@ -297,14 +297,14 @@ class DeviceChooser:
     in_step = True
 
     def __init__(self, config: device_select.SelectionConfig, input_ids, attention_mask,
-                 encoder_ngrams: list[dict] | None = None, compiled=False, kept: "_Captured | None" = None):
+                 encoder_ngrams: list[dict] | None = None, compiled=False, kept: "list[_Captured]" = ()):
         # (the config less its prompt's lengths, which the state holds as tensors: a call of another prompt length
         # of the same bucketed shapes refills the kept tensors)
         self.key = ("device", device_select.shape_key(config))
         # a kept step's sequence buffers where they are wider, up to ADOPT_SPAN times this call's (a shorter prompt
         # than the kept step's call: its state then fits the kept step)
         own = shape_bucket(config.max_length, device_select.MIN_BUCKET_TOKENS)
-        width = kept.state.sequences.shape[1] if kept is not None and kept.call_key[0] == self.key else own
+        width = next((k.state.sequences.shape[1] for k in kept if k.call_key[0] == self.key), own)
         self.state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams,
                                              width=width if own <= width <= ADOPT_SPAN * own else None)
         self.beam, self.max_length = config.is_beam, config.max_length
@@ -345,18 +345,12 @@ class WholeStepLoop:
         self.kind = hold_kind(self.cache)
         self.chooser = chooser
         state = chooser.state
-        call_key = (chooser.key, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
-        kept = self.runner.whole_step_kept
-        if kept is not None and kept.call_key == call_key:      # the last call's tensors, with this call's values
-            _fill(kept.state.tensors(), state.tensors())
-            chooser.adopt(kept.state)
-            _fill(kept.inputs, {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
-            kept.parents.copy_(torch.arange(input_ids.shape[0], device=input_ids.device))
-            kept.inputs.update({k: v for k, v in inputs.items() if not isinstance(v, torch.Tensor)})
-        else:
-            kept = _Captured(call_key, state, inputs, torch.arange(input_ids.shape[0], device=input_ids.device),
-                             torch.zeros((), dtype=torch.int64, device=input_ids.device))
-        self.runner.whole_step_kept = self.kept = kept
+        self.call_key = (chooser.key, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
+        # the call's own tensors until its first device step, which moves them into a kept step that fits, or keeps
+        # them for the step it captures (_hold_on_device)
+        kept = _Captured(self.call_key, state, inputs, torch.arange(input_ids.shape[0], device=input_ids.device),
+                         torch.zeros((), dtype=torch.int64, device=input_ids.device))
+        self.kept = kept
         self.inputs, self.parents, self.peak = kept.inputs, kept.parents, kept.peak
         self.first_inputs = first_inputs or self.inputs
         self.second_positions = second_positions     # (see _second_positions)
@@ -379,13 +373,12 @@ class WholeStepLoop:
         self.host_steps = 0
 
     def kept_blocks(self, layout) -> "device_blocks.DeviceBlocks | None":
-        """The block state of the step kept from an earlier call, where it was captured on ``layout`` (which then
-        adopted this call's values, or held them already): the shapes this call's state takes where they are
+        """The block state of a step kept from an earlier call of this call's key, captured on ``layout`` (which
+        then adopted this call's values, or held them already): the shapes this call's state takes where they are
         wider, so that the kept step replays."""
-        kept = self.kept
-        if kept.step_key is None or kept.step_key[:2] != ("blocks", layout.serial):
-            return None
-        return kept.held_tensors
+        return next((kept.held_tensors for kept in self.runner.kept_steps
+                     if kept.call_key == self.call_key and kept.step_key is not None
+                     and kept.step_key[:2] == ("blocks", layout.serial)), None)
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self):
@@ -405,7 +398,7 @@ class WholeStepLoop:
                     finished = self._chunk(max(1, min(CHECK_EVERY, self.room, self.max_length - self.made)))
         except BaseException:
             self.held = None            # the session empties the cache: nothing to take back
-            self.runner.whole_step_kept = None      # a step may have stopped half way: keep nothing of it
+            self.runner.release()       # a step may have stopped half way: keep nothing of it
             raise
         self._take_back()
         if self.beam and not self.chooser.in_step:
@@ -439,15 +432,34 @@ class WholeStepLoop:
             return
         if held is None:
             return
-        kept = self.kept
-        fits = kept.step_key == held.key
+        mine = [kept for kept in self.runner.kept_steps if kept.call_key == self.call_key]
+        kept = next((kept for kept in mine if kept.step_key == held.key), None)
+        fits = kept is not None
+        if not fits:    # a step to capture: on the tensors of a kept step of this layout it supersedes, else the call's
+            kept = next((kept for kept in mine if kept.step_key[:2] == held.key[:2]), self.kept)
+        if kept is not self.kept:
+            self._move_to(kept)
         if fits:                          # the captured step fits: this call's state into its tensors
             _fill(_tensors(kept.held_tensors), _tensors(held.tensors))
             held.tensors = kept.held_tensors
         else:
             kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
+            self.runner.keep_step(kept)
+        if isinstance(held, BlocksHold):         # (the peak the kept step's graph raises)
+            held.peak = kept.peak.zero_()
         self.held, self.graph, self.room = held, kept.graph, held.room
         self.first_of_hold = not fits     # (in the eager form: the step a GPU would capture)
+
+    def _move_to(self, kept: _Captured) -> None:
+        """Carry the call's state, inputs and parents into ``kept``'s tensors (a kept step whose graph fits, of the
+        same call key: the same shapes) and run on them from now on."""
+        _fill(kept.state.tensors(), self.kept.state.tensors())
+        self.chooser.adopt(kept.state)
+        _fill(kept.inputs, {k: v for k, v in self.inputs.items() if isinstance(v, torch.Tensor)})
+        kept.inputs.update({k: v for k, v in self.inputs.items() if not isinstance(v, torch.Tensor)})
+        kept.parents.copy_(self.parents)
+        self.kept = kept
+        self.inputs, self.parents, self.peak = kept.inputs, kept.parents, kept.peak
 
     def _chunk(self, steps: int) -> bool:
         """``steps`` device steps, then one read of the flags; returns whether the call has finished. With the

@@ -31,6 +31,10 @@ from ..precision import as_computed
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
 logger = logging.getLogger("hf_cascade")
+# decode layouts a cache keeps between calls for its runner's kept steps (hf_cascade.graphs): one per way the rows
+# share, as an evaluation loop meets them (a prompt long enough for its beams to read it once, one below the
+# cascade's threshold read as solo rows)
+KEPT_LAYOUTS = 2
 
 
 def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
@@ -281,7 +285,8 @@ class CascadeCache(Cache):
         # the threshold of the backends the layers' shapes get (None: not chosen yet; the pools' shapes decide it)
         self._backend_min_saved_tokens: int | None = None
         self._layout: DecodeLayout | None = None
-        self._kept_layout: DecodeLayout | None = None     # the last call's layout, kept by reset_for_reuse
+        # the last calls' layouts (the latest first), kept by reset_for_reuse for the runner's kept steps
+        self._kept_layouts: tuple[DecodeLayout, ...] = ()
         self._decode_max_length: int | None = None
         self._decode_start = 0        # the logical length when the decode began (decode tokens made = the rest)
         # set by the generate entry when beam search filled it: its rows are the running beams, not the sequences
@@ -290,7 +295,7 @@ class CascadeCache(Cache):
 
     # ---- copies (copy.deepcopy, pickle, torch.save) ---------------------------------------------------
     # what belongs to a step or a generate call in progress: never copied (a copy starts between calls)
-    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layout": None, "_decode_max_length": None}
+    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layouts": (), "_decode_max_length": None}
 
     def __getstate__(self):
         return {**self.__dict__, **self._TRANSIENT}
@@ -443,12 +448,14 @@ class CascadeCache(Cache):
         self.model_fingerprint = None
         self._context, self._next_write_mask = None, None
         if keep and self._layout is not None:      # not released: the kept runner's graph points at its buffers
-            if self._kept_layout is not None:
-                self._kept_layout.release()
-            self._kept_layout, self._layout = self._layout, None
-        elif not keep and self._kept_layout is not None:
-            self._kept_layout.release()
-            self._kept_layout = None
+            kept = (self._layout,) + self._kept_layouts
+            self._kept_layouts, self._layout = kept[:KEPT_LAYOUTS], None
+            for layout in kept[KEPT_LAYOUTS:]:
+                layout.release()
+        elif not keep:
+            for layout in self._kept_layouts:
+                layout.release()
+            self._kept_layouts = ()
         self.end_decode()
         self._peak_blocks = 0
         self._backend_min_saved_tokens = None
@@ -669,15 +676,18 @@ class CascadeCache(Cache):
                                      self.cascade_config.min_group_rows, self.cascade_config.min_prefix_tokens,
                                      self._min_saved_tokens(),
                                      solo_rows=bool(backends) and all(b.solo_prefix for b in backends))
-        kept, self._kept_layout = self._kept_layout, None
-        if kept is not None and (kept.holds(layout) or kept.adopt(layout)):
-            # the last call's buffers (and the graph that points at them) fit: its capacity is what a call of
-            # this shape came to need; a call of another prompt length whose rows share as the last call's did
-            # hands it its prefix tables and lengths
-            return kept
-        if kept is not None:
-            kept.release()
-        return layout
+        # a kept layout whose buffers (and the graph that points at them) fit: its capacity is what a call of this
+        # shape came to need; a call of another prompt length whose rows share as that call's did hands it its
+        # prefix tables and lengths
+        found = next((kept for kept in self._kept_layouts if kept.holds(layout) or kept.adopt(layout)), None)
+        if found is None:       # the new layout outgrows those whose rows share alike: they serve no later call
+            for kept in self._kept_layouts:
+                if kept.same_levels(layout):
+                    kept.release()
+            self._kept_layouts = tuple(kept for kept in self._kept_layouts if not kept.same_levels(layout))
+            return layout
+        self._kept_layouts = tuple(kept for kept in self._kept_layouts if kept is not found)
+        return found
 
 
 def _check_cap_holds_a_block(config, cascade_config: CascadeConfig) -> None:

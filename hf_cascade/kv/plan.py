@@ -384,16 +384,20 @@ class DecodeLayout:
             buffers.adopt_levels(self)
         return True
 
+    def same_levels(self, other: "DecodeLayout") -> bool:
+        """The same rows in the same shared levels (which rows share, not how many blocks)."""
+        return (self.num_rows == other.num_rows and self.block_size == other.block_size
+                and (self.inner_width > 0) == (other.inner_width > 0)
+                and np.array_equal(self.group_rows, other.group_rows)
+                and np.array_equal(self.mid_group_rows, other.mid_group_rows))
+
     def _serves(self, other: "DecodeLayout") -> bool:
         wider = ((self.prefix_table.shape[1], other.prefix_table.shape[1]),
                  (self.mid_table.shape[1], other.mid_table.shape[1]), (self.table_width, other.table_width))
-        return (self.num_rows == other.num_rows and self.block_size == other.block_size
-                and (self.inner_width > 0) == (other.inner_width > 0)
+        return (self.same_levels(other)
                 and self.suffix_width >= other.suffix_width and self.inner_width >= other.inner_width
                 and self.token_limit >= other.token_limit
-                and all(theirs <= ours <= ADOPT_SPAN * max(theirs, 1) for ours, theirs in wider)
-                and np.array_equal(self.group_rows, other.group_rows)
-                and np.array_equal(self.mid_group_rows, other.mid_group_rows))
+                and all(theirs <= ours <= ADOPT_SPAN * max(theirs, 1) for ours, theirs in wider))
 
     @property
     def max_row_tokens(self) -> int:

@@ -350,18 +350,30 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
 EVAL_LENGTHS = (36, 9, 27, 14, 40, 6, 21, 31)
 
 
-@pytest.mark.parametrize("case", ["beam", "greedy", "sample"])
+@pytest.mark.parametrize("case", ["beam", "beam, two ways to share", "greedy", "sample"])
 def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkeypatch, case):
-    """Eight prompt lengths, twice over, on one model (pools of a fixed address: memory="static"): the step kept
+    """Eight prompt lengths, twice over, on one model (pools of a fixed address: memory="static"): a step kept
     from a call serves every later one whose layout of the same rows and levels it holds: that layout hands the kept
     one its values (DecodeLayout.adopt) and the call's state takes the kept step's wider shapes (the sequence buffers,
-    the block tables and pool). No call of the second pass captures; every call gives stock's tokens."""
+    the block tables and pool). With a cascade threshold that only the longer prompts pass, the beams of the others
+    read as rows of their own: the runner keeps a step for each way the rows share (KEPT_LAYOUTS). No call of the
+    second pass captures; every call gives stock's tokens."""
     stock, cascade = llama_pair
-    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4)
-    kw = {"beam": dict(num_beams=4, early_stopping=False), "greedy": dict(do_sample=False),
-          "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}[case]
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4,
+                           min_saved_tokens=60 if "two ways" in case else None)
+    kw = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}.get(
+        case, dict(num_beams=4, early_stopping=False))
     kw.update(max_new_tokens=10, pad_token_id=0)
     spy = RunnerSpy(monkeypatch)
+    real_freeze = DecodeLayout.freeze.__func__
+    shared = []          # whether each frozen layout has a group prefix
+
+    def freeze(cls, *args, **kwargs):
+        layout = real_freeze(cls, *args, **kwargs)
+        shared.append(layout.group_rows.size > 0)
+        return layout
+
+    monkeypatch.setattr(DecodeLayout, "freeze", classmethod(freeze))
     first_steps = []
     for _ in range(2):
         for n in EVAL_LENGTHS:
@@ -372,11 +384,12 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
             assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config), expected), n
             first_steps.append(spy.runners[-1].first_steps)
     assert len({id(r) for r in spy.runners}) == 1
+    if "two ways" in case:
+        assert len(set(shared)) == 2, shared
     cold, warm = first_steps[:len(EVAL_LENGTHS)], first_steps[len(EVAL_LENGTHS):]
-    # the first pass captures where a prompt is longer than every one before (the kept layout's token limit is the
-    # longest call's) and at most once where the pool's bucket grows; the second pass, never
-    longer = sum(n > max(EVAL_LENGTHS[:i], default=0) for i, n in enumerate(EVAL_LENGTHS))
-    assert cold[0] == 1 and sum(cold) <= longer + 1 < len(EVAL_LENGTHS), cold
+    # the first pass captures where a prompt is longer than every one before that shares alike (a kept layout's
+    # token limit is its call's) and where the pool's bucket grows; the second pass, never
+    assert cold[0] == 1 and sum(cold) < len(EVAL_LENGTHS) - 2, first_steps
     assert warm == [0] * len(EVAL_LENGTHS), warm
 
 
