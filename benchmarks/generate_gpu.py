@@ -15,6 +15,12 @@ bytes the first decode step's attention reads (each shared level once) and what 
 
     PYTHONPATH=. python benchmarks/generate_gpu.py --whole-step --configs 8b:16384:beam8 8b:4096:greedy \
         mistral7b:8192:beam8 8b:4096+512x8:beam4
+
+Cascade rows also give the step's memory floor (``floor_ms``: the weights but the embedding table, and the K/V its
+attention reads, at 4.8 TB/s) and ``step_vs_floor``. Long context with an fp8 KV cache (issue 34):
+
+    PYTHONPATH=. python benchmarks/generate_gpu.py --whole-step --configs 8b:131072:beam4 \
+        --variants stock whole whole-fp8 --rounds 1 --new-tokens 17
 """
 from __future__ import annotations
 
@@ -59,7 +65,7 @@ LEFT = ("shape", "prompt", "mode", "variant", "attention", "error")     # text c
 
 def build(shape: str, dtype) -> torch.nn.Module:
     config_class, fields = SHAPES[shape]
-    config = config_class(**{**dict(max_position_embeddings=65536, pad_token_id=0, bos_token_id=None,
+    config = config_class(**{**dict(max_position_embeddings=262144, pad_token_id=0, bos_token_id=None,
                                     eos_token_id=None), **fields})
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -163,7 +169,12 @@ WHOLE_VARIANTS = {
     "whole-unfused": dict(backend="cuda", cuda_graphs=True, compile=True, fuse_projections=False),
     # the default step before fused projections became the default (what "whole" was up to 3f03ad0)
     "whole-uncompiled-unfused": dict(backend="cuda", cuda_graphs=True, fuse_projections=False),
+    # an fp8 KV cache (e4m3 with per-head scales): half the K/V bytes (long context: issue 34)
+    "whole-fp8": dict(backend="cuda", cuda_graphs=True, kv_dtype="float8_e4m3fn"),
 }
+# the memory floor of a decode step: every weight but the embedding table (a step gathers a few of its rows) and the
+# K/V the step's attention reads, once, at the H200's DRAM bandwidth
+BANDWIDTH = 4.8e12
 # the variants run in transformers' loop around the replayed forward (harness.transformers_loop)
 TRANSFORMERS_LOOP = ("graph", "compile")
 
@@ -244,6 +255,12 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     return {"wall": wall, "peak": peak}
 
 
+def _step_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads: all but the input embedding table."""
+    embedding = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+
+
 def whole_step(args, dtype, console):
     results, models = [], {}
     for entry in tqdm(args.configs, desc="configs"):
@@ -289,11 +306,15 @@ def whole_step(args, dtype, console):
             if "kv_reads" in row:       # bytes of K/V the step's attention reads, all layers
                 config = model.config
                 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-                per_token = (2 * head_dim * config.num_key_value_heads * config.num_hidden_layers
-                             * torch.finfo(dtype).bits // 8)
+                kv_dtype = (WHOLE_VARIANTS[v] or {}).get("kv_dtype")
+                bits = torch.finfo(getattr(torch, kv_dtype) if kv_dtype else dtype).bits
+                per_token = 2 * head_dim * config.num_key_value_heads * config.num_hidden_layers * bits // 8
                 cascade_tokens, per_row_tokens = row.pop("kv_reads")
                 row.update(kv_read_gib=cascade_tokens * per_token / 2**30,
                            kv_read_gib_per_row=per_row_tokens * per_token / 2**30)
+                weights = _step_weight_bytes(model)
+                row["floor_ms"] = (weights + cascade_tokens * per_token) / BANDWIDTH * 1e3
+                row["step_vs_floor"] = row["step_ms"] / row["floor_ms"]
             if v == "stock":
                 row_stock = row
             elif row_stock is not None:
@@ -303,7 +324,8 @@ def whole_step(args, dtype, console):
         _write(args, results)       # after every shape: a command stopped at its time limit keeps the shapes done
     harness.table(f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
                   ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "t2_s", "t2_vs_stock",
-                   "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "captures", "capture_s", "second_call_captures",
+                   "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "floor_ms", "step_vs_floor", "captures",
+                   "capture_s", "second_call_captures",
                    "first_call_wall_s", "graph_disabled", "error"], results, console, left=LEFT)
     return results
 

@@ -117,3 +117,35 @@ def test_second_call_gives_the_same_tokens(bf16_models, monkeypatch):
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, **kw), first)
     assert spy.runners[0].device_steps > 20
     assert spy.runners[0].captures == 0          # the kept graph replays (vmm pools keep their addresses)
+
+
+# an evaluation loop's prompt lengths: with 8 beams the cuda backend's cascade pays from ~1.2k shared tokens (its
+# min_saved_tokens), so the loop alternates beams that read their prompt once and beams read as rows of their own
+EVAL_LENGTHS = (1500, 700, 1300, 1800, 400, 1600)
+
+
+@pytest.mark.parametrize("case", ["beam", "greedy"])
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_an_evaluation_loop_replays_the_kept_steps_across_prompt_lengths(bf16_models, monkeypatch, case, backend):
+    """One model, one call per prompt of 6 lengths, twice over: the calls of the second pass capture nothing (a kept
+    layout adopts each call's prefix tables and lengths; the cuda backend's static launches follow the layout's
+    shapes) and every captured call gives the tokens of the same call's eager whole step, bitwise."""
+    _, model = bf16_models
+    kw = dict(max_new_tokens=40, pad_token_id=0, **({"num_beams": 8} if case == "beam" else {"do_sample": False}))
+    spy = RunnerSpy(monkeypatch)
+    eager = {}
+    for n in EVAL_LENGTHS:
+        ids, mask = _batch((n,), seed=n)
+        eager[n] = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                                  hf_cascade_config=CascadeConfig(cuda_graphs="eager", backend=backend))
+    captures = []
+    for _ in range(2):
+        for n in EVAL_LENGTHS:
+            ids, mask = _batch((n,), seed=n)
+            got = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                                 hf_cascade_config=CascadeConfig(cuda_graphs=True, backend=backend))
+            assert torch.equal(got, eager[n]), n
+            assert spy.runners[-1].device_steps > 30
+            captures.append(spy.runners[-1].captures)
+    assert sum(captures[:len(EVAL_LENGTHS)]) < len(EVAL_LENGTHS), captures
+    assert captures[len(EVAL_LENGTHS):] == [0] * len(EVAL_LENGTHS), captures
