@@ -436,8 +436,8 @@ class CascadeCache(Cache):
     def reset_for_reuse(self) -> None:
         """Like :meth:`reset`, but keep what a captured decode graph points at for a next call of the same
         shape: the pools' storage objects (their addresses; a vmm pool keeps nothing mapped beyond
-        ``keep_kv_bytes``) and the last decode layout (its buffers). The runner is kept beside it
-        (:mod:`hf_cascade.session`)."""
+        ``keep_kv_bytes``) and the last calls' decode layouts (their buffers; :data:`KEPT_LAYOUTS`, the latest first).
+        The runner is kept beside it (:mod:`hf_cascade.session`)."""
         self._reset(keep=True)
 
     def _reset(self, keep: bool) -> None:
