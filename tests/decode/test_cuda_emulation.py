@@ -468,14 +468,16 @@ def _static_plan(lay, prefix_width: int, suffix_width: int):
                    suffix_table=pad(plan.suffix_table, suffix_width), layout=_StubLayout())
 
 
+@pytest.mark.parametrize("bs", [1, 4, 16, 64])
 @pytest.mark.parametrize("sm90", [False, True], ids=["portable", "hopper"])
-def test_a_static_launch_follows_the_shapes_and_serves_shorter_prefixes(sm90, monkeypatch):
+def test_a_static_launch_follows_the_shapes_and_serves_shorter_prefixes(sm90, bs, monkeypatch):
     """A static step's launch state (chunks, slots, each row's partial count) follows the layout's table widths,
     not its prefix lengths: built for a 600-token prefix, it is the state a 150-token prefix of the same rows and
     widths gets, and run on the shorter prefix's values (what a kept layout holds after adopting a new call's:
     plan.DecodeLayout.adopt) it gives the reference's attention; the chunks past the prefix write empty partials."""
     monkeypatch.setattr(_FakeLib, "sm90", sm90)
-    common = dict(groups=((3, 600),), lone_rows=1, suffix=(1, 20), D=128, ratio=4, shuffle=False, dtype=torch.float64)
+    common = dict(groups=((3, 600),), lone_rows=1, suffix=(1, 20), D=128, ratio=4, shuffle=False, dtype=torch.float64,
+                  bs=bs)
     long = random_layout(11, **common)
     short = random_layout(12, **{**common, "groups": ((3, 150),)})
     assert np.array_equal(long.group_rows.numpy(), short.group_rows.numpy())
