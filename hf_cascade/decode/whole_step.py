@@ -41,6 +41,7 @@ at most ``CHECK_EVERY - 1`` forwards are wasted at the end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Protocol
 
@@ -432,6 +433,9 @@ class WholeStepLoop:
             return
         if held is None:
             return
+        alive = getattr(self.kind, "alive", None)
+        alive = None if alive is None else functools.partial(alive, self.cache)
+        self.runner.drop_dead(alive)        # (steps of released layouts: their slots serve live ones)
         mine = [kept for kept in self.runner.kept_steps if kept.call_key == self.call_key]
         kept = next((kept for kept in mine if kept.step_key == held.key), None)
         fits = kept is not None
@@ -444,7 +448,7 @@ class WholeStepLoop:
             held.tensors = kept.held_tensors
         else:
             kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
-            self.runner.keep_step(kept)
+            self.runner.keep_step(kept, alive)
         if isinstance(held, BlocksHold):         # (the peak the kept step's graph raises)
             held.peak = kept.peak.zero_()
         self.held, self.graph, self.room = held, kept.graph, held.room
@@ -576,8 +580,10 @@ class DeviceHold(Protocol):
     kind (:func:`hold_kind`): :class:`BlocksHold` for a paged CascadeCache, ``dense_cache.DenseHold`` for the T5
     family's StaticSelfAttentionCache. A kind also says how its cache takes the call's first inputs
     (``positions_in_cache``: the decoder's positions are the cache's, not a step input), how a step runs on the host
-    (``host_forward``), which function advances it (``advance_fn``: compiled with ``compile``) and when the device can
-    take it (``take(loop)``: the hold, or None with the reason it never can, or None and None: not now)."""
+    (``host_forward``), which function advances it (``advance_fn``: compiled with ``compile``), when the device can
+    take it (``take(loop)``: the hold, or None with the reason it never can, or None and None: not now) and, where a
+    kind's layouts outlive calls, whether a kept step can still replay (``alive(cache, step_key)``; without it every
+    kept step counts as alive)."""
 
     room: int                         # device steps it may run before the host takes it back
     key: tuple                        # what a captured step bakes in of it (shapes, addresses)
@@ -680,6 +686,13 @@ class BlocksHold:
         key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
         loop.peak.zero_()
         return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn), None
+
+    @staticmethod
+    def alive(cache, step_key: tuple) -> bool:
+        """Whether a kept step of ``step_key`` can still replay: its layout is ``cache``'s in force or one it keeps."""
+        layouts = (cache.layout, *cache.kept_layouts)
+        return step_key[0] == "blocks" and any(layout is not None and layout.serial == step_key[1]
+                                               for layout in layouts)
 
     @staticmethod
     def host_forward(cache, forward, inputs: dict, first: bool):

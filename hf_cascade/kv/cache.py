@@ -523,6 +523,11 @@ class CascadeCache(Cache):
         """The static decode layout in force (None outside generate's decode steps)."""
         return self._layout
 
+    @property
+    def kept_layouts(self) -> tuple[DecodeLayout, ...]:
+        """The last calls' layouts kept for a next call (:meth:`reset_for_reuse`), the latest first."""
+        return self._kept_layouts
+
     def prepare_step(self, num_rows: int, q_len: int = 1) -> StepContext:
         """Begin a step before the forward runs (the graph runner: the plan must be uploaded before a
         replay); the forward's layers then write into this step."""

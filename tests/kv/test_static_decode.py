@@ -393,6 +393,38 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     assert warm == [0] * len(EVAL_LENGTHS), warm
 
 
+def test_kept_steps_and_layouts_stay_bounded(llama_pair, monkeypatch):
+    """Calls of many prompt lengths and ways to share keep at most KEPT_LAYOUTS layouts and captured steps, the
+    latest first; a layout that is no longer kept holds no buffers (they are released, not leaked)."""
+    from hf_cascade.kv.cache import KEPT_LAYOUTS
+    stock, cascade = llama_pair
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4,
+                           min_saved_tokens=60)
+    spy = RunnerSpy(monkeypatch)
+    seen = []
+    real_freeze = DecodeLayout.freeze.__func__
+
+    def freeze(cls, *args, **kwargs):
+        layout = real_freeze(cls, *args, **kwargs)
+        seen.append(layout)
+        return layout
+
+    monkeypatch.setattr(DecodeLayout, "freeze", classmethod(freeze))
+    for n in (8, 50, 12, 70, 20, 90, 30, 110, 9, 41):
+        ids = torch.randint(3, 60, (1, n), generator=torch.Generator().manual_seed(n))
+        kw = dict(num_beams=4, max_new_tokens=6, pad_token_id=0, early_stopping=False)
+        assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config),
+                           stock.generate(input_ids=ids, **kw)), n
+        runner, cache = spy.runners[-1], session._kept[cascade].cache
+        assert len(runner.kept_steps) <= KEPT_LAYOUTS and len(cache._kept_layouts) <= KEPT_LAYOUTS
+        kept = {id(layout) for layout in cache._kept_layouts}
+        assert {k.step_key[1] for k in runner.kept_steps} <= {layout.serial for layout in cache._kept_layouts}
+        for layout in seen:
+            if id(layout) not in kept:
+                assert not layout._buffers and not layout.metadata, "a layout no longer kept holds its buffers"
+    assert len(seen) > KEPT_LAYOUTS
+
+
 def test_the_graph_descriptor_decides_what_a_next_call_reuses(llama_pair):
     """Same model, config and rows: the kept graph replays; other rows: the kept pools serve, the graph is captured
     anew; another model (even of the same shape) or other settings: nothing is reused."""
