@@ -51,6 +51,8 @@ def _check_tp(tmp: Path, single: dict, ranks: int = 2) -> None:
         # each rank stores only its own share of the KV heads, so a share of the bytes
         assert res["kv_heads_cached"] == res["kv_heads_model"] // ranks
         assert res["peak_kv_bytes_in_use"] * ranks == single["peak_kv_bytes_in_use"]
+        # each rank fuses its local q/k/v and gate/up shards as the one process fuses the whole weights
+        assert res["fused_groups"] == single["fused_groups"] > 0
 
 
 def test_tensor_parallel_on_cpu_matches_one_process(tiny_checkpoint, tmp_path):
