@@ -24,7 +24,9 @@ ranks start each call together), after a warm-up round of the same calls so that
 outside; the median over rounds, stock interleaved (s, c, s, c, ...) with ``--with-stock``: stock sdpa on the same
 weights (its out-of-memory reported as {"oom": true}). Beside it the memory floor: the bytes one GPU must read per
 step (its weights plus the K/V of the call's last step, its heads only) at ``--bandwidth`` (one H200: 4.8 TB/s), and
-step / floor. `--device cpu` runs the same on the CPU (tensor parallelism over gloo), for tiny shapes.
+step / floor. `--device cpu` runs the same on the CPU (tensor parallelism over gloo), for tiny shapes. The cascade's
+q/k/v and gate/up run fused (``CascadeConfig.fuse_projections``; under tensor parallelism over each rank's local
+shards): ``fused_groups`` says how many products this process fused, ``--no-fuse`` runs them separate.
 """
 from __future__ import annotations
 
@@ -205,14 +207,16 @@ def measure_call(model, args, mode: str, ids, devices) -> dict:
     """One generate call on a cache of the script's own (its stats), every forward timed with hooks."""
     rank = int(os.environ.get("RANK", 0))
     kw = dict(_generate_kwargs(args, args.new_tokens), return_dict_in_generate=True)
+    config = _cascade_config(args)
     if args.graphs != "off":
         # decode steps on the graph runner ("eager": its static path without capture, any device) and, where the
         # call allows, the whole step on the device; a cache of our own keeps the stats without
         # return_dict_in_generate (which keeps transformers' loop)
-        config = hf_cascade.CascadeConfig(cuda_graphs="eager" if args.graphs == "eager" else True)
         kw["return_dict_in_generate"] = False
         cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         kw[cache_name] = kept_cache = hf_cascade.CascadeCache(model.config, config)
+    elif config is not None:
+        kw["hf_cascade_config"] = config
     model.generate(input_ids=ids[:, :64], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
     if args.graphs != "off":
         kept_cache.reset()
@@ -258,18 +262,28 @@ def measure_call(model, args, mode: str, ids, devices) -> dict:
         "runner_replays": runner.replays if runner is not None else None,
         "device_steps": runner.device_steps if runner is not None else None,
         "runner_captures": runner.captures if runner is not None else None,
+        # q/k/v and gate/up products fused on this process (under tensor parallelism over its local shards)
+        "fuse_projections": not args.no_fuse, "fused_groups": hf_cascade.fused_linears.fused_groups(model),
     }
     if cascade:
         cache.reset()
     return result
 
 
+def _cascade_config(args):
+    """The cascade's settings in every call: None (generate's own choice; on a GPU the whole step captured) unless
+    ``--graphs`` asks for the runner's eager steps or captured steps, or ``--no-fuse`` for separate q/k/v and gate/up
+    products."""
+    if args.graphs == "off" and not args.no_fuse:
+        return None
+    graphs = {} if args.graphs == "off" else {"cuda_graphs": "eager" if args.graphs == "eager" else True}
+    return hf_cascade.CascadeConfig(fuse_projections=not args.no_fuse, **graphs)
+
+
 def _whole_config(args):
-    """The cascade's settings in the whole-generate calls: generate's own choice ("off": no settings; on a GPU the
-    whole step captured), or the runner's eager steps, or captured steps asked for."""
-    if args.graphs == "off":
-        return {}
-    return {"hf_cascade_config": hf_cascade.CascadeConfig(cuda_graphs="eager" if args.graphs == "eager" else True)}
+    """The cascade's settings in the whole-generate calls (:func:`_cascade_config`) as generate's keyword."""
+    config = _cascade_config(args)
+    return {} if config is None else {"hf_cascade_config": config}
 
 
 def whole_step(model, args, ids, devices, variants: list[str]) -> dict[str, dict]:
@@ -445,6 +459,8 @@ def main(argv=None) -> None:
                         help="timed rounds of the whole-generate step after one warm-up round (0: none)")
     parser.add_argument("--step-base", type=int, default=1, choices=[1, 2],
                         help="the short call's new tokens B: step = (t(N) - t(B)) / (N - B)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="CascadeConfig(fuse_projections=False): q/k/v and gate/up as separate products")
     parser.add_argument("--with-stock", action="store_true",
                         help="stock sdpa on the same weights, interleaved in the whole-generate rounds")
     parser.add_argument("--bandwidth", type=float, default=H200_BYTES_PER_S,

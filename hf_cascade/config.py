@@ -108,9 +108,12 @@ class CascadeConfig:
             rate. Done in place by the first generate call that asks for it (the Parameters stay, as views; state_dict
             unchanged); plain ``nn.Linear`` members only (LoRA wrappers, quantized linears are left as they are). A
             later call finds weights that moved off their buffer (``model.to(dtype)``, a new Parameter), unfuses, logs
-            it once, and fuses again. On by default: faster in every shape measured on the H200 (compiled 8B 16k x 8
-            beams 8.96 -> 8.72 ms a step, greedy 8.11 -> 7.04, sampling n=8 8.63 -> 6.61); a model with no plain
-            projections to fuse runs as it is. ``False``: the model's own separate products.
+            it once, and fuses again. Under tensor parallelism (transformers' ``tp_plan``) each rank fuses its local
+            shards of colwise-sharded groups (its own heads, its own intermediate columns), transformers' sharded
+            forward kept around the fused one; other sharded groups stay as they are, the reason logged once. On by
+            default: faster in every shape measured on the H200 (compiled 8B 16k x 8 beams 8.96 -> 8.72 ms a step,
+            greedy 8.11 -> 7.04, sampling n=8 8.63 -> 6.61); a model with no plain projections to fuse runs as it
+            is. ``False``: the model's own separate products.
         fuse_elementwise: run each RMSNorm whose class's ``forward`` is transformers' ``LlamaRMSNorm``'s, and each
             rotary embedding whose ``apply_rotary_pos_emb`` is Llama's (Llama, Mistral, Qwen2/3, Mixtral, Granite,
             ...), as one kernel of the library (``csrc/elementwise.cu``) instead of eager mode's eight and ten, in the

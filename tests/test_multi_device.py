@@ -18,14 +18,15 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
+TP_FUSING = Path(__file__).resolve().parent / "tp_fusing_run.py"
 # NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs out of service)
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
             "OMP_NUM_THREADS": "1"}
 
 
-def _run(args: list[str], torchrun: bool = False, timeout: int = 600) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT)] if torchrun \
-        else [sys.executable, str(SCRIPT)]
+def _run(args: list[str], torchrun: bool = False, timeout: int = 600, script: Path = SCRIPT) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)] if torchrun \
+        else [sys.executable, str(script)]
     env = {**os.environ, **SAFE_ENV}
     done = subprocess.run(cmd + args, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(cmd + args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
@@ -50,6 +51,8 @@ def _check_tp(tmp: Path, single: dict, ranks: int = 2) -> None:
         # each rank stores only its own share of the KV heads, so a share of the bytes
         assert res["kv_heads_cached"] == res["kv_heads_model"] // ranks
         assert res["peak_kv_bytes_in_use"] * ranks == single["peak_kv_bytes_in_use"]
+        # each rank fuses its local q/k/v and gate/up shards as the one process fuses the whole weights
+        assert res["fused_groups"] == single["fused_groups"] > 0
 
 
 def test_tensor_parallel_on_cpu_matches_one_process(tiny_checkpoint, tmp_path):
@@ -133,14 +136,18 @@ def random_runs(request, tmp_path_factory):
     return request.param, _load(tmp / "single.json"), _ranks(tmp, "tp.json")
 
 
-def test_random_weights_sharded_on_cpu_match_one_process(random_runs):
+def test_random_weights_sharded_on_cpu_match_one_process(random_runs, multi_gpu_module):
     """Each rank fills its shards of the weights the one process holds whole (the same tokens), caches only its share
-    of the KV heads, and holds less than the whole model's weights; stock on the same shards gives the same tokens."""
+    of the KV heads, and holds less than the whole model's weights; stock on the same shards gives the same tokens.
+    Each rank fuses its local q/k/v and gate/up shards as the one process fuses the whole weights."""
     shape, single, ranks = random_runs
     assert single["kv_heads_cached"] == single["kv_heads_model"] == 2
     assert len({t for row in single["tokens"] for t in row}) > 1, "one token throughout: the comparison says little"
+    layers = multi_gpu_module.SHAPES[shape]["num_hidden_layers"]
+    assert single["fuse_projections"] and single["fused_groups"] == 2 * layers
     for res in ranks:
         assert res["world_size"] == 2 and res["shape"] == shape
+        assert res["fused_groups"] == 2 * layers, "a rank left its projections unfused"
         assert res["tokens"] == single["tokens"], "tensor-parallel beams differ from the one-process run"
         assert res["kv_heads_cached"] == 1
         assert res["peak_kv_bytes_in_use"] * 2 == single["peak_kv_bytes_in_use"]
@@ -169,6 +176,50 @@ def test_whole_generate_step_fields_on_cpu(random_runs):
     for res in ranks:
         assert res["whole_step_vs_ref"] == pytest.approx(res["whole_step_ms"] / single["whole_step_ms"])
         assert res["stock"]["whole_step_ms"] > 0 and res["stock"]["whole_captures"] == [None]
+
+
+def test_no_fuse_keeps_separate_products(random_runs, tmp_path):
+    """--no-fuse: CascadeConfig(fuse_projections=False) in the script's calls: nothing fused, the same tokens."""
+    shape, single, _ = random_runs
+    _run(["single", "--random", shape, "--device", "cpu", "--dtype", "float64", "--prompt", "40", "--beams", "4",
+          "--new-tokens", "12", "--graphs", "eager", "--rounds", "0", "--no-fuse", "--out", str(tmp_path / "s.json")])
+    res = _load(tmp_path / "s.json")
+    assert not res["fuse_projections"] and res["fused_groups"] == 0
+    assert res["tokens"] == single["tokens"]
+
+
+# ---- fuse_projections under tensor parallelism (tests/tp_fusing_run.py, 2 ranks over gloo, float64) ----
+
+@pytest.mark.parametrize("plan", ["auto", "gathered"])
+def test_tensor_parallel_fuses_each_ranks_local_shards(plan, tmp_path):
+    """Each rank fuses its local shards of the colwise q/k/v and gate/up (DTensor Parameters kept, their local tensors
+    now rows of the rank's buffer, transformers' forward installed again around the fused one): generate gives the
+    one-process tokens and those of separate products, on transformers' own loop and on the whole step. A plain
+    forward after the calls takes no fused slice and gives every projection's output and the logits of before, bit
+    for bit (inside a call's extent the fused products do serve); unfusing puts transformers' forwards back.
+    ``gathered``: gate/up colwise with gathered outputs (colwise_rep) are left unfused with the reason logged, the
+    attention still fused."""
+    _run(["--plan", plan, "--out", str(tmp_path / "fuse.json")], torchrun=True, script=TP_FUSING)
+    ranks = _ranks(tmp_path, "fuse.json")
+    layers = 2
+    for res in ranks:
+        assert res["sharded"] == "DTensor"
+        assert res["tokens"] == res["tokens_one_process"] == res["tokens_unfused"] == res["tokens_whole_step"]
+        assert len({t for row in res["tokens"] for t in row}) > 1
+        assert res["groups_unfused"] == 0 and res["groups_one_process"] == 2 * layers
+        assert res["groups"] == (2 * layers if plan == "auto" else layers), "a rank left its projections unfused"
+        kinds = {name.rsplit(".", 1)[-1] for name in res["fused_members"]}
+        assert kinds == ({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} if plan == "auto"
+                         else {"q_proj", "k_proj", "v_proj"})
+        assert res["check"] and res["locals_in_buffer"] and res["dtensors_kept"] and res["values_kept"]
+        assert res["plain_forward_served"] == 0 and res["plain_forward_unchanged"]
+        assert res["serving_forward_served"] == (3 if plan == "auto" else 2) * layers
+        assert res["unfused_forwards_restored"] and res["unfused_plain_forward_unchanged"]
+        if plan == "auto":
+            assert res["refusals"] == []
+        else:
+            reason, = res["refusals"]
+            assert "gate_proj/up_proj of model.layers.0.mlp" in reason and "Replicate()" in reason
 
 
 @pytest.fixture
@@ -214,7 +265,7 @@ def test_whole_step_reports_stock_out_of_memory(multi_gpu_module, monkeypatch):
 
     monkeypatch.setattr(model, "generate", generate)
     args = argparse.Namespace(new_tokens=6, step_base=1, rounds=2, beams=4, prompt=40, graphs="eager",
-                              attn="cascade", stock_attn="sdpa")
+                              attn="cascade", stock_attn="sdpa", no_fuse=False)
     ids = torch.randint(1, 90, (1, 40), generator=torch.Generator().manual_seed(0))
     got = multi_gpu_module.whole_step(model, args, ids, [torch.device("cpu")], ["cascade", "stock"])
     assert got["stock"] == {"oom": True}

@@ -17,6 +17,19 @@ Only a cascade generate call's forwards (:func:`serving`) take the fused product
 Trainer's loss pass) computes each member's own, stock's logits bit for bit. The encoder of an encoder-decoder model
 is not fused (it runs once per call).
 
+Tensor parallelism (transformers' ``tp_plan``, 5.17 and 5.24 alike): each weight is a DTensor Parameter whose local
+tensor is the rank's shard, and the module's ``forward`` is an instance attribute that transformers' style installed
+(``TensorParallelLayer.install_forward``): it wraps the input, runs ``nn.Linear.forward`` with the local shards
+swapped in for the DTensors (``_use_local_dtensor_params``, at inference) and wraps the output. A colwise
+(``ColwiseParallel``, weight ``Shard(0)``) member's local output is the product of its local rows, so a group whose
+members share one colwise style object and mesh is fused on each rank over its local shards: the buffer holds the
+rank's rows, each DTensor keeps its object and its local tensor object (now a view of the buffer, as a plain member's
+Parameter is), and the member's forward is installed again by the same style around :class:`_FusedLinear`'s, so that
+transformers' input and output handling stays as it was (unfusing puts the original one back). A sharded group that
+is not that (another style, a colwise output gathered, ``Shard`` on another dim, mixed with unsharded members) is
+left unfused, the reason logged once at INFO. Rowwise layers (``o_proj``, ``down_proj``) are no group's members.
+:func:`fused_groups` counts a model's (a rank's) fused products.
+
 Anything that moves a member's weight off the buffer (``model.to(dtype)`` sets ``param.data``; a new Parameter) is
 found by :func:`check`, which then unfuses the whole model; a forward before that uses the member's own weight
 (:meth:`_Group.holds`; not for a same-dtype ``param.data =`` assignment, which only :func:`check` sees). The module imports nothing of the cache, plan or kernels.
@@ -25,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 import re
 import threading
@@ -35,6 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..logs import log_once
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor, Shard
+else:                                   # (a torch built without distributed: no tensor parallelism to meet)
+    DTensor = Shard = None
 
 # (children names) of a group, the first computing the fused product; the names of Llama-like decoder layers
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -56,22 +75,28 @@ _serving_calls = 0
 class _Group:
     """One fused group: the buffers its members' weight (and bias) Parameters are row slices of, each member's row
     range, the members (weakly: they hold the group), and the fused product of the last input (``stash``:
-    (input, output), one attribute so that a thread reads both at once) until the last member takes its slice."""
+    (input, output), one attribute so that a thread reads both at once) until the last member takes its slice.
+    Under tensor parallelism ``forwards`` holds each member's (transformers' forward, the one installed in its place)
+    and the buffers hold the rank's local rows; else it is None."""
 
     def __init__(self, where: str, names: tuple, members: list, weight: torch.Tensor, bias: torch.Tensor | None,
-                 rows: tuple):
+                 rows: tuple, forwards: list | None = None):
         self.where, self.names, self.weight, self.bias, self.rows = where, names, weight, bias, rows
         self.members = tuple(weakref.ref(m) for m in members)
-        self.params = tuple(weakref.ref(m.weight) for m in members)     # the Parameters set to views of ``weight``
+        # the tensors set to views of ``weight``: the Parameters, or under tensor parallelism their local shards
+        self.params = tuple(weakref.ref(_local(m.weight)) for m in members)
+        self.forwards = forwards
         self.stash = None
 
     def holds(self, index: int, weight: torch.Tensor) -> bool:
         """Whether member ``index``'s ``weight`` may still be the buffer's rows, by what a forward can see cheaply
         (and dynamo guards): the same Parameter object, of the buffer's dtype and device. A new Parameter or
         ``model.to()`` between two generate calls then never meets the stale buffer in a plain forward; the next
-        call's :func:`check` unfuses the model."""
-        return (self.params[index]() is weight and weight.dtype == self.weight.dtype
-                and weight.device == self.weight.device)
+        call's :func:`check` unfuses the model. Under tensor parallelism the forward sees the local shard that
+        transformers swapped in: the shard itself or (``to_local`` of a Parameter in newer torch) a view of it."""
+        param = self.params[index]()
+        return ((param is weight or (self.forwards is not None and weight._base is param))
+                and weight.dtype == self.weight.dtype and weight.device == self.weight.device)
 
 
 class _FusedLinear(nn.Linear):
@@ -99,26 +124,86 @@ class _FusedLinear(nn.Linear):
         return out[..., low:high]
 
 
-def _eligible(module: nn.Module, names: tuple, shared: set) -> bool:
-    """All of ``names`` are plain ``nn.Linear`` children with plain, unshared Parameters alike in device, dtype, input
-    width and bias (wrappers such as PEFT's LoRA, quantized linears, tensor subclasses, meta and offloaded weights,
-    tied weights are left as they are)."""
+def _is_dtensor(tensor) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def _local(param):
+    """The tensor a member's rows are stored in: a tensor-parallel DTensor's local shard (the object itself, as
+    transformers' loader reads it), else the Parameter."""
+    return param._local_tensor if _is_dtensor(param) else param
+
+
+def _tp_forwards(members: list, params: list) -> tuple[tuple | None, str | None]:
+    """For members whose weights are DTensors: ((style, mesh) per member, None) when each member's forward is the one
+    transformers' tensor parallelism installed around ``nn.Linear.forward``, all by one ``ColwiseParallel`` style
+    object on one mesh, every weight and bias sharded on its output rows (``Shard(0)``: the local output is the
+    product of the local rows); else (None, why not)."""
+    from transformers.integrations.tensor_parallel import ColwiseParallel
+    wraps = []
+    for member in members:
+        forward = member.__dict__.get("forward")
+        if forward is None or not getattr(forward, "__qualname__", "").endswith("install_forward.<locals>.tp_forward"):
+            return None, "a member's forward is not transformers' tensor-parallel one"
+        found = inspect.getclosurevars(forward).nonlocals
+        style, mesh, inner = found.get("self"), found.get("mesh"), found.get("original_forward")
+        if getattr(inner, "__func__", None) is not nn.Linear.forward or inner.__self__ is not member:
+            return None, "a member's tensor-parallel forward wraps something else than its nn.Linear forward"
+        wraps.append((style, mesh))
+    style, mesh = wraps[0]
+    if type(style) is not ColwiseParallel:
+        return None, f"sharded {type(style).__name__}, not colwise"
+    if any(s is not style or m != mesh for s, m in wraps):
+        return None, "its members do not share one colwise plan and mesh"
+    layout = style.output_layouts
+    if not (type(layout) is Shard and layout.dim == -1 and style.use_local_output):
+        # (a gathered output, colwise_rep: each member gathers its own columns; not a layout fused here)
+        return None, f"its colwise output is {layout!r}, not each rank's own columns (Shard(-1))"
+    for p in params:
+        placement = p.placements[0] if len(p.placements) == 1 else None
+        if p.device_mesh != mesh or type(placement) is not Shard or placement.dim % p.ndim != 0:
+            return None, f"a weight is placed {tuple(p.placements)}, not Shard(0) on the plan's mesh"
+        if type(p._local_tensor) is not torch.Tensor:
+            return None, f"a local shard is a {type(p._local_tensor).__name__}"
+    return tuple(wraps), None
+
+
+def _eligible(module: nn.Module, names: tuple, shared: set, where: str) -> tuple[bool, tuple | None]:
+    """(fusable, the members' tensor-parallel (style, mesh) or None): all of ``names`` are plain ``nn.Linear``
+    children with plain, unshared Parameters (or colwise-sharded DTensors: :func:`_tp_forwards`) alike in device,
+    dtype, input width and bias (wrappers such as PEFT's LoRA, quantized linears, other tensor subclasses, meta and
+    offloaded weights, tied weights are left as they are; a sharded group that is not fused says why, once)."""
     members = [getattr(module, name, None) for name in names]
     if any(type(m) is not nn.Linear or hasattr(m, "_hf_hook") for m in members):
-        return False
+        return False, None
     params = [m.weight for m in members] + [m.bias for m in members if m.bias is not None]
-    if any(type(p) is not nn.Parameter or p.is_meta or p.layout != torch.strided or id(p) in shared for p in params):
-        return False
-    first = members[0].weight
-    return (first.dtype in _DTYPES
-            and all(p.device == first.device and p.dtype == first.dtype for p in params)
-            and all(m.in_features == members[0].in_features for m in members)
-            and len({m.bias is None for m in members}) == 1)
+    if any(id(p) in shared for p in params):
+        return False, None
+    sharded = [_is_dtensor(p) for p in params]
+    wraps = None
+    if any(sharded):
+        wraps, reason = _tp_forwards(members, params) if all(sharded) else (None, "some of its weights are sharded")
+        if reason is not None:
+            log_once(("fuse_projections tensor parallel", names, reason), logging.INFO,
+                     "fuse_projections: %s of %s (and any other group refused alike) left unfused under tensor "
+                     "parallelism: %s.", "/".join(names), where, reason)
+            return False, None
+        params = [_local(p) for p in params]
+    elif any(type(p) is not nn.Parameter for p in params):
+        return False, None
+    if any(p.is_meta or p.layout != torch.strided for p in params):
+        return False, None
+    first = params[0]
+    fusable = (first.dtype in _DTYPES
+               and all(p.device == first.device and p.dtype == first.dtype for p in params)
+               and all(m.in_features == members[0].in_features for m in members)
+               and len({m.bias is None for m in members}) == 1)
+    return fusable, wraps
 
 
 def _stack(params: list) -> tuple[torch.Tensor, tuple]:
-    """One buffer holding ``params`` one after another along dim 0 (copied in), each Parameter's ``data`` then set to
-    its slice (the Parameter object, its requires_grad and its hooks kept; its old storage freed)."""
+    """One buffer holding ``params`` one after another along dim 0 (copied in), each Parameter's (or local shard's)
+    ``data`` then set to its slice (the object, its requires_grad and its hooks kept; its old storage freed)."""
     first = params[0]
     buffer = torch.empty((sum(p.shape[0] for p in params), *first.shape[1:]), dtype=first.dtype, device=first.device)
     rows, low = [], 0
@@ -160,18 +245,35 @@ def _fuse(model: nn.Module) -> int:
     fused = 0
     for name, module in model.named_modules():
         for names in GROUPS:
-            if (not _eligible(module, names, shared) or (names[0] == "q_proj" and _CROSS.search(name))
-                    or _ENCODER.search(name)):
+            if (names[0] == "q_proj" and _CROSS.search(name)) or _ENCODER.search(name):
+                continue
+            eligible, wraps = _eligible(module, names, shared, name)
+            if not eligible:
                 continue
             members = [getattr(module, n) for n in names]
-            weight, rows = _stack([m.weight for m in members])
-            bias = _stack([m.bias for m in members])[0] if members[0].bias is not None else None
-            group = _Group(name, names, members, weight, bias, rows)
+            weight, rows = _stack([_local(m.weight) for m in members])
+            bias = _stack([_local(m.bias) for m in members])[0] if members[0].bias is not None else None
+            group = _Group(name, names, members, weight, bias, rows, [] if wraps is not None else None)
             for index, member in enumerate(members):
-                member.__class__ = _FusedLinear
                 member._fused_group, member._fused_index = group, index
+                if wraps is None:
+                    member.__class__ = _FusedLinear
+                    continue
+                # transformers' style installs its forward again, now around _FusedLinear's: the input and output
+                # handling (and the local shards swapped in) stay its own
+                style, mesh = wraps[index]
+                saved = member.__dict__.pop("forward")
+                member.__class__ = _FusedLinear
+                style.install_forward(member, mesh)
+                group.forwards.append((saved, member.__dict__["forward"]))
             fused += 1
     return fused
+
+
+def fused_groups(model: nn.Module) -> int:
+    """How many fused groups ``model`` holds now (each a q/k/v or gate/up product, a rank's under tensor
+    parallelism)."""
+    return len(_groups(model)[0])
 
 
 def _groups(model: nn.Module) -> tuple[list, set]:
@@ -200,10 +302,10 @@ def _broken(group: _Group, present: set) -> str | None:
         name = f"{group.where}.{name}" if group.where else name
         if member is None or id(member) not in present or type(member) is not _FusedLinear:
             return f"{name} is no longer in the model"
-        if not _views(member.weight, group.weight, rows):
+        if not _views(_local(member.weight), group.weight, rows):
             return f"{name}.weight is no longer a view of its fused buffer (model.to(), a new Parameter, ...)"
         if (member.bias is None) != (group.bias is None) or (group.bias is not None
-                                                              and not _views(member.bias, group.bias, rows)):
+                                                              and not _views(_local(member.bias), group.bias, rows)):
             return f"{name}.bias is no longer a view of its fused buffer"
     return None
 
@@ -234,13 +336,17 @@ def unfuse(model: nn.Module) -> None:
 def _unfuse(groups: list) -> None:
     for group in groups:
         with torch.no_grad():
-            for ref, rows in zip(group.members, group.rows):
+            for index, (ref, rows) in enumerate(zip(group.members, group.rows)):
                 member = ref()
                 if member is None or getattr(member, "_fused_group", None) is not group:
                     continue
                 for param, buffer in ((member.weight, group.weight), (member.bias, group.bias)):
-                    if buffer is not None and _views(param, buffer, rows):
-                        param.data = param.data.clone()
+                    if param is not None and buffer is not None and _views(_local(param), buffer, rows):
+                        _local(param).data = _local(param).data.clone()
+                if group.forwards is not None:
+                    saved, installed = group.forwards[index]
+                    if member.__dict__.get("forward") is installed:       # transformers' own forward back
+                        member.forward = saved
                 # a forward running in another thread meanwhile still finds the group's buffers (its values), so
                 # they are not dropped here: the group goes with its last reference
                 member.__class__ = nn.Linear

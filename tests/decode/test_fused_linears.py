@@ -309,6 +309,84 @@ def test_tied_or_meta_weights_are_not_fused():
     assert fused_linears.fuse(model) == 2                       # layer 0's MLP and layer 1's attention
 
 
+@pytest.fixture
+def one_rank_mesh():
+    """A gloo process group of one rank and its mesh, so that transformers' tensor-parallel styles shard a model in
+    this process (each local shard the whole weight; multi-rank runs: tests/test_multi_device.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+# Llama's own tensor-parallel plan, by the children's names
+TP_PLAN = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+           "gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def shard(model, mesh, **styles):
+    """Each decoder layer's linears sharded and their forwards installed by transformers' own styles (``styles``:
+    child name -> style name over TP_PLAN, None: left whole), as from_pretrained(tp_plan=...) does."""
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+    plan = {**TP_PLAN, **styles}
+    for name, module in model.named_modules():
+        style_name = plan.get(name.rsplit(".", 1)[-1]) if ".layers." in name else None
+        if style_name is None:
+            continue
+        style = ALL_PARALLEL_STYLES[style_name]
+        for param in ("weight", "bias"):
+            style.shard_param(module, param, mesh)
+        style.install_forward(module, mesh)
+    return model
+
+
+def test_tensor_parallel_colwise_members_fuse_their_local_shards(one_rank_mesh):
+    """Colwise q/k/v and gate/up (DTensor weights, transformers' forwards) fuse over their local shards: each weight
+    stays the same DTensor Parameter, its local tensor rows of the buffer, the forward transformers' again around the
+    fused one; stock's tokens and, outside generate, stock's logits bit for bit; unfusing puts transformers' forwards
+    back."""
+    from torch.distributed.tensor import DTensor
+    stock, cascade = pair("Llama")
+    shard(cascade, one_rank_mesh)
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    q = cascade.model.layers[0].self_attn.q_proj
+    weight, forward = q.weight, q.forward
+    assert fused_linears.fuse(cascade) == 4
+    assert q.weight is weight and isinstance(weight, DTensor)
+    group = q._fused_group
+    assert weight._local_tensor.untyped_storage().data_ptr() == group.weight.untyped_storage().data_ptr()
+    assert q.forward is not forward and "tp_forward" in q.forward.__qualname__
+    assert torch.equal(beams(stock, ids, mask), beams(cascade, ids, mask, hf_cascade_config=FUSED))
+    with torch.no_grad():
+        assert torch.equal(cascade(input_ids=ids, attention_mask=mask).logits,
+                           stock(input_ids=ids, attention_mask=mask).logits)
+    fused_linears.unfuse(cascade)
+    assert q.forward is forward and type(q) is nn.Linear and not fused_members(cascade)
+
+
+@pytest.mark.parametrize("styles, fused, reason", [
+    (dict(q_proj="rowwise", k_proj="rowwise", v_proj="rowwise"), 2, "sharded RowwiseParallel, not colwise"),
+    (dict(k_proj=None, v_proj=None), 2, "some of its weights are sharded"),
+    (dict(v_proj="colwise_rep"), 2, "its members do not share one colwise plan and mesh"),
+    (dict(gate_proj="colwise_rep", up_proj="colwise_rep", down_proj="rowwise_split_input"), 2,
+     "its colwise output is Replicate(), not each rank's own columns"),
+])
+def test_tensor_parallel_groups_other_than_colwise_stay_unfused_with_the_reason(one_rank_mesh, styles, fused, reason,
+                                                                               fresh_logs, caplog):
+    stock, cascade = pair("Llama")
+    shard(cascade, one_rank_mesh, **styles)
+    with caplog.at_level(logging.INFO, logger="hf_cascade"):
+        assert fused_linears.fuse(cascade) == fused
+    assert "left unfused under tensor parallelism: " + reason in caplog.text
+    ids, mask = padded_batch(seed=3, lengths=PROMPTS)
+    assert torch.equal(beams(stock, ids, mask), beams(cascade, ids, mask, hf_cascade_config=FUSED))
+
+
 def test_the_fused_forward_compiles_as_one_graph():
     torch._dynamo.reset()
     model, _ = pair("Llama", dtype=torch.float32)             # sdpa: a forward without a cache of ours
