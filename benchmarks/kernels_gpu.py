@@ -128,6 +128,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=30, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                   help="graph: replays of the call captured as a CUDA graph (the kernels as a decode step runs them; "
+                        "FlashInfer stays eager); eager: the call's launches as they come (host time inside; the runs "
+                        "before 2026-12-05)")
     p.add_argument("--backends", default="reference,cuda,flashinfer", help="comma-separated backends to try")
     p.add_argument("--quick", action="store_true", help="only the 16k, 8 x 8 shape")
     p.add_argument("--threshold", action="store_true",
@@ -199,8 +203,11 @@ def main(argv=None) -> int:
                                                                cascade, scale)
                 ref = ref_out[kv]
                 row["rel_err_vs_reference"] = float((out.float() - ref).norm() / ref.norm())
+            # (FlashInfer's wrappers plan on the host: its calls are timed eagerly)
+            graph = args.timing == "graph" and backend_name != "flashinfer"
+            row["timing"] = "graph" if graph else "eager"
             med, best = harness.cuda_time_us(lambda: backend.forward(q, kv_pool, meta, params), args.reps,
-                                             args.warmup, flush)
+                                             args.warmup, flush, graph=graph)
         except Exception as err:  # report and go on: one failing backend must not hide the others
             cuda_tuning.set_prefix_tune(previous)
             row.update(error=f"{type(err).__name__}: {err}")

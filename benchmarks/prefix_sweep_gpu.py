@@ -101,7 +101,7 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
                 row["failed"] = f"wrong result: relative error {err:.2e} (or NaN/inf)"
             else:
                 med, best = harness.cuda_time_us(lambda: backend.forward(q, pool, meta, params), args.reps,
-                                                 args.warmup, flush)
+                                                 args.warmup, flush, graph=args.timing == "graph")
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
@@ -187,6 +187,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                   help="graph: replays of the call captured as a CUDA graph (the kernels as a decode step runs them); "
+                        "eager: the call's launches timed as they come (its host time inside; runs before 2026-12-05)")
     p.add_argument("--candidates", default=None, help="';'-separated tune strings instead of the built-in list")
     p.add_argument("--no-combos", action="store_true", help="skip phase 2 (best kernel knob x best chunk knob)")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
