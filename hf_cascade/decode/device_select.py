@@ -447,7 +447,8 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     hits = _stopping_hits(state, top_tokens, cur_len + 1)           # [B, K]
 
     # the num_beams best candidates that did not stop run on (_get_running_beams_for_next_iteration)
-    running_log_probs = top_log_probs + hits.to(torch.float32) * NEG_INF_SCORE
+    # (x + flag x NEG_INF_SCORE in one kernel: a 0/1 flag makes the product exact, so the sums are transformers' bits)
+    running_log_probs = torch.add(top_log_probs, hits, alpha=NEG_INF_SCORE)
     next_indices = torch.topk(running_log_probs, k=beams)[1]
     next_sequences = _gather_beams(top_sequences, next_indices)
     next_scores = _gather_beams(running_log_probs, next_indices)
@@ -458,9 +459,9 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     finished_log_probs = _divide_by_length(state, top_log_probs, cur_len + 1 - state.prompt_len)
     if config.early_stopping is True:
         full = torch.all(state.is_finished, dim=-1, keepdim=True)
-        finished_log_probs = finished_log_probs + full.to(torch.float32) * NEG_INF_SCORE
-    finished_log_probs = finished_log_probs + (~state.improvement_possible).to(torch.float32) * NEG_INF_SCORE
-    finished_log_probs = finished_log_probs + (~just_finished) * NEG_INF_SCORE
+        finished_log_probs = torch.add(finished_log_probs, full, alpha=NEG_INF_SCORE)
+    finished_log_probs = torch.add(finished_log_probs, ~state.improvement_possible, alpha=NEG_INF_SCORE)
+    finished_log_probs = torch.add(finished_log_probs, ~just_finished, alpha=NEG_INF_SCORE)
     candidate_lengths = (cur_len + 1 - state.prompt_len).expand(batch, candidates)
     merged_scores = torch.cat((state.finished_scores, finished_log_probs), dim=1)
     keep = torch.topk(merged_scores, k=beams)[1]
