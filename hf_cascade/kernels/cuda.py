@@ -190,7 +190,8 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
     # replays the launch; CTAs past a row's length write empty partials)
     tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
-    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM)
+    split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM,
+                                               tune.split_min or MIN_SPLIT_TOKENS)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
     return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,

@@ -54,6 +54,7 @@ HOPPER_M_TILE = 64
 #   m        the row tile (16, 32, 64; 64 only for head_dim <= 128): more row tiles per group when smaller
 #   chunk    fixed prefix chunk length in tokens (rounded up to whole blocks), instead of choose_chunk_blocks
 #   prefer   choose_chunk_blocks' preferred chunk tokens (0: the wave rule alone); min: its shortest chunk
+#   split    the suffix split's shortest length in tokens (choose_suffix_split's min_tokens; 0: MIN_SPLIT_TOKENS)
 # Unset ("auto"), every launch is the production one.
 PREFIX_TUNE_ENV = "HF_CASCADE_PREFIX_TUNE"
 # name -> (code in hfc_prefix_params.tune, the row tiles it is compiled for); csrc/prefix.cu's with_tune lists the same
@@ -65,13 +66,20 @@ _RETIRED_HOPPER_VARIANT = "wg"    # the Hopper kernel was tuning variant "wg" (c
 
 @dataclass(frozen=True)
 class PrefixTune:
-    """One point of the prefix kernel's tuning space (0 / None / "auto": the production choice)."""
+    """One point of the prefix kernel's tuning space (0 / None / "auto": the production choice), and the suffix
+    split's shortest length (``split_min``, tokens; 0: MIN_SPLIT_TOKENS), which the same sweep times (a layer's
+    attention is prefix, suffix and merge)."""
     variant: str = "auto"
     m_tile: int = 0
     chunk_tokens: int = 0
     prefer_tokens: int | None = None
     min_tokens: int = 0
     kernel: str = "auto"
+    split_min: int = 0
+
+    def _prefix_knobs(self) -> "PrefixTune":
+        """This tuning less the suffix's knob (what the prefix kernel's choices read)."""
+        return replace(self, split_min=0)
 
     def wants_hopper(self, dtype, head_dim: int, plain: bool) -> bool:
         """Whether this tuning lets a layer of this kind run the Hopper kernel where the GPU runs it: "auto" with
@@ -79,7 +87,7 @@ class PrefixTune:
         fits = plain and dtype in HOPPER_DTYPES and head_dim == HOPPER_HEAD_DIM
         if self.kernel == "sm90":
             return fits and self.m_tile in (0, HOPPER_M_TILE)
-        return fits and self == PrefixTune()
+        return fits and self._prefix_knobs() == PrefixTune()
 
     def resolve(self, dtype, head_dim: int, query_rows: int, plain: bool) -> "PrefixTune":
         """The tuning of a portable-kernel launch: "auto" alone is, for bf16 head_dim-128 layers without softcap /
@@ -87,9 +95,9 @@ class PrefixTune:
         the default kernel (as are "auto" with other knobs set); any other setting as given."""
         if self.variant != "auto":
             return self
-        if (self == PrefixTune() and plain and head_dim == 128 and dtype == torch.bfloat16
+        if (self._prefix_knobs() == PrefixTune() and plain and head_dim == 128 and dtype == torch.bfloat16
                 and query_rows >= AUTO_MIN_QUERY_ROWS):
-            return AUTO_TUNE
+            return replace(AUTO_TUNE, split_min=self.split_min)
         return replace(self, variant="default")
 
     def splits_by_plainness(self, dtype, head_dim: int) -> bool:
@@ -111,7 +119,8 @@ class PrefixTune:
         parts = [f"variant={self.variant}"] if self.variant != "auto" else []
         if self.kernel != "auto":
             parts.append(f"kernel={self.kernel}")
-        for key, value in (("m", self.m_tile), ("chunk", self.chunk_tokens), ("min", self.min_tokens)):
+        for key, value in (("m", self.m_tile), ("chunk", self.chunk_tokens), ("min", self.min_tokens),
+                           ("split", self.split_min)):
             if value:
                 parts.append(f"{key}={value}")
         if self.prefer_tokens is not None:
@@ -152,7 +161,8 @@ def parse_prefix_tune(text: str | None) -> PrefixTune:
                 raise ValueError(f"prefix tune {text!r}: kernel {value!r} (one of {', '.join(PREFIX_KERNELS)})")
             fields["kernel"] = value
             continue
-        names = {"m": "m_tile", "chunk": "chunk_tokens", "prefer": "prefer_tokens", "min": "min_tokens"}
+        names = {"m": "m_tile", "chunk": "chunk_tokens", "prefer": "prefer_tokens", "min": "min_tokens",
+                 "split": "split_min"}
         if key not in names:
             raise ValueError(f"prefix tune {text!r}: unknown key {key!r} (variant, kernel, {', '.join(names)})")
         try:

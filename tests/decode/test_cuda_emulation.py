@@ -308,7 +308,7 @@ def _small_pieces(monkeypatch):
     monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
                         lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
     monkeypatch.setattr(cuda_backend, "choose_suffix_split",
-                        lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+                        lambda tmax, ctas, slots, min_tokens=None: (100, max(1, -(-tmax // 100))))
 
 
 def check_launches(emu) -> None:

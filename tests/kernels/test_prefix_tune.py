@@ -6,6 +6,7 @@ emulated kernels of tests/decode/test_cuda_emulation.py walk the variant's tiles
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +194,16 @@ def test_tuned_launch_matches_the_reference(tune, softcap, monkeypatch):
     code, m_tiles = (SM90_CODE, (64,)) if hopper else cuda_backend.PREFIX_VARIANTS[variant]
     st = emu.state
     assert set(emu.tunes) == {code if softcap is None and st.m_tile in m_tiles else 0}
+
+
+def test_the_suffix_split_knob_parses_and_sets_the_split_alone():
+    """``split=N`` (the suffix split's shortest length, a sweep's knob): parsed and printed back; the prefix kernel's
+    choices read the tuning without it (the Hopper kernel and the auto variant stay the production ones), and the split
+    rule then cuts a 256-token suffix into 4 splits of 64 where it took one."""
+    from hf_cascade.kernels import cuda_tuning
+    tune = cuda_tuning.parse_prefix_tune("split=64")
+    assert tune == cuda_tuning.PrefixTune(split_min=64) and str(tune) == "split=64"
+    assert tune.wants_hopper(torch.bfloat16, 128, True)
+    assert tune.resolve(torch.bfloat16, 128, 64, True) == replace(cuda_tuning.AUTO_TUNE, split_min=64)
+    assert cuda_tuning.choose_suffix_split(256, 8, 528) == (256, 1)
+    assert cuda_tuning.choose_suffix_split(256, 8, 528, tune.split_min) == (64, 4)

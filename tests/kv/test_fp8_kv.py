@@ -347,7 +347,7 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
     monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
                         lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
     monkeypatch.setattr(cuda_backend, "choose_suffix_split",
-                        lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+                        lambda tmax, ctas, slots, min_tokens=None: (100, max(1, -(-tmax // 100))))
     monkeypatch.setattr(emulation._FakeLib, "sm90", True)     # where bf16 head_dim 128 runs the Hopper kernel
     monkeypatch.setattr(ops, "check_prefix", lambda *a, **k: None)        # run below on the fp8 pool instead
     monkeypatch.setattr(ops, "check_suffix", lambda *a, **k: None)
@@ -657,7 +657,7 @@ def test_cuda_backend_folded_scales_equal_the_reference_dequantization(monkeypat
     monkeypatch.setattr(cuda_backend, "_sm_count", lambda dev: 16)
     monkeypatch.setattr(cuda_tuning, "choose_chunk_blocks",
                         lambda pb, ctas, slots, bs, tile, **kw: 2 * max(1, tile // bs))
-    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots: (100, max(1, -(-tmax // 100))))
+    monkeypatch.setattr(cuda_backend, "choose_suffix_split", lambda tmax, ctas, slots, min_tokens=None: (100, max(1, -(-tmax // 100))))
     if three:
         lay = random_three_level(9, sys_tokens=160, prompts=2, beams=3, own_tokens=(40, 90), suffix=(1, 30),
                                  lone_rows=1, Hkv=2, ratio=4, D=64, bs=16, dtype=torch.float32)
