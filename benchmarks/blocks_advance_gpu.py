@@ -5,7 +5,9 @@ the replays. The states are built on the host as a call's first decode step leav
 test_device_blocks.py's prefill and fork); each shape says prompts x beams, the prompts' tokens, the block size, and
 whether a system prompt makes a middle level.
 
-    PYTHONPATH=. python benchmarks/blocks_advance_gpu.py [--replays 30]
+    PYTHONPATH=. python benchmarks/blocks_advance_gpu.py [--replays 30] [--out PATH]
+
+Writes its rows as JSON (default: benchmarks/results/<sm90|...>/blocks_advance_gpu.json).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import harness
 from hf_cascade import device_blocks as db
 from hf_cascade.decode import whole_step
 from hf_cascade.kernels import cuda_library
@@ -90,7 +93,9 @@ def time_advance(shape, kernel: bool, replays: int) -> tuple[float, int]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/blocks_advance_gpu.json)")
     args = parser.parse_args()
+    results = []
     device = torch.device("cuda")
     lib = cuda_library.prebuilt_or_loaded(device) or cuda_library.library(device)    # (advance takes a loaded one)
     assert lib.has_blocks, "no kernel library with hfc_blocks_advance"
@@ -100,6 +105,10 @@ def main():
         one, flags_one = time_advance(shape, True, args.replays)
         rows = len(SHAPES[shape][2]) * SHAPES[shape][3]
         print(f"{shape:40s} {rows:5d} {ops:13.1f} {one:10.1f} {flags_ops:>3d}/{flags_one:<2d}")
+        results.append(dict(shape=shape, rows=rows, torch_ops_us=ops, kernel_us=one, flags_torch_ops=flags_ops,
+                            flags_kernel=flags_one))
+    harness.write_json(args.out or harness.results_path("blocks_advance_gpu"),
+                       {**harness.run_record(__file__), "replays": args.replays, "results": results})
 
 
 if __name__ == "__main__":
