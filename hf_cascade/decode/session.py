@@ -167,16 +167,19 @@ def release(model=None) -> None:
             each.release()
 
 
-def _take_kept_exact(model, descriptor: GraphDescriptor, extra_key) -> KeptCall | None:
+def _take_kept_exact(model, descriptor: GraphDescriptor, extra_key, fits=None) -> KeptCall | None:
     """An encoder-decoder call's kept state where everything it was kept for matches (the descriptor and the
-    strategy's ``keep_key``: cross-attention geometry, decoder prompt); anything else is freed and None returned
-    (never a partial reuse: the captured step reads the cross storages, whose addresses no runner key covers)."""
+    strategy's ``keep_key``: cross-attention geometry, decoder prompt) and ``fits(kept.extra)`` says it serves the
+    call (the strategy's ``fits``: sources its cross storages take in place); anything else is freed and None
+    returned (never a partial reuse: the captured step reads the cross storages, whose addresses no runner key
+    covers)."""
     with _lock:
         kept = _kept.pop(model, None)
     if kept is None:
         return None
     if (kept.extra is not None and extra_key is not None and kept.descriptor == descriptor
-            and kept.extra_key == extra_key and kept.cache.get_seq_length() == 0):
+            and kept.extra_key == extra_key and kept.cache.get_seq_length() == 0
+            and (fits is None or fits(kept.extra))):
         return kept
     kept.release()
     return None
@@ -260,7 +263,9 @@ class DecodeStrategy(Protocol):
 
     # Optional, for a strategy whose decode step reads more than the cache (an encoder-decoder's cross-attention):
     #   keep_key: what its kept state must match for a next call to reuse it (None: it keeps nothing);
-    #   reuse(extra): before prepare, the kept state of the model's last call (its keep_key was equal);
+    #   fits(extra): whether a kept state of an equal keep_key serves this call (what keep_key leaves out: sources
+    #   no longer than the kept call's);
+    #   reuse(extra): before prepare, the kept state of the model's last call (its keep_key was equal, it fits);
     #   kept_state(): at the end of a successful call, the state to keep beside the cache and runner (an object with
     #   release()), or None (then nothing is kept); what it returns is no longer its own to release.
 
@@ -297,7 +302,8 @@ class DecodeSession:
         if cache is None and keep and self.descriptor.encoder_decoder:
             # the strategy makes its caches; the last call's (cross storages, step context) only where all fits
             extra_key = getattr(strategy, "keep_key", None)
-            kept = None if extra_key is None else _take_kept_exact(model, self.descriptor, extra_key)
+            kept = None if extra_key is None else _take_kept_exact(model, self.descriptor, extra_key,
+                                                                   getattr(strategy, "fits", None))
             if kept is not None:
                 cache, self._kept_runner = kept.cache, kept.runner
                 strategy.reuse(kept.extra)

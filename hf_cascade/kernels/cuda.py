@@ -41,7 +41,9 @@ The chunking (chunk length in tokens, chunks per group, suffix splits) and the p
 the backend's metadata (:class:`_StepState`, from :meth:`CudaBackend.build`), derived from the plan's host arrays:
 once per step, or once per generate call on a static decode layout (then the prefix chunks and the suffix split
 follow the tables' capacity, not the lengths: a layout that adopts another call's values keeps its launches; the
-layout keeps the state); every layer reuses them.
+layout keeps the state); every layer reuses them. An encoder-decoder's cross plan launches by its tables' capacity
+too (``plan.launch_by_widths``): its step context, kept with the model's last call, serves a later call of shorter
+sources whose values are written into the plan's device tensors.
 """
 from __future__ import annotations
 
@@ -145,9 +147,10 @@ def _has_middle(plan) -> bool:
 
 
 def _lengths_for_launch(plan, group_rows, lengths, table, bs) -> np.ndarray:
-    """The prefix lengths a level's launch is planned for: a static step's table capacity for every group that
-    holds a row (its launch must not follow the lengths), else the lengths themselves."""
-    if not plan.static:
+    """The prefix lengths a level's launch is planned for: the table capacity for every group that holds a row where
+    the launch must not follow the lengths (a static step, a kept cross plan: ``plan.launch_by_widths``), else the
+    lengths themselves."""
+    if not plan.launch_by_widths:
         return lengths
     return np.where((np.asarray(group_rows) >= 0).any(axis=1), table.shape[1] * bs, 0).astype(np.int64)
 
@@ -177,7 +180,8 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # a static step's prefix chunks cover each level's table capacity, not its lengths (as its suffix split follows
     # the table's capacity): the launch then follows the layout's shapes alone, so a captured step serves a later
     # call of another prompt length whose values the layout adopts (plan.DecodeLayout.adopt); the chunks past a
-    # group's length write empty partials
+    # group's length write empty partials. The same for an encoder-decoder's cross plan (its tables rewritten in place
+    # for a later call's sources: seq2seq/cross_kv.py)
     pre = _prefix_level(lib, plan.group_rows, _lengths_for_launch(plan, plan.group_rows, plan.prefix_len,
                                                                   plan.prefix_table, bs),
                         plan.prefix_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain)
@@ -189,7 +193,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     nqb = -(-(Lq * grp) // SUFFIX_QB)
     # a static step's suffix split is fixed by the table's capacity, not this step's lengths (a graph
     # replays the launch; CTAs past a row's length write empty partials)
-    tmax = suffix_table.shape[1] * bs if plan.static else int(np.asarray(q_limit).max(initial=0))
+    tmax = suffix_table.shape[1] * bs if plan.launch_by_widths else int(np.asarray(q_limit).max(initial=0))
     split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM,
                                                tune.split_min or MIN_SPLIT_TOKENS)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit

@@ -59,6 +59,9 @@ class StepPlan:
     inner_suffix_table: np.ndarray | None = None
     inner_q_limit: np.ndarray | None = None
     layout: "DecodeLayout | None" = None    # set for a static decode step: the call's fixed part of the plan
+    # the tables' widths are fixed while their values and the prefix lengths may be rewritten in place for a later
+    # call (:meth:`rewrite_prefix`: a kept encoder-decoder state's cross plan, seq2seq/cross_kv.py)
+    fixed_widths: bool = False
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -69,6 +72,24 @@ class StepPlan:
     def static(self) -> bool:
         """A decode step of a static layout: fixed shapes, persistent device buffers (graph-safe)."""
         return self.layout is not None
+
+    @property
+    def launch_by_widths(self) -> bool:
+        """A backend's launch state must follow the tables' widths, not the lengths: a static decode step (its layout
+        may adopt another call's values) or a plan whose values are rewritten in place (``fixed_widths``)."""
+        return self.layout is not None or self.fixed_widths
+
+    def rewrite_prefix(self, prefix_table: np.ndarray, prefix_len: np.ndarray) -> None:
+        """Level 0's tables and lengths replaced by ``prefix_table`` (of the same shape) and ``prefix_len``, on the host
+        and in every device copy in place (a kept graph reads those by address). Only for a plan of ``fixed_widths``."""
+        if not self.fixed_widths or prefix_table.shape != self.prefix_table.shape \
+                or prefix_len.shape != self.prefix_len.shape:
+            raise RuntimeError("hf_cascade internal error: a plan's prefix rewritten in place with other shapes; "
+                               "please report it")
+        self.prefix_table, self.prefix_len = prefix_table, prefix_len.astype(np.int32)
+        for dp in self._on_device.values():
+            dp.prefix_table.copy_(torch.from_numpy(np.ascontiguousarray(self.prefix_table)))
+            dp.prefix_len.copy_(torch.from_numpy(np.ascontiguousarray(self.prefix_len)))
 
     def kv_reads(self) -> tuple[int, int]:
         """K/V tokens this step's attention reads per layer and KV head: ``(cascade, per_row)``. ``cascade``: each

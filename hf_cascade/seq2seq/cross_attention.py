@@ -6,7 +6,8 @@ arguments down to every attention call, so the attention function registered as 
 holds the call's ``EncoderDecoderCache``: a cross-attention call is one whose module's ``layer_idx`` names a layer of
 its cross-attention cache and whose K/V are that layer's (the model reads them from the cache and passes them on:
 placeholders of stock's shape, the real K/V sit in the layer's paged pool). The context also keeps, for the call,
-one :class:`~hf_cascade.context.StepContext` per cross plan: the backend per layer shape and its metadata.
+one :class:`~hf_cascade.context.StepContext` per cross plan: the backend per layer shape and its metadata. Kept with
+the model's last call, it serves a later one whose sources refill the cross storages (:meth:`CrossContext.refilled`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ class CrossContext:
             return None
         layer = cross.layers[layer_idx]
         return layer if key is layer.keys else None
+
+    def refilled(self) -> None:
+        """The cross plans' tables and lengths were rewritten in place (a later call's sources): metadata a backend
+        built from their host values (one that is not graph-safe: FlashInfer plans on the host) is built anew; a
+        graph-safe backend's reads only the tables' widths and the plans' device tensors (the cuda backend's launch
+        follows the widths: ``StepPlan.fixed_widths``), so the kept graph's stays."""
+        for step in self.steps.values():
+            safe = {backend.name for backend in step.backends.values() if backend.graph_safe}
+            step.metadata = {key: value for key, value in step.metadata.items() if key[0] in safe}
 
     def step(self, cross_cache, rows: int, q_len: int) -> StepContext:
         """The step context of ``rows`` x ``q_len`` query tokens over ``cross_cache`` (its plan is fixed for the call).

@@ -11,7 +11,10 @@ layer's own linears, from the input's real (unpadded) encoder tokens only, into 
 - elsewhere as the contiguous paged pool ``[num_blocks, 2, block_size, H, D]`` the GPU kernels take, read
   through a one-level cascade plan (:meth:`CrossAttentionCache.plan`: groups = inputs, no suffix).
 
-Its reorder is a no-op (beams never move between inputs; checked every step).
+Its reorder is a no-op (beams never move between inputs; checked every step). Its storages and plans, kept with the
+model's last call, serve a later call of as many inputs whose sources need no more blocks
+(:meth:`CrossAttentionCache.serves`): refilled in place, the plans' tables and lengths rewritten in their device
+tensors.
 :class:`CascadeEncoderDecoderCache` pairs it with the decoder's self-attention cache. :class:`KVCap` holds
 ``CascadeConfig.max_kv_bytes`` over all of a call's caches (these pools, a dense self-attention cache).
 """
@@ -26,7 +29,7 @@ from ..kv.blocks import PoolExhausted
 from ..kv.cache import CascadeCache
 from ..config import CascadeConfig
 from ..kv.memory import make_fixed_storage
-from ..kv.plan import StepPlan
+from ..kv.plan import ADOPT_SPAN, StepPlan
 from .seq2seq_models import CrossProjection
 
 
@@ -67,12 +70,18 @@ def held_bytes(cache) -> int:
                for t in (l.keys, l.values) if isinstance(t, torch.Tensor))
 
 
-def geometry(states: torch.Tensor, mask: torch.Tensor | None) -> tuple:
-    """What a filled :class:`CrossAttentionCache`'s storages, tables and plans depend on besides the model: the
-    inputs, their padded width and each one's real encoder tokens (one host read of ``mask``)."""
+def geometry(states: torch.Tensor) -> tuple:
+    """What a filled :class:`CrossAttentionCache`'s storages and plans must share with a later call's inputs to
+    serve them (besides the model; the lengths are :meth:`CrossAttentionCache.serves`'s): the number of inputs, the
+    dtype and the device."""
+    return states.shape[0], states.dtype, str(states.device)
+
+
+def real_lengths(states: torch.Tensor, mask: torch.Tensor | None) -> np.ndarray:
+    """Each input's real (unpadded) encoder tokens (one host read of ``mask``)."""
     batch, width = states.shape[:2]
-    lengths = (width,) * batch if mask is None else tuple(mask.detach().cpu().bool().sum(1).tolist())
-    return batch, width, lengths, states.dtype, str(states.device)
+    real = np.full(batch, width, np.int64) if mask is None else mask.detach().cpu().bool().sum(1).numpy()
+    return real.astype(np.int64)
 
 
 def repeated_inputs(states: torch.Tensor, mask: torch.Tensor | None) -> int:
@@ -116,14 +125,19 @@ class CrossLayer(CacheLayerMixin):
         self.pool, self.kv = self.storage.tensor, self.storage.runs
         self.pool[block, 0, slot] = k
         self.pool[block, 1, slot] = v
-        self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
-        self.values = self.keys
+        self._placeholders(k, batch, max_len)
         self.dtype, self.device, self.is_initialized = k.dtype, k.device, True
 
-    def refill(self, k: torch.Tensor, v: torch.Tensor, num_blocks: int, block: torch.Tensor, slot: torch.Tensor
-               ) -> None:
-        """:meth:`fill` of another call's K/V of the same geometry into the same memory (a kept decode graph reads
-        this pool by address): same blocks and slots, nothing allocated."""
+    def _placeholders(self, k: torch.Tensor, batch: int, max_len: int) -> None:
+        _, heads, dim = k.shape
+        self.keys = k.new_full((), float("nan")).expand(batch, heads, max_len, dim)
+        self.values = self.keys
+
+    def refill(self, k: torch.Tensor, v: torch.Tensor, num_blocks: int, block: torch.Tensor, slot: torch.Tensor,
+               batch: int, max_len: int) -> None:
+        """:meth:`fill` of another call's K/V into the same memory (a kept decode graph reads this pool by address),
+        nothing allocated: ``block``/``slot`` inside the pool's ``num_blocks``; the blocks and slots it leaves are never
+        read (the plan's lengths end before them). The placeholders stay unless the call's inputs are wider."""
         _, heads, dim = k.shape
         pool = self.pool
         if pool is None or tuple(pool.shape) != (num_blocks, 2, self.cache.block_size, heads, dim) \
@@ -132,6 +146,8 @@ class CrossLayer(CacheLayerMixin):
                                "another geometry; please report it")
         pool[block, 0, slot] = k
         pool[block, 1, slot] = v
+        if self.keys.shape[2] < max_len:
+            self._placeholders(k, batch, max_len)
 
     def lazy_initialization(self, key_states, value_states):
         raise RuntimeError("CrossAttentionCache is filled by hf_cascade's generate entry, never by the model.")
@@ -163,47 +179,77 @@ def in_place_layout(device: torch.device) -> bool:
 
 
 class CrossAttentionCache(Cache):
-    """Cross-attention K/V of every decoder layer, once per input (see the module docstring)."""
+    """Cross-attention K/V of every decoder layer, once per input (see the module docstring).
+
+    Its storages and plans may outlive the call (kept with the model's last call: ``encoder_decoder.KeptCross``) and
+    serve a later call of as many inputs whose sources need no more blocks than they hold (:meth:`serves`): the
+    storages' blocks (``num_blocks``) and the tables' width in blocks are the capacity, the inputs' lengths the
+    call's values, written into the same storages and into the plans' device tensors in place (:meth:`refill`); each
+    plan's launch follows the widths (``StepPlan.fixed_widths``)."""
 
     def __init__(self, num_layers: int, cascade_config: CascadeConfig | None = None):
         self.cascade_config = cascade_config or CascadeConfig()
         super().__init__(layers=[CrossLayer(self, i) for i in range(num_layers)])
         self.block_size = self.cascade_config.block_size
-        self.batch, self.max_len = 0, 0
+        self.batch, self.max_len, self.num_blocks = 0, 0, 0
         self.lengths = np.zeros(0, np.int64)                      # each input's real encoder tokens
-        self.prefix_table = np.zeros((0, 0), np.int32)            # each input's blocks
+        self.prefix_table = np.zeros((0, 0), np.int32)            # each input's blocks (-1 past them)
         self.starts: list[int] = []                               # each input's first token in a layer's K run
         self._plans: dict = {}
 
+    def _blocks(self, lengths: np.ndarray) -> np.ndarray:
+        return -(-np.asarray(lengths, np.int64) // self.block_size)
+
+    def serves(self, lengths: np.ndarray) -> bool:
+        """Whether the filled storages and plans take a call of inputs of ``lengths`` (:func:`real_lengths`) in place:
+        as many inputs, no more blocks than the storages hold, none wider than the tables, and the tables at most
+        ``plan.ADOPT_SPAN`` times the widest input's blocks (every step reads the tables' width: a kept state much
+        wider than a call's sources would cost it more than it saves)."""
+        blocks = self._blocks(lengths)
+        width = self.prefix_table.shape[1]
+        return (self.batch > 0 and blocks.shape[0] == self.batch and int(blocks.sum()) <= self.num_blocks
+                and int(blocks.max()) <= width <= ADOPT_SPAN * int(blocks.max()))
+
+    def room_for(self, lengths: np.ndarray) -> tuple[int, int]:
+        """The capacity (blocks, table width) of new storages for inputs of ``lengths`` that this cache does not
+        serve (:meth:`serves`): at least this one's where that stays within ``plan.ADOPT_SPAN`` of their width, so
+        that the state kept over an evaluation loop's batches grows to serve each of them; else (0, 0), theirs
+        alone."""
+        blocks = self._blocks(lengths)
+        room = (max(self.num_blocks, int(blocks.sum())), max(self.prefix_table.shape[1], int(blocks.max())))
+        return room if room[1] <= ADOPT_SPAN * int(blocks.max()) else (0, 0)
+
     def fill(self, projections: list[CrossProjection], states: torch.Tensor, mask: torch.Tensor | None,
-             cap: KVCap | None = None) -> None:
+             cap: KVCap | None = None, room: tuple[int, int] = (0, 0)) -> None:
         """Project and store each input's real encoder tokens with each layer's projection
         (``seq2seq_models.cross_projections``): ``states`` [B, S, d], ``mask`` [B, S] or None; their bytes are
-        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated."""
-        self._store(projections, states, mask, cap, in_place=False)
+        checked against ``cap`` (max_kv_bytes) before anything is projected or allocated. ``room``: at least this
+        many blocks and this table width (:meth:`room_for`), for later calls."""
+        self._store(projections, states, mask, cap, in_place=False, room=room)
 
     def refill(self, projections: list[CrossProjection], states: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """:meth:`fill` where the cache holds a last call's K/V of the same geometry (:func:`geometry`: inputs,
-        width, each input's length): the new K/V go into the same storages (a kept decode graph reads them by
-        address), and the tables and plans, which depend on the geometry only, stay."""
+        """:meth:`fill` where the cache holds a last call's K/V and :meth:`serves` this call's inputs: the new K/V go
+        into the same storages (a kept decode graph reads them by address), the new tables and lengths into the
+        plans' host arrays and device tensors in place."""
         self._store(projections, states, mask, None, in_place=True)
 
     @torch.no_grad()
-    def _store(self, projections, states, mask, cap, in_place: bool) -> None:
+    def _store(self, projections, states, mask, cap, in_place: bool, room=(0, 0)) -> None:
         batch, width, _ = states.shape
         real = torch.ones(batch, width, dtype=torch.bool) if mask is None else mask.detach().cpu().bool()
         lengths = real.sum(1).numpy().astype(np.int64)            # one host read per generate call
         if (lengths == 0).any():
             raise ValueError("An input of the batch has no real encoder token (its attention_mask is all zeros); "
                              "remove it from the batch.")
-        if in_place and (self.batch, self.max_len, tuple(self.lengths.tolist())) != (batch, width,
-                                                                                     tuple(lengths.tolist())):
-            raise RuntimeError("hf_cascade internal error: cross-attention K/V refilled in place for another "
-                               "geometry; please report it")
+        if in_place and not self.serves(lengths):
+            raise RuntimeError("hf_cascade internal error: cross-attention K/V refilled in place for inputs its "
+                               "storages do not serve; please report it")
         bs = self.block_size
-        blocks = -(-lengths // bs)
+        blocks = self._blocks(lengths)
+        num_blocks, table_width = ((self.num_blocks, self.prefix_table.shape[1]) if in_place else
+                                   (max(int(blocks.sum()), room[0]), max(int(blocks.max()), room[1])))
         first = np.concatenate([[0], np.cumsum(blocks)[:-1]])
-        table = np.full((batch, int(blocks.max())), -1, np.int32)
+        table = np.full((batch, table_width), -1, np.int32)
         for b in range(batch):                                    # once per input, not per token
             table[b, : blocks[b]] = np.arange(first[b], first[b] + blocks[b])
         order = np.concatenate([np.arange(n) for n in lengths])   # token's index within its input
@@ -212,7 +258,7 @@ class CrossAttentionCache(Cache):
         block = torch.from_numpy(first[owner] + order // bs).to(device)
         slot = torch.from_numpy(order % bs).to(device)
         if cap is not None:
-            need = sum(int(blocks.sum()) * bs * project.width * project.itemsize(states) for project in projections)
+            need = sum(num_blocks * bs * project.width * project.itemsize(states) for project in projections)
             cap.check(need, f"the cross-attention K/V ({int(lengths.sum())} encoder tokens of {batch} inputs, "
                             f"stored once per input in blocks of {bs}, {len(projections)} layers)")
         flat = states.reshape(batch * width, -1)
@@ -225,19 +271,21 @@ class CrossAttentionCache(Cache):
                 on_device[dev] = (flat.to(dev), block.to(dev), slot.to(dev))
             states_d, block_d, slot_d = on_device[dev]
             k, v = project(states_d)
-            if in_place:
-                layer.refill(k, v, int(blocks.sum()), block_d, slot_d)
-            else:
-                layer.fill(k, v, int(blocks.sum()), block_d, slot_d, batch, width)
-        if in_place:
-            return           # same geometry: same tables, starts and plans (their device copies are read by address)
-        self.batch, self.max_len, self.lengths, self.prefix_table = batch, width, lengths, table
-        self.starts = (first * bs).tolist()
+            (layer.refill if in_place else layer.fill)(k, v, num_blocks, block_d, slot_d, batch, width)
+        self.lengths, self.prefix_table, self.starts = lengths, table, (first * bs).tolist()
+        if in_place:        # the same plans (the kept step contexts hold them): their values rewritten in place
+            self.max_len = max(self.max_len, width)
+            for plan in self._plans.values():
+                plan.rewrite_prefix(table, lengths)
+            return
+        self.batch, self.max_len, self.num_blocks = batch, width, num_blocks
         self._plans = {}
 
     def plan(self, rows: int, q_len: int) -> StepPlan:
         """The one-level cascade of a step with ``rows`` query rows (input b owns rows b*n .. b*n+n-1):
-        groups = inputs, prefix = the input's encoder blocks, no suffix. Built once per (rows, q_len)."""
+        groups = inputs, prefix = the input's encoder blocks, no suffix. Built once per (rows, q_len) and kept while
+        the storages are: a later call's sources rewrite its tables and lengths (``fixed_widths``: a backend's launch
+        follows the widths)."""
         key = (rows, q_len)
         if key not in self._plans:
             if not self.batch or rows % self.batch:
@@ -250,7 +298,8 @@ class CrossAttentionCache(Cache):
                 copy_src=none, copy_dst=none,
                 group_rows=np.arange(rows, dtype=np.int32).reshape(self.batch, n),
                 prefix_table=self.prefix_table, prefix_len=self.lengths.astype(np.int32),
-                suffix_table=np.zeros((rows, 0), np.int32), q_limit=np.zeros((rows, q_len), np.int32))
+                suffix_table=np.zeros((rows, 0), np.int32), q_limit=np.zeros((rows, q_len), np.int32),
+                fixed_widths=True)
         return self._plans[key]
 
     def check_reorder(self, beam_idx) -> None:
@@ -273,7 +322,7 @@ class CrossAttentionCache(Cache):
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
-        self.batch, self.max_len, self._plans = 0, 0, {}
+        self.batch, self.max_len, self.num_blocks, self._plans = 0, 0, 0, {}
 
     @property
     def kv_bytes(self) -> int:

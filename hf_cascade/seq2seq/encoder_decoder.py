@@ -26,9 +26,12 @@ cross-attention K/V from the k copies and copies that K/V again at every beam re
 - the decode loop is :func:`hf_cascade.whole_step.decode`'s, as for decoder-only models: the whole step on the
   device where it can serve the call, else transformers' loop with the graph runner (the reason logged once);
 - a call whose shape (``EncoderSide.keep_key`` and the session's
-  descriptor) equals the model's last call's takes that call's caches, cross-attention context and runner
-  (:class:`KeptCross` beside :class:`~hf_cascade.session.KeptCall`): its K/V are written into the same memory and
-  the kept decode step replays from the first decode step; any difference starts afresh.
+  descriptor) equals the model's last call's, and whose sources the kept cross storages take (``EncoderSide.fits``:
+  as long or shorter, within ``plan.ADOPT_SPAN``), takes that call's caches, cross-attention context and runner
+  (:class:`KeptCross` beside :class:`~hf_cascade.session.KeptCall`): its K/V are written into the same memory, its
+  cross plans' tables and lengths into their device tensors, and the kept decode step replays from the first decode
+  step; any difference starts afresh (with cross storages at least as large where its sources outgrew the kept
+  ones: an evaluation loop's kept state comes to serve all its batches).
 
 The model's cross-attention modules read ``cache.cross_attention_cache.layers[i].keys/.values``
 directly and pass them to the attention function: those tensors are placeholders; the decoder's forwards carry a
@@ -51,7 +54,7 @@ from ..kv.cache import CascadeCache
 from ..config import CascadeConfig
 from ..logs import log_once
 from .cross_kv import (CascadeEncoderDecoderCache, CrossAttentionCache, KVCap, KVCapExceeded, geometry,
-                       repeated_inputs)
+                       real_lengths, repeated_inputs)
 from .dense_cache import (StaticSelfAttentionCache, capped_dynamic_cache, self_attention_cache,
                           static_self_attention_cache)
 from .encoder_expansion import placeholder, restore_expansion, unexpanded_states
@@ -184,25 +187,40 @@ class EncoderSide:
         self.self_cache = None
         self.repeats = repeated_inputs(states, source_mask)     # rows of one input, n each, then the next input's
         self.keep_key = self._keep_key() if keep else None
+        self.lengths = (real_lengths(states[::self.repeats], None if source_mask is None else
+                                     source_mask[::self.repeats]) if self.keep_key is not None else None)
         self._reused: KeptCross | None = None       # the model's last call's state, refilled by prepare
+        self._room = (0, 0)                          # the cross storages' least capacity (fits)
         self._handed_over = False                   # kept_state() gave the caches to the session
 
     def _keep_key(self):
         """What this call's kept state must match for the next call to reuse it (the session's KeptCall keys the
-        rest: rows, dtype, device, CascadeConfig): the stored inputs' geometry (the cross storages, tables and plans),
-        the decoder prompt's width and padding, each layer's projection. None where nothing is kept: the T5 family's
-        dense self-attention (its static cache is not kept). Under ``max_kv_bytes`` the same geometry holds the same
-        bytes: the kept caches passed this call's check already."""
+        rest: rows, dtype, device, CascadeConfig): the stored inputs' geometry (how many, dtype, device: the sources'
+        lengths need only fit, :meth:`fits`), the decoder prompt's width and padding, each layer's projection. None
+        where nothing is kept: the T5 family's dense self-attention (its static cache is not kept). Under
+        ``max_kv_bytes`` a kept state that serves a call holds the bytes that passed the check of the call it was
+        made for (the same cap: the descriptor's CascadeConfig)."""
         if not self.paged:
             return None
-        r, mask = self.repeats, self.source_mask
-        return (geometry(self.states[::r], None if mask is None else mask[::r]), r, self.n, self.input_ids.shape[1],
-                self.decoder_mask is None,
+        r = self.repeats
+        return (geometry(self.states[::r]), r, self.n, self.input_ids.shape[1], self.decoder_mask is None,
                 tuple((p.width, p.head_dim, str(p.device), p.key.weight.dtype) for p in self.projections))
 
+    def fits(self, kept: "KeptCross") -> bool:
+        """Whether ``kept`` (of this call's keep_key) serves this call's sources in place
+        (:meth:`CrossAttentionCache.serves`: as long or shorter, within ``plan.ADOPT_SPAN``). Where they outgrow it,
+        this call's storages are made at least as large (:meth:`CrossAttentionCache.room_for`), so that the state
+        kept over an evaluation loop's batches comes to serve them all."""
+        if kept.cross.serves(self.lengths):
+            return True
+        # (not under max_kv_bytes: room this call does not need would come out of its decoder cache's share)
+        self._room = kept.cross.room_for(self.lengths) if self.cap is None else (0, 0)
+        return False
+
     def reuse(self, kept: "KeptCross") -> None:
-        """The model's last call's caches and cross-attention context (its keep_key was this call's): refilled with
-        this call's K/V by :meth:`prepare`, at the addresses the kept graph reads."""
+        """The model's last call's caches and cross-attention context (its keep_key was this call's, and it
+        :meth:`fits`): refilled with this call's K/V and lengths by :meth:`prepare`, at the addresses the kept graph
+        reads."""
         self._reused = kept
         self.cross = kept.cross
 
@@ -230,10 +248,11 @@ class EncoderSide:
             raise RuntimeError("hf_cascade internal error: a kept encoder-decoder state without its own "
                                "self-attention cache; please report it")
         stored = states[::repeats], None if source_mask is None else source_mask[::repeats]
-        if kept is not None:     # (the bytes of the last call's, whose max_kv_bytes check this geometry passed)
+        if kept is not None:     # (the bytes of the last call's, whose max_kv_bytes check they passed)
             cross.refill(self.projections, *stored)
+            kept.context.refilled()
         else:
-            cross.fill(self.projections, *stored, cap)
+            cross.fill(self.projections, *stored, cap, self._room)
         if kept is not None:        # the same objects the kept step was captured on (the runner keys them by identity)
             self.self_cache = self_cache = cache
             both = kept.both
@@ -309,9 +328,10 @@ class EncoderSide:
 @dataclasses.dataclass
 class KeptCross:
     """What an encoder-decoder call keeps for the model's next call besides the decoder's cache and the runner
-    (:class:`~hf_cascade.session.KeptCall`): the cross-attention storages (refilled in place), the
-    EncoderDecoderCache pairing them with the decoder's cache, and the cross-attention context whose step contexts
-    (plans, backend metadata) the kept graph reads. Holds nothing of the model."""
+    (:class:`~hf_cascade.session.KeptCall`): the cross-attention storages (refilled in place, also with shorter
+    sources), the EncoderDecoderCache pairing them with the decoder's cache, and the cross-attention context whose
+    step contexts (plans, rewritten in place; backend metadata, which follows the plans' widths) the kept graph reads.
+    Holds nothing of the model."""
 
     cross: CrossAttentionCache
     both: CascadeEncoderDecoderCache

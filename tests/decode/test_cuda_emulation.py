@@ -504,3 +504,59 @@ def test_a_static_launch_follows_the_shapes_and_serves_shorter_prefixes(sm90, bs
     cuda_backend._launch(_FakeLib(), 0, q, pool, kept, params, out, kernels=emu)
     check_launches(emu)
     check(out, reference.attend(q.double(), pool.double(), plan, params), emu)
+
+
+def test_a_kept_cross_plan_launches_by_its_tables_and_serves_shorter_sources(monkeypatch):
+    """An encoder-decoder's cross plan (``CrossAttentionCache.plan``: groups = inputs, no suffix) launches by its
+    tables' width, not its sources' lengths: the launch state built for long sources is the one the plan gets after
+    a refill with shorter ones (what a kept encoder-decoder state serves: ``CrossAttentionCache.refill``), and run on
+    the refilled plan, whose tables and lengths were rewritten in its device tensors in place, it gives the
+    reference's attention over the shorter sources; the chunks past a source write empty partials. The pool's slots
+    are NaN before the refill: a stale key of the longer sources would show."""
+    from hf_cascade.seq2seq import cross_kv
+    from hf_cascade.seq2seq.cross_kv import CrossAttentionCache, real_lengths
+    from hf_cascade.seq2seq.seq2seq_models import CrossProjection
+    from hf_cascade.config import CascadeConfig
+    monkeypatch.setattr(cross_kv, "in_place_layout", lambda device: False)   # the GPU's contiguous paged pool
+    g = torch.Generator().manual_seed(5)
+    Hkv, Hq, D, d, n = 2, 4, 128, 16, 2
+    projection = CrossProjection(torch.nn.Linear(d, Hkv * D, dtype=torch.bfloat16),
+                                 torch.nn.Linear(d, Hkv * D, dtype=torch.bfloat16), D)
+
+    def sources(lengths):
+        width = max(lengths)
+        mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
+        return torch.randn(len(lengths), width, d, generator=g).to(torch.bfloat16), mask
+
+    cache = CrossAttentionCache(1, CascadeConfig(block_size=4))
+    cache.fill([projection], *sources((150, 60, 20)))        # blocks of 4: (38, 15, 5), tables 38 wide
+    plan = cache.plan(3 * n, 1)
+    q = torch.randn(3 * n, 1, Hq, D, generator=g).to(torch.bfloat16)
+    params = AttentionParams(D ** -0.5)
+    layer = cache.layers[0]
+
+    def state():
+        return cuda_backend.BACKEND.build(plan, q, layer.pool, params, lib=_FakeLib())
+
+    kept = state()
+    short = sources((40, 100, 12))                           # (10, 25, 3) blocks: 25 wide, within ADOPT_SPAN
+    assert cache.serves(real_lengths(*short))
+    layer.pool.fill_(float("nan"))
+    cache.refill([projection], *short)
+    assert cache.plan(3 * n, 1) is plan and plan.prefix_len.tolist() == [40, 100, 12]
+    launch = ("has_prefix", "m_tile", "row_tiles", "chunk_tokens", "max_chunks", "split_tokens", "nsplit", "slots",
+              "tune")
+    again = state()
+    assert [getattr(kept, f) for f in launch] == [getattr(again, f) for f in launch]
+    assert torch.equal(kept.row_nchunks, again.row_nchunks)
+    assert kept.dp is again.dp and kept.dp.prefix_len.tolist() == [40, 100, 12]   # rewritten in place
+    # the shorter sources in storages of their own: fewer chunks (their tables are narrower)
+    own = CrossAttentionCache(1, CascadeConfig(block_size=4))
+    own.fill([projection], *short)
+    assert cuda_backend.BACKEND.build(own.plan(3 * n, 1), q, own.layers[0].pool, params,
+                                      lib=_FakeLib()).max_chunks < kept.max_chunks
+    emu = Emulated()
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cuda_backend._launch(_FakeLib(), 0, q, layer.pool, kept, params, out, kernels=emu)
+    check_launches(emu)
+    check(out, reference.attend(q.double(), layer.pool.double(), plan, params), emu)

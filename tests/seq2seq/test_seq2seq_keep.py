@@ -13,6 +13,7 @@ second and third capturing nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -22,6 +23,7 @@ from transformers import AutoModelForSeq2SeqLM, StoppingCriteria, StoppingCriter
 
 import hf_cascade
 from hf_cascade import encoder_decoder, session
+from hf_cascade.decode import graphs
 from hf_cascade.config import CascadeConfig
 
 from conftest import RunnerSpy
@@ -105,6 +107,9 @@ def test_three_calls_of_one_shape_reuse_the_first(family, path, monkeypatch, req
 
 
 def test_another_shape_starts_afresh_and_the_first_shape_works_again(monkeypatch, frozen_host_length):
+    """Sources the kept cross storages serve (as many inputs, no more blocks, the widest within ADOPT_SPAN of the
+    tables' width) reuse the kept state; other rows, longer sources, or sources much shorter start afresh (the kept
+    state freed); the first shape then works again (served by the state last kept, which grew to take it)."""
     stock, cascade = _pair("bart")
     hf_cascade.release(cascade)
     extra = dict(return_dict_in_generate=True, output_scores=True)
@@ -115,8 +120,12 @@ def test_another_shape_starts_afresh_and_the_first_shape_works_again(monkeypatch
                      _generate(cascade, kwargs, hf_cascade_config=RUNNER, **extra), scores=True)
         return spy.runners[-1], _kept(cascade).extra.cross
 
-    runner, cross = call(_inputs("bart", 1))
-    others = {"rows": (13, 9), "source width": (11, 9, 5), "per-input lengths": (13, 5, 9)}
+    runner, cross = call(_inputs("bart", 1))                     # blocks of 4: (4, 3, 2) = 9, table width 4
+    served = {"narrower": (11, 9, 5), "other order": (5, 13, 9), "within the last block": (16, 9, 5)}
+    for what, lengths in served.items():
+        assert call(_inputs("bart", 2, lengths=lengths)) == (runner, cross), what
+    # (5, 4, 3) = 3 blocks: the kept tables' width is within ADOPT_SPAN of the widest's 2 blocks
+    others = {"rows": (13, 9), "longer": (17, 9, 5), "more blocks": (16, 13, 9), "much shorter": (3, 2, 1)}
     for what, lengths in others.items():
         other_runner, other_cross = call(_inputs("bart", 4, lengths=lengths))
         assert other_runner is not runner and other_cross is not cross, what
@@ -128,6 +137,86 @@ def test_another_shape_starts_afresh_and_the_first_shape_works_again(monkeypatch
     kept_step = again.whole_step_kept
     call(_inputs("bart", 6))
     assert spy.runners[-1] is again and again.whole_step_kept is kept_step and again.device_steps > 0
+
+
+# an evaluation loop's batches: one batch size, other source lengths, none needing more blocks (of 4) than the first
+EVAL_BATCHES = ((13, 9, 5), (11, 12, 6), (5, 13, 9), (8, 8, 8), (16, 3, 10), (7, 7, 7))
+# pools of a fixed address on the CPU (a grow pool is given back at the end of a call: the next one's moves, and its
+# step is built anew); a cap makes the decode loop transformers' until the decoder's cache knows its block size, so
+# the calls bring a two-token decoder prompt, which the entry prefills before the loop
+STATIC = dict(memory="static", max_kv_bytes=2 ** 22)
+
+
+def _eval_inputs(family, seed, lengths):
+    kwargs = _inputs(family, seed, lengths=lengths)
+    start = _pair(family)[0].config.decoder_start_token_id
+    kwargs["decoder_input_ids"] = torch.tensor([[start, 7]] * len(lengths))
+    return kwargs
+
+
+@pytest.mark.parametrize("path", ["runner", "whole_step"])
+@pytest.mark.parametrize("family", ["bart", "marian"])
+def test_an_evaluation_loop_over_source_lengths_captures_once(family, path, monkeypatch, frozen_host_length):
+    """Seq2SeqTrainer's evaluation: batches of one size and other source lengths. The first call's kept state serves
+    every later batch, whose sources its cross storages take in place (refilled, the cross plans' tables and lengths
+    rewritten in their device tensors; the decoder's own layout is the same): its decode step replays, ``first_steps``
+    0 (a GPU captures nothing) from the second call on, over two passes, on the same storages at the same addresses;
+    stock's tokens every call (float64)."""
+    stock, cascade = _pair(family)
+    hf_cascade.release(cascade)
+    scores = path == "runner"
+    extra = dict(return_dict_in_generate=True, output_scores=True) if scores else {}
+    config = dataclasses.replace(RUNNER if scores else WHOLE, **STATIC)
+    spy = RunnerSpy(monkeypatch)
+    seen = []
+    for epoch in range(2):
+        for i, lengths in enumerate(EVAL_BATCHES):
+            kwargs = _eval_inputs(family, 10 * epoch + i, lengths)
+            _assert_same(_generate(stock, kwargs, **extra), _generate(cascade, kwargs, hf_cascade_config=config,
+                                                                       **extra), scores)
+            kept, runner = _kept(cascade), spy.runners[-1]
+            assert kept is not None and runner is kept.runner and runner.disabled is None and runner.device_steps > 0
+            seen.append((runner, runner.first_steps, kept.cache, kept.extra.cross, kept.extra.context,
+                         [layer.pool.data_ptr() for layer in kept.extra.cross.layers],
+                         graphs.pool_signature(kept.cache), runner.whole_step_kept))
+    first = seen[0]
+    assert first[1] >= 1                                         # the step built (a GPU captures it)
+    for each in seen[1:]:
+        assert each[1] == 0                                      # nothing built: a GPU replays the kept graph
+        assert each[0] is first[0] and each[2] is first[2]       # the same runner and decoder cache
+        assert each[3] is first[3] and each[4] is first[4]       # the same cross storages and step contexts
+        assert each[5] == first[5] and each[6] == first[6]       # refilled in place: the same memory
+        assert each[7] is first[7]                               # the kept whole step's tensors
+    hf_cascade.release(cascade)
+
+
+# blocks of 4: the third batch is wider than the first (5 blocks), the fifth holds more blocks (10)
+OUTGROWING = ((13, 9, 5), (11, 12, 6), (17, 4, 9), (8, 8, 8), (16, 16, 8), (14, 10, 3))
+
+
+def test_a_batch_that_outgrows_the_kept_state_leaves_room_for_the_others(monkeypatch, frozen_host_length):
+    """A batch whose sources the kept cross storages cannot take starts afresh (the kept state freed), with storages
+    at least as large as the kept ones: over a second pass the state kept at the end of the first serves every batch
+    (the same runner, storages and step contexts; on the CPU's grow pools, which move between calls, the decode step
+    itself is built anew each call). Stock's tokens every call."""
+    stock, cascade = _pair("bart")
+    hf_cascade.release(cascade)
+    spy = RunnerSpy(monkeypatch)
+    seen = []
+    for epoch in range(2):
+        for i, lengths in enumerate(OUTGROWING):
+            kwargs = _inputs("bart", 10 * epoch + i, lengths=lengths)
+            _assert_same(_generate(stock, kwargs), _generate(cascade, kwargs, hf_cascade_config=WHOLE), scores=False)
+            kept = _kept(cascade)
+            seen.append((spy.runners[-1], kept.extra.cross, kept.extra.context))
+    first_pass, second_pass = seen[:len(OUTGROWING)], seen[len(OUTGROWING):]
+    made = [i for i in range(1, len(OUTGROWING)) if first_pass[i][1] is not first_pass[i - 1][1]]
+    assert made == [2, 4]                                        # afresh where a batch outgrew the kept state
+    assert first_pass[1][1].layers[0].storage is None            # (the state it replaced was freed)
+    assert (first_pass[-1][1].num_blocks, first_pass[-1][1].prefix_table.shape[1]) == (10, 5)
+    for each in second_pass:
+        assert all(a is b for a, b in zip(each, first_pass[-1]))
+    hf_cascade.release(cascade)
 
 
 def test_release_between_calls_starts_afresh(monkeypatch):
