@@ -190,12 +190,10 @@ class DecodeGraphRunner:
         """The latest captured step kept for the next call (None: none)."""
         return self.kept_steps[0] if self.kept_steps else None
 
-    def keep_step(self, kept, alive=None) -> None:
+    def keep_step(self, kept) -> None:
         """Keep ``kept`` (a new captured step, or one about to be captured) first; a kept step of the same layout
-        (the same hold kind and serial: superseded), those ``alive(step_key)`` says can no longer replay (their layout
-        released) and the oldest beyond :data:`KEPT_LAYOUTS` are dropped."""
+        (the same hold kind and serial: superseded) and the oldest beyond :data:`KEPT_LAYOUTS` are dropped."""
         same = kept.step_key[:2]
-        self.drop_dead(alive)
         others = [k for k in self.kept_steps if k is not kept and k.step_key[:2] != same]
         self.kept_steps = ([kept] + others)[:KEPT_LAYOUTS]
 

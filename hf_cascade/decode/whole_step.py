@@ -448,7 +448,7 @@ class WholeStepLoop:
             held.tensors = kept.held_tensors
         else:
             kept.step_key, kept.held_tensors, kept.graph, kept.logits = held.key, held.tensors, None, None
-            self.runner.keep_step(kept, alive)
+            self.runner.keep_step(kept)
         if isinstance(held, BlocksHold):         # (the peak the kept step's graph raises)
             held.peak = kept.peak.zero_()
         self.held, self.graph, self.room = held, kept.graph, held.room
@@ -650,6 +650,7 @@ class BlocksHold:
         def pool_for(steps: int) -> int:
             return max(manager.capacity, manager.blocks_in_use + R * min(steps, -(-steps // bs) + 1) + 1)
 
+        like = None if loop.frugal else loop.kept_blocks(layout)
         if loop.frugal:
             # the most steps (up to EAGER_ROOM) that the pools hold with the scratch block: as they are, else grown
             # as a growing pool doubles
@@ -664,7 +665,6 @@ class BlocksHold:
             # measured with)
             pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
                                        + 1) - 1
-            like = loop.kept_blocks(layout)
             if like is not None and pool_blocks <= like.pool_blocks <= ADOPT_SPAN * pool_blocks:
                 pool_blocks = like.pool_blocks      # (the kept step's pool: a larger pool serves as well)
         if manager.max_blocks is not None:
@@ -678,13 +678,11 @@ class BlocksHold:
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
-        like = loop.kept_blocks(layout)
-        if like is not None and like.pool_blocks != pool_blocks:
+        if like is not None and like.pool_blocks != pool_blocks:     # (a cap kept this pool below the kept one)
             like = None
         blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device, like=like)
         scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width"))
         key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
-        loop.peak.zero_()
         return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn), None
 
     @staticmethod

@@ -88,8 +88,7 @@ class StepPlan:
                                "please report it")
         self.prefix_table, self.prefix_len = prefix_table, prefix_len.astype(np.int32)
         for dp in self._on_device.values():
-            dp.prefix_table.copy_(torch.from_numpy(np.ascontiguousarray(self.prefix_table)))
-            dp.prefix_len.copy_(torch.from_numpy(np.ascontiguousarray(self.prefix_len)))
+            dp.write_levels(self, ("prefix_table", "prefix_len"))
 
     def kv_reads(self) -> tuple[int, int]:
         """K/V tokens this step's attention reads per layer and KV head: ``(cascade, per_row)``. ``cascade``: each
@@ -151,6 +150,14 @@ class DevicePlan:
     mid_len: torch.Tensor
     inner_suffix_table: torch.Tensor | None
     inner_q_limit: torch.Tensor | None
+
+    def write_levels(self, source, names: tuple) -> None:
+        """``source``'s host arrays of ``names`` (level fields, of these tensors' shapes) written into these tensors in
+        place: a kept graph reads them by address."""
+        for name in names:
+            values = getattr(source, name)
+            if values.size:
+                getattr(self, name).copy_(torch.from_numpy(np.ascontiguousarray(values)).to(torch.int32))
 
 
 def find_prefix_groups(tables: np.ndarray, prev_lengths: np.ndarray, block_size: int, min_rows: int):
@@ -703,11 +710,7 @@ class _StaticBuffers:
         """Write ``layout``'s level arrays (same shapes) into the level tensors in place (a graph reads them by
         address); the planned step's host arrays are made again from the layout's."""
         refuse_in_capture("a decode layout's level tensors written from the host")
-        plan = self.plan
-        for name in _LEVEL_TENSORS:
-            values = getattr(layout, name)
-            if values.size:
-                getattr(plan, name).copy_(torch.from_numpy(np.ascontiguousarray(values)).to(torch.int32))
+        self.plan.write_levels(layout, _LEVEL_TENSORS)
         self.planned = None
 
     def fill(self, plan: StepPlan) -> DevicePlan:
