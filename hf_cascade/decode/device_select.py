@@ -249,14 +249,16 @@ class SelectionConfig:
         return tuple(names)
 
 
-# the config's fields that follow the prompt's length: the step reads them from the state's tensors
-_PER_PROMPT = ("prompt_length", "max_length", "begin_suppress_index")
+# the config's fields that follow the prompt's length: the step reads them from the state's tensors (of
+# ``min_length`` — transformers sets it to the prompt's length + ``min_new_tokens`` — only whether it applies)
+_PER_PROMPT = ("prompt_length", "max_length", "begin_suppress_index", "min_length")
 
 
 def shape_key(config: SelectionConfig) -> tuple:
     """What a compiled or captured step bakes in of ``config``: every field but those that follow the prompt's length
-    (the state holds them as tensors: ``prompt_len``, ``max_len``, ``begin_suppress_at``)."""
-    return tuple((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in _PER_PROMPT)
+    (the state holds them as tensors: ``prompt_len``, ``max_len``, ``begin_suppress_at``, ``min_len``)."""
+    return (*((f.name, getattr(config, f.name)) for f in fields(config) if f.name not in _PER_PROMPT),
+            ("min_length > 0", config.min_length > 0))
 
 
 @dataclass
@@ -295,6 +297,7 @@ class SelectionState:
     prompt_len: torch.Tensor | None = None          # config.prompt_length
     max_len: torch.Tensor | None = None             # config.max_length
     begin_suppress_at: torch.Tensor | None = None   # config.begin_suppress_index (with begin_suppress_tokens)
+    min_len: torch.Tensor | None = None             # config.min_length (where it is > 0)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The state's buffers by name (what a captured graph must keep alive and in place)."""
@@ -338,6 +341,8 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
         max_len=torch.tensor(config.max_length, dtype=torch.int64, device=device))
     if config.begin_suppress_tokens is not None:
         state.begin_suppress_at = torch.tensor(config.begin_suppress_index, dtype=torch.int64, device=device)
+    if config.min_length > 0:
+        state.min_len = torch.tensor(config.min_length, dtype=torch.int64, device=device)
     for role, ids in (("forced_bos", None if config.forced_bos_token_id is None else (config.forced_bos_token_id,)),
                       ("forced_eos", config.forced_eos_token_ids), ("suppress", config.suppress_tokens),
                       ("begin_suppress", config.begin_suppress_tokens), ("bad_words", config.bad_words_ids)):
@@ -513,8 +518,8 @@ def process_logits(state: SelectionState, scores: torch.Tensor) -> torch.Tensor:
     if config.bad_words_ids is not None:       # (a bias of -inf added, as SequenceBiasLogitsProcessor adds it)
         scores = scores + torch.where(_token_mask(scores, state.token_ids["bad_words"]), -math.inf, 0.0).to(
             scores.dtype)
-    if config.min_length > 0 and config.eos_token_ids:
-        scores = _ban_eos_while(state, scores, state.cur_len < config.min_length)
+    if state.min_len is not None and config.eos_token_ids:     # (not config.min_length: a compile would guard on it)
+        scores = _ban_eos_while(state, scores, state.cur_len < state.min_len)
     if config.min_new_tokens > 0 and config.eos_token_ids:
         scores = _ban_eos_while(state, scores, state.cur_len - state.prompt_len < config.min_new_tokens)
     if config.forced_bos_token_id is not None:

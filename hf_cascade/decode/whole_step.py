@@ -65,9 +65,9 @@ CHECK_EVERY = 8
 EAGER_ROOM = 4 * CHECK_EVERY
 
 # the uncompiled step's block bookkeeping in one launch of the kernel library's csrc/blocks.cu where it runs (bit for
-# bit the torch ops of `advance`, ~80 launches). Off until tests/decode/test_gpu_device_blocks.py has passed on a GPU
-# (the kernel source passed against the torch ops on the CPU, tests/decode/test_blocks_emulation.py; no GPU ran it yet)
-blocks_kernel = False
+# bit the torch ops of `advance`, ~80 launches: tests/decode/test_gpu_device_blocks.py on the H200; 11-57 us a step
+# against 250-300 us of the torch ops, benchmarks/blocks_advance_gpu.py). False: the torch ops everywhere
+blocks_kernel = True
 
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
 # call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
@@ -665,8 +665,8 @@ class BlocksHold:
             # measured with)
             pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
                                        + 1) - 1
-            if like is not None and pool_blocks <= like.pool_blocks <= ADOPT_SPAN * pool_blocks:
-                pool_blocks = like.pool_blocks      # (the kept step's pool: a larger pool serves as well)
+            if like is not None and pool_blocks <= like.pool_blocks:
+                pool_blocks = like.pool_blocks      # (the kept step's pool, already held: a larger pool serves as well)
         if manager.max_blocks is not None:
             # a cap (max_kv_bytes): the device's pool and its scratch block inside it, and only as many steps as
             # cannot pass it; the steps the device cannot take run on the host path, whose block manager raises

@@ -31,10 +31,10 @@ from ..precision import as_computed
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
 logger = logging.getLogger("hf_cascade")
-# decode layouts a cache keeps between calls for its runner's kept steps (hf_cascade.graphs): one per way the rows
-# share, as an evaluation loop meets them (a prompt long enough for its beams to read it once, one below the
-# cascade's threshold read as solo rows)
-KEPT_LAYOUTS = 2
+# decode layouts a cache keeps between calls for its runner's kept steps (hf_cascade.graphs), the latest first: an
+# evaluation loop meets a few ways the rows share (a prompt long enough for its beams to read it once, one below the
+# cascade's threshold read as solo rows) and prompt lengths more than ADOPT_SPAN apart
+KEPT_LAYOUTS = 4
 
 
 def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
@@ -685,11 +685,12 @@ class CascadeCache(Cache):
         # shape came to need; a call of another prompt length whose rows share as that call's did hands it its
         # prefix tables and lengths
         found = next((kept for kept in self._kept_layouts if kept.holds(layout) or kept.adopt(layout)), None)
-        if found is None:       # the new layout outgrows those whose rows share alike: they serve no later call
+        if found is None:       # the kept layouts the new one would serve are outgrown: no later call needs them
+            covered = {id(kept) for kept in self._kept_layouts if layout.serves(kept)}
             for kept in self._kept_layouts:
-                if kept.same_levels(layout):
+                if id(kept) in covered:
                     kept.release()
-            self._kept_layouts = tuple(kept for kept in self._kept_layouts if not kept.same_levels(layout))
+            self._kept_layouts = tuple(kept for kept in self._kept_layouts if id(kept) not in covered)
             return layout
         self._kept_layouts = tuple(kept for kept in self._kept_layouts if kept is not found)
         return found

@@ -398,11 +398,11 @@ class DecodeLayout:
     def adopt(self, other: "DecodeLayout") -> bool:
         """Take ``other``'s values where this layout's shapes serve it: the same rows in the same levels (which rows
         share, not how many blocks), this layout's widths and capacities at least ``other``'s and at most
-        :data:`ADOPT_SPAN` times its tables' widths. ``other`` is the layout a new call froze; this one, the last call's,
+        :data:`ADOPT_SPAN` times its level tables' widths. ``other`` is the layout a new call froze; this one, the last call's,
         then carries the new call's prefix tables and lengths (host arrays and device buffers, written in place), so
         the graph captured on it replays for a call of another prompt length (a backend's launch state on a static
         layout follows its shapes, not its lengths). Returns whether it did."""
-        if not self._serves(other):
+        if not self.serves(other):
             return False
         self.prefix_table = _padded_to(other.prefix_table, self.prefix_table.shape[1])
         self.mid_table = _padded_to(other.mid_table, self.mid_table.shape[1])
@@ -419,12 +419,15 @@ class DecodeLayout:
                 and np.array_equal(self.group_rows, other.group_rows)
                 and np.array_equal(self.mid_group_rows, other.mid_group_rows))
 
-    def _serves(self, other: "DecodeLayout") -> bool:
+    def serves(self, other: "DecodeLayout") -> bool:
+        """Whether this layout's buffers hold ``other``'s values (see :meth:`adopt`)."""
+        # (the attention reads the level tables to their width: those within ADOPT_SPAN; the whole table is the
+        # bookkeeping's, a few values a row a step, and its width follows the token limit)
         wider = ((self.prefix_table.shape[1], other.prefix_table.shape[1]),
-                 (self.mid_table.shape[1], other.mid_table.shape[1]), (self.table_width, other.table_width))
+                 (self.mid_table.shape[1], other.mid_table.shape[1]))
         return (self.same_levels(other)
                 and self.suffix_width >= other.suffix_width and self.inner_width >= other.inner_width
-                and self.token_limit >= other.token_limit
+                and self.token_limit >= other.token_limit and self.table_width >= other.table_width
                 and all(theirs <= ours <= ADOPT_SPAN * max(theirs, 1) for ours, theirs in wider))
 
     @property

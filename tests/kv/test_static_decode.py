@@ -348,22 +348,32 @@ def test_second_call_of_the_same_shape_reuses_the_graph(llama_pair, monkeypatch)
 
 # an evaluation loop's prompt lengths, in its order (block size 4: 2 to 10 blocks each)
 EVAL_LENGTHS = (36, 9, 27, 14, 40, 6, 21, 31)
+# eval_loop_gpu.py's lengths / 10, in its order: 15 to 100 blocks, the longest prompt's whole tables 8 times as wide
+# as the shortest's (its level tables 4 times)
+WIDE_EVAL_LENGTHS = (360, 90, 270, 140, 400, 60, 210, 310)
 
 
-@pytest.mark.parametrize("case", ["beam", "beam, two ways to share", "greedy", "sample"])
+@pytest.mark.parametrize("case", ["beam", "beam, two ways to share", "greedy", "sample",
+                                  "beam, min_new_tokens, 7x apart"])
 def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkeypatch, case):
     """Eight prompt lengths, twice over, on one model (pools of a fixed address: memory="static"): a step kept
     from a call serves every later one whose layout of the same rows and levels it holds: that layout hands the kept
     one its values (DecodeLayout.adopt) and the call's state takes the kept step's wider shapes (the sequence buffers,
     the block tables and pool). With a cascade threshold that only the longer prompts pass, the beams of the others
     read as rows of their own: the runner keeps a step for each way the rows share (KEPT_LAYOUTS). No call of the
-    second pass captures; every call gives stock's tokens."""
+    second pass captures; every call gives stock's tokens. ``min_new_tokens`` (transformers turns it into a
+    ``min_length`` of each prompt's own) and lengths whose whole tables are more than ADOPT_SPAN apart share the kept
+    step too (eval_loop_gpu.py's loop)."""
     stock, cascade = llama_pair
     config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4,
                            min_saved_tokens=60 if "two ways" in case else None)
     kw = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}.get(
         case, dict(num_beams=4, early_stopping=False))
     kw.update(max_new_tokens=10, pad_token_id=0)
+    lengths = EVAL_LENGTHS
+    if "min_new_tokens" in case:
+        kw.update(min_new_tokens=10)
+        lengths = WIDE_EVAL_LENGTHS
     spy = RunnerSpy(monkeypatch)
     real_freeze = DecodeLayout.freeze.__func__
     shared = []          # whether each frozen layout has a group prefix
@@ -376,7 +386,7 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     monkeypatch.setattr(DecodeLayout, "freeze", classmethod(freeze))
     first_steps = []
     for _ in range(2):
-        for n in EVAL_LENGTHS:
+        for n in lengths:
             ids = torch.randint(3, 60, (1, n), generator=torch.Generator().manual_seed(n))
             torch.manual_seed(n)
             expected = stock.generate(input_ids=ids, **kw)
@@ -386,11 +396,11 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     assert len({id(r) for r in spy.runners}) == 1
     if "two ways" in case:
         assert len(set(shared)) == 2, shared
-    cold, warm = first_steps[:len(EVAL_LENGTHS)], first_steps[len(EVAL_LENGTHS):]
+    cold, warm = first_steps[:len(lengths)], first_steps[len(lengths):]
     # the first pass captures where a prompt is longer than every one before that shares alike (a kept layout's
     # token limit is its call's) and where the pool's bucket grows; the second pass, never
-    assert cold[0] == 1 and sum(cold) < len(EVAL_LENGTHS) - 2, first_steps
-    assert warm == [0] * len(EVAL_LENGTHS), warm
+    assert cold[0] == 1 and sum(cold) < len(lengths) - 2, first_steps
+    assert warm == [0] * len(lengths), warm
 
 
 def test_kept_steps_and_layouts_stay_bounded(llama_pair, monkeypatch):
