@@ -9,10 +9,13 @@ capture) and the second's ("compile_s": the first less the second; run one mode 
 Triton cache directories for compile seconds that no earlier compile served); ``--no-fuse`` with
 ``CascadeConfig(fuse_projections=False)`` (q/k/v and gate/up as separate products); ``--profile`` also lists the kernels of
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
-replay's time outside kernels (the gaps between the graph's kernels).
+replay's time outside kernels (the gaps between the graph's kernels). ``--quant int4wo`` (or another of
+quantized_gpu.py's) quantizes the decoder's linear layers first: what limits a quantized step (issue 33 item 4; needs
+``source .device/quant/setup.sh``).
 
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy --compile --profile
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 --compile false true regional
+    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:2048:beam8 --quant int4wo --profile
 """
 from __future__ import annotations
 
@@ -156,6 +159,7 @@ def main():
                              "rotary on the library's kernels, the default; --elementwise alone: true), one row each "
                              "on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
+    parser.add_argument("--quant", default=None, help="quantize the decoder's linears first (quantized_gpu.py's names)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models, results, calls = {}, [], []
@@ -167,6 +171,10 @@ def main():
                                              for on in elementwise):
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
+        if args.quant and not getattr(model, "_parts_quantized", False):
+            import quantized_gpu
+            print("quantized:", quantized_gpu.quantize(model, args.quant), flush=True)
+            model._parts_quantized = True
         model.set_attn_implementation("cascade")
         found = {}
         # a plain call first: the wall time of each chunk of device steps (replays and the flag read), per step
@@ -202,7 +210,7 @@ def main():
         found["compile_s"] = call_s[0] - call_s[1]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
-                        "fuse": not args.no_fuse, "elementwise": fuse_elementwise, **found})
+                        "fuse": not args.no_fuse, "elementwise": fuse_elementwise, "quant": args.quant, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, results[-1]))     # (the row itself: its profile joins it)
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
