@@ -242,7 +242,8 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
-        with collecting_runners(runners), _spying(hf_cascade.CascadeCache, "prepare_step", spy_prepare):
+        # (every host-planned step, the one-loop's first decode step included, begins in _begin_step_shape)
+        with collecting_runners(runners), _spying(hf_cascade.CascadeCache, "_begin_step_shape", spy_prepare):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
