@@ -102,8 +102,8 @@ class DeviceBlocks:
         pool_blocks = manager.max_blocks if pool_blocks is None else int(pool_blocks)
         if pool_blocks is None:
             raise ValueError("a device pool needs a fixed size: pass pool_blocks or give the manager max_blocks")
-        if manager.capacity > pool_blocks:
-            raise ValueError(f"the manager uses block ids up to {manager.capacity}, the pool holds {pool_blocks}")
+        if manager.id_bound > pool_blocks:
+            raise ValueError(f"the manager holds block ids up to {manager.id_bound - 1}; the pool holds {pool_blocks} blocks")
         if manager.num_rows != layout.num_rows:
             raise ValueError(f"the manager holds {manager.num_rows} rows, the layout {layout.num_rows}")
         bs = layout.block_size
@@ -117,7 +117,8 @@ class DeviceBlocks:
             width, checks = max(width, like.tables.shape[1]), max(checks, like.check_rows.shape[0])
         tables = manager.tables(width)
         refcount = np.zeros(pool_blocks + 1, dtype=np.int32)
-        refcount[: manager.capacity] = manager.refcount
+        held = min(manager.capacity, pool_blocks)     # (ids from id_bound on are free: a pool may stop before them)
+        refcount[:held] = manager.refcount[:held]
         used = np.arange(checks) < rows.size
         rows, cols, ids = (np.concatenate([a, np.zeros(checks - a.size, dtype=a.dtype)]) for a in (rows, cols, ids))
 

@@ -287,7 +287,16 @@ class _Captured:
 
 def _fill(kept: dict, fresh: dict) -> None:
     for name, tensor in fresh.items():
-        kept[name].copy_(tensor)
+        if name in SEQUENCE_BUFFERS and kept[name].shape[-1] != tensor.shape[-1]:
+            width = min(kept[name].shape[-1], tensor.shape[-1])     # (both hold max_length: the rest is never read)
+            kept[name][..., :width].copy_(tensor[..., :width])
+        else:
+            kept[name].copy_(tensor)
+
+
+# the token choice's buffers whose last dimension is the sequence width: a kept step's serve any call whose max_length
+# they hold (the columns past it are never read), up to ADOPT_SPAN times its own width (a beam step reorders them)
+SEQUENCE_BUFFERS = ("sequences", "finished_sequences")
 
 
 class DeviceChooser:
@@ -346,7 +355,8 @@ class WholeStepLoop:
         self.kind = hold_kind(self.cache)
         self.chooser = chooser
         state = chooser.state
-        self.call_key = (chooser.key, _signature(inputs), _signature(state.tensors()), self.runner.compiled)
+        self.call_key = (chooser.key, _signature(inputs), _signature(state.tensors(), any_width=SEQUENCE_BUFFERS),
+                         self.runner.compiled)
         # the call's own tensors until its first device step, which moves them into a kept step that fits, or keeps
         # them for the step it captures (_hold_on_device)
         kept = _Captured(self.call_key, state, inputs, torch.arange(input_ids.shape[0], device=input_ids.device),
@@ -378,8 +388,16 @@ class WholeStepLoop:
         then adopted this call's values, or held them already): the shapes this call's state takes where they are
         wider, so that the kept step replays."""
         return next((kept.held_tensors for kept in self.runner.kept_steps
-                     if kept.call_key == self.call_key and kept.step_key is not None
+                     if self._serves_call(kept) and kept.step_key is not None
                      and kept.step_key[:2] == ("blocks", layout.serial)), None)
+
+    def _serves_call(self, kept: _Captured) -> bool:
+        """Whether ``kept``'s tensors take this call's state, inputs and parents: the same call key, and sequence
+        buffers that hold this call's ``max_length``, at most ADOPT_SPAN times as wide as its own."""
+        if kept.call_key != self.call_key:
+            return False
+        width, own = _sequence_width(kept.state), _sequence_width(self.kept.state)
+        return width is None or own is None or self.max_length <= width <= ADOPT_SPAN * own
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self):
@@ -436,7 +454,7 @@ class WholeStepLoop:
         alive = getattr(self.kind, "alive", None)
         alive = None if alive is None else functools.partial(alive, self.cache)
         self.runner.drop_dead(alive)        # (steps of released layouts: their slots serve live ones)
-        mine = [kept for kept in self.runner.kept_steps if kept.call_key == self.call_key]
+        mine = [kept for kept in self.runner.kept_steps if self._serves_call(kept)]
         kept = next((kept for kept in mine if kept.step_key == held.key), None)
         fits = kept is not None
         if not fits:    # a step to capture: on the tensors of a kept step of this layout it supersedes, else the call's
@@ -640,6 +658,8 @@ class BlocksHold:
         manager = cache.blocks
         bs = layout.block_size
         room = layout.room(manager.lengths)
+        if cache.decode_steps_left is not None:     # (a kept layout adopted by a shorter prompt has room to spare)
+            room = min(room, cache.decode_steps_left)
         if room < 1:
             return None, None
         # every id a step takes is the lowest free one, and ids in use never exceed those held now plus what each
@@ -648,7 +668,7 @@ class BlocksHold:
         R = manager.num_rows
 
         def pool_for(steps: int) -> int:
-            return max(manager.capacity, manager.blocks_in_use + R * min(steps, -(-steps // bs) + 1) + 1)
+            return max(manager.id_bound, manager.blocks_in_use + R * min(steps, -(-steps // bs) + 1) + 1)
 
         like = None if loop.frugal else loop.kept_blocks(layout)
         if loop.frugal:
@@ -663,7 +683,7 @@ class BlocksHold:
             # (bucketed with the scratch block, as the layout's widths are: a range of prompt lengths shares one shape)
             # (per row one block per block_size tokens and one copy-on-write: the bound the captured steps were
             # measured with)
-            pool_blocks = shape_bucket(max(manager.capacity, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
+            pool_blocks = shape_bucket(max(manager.id_bound, manager.blocks_in_use + R * (-(-room // bs) + 1) + 1)
                                        + 1) - 1
             if like is not None and pool_blocks <= like.pool_blocks:
                 pool_blocks = like.pool_blocks      # (the kept step's pool, already held: a larger pool serves as well)
@@ -673,7 +693,7 @@ class BlocksHold:
             # PoolExhausted at the very step transformers' loop would
             pool_blocks = min(pool_blocks, manager.max_blocks - 1)
             room = min(room, bs * ((pool_blocks - manager.blocks_in_use) // R - 1))
-            if room < 1 or manager.capacity > pool_blocks:
+            if room < 1 or manager.id_bound > pool_blocks:
                 return None, None
         for layer in cache.layers:
             if layer.storage is not None:
@@ -753,14 +773,21 @@ class _Compiled:
         return self.fn(*args)
 
 
-def _signature(tensors: dict) -> tuple:
+def _signature(tensors: dict, any_width: tuple = ()) -> tuple:
     """What a captured graph bakes in of named arguments: tensors by shape, dtype and device; plain values as such;
-    other objects (the cache) by type."""
-    def one(v):
+    other objects (the cache) by type. The tensors named in ``any_width``: all but their last dimension (checked
+    apart: :meth:`WholeStepLoop._serves_call`)."""
+    def one(k, v):
         if isinstance(v, torch.Tensor):
-            return tuple(v.shape), v.dtype, str(v.device)
+            return tuple(v.shape[:-1]) if k in any_width else tuple(v.shape), v.dtype, str(v.device)
         return v if isinstance(v, (bool, int, float, str, type(None))) else type(v)
-    return tuple(sorted((k, one(v)) for k, v in tensors.items()))
+    return tuple(sorted((k, one(k, v)) for k, v in tensors.items()))
+
+
+def _sequence_width(state) -> int | None:
+    """The width of a token choice state's sequence buffers (None for a state without them: the host chooser's)."""
+    sequences = getattr(state, "sequences", None)
+    return None if sequences is None else sequences.shape[-1]
 
 
 def _tensors(held_tensors) -> dict:

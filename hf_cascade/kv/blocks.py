@@ -112,6 +112,13 @@ class BlockManager:
         return self._capacity
 
     @property
+    def id_bound(self) -> int:
+        """1 + the largest block id a table holds now (0 when none): a pool of this many blocks holds every block in
+        use (``capacity`` counts every id ever handed out, and a longer call before may have raised it)."""
+        used = np.flatnonzero(self._rc[: self._capacity])
+        return int(used[-1]) + 1 if used.size else 0
+
+    @property
     def blocks_in_use(self) -> int:
         return int(np.count_nonzero(self._rc[: self._capacity] > 0))
 

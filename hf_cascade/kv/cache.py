@@ -514,6 +514,12 @@ class CascadeCache(Cache):
             return max(self._layout.max_row_tokens, self.logical_length)
         return self.logical_length
 
+    @property
+    def decode_steps_left(self) -> int | None:
+        """One-token steps the decode begun (:meth:`begin_decode`) can still take before its ``max_length`` (None when
+        none is begun)."""
+        return None if self._decode_max_length is None else self._decode_max_length - self.logical_length
+
     def _decode_room(self) -> int:
         """New tokens per row the next decode layout makes room for (see plan.decode_room)."""
         return decode_room(self.logical_length - self._decode_start, self._decode_max_length - self.logical_length)

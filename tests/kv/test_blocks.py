@@ -196,13 +196,14 @@ def test_release_empties_everything():
     m.release()
     assert m.num_rows == 0
     assert m.blocks_in_use == 0 and m.blocks_shared == 0
-    assert m.capacity == cap
+    assert m.capacity == cap and m.id_bound == 0
     assert sorted(m._free) == list(range(cap))
     assert m.tokens_stored() == 0
     assert m.tables().shape == (0, 0)
     m.add_rows(1)
     plan = m.append([1])
     assert plan.write_block.tolist() == [0]
+    assert m.id_bound == 1 < m.capacity
 
 
 def test_pool_exhausted_message_and_state_unchanged():
@@ -471,6 +472,9 @@ class BlockMachine(RuleBasedStateMachine):
         assert m.blocks_shared == int((m.refcount > 1).sum())
         assert len(m._free) == len(set(m._free))
         assert sorted(m._free) == np.flatnonzero(m.refcount == 0).tolist()
+        # id_bound: one past the largest id any table holds (a device pool of that many blocks holds them all)
+        held = tabs[tabs >= 0]
+        assert m.id_bound == (int(held.max()) + 1 if held.size else 0) <= m.capacity
         # Lowest-id-first: capacity only grows when every lower id is in use.
         self.peak = max(self.peak, m.blocks_in_use)
         assert m.capacity == self.peak

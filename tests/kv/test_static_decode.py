@@ -351,10 +351,13 @@ EVAL_LENGTHS = (36, 9, 27, 14, 40, 6, 21, 31)
 # eval_loop_gpu.py's lengths / 10, in its order: 15 to 100 blocks, the longest prompt's whole tables 8 times as wide
 # as the shortest's (its level tables 4 times)
 WIDE_EVAL_LENGTHS = (360, 90, 270, 140, 400, 60, 210, 310)
+# the same with a 30-token prompt, whose room on the 90-token prompt's kept layout (whose beams read it as rows of their
+# own, as the 30's do) is 7 times its own 10 steps
+TWO_WAY_EVAL_LENGTHS = (360, 90, 270, 140, 520, 30, 210, 310)
 
 
 @pytest.mark.parametrize("case", ["beam", "beam, two ways to share", "greedy", "sample",
-                                  "beam, min_new_tokens, 7x apart"])
+                                  "beam, min_new_tokens, 7x apart", "beam, two ways to share, min_new_tokens, 13x apart"])
 def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkeypatch, case):
     """Eight prompt lengths, twice over, on one model (pools of a fixed address: memory="static"): a step kept
     from a call serves every later one whose layout of the same rows and levels it holds: that layout hands the kept
@@ -363,17 +366,21 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     read as rows of their own: the runner keeps a step for each way the rows share (KEPT_LAYOUTS). No call of the
     second pass captures; every call gives stock's tokens. ``min_new_tokens`` (transformers turns it into a
     ``min_length`` of each prompt's own) and lengths whose whole tables are more than ADOPT_SPAN apart share the kept
-    step too (eval_loop_gpu.py's loop)."""
+    step too (eval_loop_gpu.py's loop); there the first pass captures once per way to share and once where a prompt
+    is longer than all before it: a shorter prompt's device pool follows its own steps, not the room of the kept
+    layout it adopts, nor the pool a longer call grew."""
     stock, cascade = llama_pair
-    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 22, block_size=4,
-                           min_saved_tokens=60 if "two ways" in case else None)
+    wide = "x apart" in case
+    # (a pool cap that no call's device pool meets: the pools follow the calls' needs)
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** (26 if wide else 22), block_size=4,
+                           min_saved_tokens=(300 if wide else 60) if "two ways" in case else None)
     kw = {"greedy": dict(do_sample=False), "sample": dict(do_sample=True, num_return_sequences=3, top_k=0)}.get(
         case, dict(num_beams=4, early_stopping=False))
     kw.update(max_new_tokens=10, pad_token_id=0)
     lengths = EVAL_LENGTHS
     if "min_new_tokens" in case:
         kw.update(min_new_tokens=10)
-        lengths = WIDE_EVAL_LENGTHS
+        lengths = TWO_WAY_EVAL_LENGTHS if "two ways" in case else WIDE_EVAL_LENGTHS
     spy = RunnerSpy(monkeypatch)
     real_freeze = DecodeLayout.freeze.__func__
     shared = []          # whether each frozen layout has a group prefix
@@ -401,6 +408,8 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     # token limit is its call's) and where the pool's bucket grows; the second pass, never
     assert cold[0] == 1 and sum(cold) < len(lengths) - 2, first_steps
     assert warm == [0] * len(lengths), warm
+    if wide and "two ways" in case:     # 360 (shared), 90 (read as rows of their own), 400 (longer): nothing else
+        assert cold == [1, 1, 0, 0, 1, 0, 0, 0], cold
 
 
 def test_kept_steps_and_layouts_stay_bounded(llama_pair, monkeypatch):
