@@ -100,6 +100,13 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                                  k_stride, cs_stride, dtype, reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_silu_mul(void* out, const void* gate, const void* up, int64_t rows, int64_t width,
+                         int64_t gate_stride, int64_t up_stride, int32_t dtype, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::silu_mul_launch(out, gate, up, rows, width, gate_stride, up_stride, dtype,
+                                   reinterpret_cast<cudaStream_t>(stream));
+}
+
 HFC_API int hfc_blocks_advance(int32_t* tables, int64_t* lengths, int32_t* refcount, int32_t* flags, int64_t* steps,
                                const int64_t* token_limit, const int64_t* row_prefix_blocks,
                                const int64_t* row_inner_blocks, const int64_t* check_rows, const int64_t* check_cols,

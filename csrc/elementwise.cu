@@ -1,5 +1,5 @@
-// The decode step's elementwise work that eager mode runs as many tiny kernels, one launch each: RMSNorm and the
-// rotary embedding (hf_cascade/fused_ops.py installs them).
+// The decode step's elementwise work that eager mode runs as many tiny kernels, one launch each: RMSNorm, the
+// rotary embedding and the MLP's SiLU x up (hf_cascade/decode/fused_ops.py installs them).
 //
 // RMSNorm of a step's rows in one launch: transformers' LlamaRMSNorm (and its copies in Mistral, Qwen2, Qwen3,
 // ...) is eight elementwise and reduction kernels in eager mode, 2 per decoder layer plus the final norm: ~520 tiny
@@ -160,6 +160,81 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
+// PyTorch's CUDA silu, float x / (1 + expf(-x)), as nvcc compiles it without fast math: libdevice's expf (a range
+// reduction by fma, ex2.approx of the remainder, the scale by 2^i contracted with the `1 +` into one fma), then an
+// IEEE division, subnormals kept. Inline PTX because this library is built with --use_fast_math (hf_cascade/kernels/
+// _build.py, csrc/check_compile.sh), which would turn expf into ex2.approx of one product, the division into
+// div.approx and flush subnormals: other bits. The sequence is the PTX nvcc 13 emits for that expression without fast
+// math (tests/kernels/test_silu_ptx.py compares it with the installed nvcc's).
+__device__ __forceinline__ float eager_silu(float x) {
+  float y;
+  asm("{\n\t"
+      ".reg .f32 sl_n, sl_t, sl_j, sl_k, sl_f, sl_p, sl_e, sl_d;\n\t"
+      ".reg .b32 sl_b;\n\t"
+      "neg.f32 sl_n, %1;\n\t"
+      "fma.rn.f32 sl_t, sl_n, 0f3BBB989D, 0f3F000000;\n\t"
+      "cvt.sat.f32.f32 sl_t, sl_t;\n\t"
+      "fma.rm.f32 sl_j, sl_t, 0f437C0000, 0f4B400001;\n\t"
+      "add.rn.f32 sl_k, sl_j, 0fCB40007F;\n\t"
+      "neg.f32 sl_k, sl_k;\n\t"
+      "fma.rn.f32 sl_f, sl_n, 0f3FB8AA3B, sl_k;\n\t"
+      "fma.rn.f32 sl_f, sl_n, 0f32A57060, sl_f;\n\t"
+      "mov.b32 sl_b, sl_j;\n\t"
+      "shl.b32 sl_b, sl_b, 23;\n\t"
+      "mov.b32 sl_p, sl_b;\n\t"
+      "ex2.approx.ftz.f32 sl_e, sl_f;\n\t"
+      "fma.rn.f32 sl_d, sl_e, sl_p, 0f3F800000;\n\t"
+      "div.rn.f32 %0, %1, sl_d;\n\t"
+      "}"
+      : "=f"(y)
+      : "f"(x));
+  return y;
+}
+
+// a * b rounded to nearest, subnormals kept (fast math's -ftz would flush a bf16 product below 2^-126)
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float y;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// One element of the MLP's activation, eager mode's ops and roundings: T(silu(g)), then T(float * float).
+template <typename T>
+__device__ __forceinline__ T silu_mul_element(T g, T u) {
+  const T act = Cvt<T>::from_float(eager_silu(to_float(g)));
+  return Cvt<T>::from_float(mul_rn(to_float(act), to_float(u)));
+}
+
+// Rows whose width, strides and pointers are whole 16-byte vectors: thread i, vector i of the [rows, width / 8] grid.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_vec_kernel(T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t total,
+                        int64_t vecs, int64_t gate_stride, int64_t up_stride) {
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (i >= total) return;
+  const int64_t r = i / vecs, c = i % vecs;
+  const uint4 g = reinterpret_cast<const uint4*>(gate + r * gate_stride)[c];
+  const uint4 u = reinterpret_cast<const uint4*>(up + r * up_stride)[c];
+  const T* gs = reinterpret_cast<const T*>(&g);
+  const T* us = reinterpret_cast<const T*>(&u);
+  uint4 o;
+  T* os = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) os[j] = silu_mul_element<T>(gs[j], us[j]);
+  reinterpret_cast<uint4*>(out + r * vecs * 8)[c] = o;
+}
+
+// Any other rows (odd widths, strides or offsets): thread i, element i of [rows, width].
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    silu_mul_kernel(T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t total,
+                    int64_t width, int64_t gate_stride, int64_t up_stride) {
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (i >= total) return;
+  const int64_t r = i / width, c = i % width;
+  out[i] = silu_mul_element<T>(gate[r * gate_stride + c], up[r * up_stride + c]);
+}
+
 }  // namespace
 
 cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const void* sin, void* q_out, void* k_out,
@@ -211,6 +286,36 @@ cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_
                                                                               kNormThreads);
     } else {
       rms_norm_kernel<T><<<(unsigned)rows, kNormThreads, 0, stream>>>(o, xs, w, hidden, x_stride, eps);
+    }
+    return cudaGetLastError();
+  })
+}
+
+
+cudaError_t silu_mul_launch(void* out, const void* gate, const void* up, int64_t rows, int64_t width,
+                            int64_t gate_stride, int64_t up_stride, int dtype, cudaStream_t stream) {
+  if (rows < 0 || width < 1 || gate_stride < width || up_stride < width)
+    return fail(cudaErrorInvalidValue, "silu_mul: rows %lld, width %lld, gate_stride %lld, up_stride %lld",
+                (long long)rows, (long long)width, (long long)gate_stride, (long long)up_stride);
+  if (rows == 0) return cudaSuccess;
+  if (out == nullptr || gate == nullptr || up == nullptr) return fail(cudaErrorInvalidValue, "silu_mul: a NULL pointer");
+  const bool aligned = width % 8 == 0 && gate_stride % 8 == 0 && up_stride % 8 == 0 &&
+                       reinterpret_cast<uintptr_t>(gate) % 16 == 0 && reinterpret_cast<uintptr_t>(up) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const int64_t per_row = aligned ? width / 8 : width;   // threads a row: a vector or an element each
+  if (rows > INT64_MAX / per_row || (rows * per_row + kThreads - 1) / kThreads > 0x7fffffff)
+    return fail(cudaErrorInvalidConfiguration, "silu_mul: %lld rows of %lld in one launch", (long long)rows,
+                (long long)width);
+  const int64_t total = rows * per_row;
+  const unsigned ctas = (unsigned)((total + kThreads - 1) / kThreads);
+  HFC_DISPATCH_DTYPE(dtype, T, {
+    T* o = static_cast<T*>(out);
+    const T* g = static_cast<const T*>(gate);
+    const T* u = static_cast<const T*>(up);
+    if (aligned) {
+      silu_mul_vec_kernel<T><<<ctas, kThreads, 0, stream>>>(o, g, u, total, per_row, gate_stride, up_stride);
+    } else {
+      silu_mul_kernel<T><<<ctas, kThreads, 0, stream>>>(o, g, u, total, width, gate_stride, up_stride);
     }
     return cudaGetLastError();
   })

@@ -22,6 +22,17 @@ and the original otherwise: every other model, call and thread, float32 and floa
 kernel rounds each product and the sum as eager mode does: eager's result bit for bit
 (:func:`rotary_reference`). The norm keeps the eager roundings (:func:`rms_norm_reference`) but orders its sum of
 squares otherwise: a normalised value can differ from eager's in its last float32 bits before the cast.
+
+The MLP's activation, where :data:`act_kernel` is on: eager ``LlamaMLP.forward`` runs ``act_fn(gate)`` and ``* up``
+as two kernels a decoder layer (64 launches in an 8B step, 32 with the kernel); the MLP classes whose ``forward`` is
+``LlamaMLP``'s, source for source (Mistral, Qwen2/3, Granite, OLMo2, ...; Phi-3's fused ``gate_up_proj``, GPT-OSS's
+experts differ), with a SiLU ``act_fn`` (transformers' ``ACT2FN["silu"]``; Gemma's gelu is left alone) compute
+``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` with one kernel, under the conditions above
+(:func:`hf_cascade.kernels.cuda_library.silu_mul`; the gate and up products may be the column halves of one fused
+product, :mod:`hf_cascade.decode.fused_linears`). It rounds as eager mode does, ``T(T(silu(g)) * u)`` with PyTorch's
+CUDA silu op for op although the library is built with fast math (inline PTX, ``csrc/elementwise.cu``): eager's result
+bit for bit (:func:`silu_mul_reference`). Where the kernel declines (float32, a CPU tensor) the MLP runs the original's
+ops on the same products.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import compat
@@ -42,9 +54,16 @@ _lock = threading.Lock()
 _call = threading.local()       # .on: this thread's generate call asked for the kernels
 _wrapped: dict = {}             # norm class -> its original forward; modeling module -> its original rotary
 _checked: dict = {}             # (class or module) -> whether it is Llama's, source for source
-_last: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # model -> whether its last call asked
+_last: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # model -> (its last call asked, act_kernel too)
+_mlps: set = set()              # the wrapped MLP classes (also in _wrapped)
 _norm_kernel = cuda_library.rms_norm        # (tests put CPU stand-ins here)
 _rotary_kernel = cuda_library.rotary
+_act_kernel = cuda_library.silu_mul
+
+# the MLP's silu(gate) * up as one kernel (csrc/elementwise.cu) in the calls that take the elementwise kernels. Off
+# until tests/decode/test_gpu_fused_ops.py's silu_mul test has passed on a GPU (the kernel has not run on one yet).
+# False: no MLP class is wrapped or changed; tests turn it on
+act_kernel = False
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +80,12 @@ def rotary_reference(q, k, cos, sin):
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The activation kernel's semantics: ``LlamaMLP``'s ``act_fn(gate) * up`` with a SiLU ``act_fn`` (eager: silu in
+    float32, rounded to the element type, then the product rounded again)."""
+    return F.silu(gate) * up
 
 
 def _active() -> bool:
@@ -103,6 +128,29 @@ def _norm_eligible(module: nn.Module) -> bool:
             and isinstance(getattr(module, "variance_epsilon", None), float))
 
 
+@functools.lru_cache(maxsize=None)      # (read at every MLP forward)
+def _silu_types() -> tuple:
+    from transformers import activations
+    found = getattr(activations, "SiLUActivation", None)     # (ACT2FN["silu"] in 5.x; nn.SiLU before)
+    return (nn.SiLU,) if found is None else (nn.SiLU, found)
+
+
+def _is_silu(act_fn) -> bool:
+    """Whether ``act_fn`` is SiLU as transformers makes it (``ACT2FN["silu"]``), its forward not replaced."""
+    return type(act_fn) in _silu_types() and "forward" not in act_fn.__dict__
+
+
+def _mlp_eligible(module: nn.Module) -> bool:
+    cls = type(module)
+    if "forward" in module.__dict__ or not all(hasattr(module, name) for name in ("gate_proj", "up_proj",
+                                                                                  "down_proj", "act_fn")):
+        return False
+    if cls not in _checked:
+        reference = _source(_original_forward(_llama().LlamaMLP))
+        _checked[cls] = reference is not None and _source(_original_forward(cls)) == reference
+    return _checked[cls] and _is_silu(module.act_fn)
+
+
 def _rotary_module(module: nn.Module):
     """The modeling module of an attention layer whose ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's."""
     found = sys.modules.get(type(module).__module__)
@@ -134,6 +182,24 @@ def _wrap_norm(cls) -> None:
     cls.forward = forward
 
 
+def _wrap_mlp(cls) -> None:
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, x):
+        if act_kernel and _active() and _is_silu(self.act_fn):
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            hidden = _act_kernel(gate, up)
+            if hidden is None:                  # (the original's ops on these products: none computed twice)
+                hidden = self.act_fn(gate) * up
+            return self.down_proj(hidden)
+        return original(self, x)
+
+    _wrapped[cls] = original
+    _mlps.add(cls)
+    cls.forward = forward
+
+
 def _wrap_rotary(module) -> None:
     original = module.apply_rotary_pos_emb
 
@@ -159,13 +225,16 @@ def configure(model: nn.Module, on: bool) -> bool:
     device = _device_of(model)
     if on and device is not None and device.type == "cuda" and cuda_library.prebuilt_or_loaded(device) is None:
         on = False
+    choice = (on, on and act_kernel)        # (graphs kept with the activation kernel hold it: a change drops them)
     with _lock:
-        changed = _last.get(model, False) != on
-        _last[model] = on
+        changed = _last.get(model, (False, False)) != choice
+        _last[model] = choice
         if on:
             for module in model.modules():
                 if type(module) not in _wrapped and _norm_eligible(module):
                     _wrap_norm(type(module))
+                if act_kernel and type(module) not in _wrapped and _mlp_eligible(module):
+                    _wrap_mlp(type(module))
                 rotary = _rotary_module(module) if hasattr(module, "q_proj") else None
                 if rotary is not None and rotary not in _wrapped:
                     _wrap_rotary(rotary)
@@ -184,6 +253,9 @@ def call_ended() -> None:
 
 
 def takes_kernels(module: nn.Module) -> bool:
-    """Whether ``module``'s norm forward, or its attention's rotary embedding, is wrapped (for tests)."""
+    """Whether ``module``'s norm forward, its attention's rotary embedding, or (:data:`act_kernel` on) its MLP's
+    activation is wrapped and would take the kernel (for tests)."""
+    if type(module) in _mlps:
+        return act_kernel and _is_silu(module.act_fn)
     found = sys.modules.get(type(module).__module__)
     return type(module) in _wrapped or (hasattr(module, "q_proj") and found in _wrapped)

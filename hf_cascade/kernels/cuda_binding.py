@@ -172,6 +172,11 @@ class _Lib:
             strides = ctypes.POINTER(_i64)
             lib.hfc_rotary.restype = ctypes.c_int
             lib.hfc_rotary.argtypes = [_vp] * 6 + [_i64] * 5 + [strides] * 3 + [_i32, ctypes.c_size_t]
+        # (likewise: a library without it leaves the MLP's activation to torch's two kernels)
+        self.has_silu_mul = hasattr(lib, "hfc_silu_mul")
+        if self.has_silu_mul:
+            lib.hfc_silu_mul.restype = ctypes.c_int
+            lib.hfc_silu_mul.argtypes = [_vp] * 3 + [_i64] * 4 + [_i32, ctypes.c_size_t]
         # (likewise: a library without it leaves the whole step's block bookkeeping to torch ops)
         self.has_blocks = hasattr(lib, "hfc_blocks_advance")
         if self.has_blocks:
@@ -328,6 +333,19 @@ class _Lib:
         self.check(self.lib.hfc_rotary(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
                                        k_out.data_ptr(), batch, tokens, q_heads, k.shape[1], dim, *arrays, code,
                                        stream), "rotary")
+
+    def silu_mul(self, out, gate, up, stream: int) -> None:
+        """``silu(gate) * up`` (``csrc/elementwise.cu``) of ``gate``, ``up`` ``[rows, width]`` (rows strided, elements
+        contiguous) into contiguous ``out``; one dtype (bf16, fp16), one device."""
+        rows, width = gate.shape
+        try:
+            code = DTYPE_CODES[gate.dtype]
+        except KeyError:
+            _no_dtype(gate.dtype)
+        # (a single row's stride is whatever the view says: any value >= width serves)
+        strides = [t.stride(0) if rows > 1 else width for t in (gate, up)]
+        self.check(self.lib.hfc_silu_mul(out.data_ptr(), gate.data_ptr(), up.data_ptr(), rows, width, *strides, code,
+                                         stream), "silu_mul")
 
     def blocks_advance(self, blocks, plan, parents, done, peak, stream: int) -> None:
         """One step's block bookkeeping (``csrc/blocks.cu``): ``blocks`` (a DeviceBlocks) and ``peak`` advanced in

@@ -231,6 +231,32 @@ def rotary_fits(q, k, cos, sin) -> bool:
             and all(t.stride(-1) == 1 for t in (q, k, cos)))
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """``F.silu(gate) * up`` in one launch of the library's kernel (``csrc/elementwise.cu``), bit for bit eager mode's
+    (:func:`hf_cascade.decode.fused_ops.silu_mul_reference`), or None where it does not run (no library loaded for the
+    device, or one built before the kernel; not :func:`silu_mul_fits`): the caller runs the torch ops. ``gate`` and
+    ``up`` may be strided views (the two halves of a fused gate|up product); the result is contiguous."""
+    lib = _elementwise_library(gate)
+    if lib is None or not lib.has_silu_mul or not silu_mul_fits(gate, up):
+        return None
+    width = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    # (views where the rows are evenly strided, as a slice of a product's rows is; a copy otherwise)
+    lib.silu_mul(out.view(-1, width), gate.reshape(-1, width), up.reshape(-1, width),
+                 torch.cuda.current_stream(gate.device).cuda_stream)
+    return out
+
+
+def silu_mul_fits(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the activation kernel reads ``gate`` and ``up`` as they are: one shape, dtype (bf16, fp16) and device,
+    the last dimension contiguous and not empty."""
+    return (gate.dtype in DTYPE_CODES and up.dtype == gate.dtype and up.device == gate.device
+            and up.shape == gate.shape and gate.dim() >= 1 and gate.shape[-1] >= 1
+            and gate.stride(-1) == 1 and up.stride(-1) == 1)
+
+
 # the block bookkeeping kernel's limits (csrc/blocks.cu): a thread per row in one CTA; pool ids counted in at most 2048
 # chunks of 4096
 BLOCKS_MAX_ROWS, BLOCKS_MAX_POOL = 1024, 2048 * 4096

@@ -6,8 +6,9 @@ that are Llama's, source for source, are wrapped (Gemma's and OLMo2's norms, Phi
 model's state_dict unchanged; inside a generate call that asks (and only there) every norm and every rotary
 embedding of every forward goes to the kernels (CPU stand-ins here: the library's kernels decline CPU tensors), stock's
 tokens in float64, and a call that does not ask, a forward outside generate, a forward that wants gradients and a
-compiled forward run the originals. GPU (tests/decode/test_gpu_fused_ops.py): the kernels against the references, and
-tokens with them in a captured step.
+compiled forward run the originals. The MLP activation kernel (``fused_ops.act_kernel``, off by default: tests turn it
+on) likewise for exactly the MLPs with Llama's forward and a SiLU, and with the flag off no MLP is wrapped. GPU
+(tests/decode/test_gpu_fused_ops.py): the kernels against the references, and tokens with them in a captured step.
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ EAGER = CascadeConfig(cuda_graphs="eager", fuse_elementwise=True)
 # rotary embeddings: 1 a layer; OLMo2's rotary casts, Phi-3's is partial)
 PER_FORWARD = {"Llama": (5, 2), "Mistral": (5, 2), "Qwen2": (5, 2), "Qwen3": (9, 2), "Granite": (5, 2),
                "Phi3": (5, 0), "Gemma": (0, 2), "OLMo2": (0, 0), "OPT": (0, 0)}
+# MLP activations per forward (1 a layer) where the MLP is Llama's with a SiLU: Phi-3's fused gate_up_proj, Gemma's
+# gelu and OPT's fc1/fc2 are not
+MLPS_PER_FORWARD = {"Llama": 2, "Mistral": 2, "Qwen2": 2, "Qwen3": 2, "Granite": 2, "Phi3": 0, "Gemma": 0,
+                    "OLMo2": 2, "OPT": 0}
 
 
 def _model(name, attn="cascade", dtype=torch.float64):
@@ -57,13 +62,34 @@ def test_references_are_the_eager_ops_bit_for_bit(dtype):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_the_activation_reference_is_the_eager_mlp_s_rounding_for_rounding(dtype):
+    """silu_mul_reference is LlamaMLP's act_fn(gate) * up, and in 16 bits the kernel's documented roundings: silu in
+    float32 rounded to the element type, then the product of the two rounded again."""
+    g = torch.Generator().manual_seed(7)
+    gate, up = ((torch.randn(5, 3, 200, generator=g) * 6).to(dtype) for _ in range(2))
+    act_fn = modeling_llama.ACT2FN["silu"]
+    got = fused_ops.silu_mul_reference(gate, up)
+    assert torch.equal(got, act_fn(gate) * up)
+    if dtype in (torch.bfloat16, torch.float16):
+        rounded = (torch.nn.functional.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+        assert torch.equal(got, rounded)
+        # (the rounding between silu and the product is there: without it some values differ)
+        assert not torch.equal(got, (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype))
+
+
 class StandIns:
     """The kernels' places on the CPU: count their calls and compute the references (what the kernels compute)."""
 
     def __init__(self, monkeypatch):
-        self.norms = self.rotary = 0
+        self.norms = self.rotary = self.acts = 0
         monkeypatch.setattr(fused_ops, "_norm_kernel", self.norm)
         monkeypatch.setattr(fused_ops, "_rotary_kernel", self.rope)
+        monkeypatch.setattr(fused_ops, "_act_kernel", self.act)
+
+    def act(self, gate, up):
+        self.acts += 1
+        return fused_ops.silu_mul_reference(gate, up)
 
     def norm(self, x, weight, eps):
         self.norms += 1
@@ -202,3 +228,143 @@ def _hub_module(function):
 def test_fuse_elementwise_must_be_a_bool():
     with pytest.raises(ConfigTypeError, match="fuse_elementwise must be a bool"):
         CascadeConfig(fuse_elementwise="yes")
+
+
+# ---- the MLP activation kernel (fused_ops.act_kernel) ----------------------------------------------------------
+def _fresh_llama_mlp_class():
+    """A class of its own whose forward is LlamaMLP's source for source (never wrapped before this test)."""
+    class CopiedMLP(modeling_llama.LlamaMLP):
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return down_proj
+    return CopiedMLP
+
+
+@pytest.mark.parametrize("name", list(MLPS_PER_FORWARD))
+def test_exactly_the_llama_silu_mlps_take_the_activation_kernel(name, monkeypatch):
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model(name, "sdpa"), _model(name)
+    mlps = [m for m in cascade.modules() if type(m).__name__.endswith("MLP")]
+    originals = {type(m): type(m).forward for m in mlps}
+    ids, mask = padded_batch(seed=8)
+    new = 6
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    expected = stock.generate(**kw)
+    forwards = []
+    cascade.get_decoder().register_forward_pre_hook(lambda module, args: forwards.append(1))
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    per_forward = MLPS_PER_FORWARD[name]
+    # every MLP of every forward (the prefill, then the decode steps)
+    assert len(forwards) >= new and kernels.acts == per_forward * len(forwards)
+    assert all(fused_ops.takes_kernels(m) == bool(per_forward) for m in mlps)
+    if not per_forward:                         # left alone: the class's own forward
+        assert all(type(m).forward is originals[type(m)] for m in mlps)
+    seen = kernels.acts
+    with torch.no_grad():
+        cascade(input_ids=ids, attention_mask=mask)                  # a forward outside generate
+    off = CascadeConfig(cuda_graphs="eager", fuse_elementwise=False)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=off), expected)
+    assert kernels.acts == seen
+
+
+def test_with_the_flag_off_no_mlp_is_wrapped(monkeypatch):
+    assert fused_ops.act_kernel is False        # the default until the kernel's GPU test has passed
+    kernels = StandIns(monkeypatch)
+    stock, cascade = _model("Llama", "sdpa"), _model("Llama")
+    copied = _fresh_llama_mlp_class()
+    own_forward = copied.forward
+    for layer in cascade.model.layers:
+        layer.mlp.__class__ = copied
+    ids, mask = padded_batch(seed=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    expected = stock.generate(**kw)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    assert kernels.norms and kernels.acts == 0
+    assert copied.forward is own_forward and copied not in fused_ops._wrapped
+    assert not fused_ops.takes_kernels(cascade.model.layers[0].mlp)
+    # the same class is taken once the flag is on (the check above could fail), and the call's choice changed
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    assert fused_ops.configure(cascade, True)
+    fused_ops.call_ended()
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    assert copied.forward is not own_forward and kernels.acts > 0
+    assert fused_ops.takes_kernels(cascade.model.layers[0].mlp)
+
+
+def test_an_mlp_of_another_forward_or_activation_is_left_alone(monkeypatch):
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    kernels = StandIns(monkeypatch)
+    model = _model("Llama", dtype=torch.float32)
+
+    class ScaledMLP(modeling_llama.LlamaMLP):       # Llama's forward but for one factor
+        def forward(self, x):
+            down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 2)
+            return down_proj
+
+    first, second = model.model.layers[0].mlp, model.model.layers[1].mlp
+    first.__class__ = ScaledMLP
+    second.__class__ = _fresh_llama_mlp_class()
+    second.act_fn = torch.nn.GELU()                 # Llama's forward, another activation
+    fused_ops.configure(model, True)
+    try:
+        assert not fused_ops.takes_kernels(first) and not fused_ops.takes_kernels(second)
+        assert ScaledMLP not in fused_ops._wrapped
+        with torch.no_grad():
+            x = torch.randn(2, 3, 64)
+            first(x), second(x)
+        assert kernels.acts == 0
+        second.act_fn = modeling_llama.ACT2FN["silu"]
+        fused_ops.configure(model, True)
+        assert fused_ops.takes_kernels(second)
+        with torch.no_grad():
+            second(x)
+        assert kernels.acts == 1
+    finally:
+        fused_ops.call_ended()
+
+
+def test_the_activation_kernel_runs_only_in_the_call_without_gradients_or_compile(monkeypatch):
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    kernels = StandIns(monkeypatch)
+    model = _model("Llama", dtype=torch.float32)
+    mlp = model.model.layers[0].mlp
+    original = fused_ops._original_forward(type(mlp))
+    fused_ops.configure(model, True)
+    try:
+        x = torch.randn(2, 3, 64, requires_grad=True)
+        mlp(x).sum().backward()                                       # gradients wanted: the original
+        assert kernels.acts == 0 and x.grad is not None
+        with torch.no_grad():
+            compiled = torch.compile(lambda t: mlp(t) * 2, fullgraph=True, backend="eager")
+            assert torch.equal(compiled(x), original(mlp, x) * 2)
+            assert kernels.acts == 0
+            assert torch.equal(mlp(x), original(mlp, x))              # the call's own forward: the kernel
+            assert kernels.acts == 1
+    finally:
+        fused_ops.call_ended()
+    with torch.no_grad():
+        mlp(x)
+    assert kernels.acts == 1
+
+
+def test_where_the_kernel_declines_the_mlp_computes_each_product_once(monkeypatch):
+    """The kernel returns None (float32, a CPU tensor, a library without it): the original's ops on the products
+    already computed, the original's result bit for bit, gate_proj and up_proj run once each."""
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    declined = []
+    monkeypatch.setattr(fused_ops, "_act_kernel", lambda gate, up: declined.append(gate.shape) and None)
+    model = _model("Llama", dtype=torch.float32)
+    mlp = model.model.layers[1].mlp
+    products = []
+    for proj in (mlp.gate_proj, mlp.up_proj):
+        proj.register_forward_hook(lambda module, args, out: products.append(module))
+    fused_ops.configure(model, True)
+    try:
+        with torch.no_grad():
+            x = torch.randn(3, 2, 64)
+            got = mlp(x)
+            assert len(declined) == 1 and products == [mlp.gate_proj, mlp.up_proj]
+            assert torch.equal(got, fused_ops._original_forward(type(mlp))(mlp, x))
+    finally:
+        fused_ops.call_ended()

@@ -1,6 +1,7 @@
-"""GPU: ``csrc/elementwise.cu`` against :func:`hf_cascade.fused_ops.rms_norm_reference` and
-:func:`~hf_cascade.fused_ops.rotary_reference` (the eager ops), and a bf16 model's tokens with
-``CascadeConfig(fuse_elementwise=True)`` in a captured whole step. CPU side: tests/decode/test_fused_ops.py."""
+"""GPU: ``csrc/elementwise.cu`` against :func:`hf_cascade.fused_ops.rms_norm_reference`,
+:func:`~hf_cascade.fused_ops.rotary_reference` and :func:`~hf_cascade.fused_ops.silu_mul_reference` (the eager ops),
+and a bf16 model's tokens with ``CascadeConfig(fuse_elementwise=True)`` (and ``fused_ops.act_kernel`` on) in a
+captured whole step. CPU side: tests/decode/test_fused_ops.py, tests/kernels/test_silu_ptx.py."""
 from __future__ import annotations
 
 import pytest
@@ -110,3 +111,79 @@ def test_bf16_captured_step_with_the_kernels_follows_the_unfused_tokens(lib, kw,
     assert torch.equal(plain[:, :new + 12], fused[:, :new + 12])
     agree = (plain[:, new:] == fused[:, new:]).float().mean().item()
     assert agree >= 0.9, f"new tokens agree {agree:.3f}"
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bits, or both NaN (a NaN's payload is not eager's promise)."""
+    return (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+
+
+# the values where fast math would part from eager mode: silu's tails (exp over- and underflowing, a result below
+# float32's normal range), signed zeros, infinities, NaN, tiny products
+_EDGES = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), -88.0, -90.0, -100.0, -104.0, 88.0, 100.0, 1e-3,
+          -1e-3, 3e-39, -3e-39, 1e-20, 65000.0, -65000.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# (14336: Llama-3-8B's intermediate size; 11008, 8 and 512: the 16-byte kernel; 100, 1001 and 13: element by element)
+@pytest.mark.parametrize("width", [14336, 11008, 512, 8, 1001, 100, 13])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_silu_mul_kernel_is_the_eager_activation_bit_for_bit(lib, dtype, rows, width):
+    g = torch.Generator("cuda").manual_seed(rows * 100003 + width)
+    # gate and up as the fused gate|up product gives them: the column halves of [rows, 2 width]
+    fused = (torch.randn(rows, 2 * width, device="cuda", generator=g) * 6).to(dtype)
+    edges = torch.tensor(_EDGES, device="cuda").to(dtype)[:width]
+    fused[0, :len(edges)] = edges
+    fused[-1, width:width + len(edges)] = edges.flip(0)
+    gate, up = fused[:, :width], fused[:, width:]
+    got = cuda_library.silu_mul(gate, up)
+    assert got is not None and got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
+    want = fused_ops.silu_mul_reference(gate, up)
+    assert _same_bits(got, want).all(), (got[~_same_bits(got, want)][:8], want[~_same_bits(got, want)][:8])
+    # the whole float range of the element type through silu: every bf16/fp16 bit pattern as a gate value
+    every = torch.arange(-2 ** 15, 2 ** 15, device="cuda", dtype=torch.int32).to(torch.int16).view(dtype)
+    ones = torch.ones_like(every)
+    assert _same_bits(cuda_library.silu_mul(every, ones), fused_ops.silu_mul_reference(every, ones)).all()
+    assert _same_bits(cuda_library.silu_mul(every[:-3], every.flip(0)[3:]),
+                      fused_ops.silu_mul_reference(every[:-3], every.flip(0)[3:])).all()
+
+
+def test_silu_mul_kernel_takes_batched_offset_views_and_declines_what_it_does_not_run(lib):
+    g = torch.Generator("cuda").manual_seed(5)
+    fused = (torch.randn(3, 5, 2 * 4096 + 24, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    for offset in (0, 1, 3, 8):          # (1, 3: rows not on 16 bytes, element by element; 8: aligned again)
+        gate, up = fused[..., offset:offset + 4096], fused[..., 4096 + 2 * offset:8192 + 2 * offset]
+        got = cuda_library.silu_mul(gate, up)
+        assert got.shape == (3, 5, 4096) and torch.equal(got, fused_ops.silu_mul_reference(gate, up)), offset
+    gate, up = fused[..., :4096], fused[..., 4096:8192]
+    assert torch.equal(cuda_library.silu_mul(gate.transpose(0, 1), up.transpose(0, 1)),
+                       fused_ops.silu_mul_reference(gate.transpose(0, 1), up.transpose(0, 1)))
+    assert cuda_library.silu_mul(gate.float(), up.float()) is None                # float32: the torch ops
+    assert cuda_library.silu_mul(gate, up.half()) is None                          # two dtypes
+    assert cuda_library.silu_mul(gate.transpose(1, 2), up.transpose(1, 2)) is None  # last dim strided
+    assert cuda_library.silu_mul(gate.cpu(), up.cpu()) is None
+    assert cuda_library.silu_mul(gate[:0], up[:0]).shape == (0, 5, 4096)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_beams=4)], ids=["greedy", "beam"])
+def test_bf16_captured_step_with_the_silu_mul_kernel_gives_the_same_tokens(lib, kw, monkeypatch):
+    """The activation kernel is eager's bit for bit: a captured step with it gives the very tokens of one without
+    (the norm and rotary kernels on in both), and the call that turns it on drops the graphs kept without it."""
+    model = _llama()
+    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    acts = []
+    real = fused_ops._act_kernel
+    monkeypatch.setattr(fused_ops, "_act_kernel", lambda gate, up: acts.append(gate.shape) or real(gate, up))
+    kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
+    monkeypatch.setattr(fused_ops, "act_kernel", False)
+    spy = RunnerSpy(monkeypatch)
+    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    assert not acts
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
+    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    first, runner = spy.runners          # (a new runner: the graphs kept without the kernel were dropped)
+    assert runner is not first
+    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
+    # (a forward: 4 MLPs; the captured step's calls happen when it is captured)
+    assert len(acts) >= 4 * 2
+    assert torch.equal(plain, fused)

@@ -69,6 +69,17 @@ int hfc_blocks_advance(void* p0, void* p1, void* p2, void* p3, void* p4, const v
   return 0;
 }
 #endif
+#ifdef WITH_SILU_MUL   /* a library with the MLP activation kernel: it keeps what it was called with */
+const void* stub_silu_ptrs[3];
+int64_t stub_silu_sizes[6];
+int hfc_silu_mul(void* out, const void* gate, const void* up, int64_t rows, int64_t width, int64_t gate_stride,
+                 int64_t up_stride, int32_t dtype, uintptr_t s) {
+  stub_silu_ptrs[0] = out, stub_silu_ptrs[1] = gate, stub_silu_ptrs[2] = up;
+  const int64_t n[6] = {rows, width, gate_stride, up_stride, dtype, (int64_t)s};
+  for (int i = 0; i < 6; ++i) stub_silu_sizes[i] = n[i];
+  return 0;
+}
+#endif
 """
 
 
@@ -264,6 +275,35 @@ def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_pat
     assert not cuda_library.rotary_fits(q, k, cos.unsqueeze(1), sin.unsqueeze(1))        # [B, 1, L, D]: not 3-D
     assert not cuda_library.rotary_fits(q.transpose(-1, -2), k.transpose(-1, -2), cos, sin)
     assert cuda_library.rms_norm(x, weight, 1e-6) is None and cuda_library.rotary(q, k, cos, sin) is None   # (CPU)
+
+
+def test_the_activation_kernel_is_called_with_the_rows_and_strides_of_its_views(tmp_path):
+    """cuda_binding passes hfc_silu_mul (csrc/api.cu) the pointers, the rows, the width and each input's row stride (the
+    halves of a fused gate|up product: strided views, no copy); a single row's stride is the width, whatever its view
+    says. silu_mul_fits decides where the kernel runs; a library built before it (no symbol) has none."""
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_silu_mul
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION, "WITH_SILU_MUL"))
+    assert lib.has_silu_mul
+    for rows, width in ((6, 40), (1, 24)):
+        fused = torch.randn(rows, 2 * width + 8, dtype=torch.float16)
+        gate, up = fused[:, :width], fused[:, width + 8:]
+        out = torch.empty(rows, width, dtype=torch.float16)
+        lib.silu_mul(out, gate, up, stream=55)
+        got = (ctypes.c_void_p * 3).in_dll(lib.lib, "stub_silu_ptrs")
+        assert list(got) == [out.data_ptr(), gate.data_ptr(), up.data_ptr()]
+        stride = fused.stride(0) if rows > 1 else width
+        sizes = list((ctypes.c_int64 * 6).in_dll(lib.lib, "stub_silu_sizes"))
+        assert sizes == [rows, width, stride, stride, cuda_binding.DTYPE_CODES[torch.float16], 55]
+    bf16 = torch.bfloat16
+    fused = torch.randn(2, 3, 2 * 64, dtype=bf16)
+    gate, up = fused[..., :64], fused[..., 64:]
+    assert cuda_library.silu_mul_fits(gate, up)
+    assert not cuda_library.silu_mul_fits(gate.float(), up.float())                       # float32
+    assert not cuda_library.silu_mul_fits(gate, up.half())                                # two dtypes
+    assert not cuda_library.silu_mul_fits(gate, up[:, :2])                                # two shapes
+    assert not cuda_library.silu_mul_fits(gate.transpose(0, 2), up.transpose(0, 2))       # last dim strided
+    assert not cuda_library.silu_mul_fits(fused[..., :0], fused[..., :0])                 # empty rows
+    assert cuda_library.silu_mul(gate, up) is None                                        # (CPU)
 
 
 def test_the_bookkeeping_kernel_is_called_with_the_state_and_plan_it_names(tmp_path):

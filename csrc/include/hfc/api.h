@@ -56,6 +56,12 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                        int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
                        const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int32_t dtype,
                        uintptr_t stream);
+/* The MLP's activation silu(gate) * up (csrc/elementwise.cu): gate, up [rows, width] with row strides gate_stride,
+   up_stride in elements (the width contiguous: e.g. the two halves of a fused gate|up product), out [rows, width]
+   contiguous, one dtype code (HFC_BF16, HFC_FP16); eager mode's roundings, T(T(silu(g)) * u). Capture safe; added as
+   hfc_rms_norm was. */
+HFC_API int hfc_silu_mul(void* out, const void* gate, const void* up, int64_t rows, int64_t width,
+                         int64_t gate_stride, int64_t up_stride, int32_t dtype, uintptr_t stream);
 /* A static decode layout's block bookkeeping of one step in one launch (csrc/blocks.cu): the beam reorder by parents
    [R] (int64), one token appended per row unless *done, the step's plan written into the layout's plan buffers, the
    peak of blocks in use raised; bit for bit hf_cascade/decode/whole_step.py `advance` (device_blocks.py is the spec).

@@ -29,6 +29,10 @@ cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const v
                           int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
                           const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int dtype,
                           cudaStream_t stream);
+// csrc/elementwise.cu: the MLP's silu(gate) * up of rows [rows, width] (row strides gate_stride, up_stride; the
+// width contiguous) into contiguous out, with eager mode's roundings
+cudaError_t silu_mul_launch(void* out, const void* gate, const void* up, int64_t rows, int64_t width,
+                            int64_t gate_stride, int64_t up_stride, int dtype, cudaStream_t stream);
 
 // csrc/blocks.cu: a decode step's block bookkeeping in one launch (hf_cascade/decode/whole_step.py `advance`:
 // device_blocks.reorder, device_blocks.append, the plan buffers, the peak), bit for bit the torch code's. Every
