@@ -205,34 +205,26 @@ __device__ __forceinline__ T silu_mul_element(T g, T u) {
   return Cvt<T>::from_float(mul_rn(to_float(act), to_float(u)));
 }
 
-// Rows whose width, strides and pointers are whole 16-byte vectors: thread i, vector i of the [rows, width / 8] grid.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    silu_mul_vec_kernel(T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t total,
-                        int64_t vecs, int64_t gate_stride, int64_t up_stride) {
-  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (i >= total) return;
-  const int64_t r = i / vecs, c = i % vecs;
-  const uint4 g = reinterpret_cast<const uint4*>(gate + r * gate_stride)[c];
-  const uint4 u = reinterpret_cast<const uint4*>(up + r * up_stride)[c];
-  const T* gs = reinterpret_cast<const T*>(&g);
-  const T* us = reinterpret_cast<const T*>(&u);
-  uint4 o;
-  T* os = reinterpret_cast<T*>(&o);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) os[j] = silu_mul_element<T>(gs[j], us[j]);
-  reinterpret_cast<uint4*>(out + r * vecs * 8)[c] = o;
-}
-
-// Any other rows (odd widths, strides or offsets): thread i, element i of [rows, width].
-template <typename T>
+// Thread i: vector i of the [rows, width / kVec] grid, kVec elements (8: rows whose width, strides and pointers are
+// whole 16-byte vectors, one vector load each; 1: any other rows, element by element).
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(T* __restrict__ out, const T* __restrict__ gate, const T* __restrict__ up, int64_t total,
-                    int64_t width, int64_t gate_stride, int64_t up_stride) {
+                    int64_t per_row, int64_t gate_stride, int64_t up_stride) {
+  using Vec = std::conditional_t<kVec == 8, uint4, T>;
+  static_assert(sizeof(Vec) == kVec * sizeof(T), "a vector of kVec elements");
   const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;
   if (i >= total) return;
-  const int64_t r = i / width, c = i % width;
-  out[i] = silu_mul_element<T>(gate[r * gate_stride + c], up[r * up_stride + c]);
+  const int64_t r = i / per_row, c = (i % per_row) * kVec;    // row, first column
+  const Vec g = *reinterpret_cast<const Vec*>(gate + r * gate_stride + c);
+  const Vec u = *reinterpret_cast<const Vec*>(up + r * up_stride + c);
+  const T* gs = reinterpret_cast<const T*>(&g);
+  const T* us = reinterpret_cast<const T*>(&u);
+  Vec o;
+  T* os = reinterpret_cast<T*>(&o);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) os[j] = silu_mul_element<T>(gs[j], us[j]);
+  *reinterpret_cast<Vec*>(out + r * per_row * kVec + c) = o;
 }
 
 }  // namespace
@@ -313,9 +305,9 @@ cudaError_t silu_mul_launch(void* out, const void* gate, const void* up, int64_t
     const T* g = static_cast<const T*>(gate);
     const T* u = static_cast<const T*>(up);
     if (aligned) {
-      silu_mul_vec_kernel<T><<<ctas, kThreads, 0, stream>>>(o, g, u, total, per_row, gate_stride, up_stride);
+      silu_mul_kernel<T, 8><<<ctas, kThreads, 0, stream>>>(o, g, u, total, per_row, gate_stride, up_stride);
     } else {
-      silu_mul_kernel<T><<<ctas, kThreads, 0, stream>>>(o, g, u, total, width, gate_stride, up_stride);
+      silu_mul_kernel<T, 1><<<ctas, kThreads, 0, stream>>>(o, g, u, total, per_row, gate_stride, up_stride);
     }
     return cudaGetLastError();
   })

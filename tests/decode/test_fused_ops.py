@@ -139,27 +139,36 @@ def test_only_the_calls_that_ask_take_the_kernels(mode, monkeypatch):
     assert (kernels.norms, kernels.rotary) == seen
 
 
-def test_a_forward_that_wants_gradients_or_is_compiled_runs_the_originals(monkeypatch):
+@pytest.mark.parametrize("kind", ["norm", "mlp"])
+def test_a_forward_that_wants_gradients_or_is_compiled_runs_the_originals(kind, monkeypatch):
+    """A wrapped norm or MLP takes its kernel in the call's own forwards only: not where gradients are wanted, not in a
+    compiled forward, not after the call."""
+    monkeypatch.setattr(fused_ops, "act_kernel", True)
     kernels = StandIns(monkeypatch)
     model = _model("Llama", dtype=torch.float32)
+    module = model.model.norm if kind == "norm" else model.model.layers[0].mlp
+    original = fused_ops._original_forward(type(module))
+
+    def kernel_calls():
+        return kernels.norms if kind == "norm" else kernels.acts
+
     fused_ops.configure(model, True)             # (as a generate call that asks: the flag is this thread's)
     try:
-        norm = model.model.norm
-        assert fused_ops.takes_kernels(norm) and fused_ops.takes_kernels(model.model.layers[0].self_attn)
+        assert fused_ops.takes_kernels(module) and fused_ops.takes_kernels(model.model.layers[0].self_attn)
         x = torch.randn(2, 3, 64, requires_grad=True)
-        norm(x).sum().backward()                                      # gradients wanted: the original
-        assert kernels.norms == 0 and x.grad is not None
+        module(x).sum().backward()                                    # gradients wanted: the original
+        assert kernel_calls() == 0 and x.grad is not None
         with torch.no_grad():
-            compiled = torch.compile(lambda t: norm(t) * 2, fullgraph=True, backend="eager")
-            assert torch.equal(compiled(x), fused_ops.rms_norm_reference(x, norm.weight, 1e-6) * 2)
-            assert kernels.norms == 0
-            norm(x)                                                   # the call's own forward: the kernel
-            assert kernels.norms == 1
+            compiled = torch.compile(lambda t: module(t) * 2, fullgraph=True, backend="eager")
+            assert torch.equal(compiled(x), original(module, x) * 2)
+            assert kernel_calls() == 0
+            assert torch.equal(module(x), original(module, x))        # the call's own forward: the kernel
+            assert kernel_calls() == 1
     finally:
         fused_ops.call_ended()
     with torch.no_grad():
-        norm(x)
-    assert kernels.norms == 1
+        module(x)
+    assert kernel_calls() == 1
 
 
 def test_the_default_call_takes_the_kernels(monkeypatch):
@@ -322,30 +331,6 @@ def test_an_mlp_of_another_forward_or_activation_is_left_alone(monkeypatch):
         assert kernels.acts == 1
     finally:
         fused_ops.call_ended()
-
-
-def test_the_activation_kernel_runs_only_in_the_call_without_gradients_or_compile(monkeypatch):
-    monkeypatch.setattr(fused_ops, "act_kernel", True)
-    kernels = StandIns(monkeypatch)
-    model = _model("Llama", dtype=torch.float32)
-    mlp = model.model.layers[0].mlp
-    original = fused_ops._original_forward(type(mlp))
-    fused_ops.configure(model, True)
-    try:
-        x = torch.randn(2, 3, 64, requires_grad=True)
-        mlp(x).sum().backward()                                       # gradients wanted: the original
-        assert kernels.acts == 0 and x.grad is not None
-        with torch.no_grad():
-            compiled = torch.compile(lambda t: mlp(t) * 2, fullgraph=True, backend="eager")
-            assert torch.equal(compiled(x), original(mlp, x) * 2)
-            assert kernels.acts == 0
-            assert torch.equal(mlp(x), original(mlp, x))              # the call's own forward: the kernel
-            assert kernels.acts == 1
-    finally:
-        fused_ops.call_ended()
-    with torch.no_grad():
-        mlp(x)
-    assert kernels.acts == 1
 
 
 def test_where_the_kernel_declines_the_mlp_computes_each_product_once(monkeypatch):
