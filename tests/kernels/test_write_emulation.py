@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cascade.kernels import cuda_binding
+from hf_cascade.kernels import cuda_binding, cuda_library
 from hf_cascade.kv import cache as cache_module
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
@@ -212,3 +212,18 @@ def test_the_strided_entry_refuses_strides_it_cannot_read(emulated):
         emulated.write_strided(pool, overlapping, key, index, index, index, index, False, 0)
     assert torch.equal(pool, before)
 
+
+def test_the_fit_check_takes_what_the_kernel_reads():
+    """cuda_library's strided fit (each token's Hkv x D contiguous, a 16-byte multiple token stride no shorter than a
+    token, 16-byte aligned data) takes the layouts the emulated kernel reads above and refuses the others."""
+    fits = cuda_library._tokens_fit
+    g = torch.Generator().manual_seed(1)
+    fused = _aligned(5, (HQ + 2 * HKV) * D, torch.bfloat16, g)
+    v = fused[:, (HQ + HKV) * D:].view(5, HKV, D)
+    assert fits(v) and fits(v.contiguous()) and fits(fused[:, HQ * D:(HQ + HKV) * D].view(5, HKV, D))
+    assert fits(fused[:1, (HQ + HKV) * D:].view(1, HKV, D))                    # one token: its stride is immaterial
+    assert not fits(v.transpose(1, 2).contiguous().transpose(1, 2))            # D strided
+    assert not fits(fused[:, HQ * D:].view(5, 2 * HKV, D)[:, ::2])              # heads strided
+    assert not fits(fused[:, (HQ + HKV) * D + 1:][:, :HKV * D - 8].view(5, HKV, D - 4))   # not 16-byte aligned
+    assert not fits(_aligned(5, HKV * D, torch.bfloat16, g, row_stride=HKV * D + 4).view(5, HKV, D))  # 72 bytes apart
+    assert not fits(v.as_strided(v.shape, (8, D, 1)))                          # tokens overlap
