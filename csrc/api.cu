@@ -80,8 +80,19 @@ HFC_API int hfc_write(void* pool, const void* key, const void* value, const int6
                       const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                       int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream) {
   hfc::clear_error();
-  return (int)hfc::write_launch(pool, key, value, write_block, write_offset, tokens, copy_src, copy_dst, copies,
-                                block_size, token_bytes, reinterpret_cast<cudaStream_t>(stream));
+  return (int)hfc::write_launch(pool, key, value, token_bytes, token_bytes, write_block, write_offset, tokens,
+                                copy_src, copy_dst, copies, block_size, token_bytes,
+                                reinterpret_cast<cudaStream_t>(stream));
+}
+
+HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                              int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
+                              int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
+                              int64_t block_size, int64_t token_bytes, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::write_launch(pool, key, value, key_stride_bytes, value_stride_bytes, write_block, write_offset,
+                                tokens, copy_src, copy_dst, copies, block_size, token_bytes,
+                                reinterpret_cast<cudaStream_t>(stream));
 }
 
 HFC_API int hfc_rms_norm(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden, int64_t x_stride,

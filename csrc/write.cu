@@ -1,6 +1,8 @@
 // The cache write of one layer (the paged pool's K/V): the copy-on-write block copies, then the step's new tokens
 // into their slots, in two launches on one stream (every copy lands before any write into the copied blocks), all
-// moved as 16-byte vectors of raw bytes (any element type: bf16, fp16, an fp8 pool's encoded bytes).
+// moved as 16-byte vectors of raw bytes (any element type: bf16, fp16, an fp8 pool's encoded bytes). K and V are read
+// with their own token strides (a token's Hkv x D elements contiguous): with fused projections V is a column slice of
+// the fused q|k|v product, read where it lies instead of copied first.
 // Semantics: hf_cascade/cache.py `_write_slots` (pool[copy_dst] = pool[copy_src]; then
 // pool[write_block[i], 0|1, write_offset[i]] = key[i] | value[i]); layout: csrc/include/hfc/params.h.
 
@@ -29,15 +31,15 @@ __global__ void __launch_bounds__(kWriteThreads)
     to[v] = from[v];
 }
 
-// CTA (token i, kv): token i's K (kv 0) or V (kv 1), token_vecs vectors, into its slot of the pool
-// [num_blocks, 2, block_size, Hkv, D].
+// CTA (token i, kv): token i's K (kv 0) or V (kv 1), token_vecs vectors starting key_stride_vecs (value_stride_vecs)
+// vectors after token i - 1's, into its slot of the pool [num_blocks, 2, block_size, Hkv, D].
 __global__ void __launch_bounds__(kWriteThreads)
     write_tokens_kernel(uint4* pool, const uint4* __restrict__ key, const uint4* __restrict__ value,
                         const int64_t* __restrict__ write_block, const int64_t* __restrict__ write_offset,
-                        int64_t token_vecs, int64_t block_size) {
+                        int64_t token_vecs, int64_t key_stride_vecs, int64_t value_stride_vecs, int64_t block_size) {
   const int64_t i = blockIdx.x;
   const int kv = blockIdx.y;
-  const uint4* from = (kv ? value : key) + i * token_vecs;
+  const uint4* from = kv ? value + i * value_stride_vecs : key + i * key_stride_vecs;
   uint4* to = pool + ((__ldg(write_block + i) * 2 + kv) * block_size + __ldg(write_offset + i)) * token_vecs;
   for (int64_t v = threadIdx.x; v < token_vecs; v += blockDim.x) to[v] = from[v];
 }
@@ -46,12 +48,20 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 }  // namespace
 
-cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
-                         const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
-                         int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream) {
+cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                         int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
+                         int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
+                         int64_t block_size, int64_t token_bytes, cudaStream_t stream) {
   if (tokens < 0 || copies < 0 || block_size < 1 || token_bytes < 16 || token_bytes % 16 != 0)
     return fail(cudaErrorInvalidValue, "write: tokens %lld, copies %lld, block_size %lld, token_bytes %lld (a multiple "
                 "of 16 needed)", (long long)tokens, (long long)copies, (long long)block_size, (long long)token_bytes);
+  // (every token starts on a 16-byte vector; a stride below a token's bytes is a mistaken argument: the tokens of
+  // K/V [tokens, Hkv, D] never overlap)
+  if (key_stride_bytes < token_bytes || key_stride_bytes % 16 != 0 || value_stride_bytes < token_bytes ||
+      value_stride_bytes % 16 != 0)
+    return fail(cudaErrorInvalidValue, "write: key_stride_bytes %lld, value_stride_bytes %lld (multiples of 16, at "
+                "least token_bytes %lld, needed)", (long long)key_stride_bytes, (long long)value_stride_bytes,
+                (long long)token_bytes);
   if (tokens > 0x7fffffff || copies > 0x7fffffff)
     return fail(cudaErrorInvalidConfiguration, "write: %lld tokens, %lld copies in one launch",
                 (long long)tokens, (long long)copies);
@@ -71,7 +81,8 @@ cudaError_t write_launch(void* pool, const void* key, const void* value, const i
     const dim3 grid((unsigned)tokens, 2);
     write_tokens_kernel<<<grid, kWriteThreads, 0, stream>>>(static_cast<uint4*>(pool), static_cast<const uint4*>(key),
                                                             static_cast<const uint4*>(value), write_block,
-                                                            write_offset, token_vecs, block_size);
+                                                            write_offset, token_vecs, key_stride_bytes / 16,
+                                                            value_stride_bytes / 16, block_size);
   }
   return cudaGetLastError();
 }

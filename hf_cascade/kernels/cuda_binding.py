@@ -182,6 +182,12 @@ class _Lib:
         if self.has_blocks:
             lib.hfc_blocks_advance.restype = ctypes.c_int
             lib.hfc_blocks_advance.argtypes = [_vp] * 23 + [_i64] * 7 + [ctypes.c_size_t]
+        # (likewise: a library without it writes K/V made contiguous first, with hfc_write)
+        self.has_strided_write = hasattr(lib, "hfc_write_strided")
+        if self.has_strided_write:
+            lib.hfc_write_strided.restype = ctypes.c_int
+            lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
+                                              ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -373,3 +379,19 @@ class _Lib:
         self.check(self.lib.hfc_write(pool.data_ptr(), key.data_ptr(), value.data_ptr(), write_block.data_ptr(),
                                       write_offset.data_ptr(), tokens, copy_src.data_ptr(), copy_dst.data_ptr(),
                                       n_copies, pool.shape[2], heads * dim * key.element_size(), stream), "write")
+
+    def write_strided(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool,
+                      stream: int) -> None:
+        """:meth:`write` with K and V read where they lie (``hfc_write_strided``): ``key``, ``value``
+        ``[tokens, Hkv, D]`` with any token stride whose bytes are a multiple of 16, each token's ``Hkv x D``
+        contiguous (``cuda_library.write_fits`` checks it), e.g. V as a column slice of a fused q|k|v product."""
+        tokens, heads, dim = key.shape
+        token_bytes = heads * dim * key.element_size()
+        # (a single token's stride is whatever the view says: the kernel never steps past token 0)
+        key_stride, value_stride = (t.stride(0) * t.element_size() if tokens > 1 else token_bytes
+                                    for t in (key, value))
+        n_copies = copy_src.shape[0] if copies else 0
+        self.check(self.lib.hfc_write_strided(pool.data_ptr(), key.data_ptr(), value.data_ptr(), key_stride,
+                                              value_stride, write_block.data_ptr(), write_offset.data_ptr(), tokens,
+                                              copy_src.data_ptr(), copy_dst.data_ptr(), n_copies, pool.shape[2],
+                                              token_bytes, stream), "write_strided")

@@ -11,7 +11,7 @@ version; else the backend is unavailable (the reason starts with "CUDA kernels u
 The cache write (:func:`write_slots`) uses the library where a backend has loaded it, for any backend's pool.
 
 Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``; ``_arch_of``;
-``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests).
+``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests); ``strided_write`` (set by tests).
 """
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 # (tests/kernels/test_gpu_kernels.py) and took the 8B 16k x 8 whole step from 7.07 to 6.76 ms (benchmarks/RESULTS.md)
 WRITE_KERNEL_ENV = "HF_CASCADE_WRITE_KERNEL"
 write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")  # tests set it
+# On: the cache write reads K/V where they lie (hfc_write_strided: e.g. V as a column slice of a fused q|k|v product)
+# instead of copying them contiguous first (one copy kernel a layer, 72 us of the 8B step on the H200). Off until
+# tests/kernels/test_gpu_kernels.py's strided write test has passed on a GPU (the kernel has not run on one yet).
+strided_write = False
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
@@ -169,19 +173,59 @@ def prebuilt_or_loaded(device: torch.device) -> _Lib | None:
 def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> bool:
     """The cache write of one layer on the library's kernel (two launches: the block copies, then every new token's
     K and V; four torch kernels otherwise) where the library is loaded for the pool's device and the tensors fit it
-    (contiguous, int64 indices, whole 16-byte vectors per token); returns False where it did not write (the caller
-    writes with torch ops; a library not loaded yet is not loaded for this). ``$HF_CASCADE_WRITE_KERNEL=0`` turns it
-    off (:data:`write_kernel`). Shapes: :func:`hf_cascade.cache._write_slots`."""
+    (contiguous, or strided as :func:`write_fits` allows; int64 indices, whole 16-byte vectors per token); returns
+    False where it did not write (the caller writes with torch ops; a library not loaded yet is not loaded for this).
+    ``$HF_CASCADE_WRITE_KERNEL=0`` turns it off (:data:`write_kernel`). Shapes:
+    :func:`hf_cascade.cache._write_slots`."""
     lib = loaded(pool.device) if write_kernel else None
     if lib is None or key.element_size() != pool.element_size() or key.dtype != value.dtype:
         return False
     if (key.shape[1] * key.shape[2] * key.element_size()) % 16 or not all(
-            t.is_contiguous() for t in (pool, key, value, write_block, write_offset, copy_src, copy_dst)) or any(
+            t.is_contiguous() for t in (pool, write_block, write_offset, copy_src, copy_dst)) or any(
             t.dtype != torch.int64 for t in (write_block, write_offset, copy_src, copy_dst)):
         return False
-    lib.write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies,
-              torch.cuda.current_stream(pool.device).cuda_stream)
+    stream = torch.cuda.current_stream(pool.device).cuda_stream
+    if key.is_contiguous() and value.is_contiguous():
+        lib.write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
+    elif _strided_library(lib) and _tokens_fit(key) and _tokens_fit(value) and key.shape == value.shape:
+        lib.write_strided(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
+    else:
+        return False
     return True
+
+
+def write_fits(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether :func:`write_slots` takes ``key`` and ``value`` ``[tokens, Hkv, D]`` as they are, uncopied, into
+    ``pool`` (on a CUDA device): both contiguous, or (:data:`strided_write` on, and the library loaded for the pool's
+    device has ``hfc_write_strided``) each token's ``Hkv x D`` contiguous, tokens a multiple of 16 bytes apart (and no
+    closer than a token's bytes), the data 16-byte aligned, as a fused q|k|v product's V slice is. Where not, the
+    caller makes them contiguous first."""
+    if key.is_contiguous() and value.is_contiguous():
+        return True
+    if not strided_write or not _strided_library(loaded(pool.device)):
+        return False
+    return key.shape == value.shape and _tokens_fit(key) and _tokens_fit(value)
+
+
+def _strided_library(lib) -> bool:
+    """Whether ``lib`` (a loaded library or None) takes strided K/V: the flag on and a library with the entry (one
+    built before it has none)."""
+    return strided_write and lib is not None and getattr(lib, "has_strided_write", False)
+
+
+def _tokens_fit(t: torch.Tensor) -> bool:
+    """Whether the strided write kernel reads ``t`` ``[tokens, Hkv, D]`` as it is: each token's ``Hkv x D`` elements
+    contiguous (the stride of a dimension of size 1 is immaterial), the token stride a multiple of 16 bytes and at
+    least a token's bytes, the data 16-byte aligned."""
+    if t.dim() != 3:
+        return False
+    tokens, heads, dim = t.shape
+    if (dim > 1 and t.stride(2) != 1) or (heads > 1 and t.stride(1) != dim):
+        return False
+    size = t.element_size()
+    token_bytes = heads * dim * size
+    stride_bytes = t.stride(0) * size if tokens > 1 else token_bytes     # (write_strided passes the same)
+    return stride_bytes % 16 == 0 and stride_bytes >= token_bytes and t.data_ptr() % 16 == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -51,11 +51,13 @@ def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, wri
 
 
 def _write_slots_kernel(pool, key, value, *indices_and_copies) -> bool:
-    """:func:`_write_slots` on the library's kernel where it can (:func:`cuda_library.write_slots`), K/V made
-    contiguous first: with fused projections (:mod:`hf_cascade.fused_linears`) V is a column slice of the fused
-    q|k|v product, its tokens strided by the fused width. A copy of the new tokens is one small kernel; the torch
-    write it would fall back to is four."""
-    return cuda_library.write_slots(pool, key.contiguous(), value.contiguous(), *indices_and_copies)
+    """:func:`_write_slots` on the library's kernel where it can (:func:`cuda_library.write_slots`): K/V as they are
+    where the kernel reads them so (:func:`cuda_library.write_fits`), else made contiguous first: with fused
+    projections (:mod:`hf_cascade.fused_linears`) V is a column slice of the fused q|k|v product, its tokens strided by
+    the fused width. A copy of the new tokens is one small kernel; the torch write it would fall back to is four."""
+    if not cuda_library.write_fits(pool, key, value):
+        key, value = key.contiguous(), value.contiguous()
+    return cuda_library.write_slots(pool, key, value, *indices_and_copies)
 
 
 def _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool) -> None:

@@ -396,3 +396,56 @@ def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies, monkeypa
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout", ["fused_v", "fused_kv"])
+@pytest.mark.parametrize("tokens, copies", [(8, 8), (1, 1), (13, 3), (8, 0), (0, 2)])
+def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, copies, monkeypatch):
+    """hfc_write_strided (cuda_library.strided_write on) reads V, or K and V, where they lie as column slices of a
+    fused [tokens, q | k | v] product (an 8B layer's widths) and leaves the pool byte for byte as the torch write does,
+    eagerly and replayed from a CUDA graph; the cache's dispatch hands them over uncopied. strided_write stays off
+    until this has passed on a GPU."""
+    from hf_cascade import cache as cache_module
+    from hf_cascade.kernels import cuda_library
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
+    monkeypatch.setattr(cuda_library, "strided_write", True)
+    lib = cuda_backend.library(torch.device("cuda"))
+    assert lib.has_strided_write
+    entries = []
+    for name in ("write", "write_strided"):
+        def spy(*args, _name=name, _launch=getattr(lib, name)):
+            entries.append(_name)
+            return _launch(*args)
+        monkeypatch.setattr(lib, name, spy)
+    g = torch.Generator(device="cuda").manual_seed(tokens * 10 + copies + 1)
+    blocks, bs, Hq, H, D = 40, 16, 32, 8, 128
+    pool = torch.randn(blocks, 2, bs, H, D, device="cuda", generator=g).to(dtype)
+    fused = torch.randn(tokens, (Hq + 2 * H) * D, device="cuda", generator=g).to(dtype)
+    key = fused[:, Hq * D:(Hq + H) * D].view(tokens, H, D)
+    key = key if layout == "fused_kv" else key.contiguous()
+    value = fused[:, (Hq + H) * D:].view(tokens, H, D)
+    assert value.is_contiguous() == (tokens <= 1)
+    assert cuda_library.write_fits(pool, key, value)
+    ids = torch.randperm(blocks, device="cuda", generator=g)
+    real = max(copies - 2, min(copies, 1))             # the rest pads: pair 0 repeated, one self-copy
+    src, dst = ids[:real], ids[real:2 * real]
+    copy_src = torch.cat([src, src[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    copy_dst = torch.cat([dst, dst[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous() if tokens else dst[:0].contiguous()
+    write_offset = torch.randint(0, bs, (tokens,), device="cuda", generator=g)
+    want, got = pool.clone(), pool.clone()
+    args = (key, value, write_block, write_offset, copy_src, copy_dst, copies > 0)
+    cache_module._write_slots_torch(want, *args)
+    assert cache_module._write_slots_kernel(got, *args)
+    assert entries == ["write_strided" if tokens > 1 else "write"]
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    replayed = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert cuda_library.write_slots(replayed, *args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))

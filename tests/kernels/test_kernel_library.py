@@ -69,6 +69,18 @@ int hfc_blocks_advance(void* p0, void* p1, void* p2, void* p3, void* p4, const v
   return 0;
 }
 #endif
+#ifdef WITH_STRIDED_WRITE   /* a library with the strided cache write: it keeps what it was called with */
+const void* stub_write_ptrs[7];
+int64_t stub_write_sizes[7];
+int hfc_write_strided(void* pool, const void* key, const void* value, int64_t key_stride, int64_t value_stride,
+                      const void* block, const void* offset, int64_t tokens, const void* src, const void* dst,
+                      int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t s) {
+  const void* p[7] = {pool, key, value, block, offset, src, dst};
+  const int64_t n[7] = {key_stride, value_stride, tokens, copies, block_size, token_bytes, (int64_t)s};
+  for (int i = 0; i < 7; ++i) stub_write_ptrs[i] = p[i], stub_write_sizes[i] = n[i];
+  return 0;
+}
+#endif
 #ifdef WITH_SILU_MUL   /* a library with the MLP activation kernel: it keeps what it was called with */
 const void* stub_silu_ptrs[3];
 int64_t stub_silu_sizes[6];
@@ -250,6 +262,95 @@ def test_the_cache_write_takes_the_kernel_only_where_it_fits(monkeypatch):
     odd = torch.zeros(4, 2, 16, 2, 6, dtype=torch.bfloat16)              # 24-byte tokens
     assert not cuda_library.write_slots(odd, key[..., :6].contiguous(), value[..., :6].contiguous(), *args)
     assert len(launches) == 1
+
+
+def _fused_value(tokens, q_heads=4, kv_heads=2, dim=8):
+    """V as the cache gets it with fused projections: a column slice of a [tokens, q | k | v] product,
+    [tokens, kv_heads, dim], its tokens strided by the fused width."""
+    fused = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim).bfloat16()
+    return fused[:, (q_heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+
+
+def test_the_cache_write_reads_a_strided_value_only_with_the_flag_and_the_entry(monkeypatch):
+    """With cuda_library.strided_write on and a library that has hfc_write_strided, a fused product's V slice goes to
+    write_strided as it is (no copy); with the flag off (the default) or a library without the entry, the cache makes
+    K/V contiguous and calls write, as before; layouts the strided kernel cannot read are copied even with both."""
+    launches = []
+
+    class Loaded:
+        has_strided_write = True
+
+        def write(self, pool, key, value, *args):
+            launches.append(("write", key, value))
+
+        def write_strided(self, pool, key, value, *args):
+            launches.append(("write_strided", key, value))
+
+    class Older(Loaded):
+        has_strided_write = False
+
+    from hf_cascade.kv import cache as cache_module
+    assert cuda_library.strided_write is False                          # off until its GPU test has passed
+    monkeypatch.setattr(cuda_library, "write_kernel", True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 0}))
+    pool = torch.zeros(4, 2, 16, 2, 8, dtype=torch.bfloat16)
+    value, key = _fused_value(3), torch.randn(3, 2, 8).bfloat16()
+    assert not value.is_contiguous() and value.data_ptr() % 16 == 0
+    index = torch.zeros(3, dtype=torch.long)
+    args = (index, index, index, index, True)
+
+    def written(library, flag):
+        launches.clear()
+        monkeypatch.setattr(cuda_library, "loaded", lambda device: library)
+        monkeypatch.setattr(cuda_library, "strided_write", flag)
+        assert cache_module._write_slots_kernel(pool, key, value, *args)
+        (entry, k, v), = launches
+        assert torch.equal(k, key) and torch.equal(v, value)
+        return entry, v
+
+    for library, flag in ((Loaded(), False), (Older(), True)):
+        entry, v = written(library, flag)                                 # today's path: copied, then write
+        assert entry == "write" and v.is_contiguous() and v.data_ptr() != value.data_ptr()
+        assert not cuda_library.write_fits(pool, key, value)
+        assert not cuda_library.write_slots(pool, key, value, *args)     # the kernel alone refuses it
+    entry, v = written(Loaded(), True)
+    assert entry == "write_strided" and v is value                        # uncopied
+    assert cuda_library.write_fits(pool, key, value) and cuda_library.write_fits(pool, key, key)
+    launches.clear()
+    assert cuda_library.write_slots(pool, key, value, *args) and launches[0][0] == "write_strided"
+    assert cuda_library.write_slots(pool, key, key.clone(), *args) and launches[1][0] == "write"   # as before
+    # what the strided kernel cannot read: D strided, tokens 36 bytes apart, data not 16-byte aligned
+    odd_stride = torch.randn(3, 18).bfloat16()[:, :16].view(3, 2, 8)
+    unaligned = torch.randn(3, 40).bfloat16()[:, 1:17].view(3, 2, 8)
+    for bad in (value.transpose(1, 2).contiguous().transpose(1, 2), odd_stride, unaligned):
+        assert cuda_library._tokens_fit(bad.contiguous())                 # (each is refused for its layout alone)
+        assert not cuda_library.write_fits(pool, key, bad)
+        assert not cuda_library.write_slots(pool, key, bad, *args)
+        launches.clear()
+        assert cache_module._write_slots_kernel(pool, key, bad, *args)
+        (entry, _, v), = launches
+        assert entry == "write" and v.is_contiguous() and torch.equal(v, bad)
+
+
+def test_the_binding_passes_the_strided_write_its_strides_in_bytes(tmp_path):
+    """cuda_binding._Lib looks hfc_write_strided up (a library built before it has none: has_strided_write False) and
+    passes each tensor's token stride in bytes (a single token's as a token's bytes), the token's bytes, the pool's
+    block size and the copies' count."""
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_strided_write
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION, "WITH_STRIDED_WRITE"))
+    assert lib.has_strided_write
+    pool = torch.zeros(4, 2, 16, 2, 8, dtype=torch.bfloat16)
+    for tokens in (3, 1):
+        value, key = _fused_value(tokens), torch.randn(tokens, 2, 8).bfloat16()
+        block, offset, src, dst = (torch.zeros(tokens, dtype=torch.long) for _ in range(4))
+        lib.write_strided(pool, key, value, block, offset, src, dst, True, 77)
+        got = (ctypes.c_void_p * 7).in_dll(lib.lib, "stub_write_ptrs")
+        assert list(got) == [t.data_ptr() for t in (pool, key, value, block, offset, src, dst)]
+        sizes = list((ctypes.c_int64 * 7).in_dll(lib.lib, "stub_write_sizes"))
+        value_stride = (4 + 2 * 2) * 8 * 2 if tokens > 1 else 32
+        assert sizes == [32, value_stride, tokens, tokens, 16, 32, 77]
+        lib.write_strided(pool, key, value, block, offset, src, dst, False, 77)
+        assert list((ctypes.c_int64 * 7).in_dll(lib.lib, "stub_write_sizes"))[3] == 0
 
 
 def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_path):

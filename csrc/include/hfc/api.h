@@ -7,8 +7,9 @@
  *
  *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
- *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write are: they only launch
- *                     on `stream` (a cudaStream_t as an integer), with grids computed from the params alone.
+ *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write, hfc_write_strided
+ *                     are: they only launch on `stream` (a cudaStream_t as an integer), with grids computed from the
+ *                     params alone.
  */
 #pragma once
 
@@ -43,6 +44,14 @@ HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream);
 HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,
                       const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                       int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream);
+/* hfc_write with K's and V's tokens key_stride_bytes and value_stride_bytes apart (multiples of 16, at least
+   token_bytes; a token's Hkv x D elements contiguous): e.g. V as a column slice of a fused q|k|v product, read where it
+   lies. hfc_write is this with token_bytes for both strides. Capture safe. Added without an ABI bump: the binding
+   looks it up and makes K/V contiguous for hfc_write where a library lacks it. */
+HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                              int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
+                              int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
+                              int64_t block_size, int64_t token_bytes, uintptr_t stream);
 /* RMSNorm of a step's rows (csrc/elementwise.cu): x [rows, hidden] with row stride x_stride elements, weight [hidden],
    out [rows, hidden] contiguous, one dtype code (HFC_BF16, HFC_FP16) for all three. Added without an ABI bump: the
    binding looks it up and leaves the norms to torch where a library lacks it. */

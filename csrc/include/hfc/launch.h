@@ -16,10 +16,12 @@ cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_pref
 cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
-// csrc/write.cu: the cache write of one layer (copy-on-write block copies, then the new tokens' K/V), raw bytes
-cudaError_t write_launch(void* pool, const void* key, const void* value, const int64_t* write_block,
-                         const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
-                         int64_t copies, int64_t block_size, int64_t token_bytes, cudaStream_t stream);
+// csrc/write.cu: the cache write of one layer (copy-on-write block copies, then the new tokens' K/V), raw bytes; K's
+// and V's tokens key_stride_bytes / value_stride_bytes apart (multiples of 16, >= token_bytes)
+cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                         int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
+                         int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
+                         int64_t block_size, int64_t token_bytes, cudaStream_t stream);
 // csrc/elementwise.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out; the rotary
 // embedding of q [batch, q_heads, tokens, head_dim] and k (strided, head_dim contiguous) into contiguous q_out,
 // k_out; both with eager mode's roundings

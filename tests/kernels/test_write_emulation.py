@@ -1,0 +1,229 @@
+"""The cache write kernel's source (csrc/write.cu) run on the CPU (no GPU needed).
+
+write.cu as it is (its kernels and its launcher, write_launch, with the launcher's argument checks) and csrc/api.cu's
+hfc_write and hfc_write_strided, compiled with the system C++ compiler over a shim of the CUDA built-ins they use
+(``blockIdx``, ``blockDim``, ``threadIdx``, ``gridDim``, ``__ldg``, ``uint4``, ``dim3``); each ``kernel<<<grid,
+threads, smem, stream>>>(...)`` launch becomes a host loop calling the kernel once per (CTA, thread) of its grid, one
+after another (the write's CTAs share nothing: no barriers, no atomics). Called through the real ctypes binding
+(cuda_binding._Lib.write / write_strided) with CPU tensors, it must leave the pool byte for byte as the torch write
+(hf_cascade/kv/cache.py ``_write_slots_torch``): K/V contiguous and strided (V, and K, as column slices of a fused
+[tokens, (Hq + 2 Hkv) x D] product), with and without block copies (a static step's padding pairs among them), a bf16
+and an fp8 pool, block sizes 1 and 16. This checks the kernels' indexing and the launcher's grid and checks, not the
+GPU's code for them: tests/kernels/test_gpu_kernels.py runs them on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_cascade.kernels import cuda_binding, cuda_library
+from hf_cascade.kv import cache as cache_module
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+SHIM = r"""
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint4 { unsigned x, y, z, w; };
+static dim3 blockIdx, threadIdx, blockDim, gridDim;
+template <class T> T __ldg(const T* p) { return *p; }
+static cudaError_t cudaGetLastError() { return cudaSuccess; }
+static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+
+#define __global__
+#define __launch_bounds__(...)
+
+// a launch: every CTA of the grid, every thread of the CTA, one after another
+template <class Kernel, class... Args>
+void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
+  gridDim = grid, blockDim = dim3(threads);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x)
+        for (unsigned t = 0; t < threads; ++t) {
+          blockIdx = dim3(x, y, z), threadIdx = dim3(t);
+          kernel(args...);
+        }
+}
+
+namespace hfc {
+static thread_local char error_message[512] = "";
+void clear_error() { error_message[0] = '\0'; }
+const char* last_error() { return error_message; }
+cudaError_t fail(cudaError_t err, const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(error_message, sizeof(error_message), fmt, args);
+  va_end(args);
+  return err;
+}
+}  // namespace hfc
+"""
+
+
+def _api_function(api: str, name: str) -> str:
+    """``HFC_API int name(...) {...}`` of csrc/api.cu, without the HFC_API."""
+    start = api.index(f"HFC_API int {name}(")
+    body = api[start:api.index("\n}\n", start) + 3]
+    return body[len("HFC_API "):]
+
+
+def _source() -> str:
+    """The shim, write.cu with its launches turned into emu_launch, and api.cu's two write entries."""
+    cu = (CSRC / "write.cu").read_text(encoding="utf-8")
+    cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
+    cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
+    assert launches == 2, "write.cu's two launches (the block copies, the tokens) not found"
+    api = (CSRC / "api.cu").read_text(encoding="utf-8")
+    entries = "\n".join(_api_function(api, name) for name in ("hfc_write", "hfc_write_strided"))
+    errors = """
+const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
+const char* hfc_last_error(void) { return hfc::last_error(); }
+"""
+    return f'{SHIM}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The binding (cuda_binding._Lib's own write / write_strided and error check) on the emulated library."""
+    out = tmp_path_factory.mktemp("write")
+    src = out / "write_emulated.cpp"
+    src.write_text(_source(), encoding="utf-8")
+    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unused-function",
+                    "-o", str(out / "libwrite.so"), str(src)], check=True)
+    lib = ctypes.CDLL(str(out / "libwrite.so"))
+    _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.hfc_write.restype = lib.hfc_write_strided.restype = ctypes.c_int
+    lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
+    lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
+                                      ctypes.c_size_t]
+    lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
+    lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
+    binding = object.__new__(cuda_binding._Lib)
+    binding.lib = lib
+    return binding
+
+
+HQ, HKV, D, BLOCKS = 4, 2, 16, 12
+
+
+def _aligned(rows, width, dtype, generator, row_stride=None) -> torch.Tensor:
+    """``[rows, width]`` random values (random bytes for fp8), rows ``row_stride`` elements apart (default: packed),
+    the data 16-byte aligned as the kernel needs."""
+    row_stride = width if row_stride is None else row_stride
+    n = rows * row_stride + 16
+    if dtype == torch.float8_e4m3fn:
+        raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).view(dtype)
+    else:
+        raw = torch.randn(n, generator=generator).to(dtype)
+    skip = (-raw.data_ptr() % 16) // raw.element_size()
+    out = raw[skip:].as_strided((rows, width), (row_stride, 1))
+    assert out.data_ptr() % 16 == 0
+    return out
+
+
+def _case(tokens, copies, block_size, dtype, layout, seed):
+    """(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies): copy pairs as a static step pads
+    them (pair 0 repeated, a block copied onto itself), tokens written into the copied blocks and others (each token
+    its own block: one slot per token, whatever the offsets); K/V contiguous ("contiguous"), V a column slice of a
+    fused [tokens, q | k | v] product ("fused_v"), or both K and V slices of it ("fused_kv")."""
+    g = torch.Generator().manual_seed(seed)
+    pool = _aligned(BLOCKS, 2 * block_size * HKV * D, dtype, g).view(BLOCKS, 2, block_size, HKV, D)
+    fused = _aligned(tokens, (HQ + 2 * HKV) * D, dtype, g)
+    k_slice = fused[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D)
+    v_slice = fused[:, (HQ + HKV) * D:].view(tokens, HKV, D)
+    key = k_slice if layout == "fused_kv" else k_slice.contiguous()
+    value = v_slice.contiguous() if layout == "contiguous" else v_slice
+    assert value.is_contiguous() == (layout == "contiguous" or tokens <= 1)
+    ids = torch.randperm(BLOCKS, generator=g)
+    real = max(copies - 2, min(copies, 1))                 # the rest pads: pair 0 repeated, one self-copy
+    src, dst = ids[:real], ids[real:2 * real]
+    pad = max(copies - real - 1, 0)
+    copy_src = torch.cat([src, src[:1].expand(pad), ids[-1:]])[:copies].contiguous()
+    copy_dst = torch.cat([dst, dst[:1].expand(pad), ids[-1:]])[:copies].contiguous()
+    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous()
+    assert len(write_block) == tokens
+    write_offset = torch.randint(0, block_size, (tokens,), generator=g)
+    return pool, key, value, write_block, write_offset, copy_src, copy_dst, copies > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_v", "fused_kv"])
+@pytest.mark.parametrize("tokens, copies", [(5, 4), (1, 1), (6, 0), (0, 3)])
+def test_the_write_kernel_source_equals_the_torch_write(emulated, dtype, block_size, layout, tokens, copies):
+    pool, key, value, *rest = _case(tokens, copies, block_size, dtype, layout, seed=tokens * 7 + copies)
+    want, got = pool.clone(), pool.clone()
+    cache_module._write_slots_torch(want, key, value, *rest)
+    before = got.view(torch.uint8).clone()
+    if layout == "contiguous":
+        emulated.write(got, key, value, *rest, 0)
+        strided = pool.clone()
+        emulated.write_strided(strided, key, value, *rest, 0)        # the strided entry with tokens packed
+        assert torch.equal(strided.view(torch.uint8), want.view(torch.uint8))
+    else:
+        emulated.write_strided(got, key, value, *rest, 0)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(got.view(torch.uint8), before)          # (every case moves something)
+
+
+def test_the_old_entry_reads_tokens_packed(emulated):
+    """hfc_write (the ABI as it was) passes a token's bytes as both strides: handed a strided V's pointer it reads the
+    tokens packed, so it differs from the torch write exactly where a strided read is needed (the test above could not
+    tell the strides apart otherwise)."""
+    pool, key, value, *rest = _case(5, 0, 16, torch.bfloat16, "fused_v", seed=3)
+    want, got = pool.clone(), pool.clone()
+    cache_module._write_slots_torch(want, key, value, *rest)
+    emulated.write(got, key, value, *rest, 0)
+    got_v, want_v = got[:, 1].view(torch.uint8), want[:, 1].view(torch.uint8)
+    assert torch.equal(got[:, 0], want[:, 0]) and not torch.equal(got_v, want_v)
+
+
+def test_the_strided_entry_refuses_strides_it_cannot_read(emulated):
+    """Token strides that are not whole 16-byte vectors, or shorter than a token, are refused with a message naming
+    them; the pool is left as it was."""
+    g = torch.Generator().manual_seed(0)
+    pool = _aligned(BLOCKS, 2 * 16 * HKV * D, torch.bfloat16, g).view(BLOCKS, 2, 16, HKV, D)
+    key = _aligned(3, HKV * D, torch.bfloat16, g).view(3, HKV, D)                          # 64-byte tokens
+    index = torch.arange(3)
+    before = pool.clone()
+    odd = _aligned(3, HKV * D, torch.bfloat16, g, row_stride=HKV * D + 4).view(3, HKV, D)  # 72 bytes apart
+    with pytest.raises(RuntimeError, match=r"write_strided failed: .*value_stride_bytes 72 \(multiples of 16"):
+        emulated.write_strided(pool, key, odd, index, index, index, index, False, 0)
+    overlapping = key.as_strided(key.shape, (HKV * D // 2, D, 1))                         # 32 bytes apart
+    with pytest.raises(RuntimeError, match=r"key_stride_bytes 32, value_stride_bytes 64 \(.*at least token_bytes 64"):
+        emulated.write_strided(pool, overlapping, key, index, index, index, index, False, 0)
+    assert torch.equal(pool, before)
+
+
+def test_the_fit_check_takes_what_the_kernel_reads():
+    """cuda_library's strided fit (each token's Hkv x D contiguous, a 16-byte multiple token stride no shorter than a
+    token, 16-byte aligned data) takes the layouts the emulated kernel reads above and refuses the others."""
+    fits = cuda_library._tokens_fit
+    g = torch.Generator().manual_seed(1)
+    fused = _aligned(5, (HQ + 2 * HKV) * D, torch.bfloat16, g)
+    v = fused[:, (HQ + HKV) * D:].view(5, HKV, D)
+    assert fits(v) and fits(v.contiguous()) and fits(fused[:, HQ * D:(HQ + HKV) * D].view(5, HKV, D))
+    assert fits(fused[:1, (HQ + HKV) * D:].view(1, HKV, D))                    # one token: its stride is immaterial
+    assert not fits(v.transpose(1, 2).contiguous().transpose(1, 2))            # D strided
+    assert not fits(fused[:, HQ * D:].view(5, 2 * HKV, D)[:, ::2])              # heads strided
+    assert not fits(fused[:, (HQ + HKV) * D + 1:][:, :HKV * D - 8].view(5, HKV, D - 4))   # not 16-byte aligned
+    assert not fits(_aligned(5, HKV * D, torch.bfloat16, g, row_stride=HKV * D + 4).view(5, HKV, D))  # 72 bytes apart
+    assert not fits(v.as_strided(v.shape, (8, D, 1)))                          # tokens overlap
