@@ -71,7 +71,7 @@ def _stored(body: list[str]):
     env, loads = {}, 0
     for line in body:
         op, _, rest = line.partition(" ")
-        args = [a.strip() for a in rest.split(",")] if rest else []
+        args = [a.strip().strip("{}").strip() for a in rest.split(",")] if rest else []    # ({%rs5}: a 1-vector)
         if op.startswith("ld.global"):
             env[args[0]] = f"load{loads}"
             loads += 1
@@ -101,7 +101,7 @@ def test_the_kernel_s_element_is_eager_silu_times_up_op_for_op(dtype, kernel_ptx
     source = tmp_path / "plain.cu"
     source.write_text(PLAIN % dict(T=T, from_float=from_float, to_float=to_float))
     plain = _stored(_entry(_ptx(source, tmp_path / "plain.ptx"), "plain"))
-    kernel = _stored(_entry(kernel_ptx, f"15silu_mul_kernelI{mangled}"))
+    kernel = _stored(_entry(kernel_ptx, f"15silu_mul_kernelI{mangled}Li1E"))      # (the element-wise instance)
     assert kernel == plain
     # what fast math would have changed is not there: libdevice's expf, an IEEE division, no flushing
     ops = _ops(kernel)
@@ -112,7 +112,7 @@ def test_the_kernel_s_element_is_eager_silu_times_up_op_for_op(dtype, kernel_ptx
 @pytest.mark.parametrize("dtype", list(TYPES))
 def test_the_vector_kernel_computes_each_element_so(dtype, kernel_ptx):
     """The 16-byte kernel's eight elements: each the same eager-silu division and rounded product."""
-    body = "\n".join(_entry(kernel_ptx, f"19silu_mul_vec_kernelI{TYPES[dtype][1]}"))
+    body = "\n".join(_entry(kernel_ptx, f"15silu_mul_kernelI{TYPES[dtype][1]}Li8E"))
     assert body.count("div.rn.f32") == 8 and body.count("mul.rn.f32") == 8 and body.count("ex2.approx.ftz.f32") == 8
     assert "div.approx" not in body and "mul.rn.ftz" not in body
 
