@@ -290,6 +290,9 @@ def _fill(kept: dict, fresh: dict) -> None:
         if name in SEQUENCE_BUFFERS and kept[name].shape[-1] != tensor.shape[-1]:
             width = min(kept[name].shape[-1], tensor.shape[-1])     # (both hold max_length: the rest is never read)
             kept[name][..., :width].copy_(tensor[..., :width])
+            # (and holds the fresh state's fill, as a kept step of the call's own width would: its last column, which
+            # no step has written when a call moves into a kept step)
+            kept[name][..., width:].copy_(tensor[..., -1:].expand_as(kept[name][..., width:]))
         else:
             kept[name].copy_(tensor)
 
