@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import hf_cascade
 from hf_cascade import CascadeConfig, graphs, session
 from hf_cascade.blocks import BlockManager
+from hf_cascade.decode import device_select
 from hf_cascade.kernels import reference
 from hf_cascade.plan import DecodeLayout, LayoutOutgrown, build_step_plan
 
@@ -400,6 +401,9 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
             torch.manual_seed(n)
             assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config), expected), n
             first_steps.append(spy.runners[-1].first_steps)
+            for kept in spy.runners[-1].kept_steps:     # past its last call's max_length, a kept state holds the fill
+                state = kept.state
+                assert (state.sequences[:, state.config.max_length:] == device_select._fill_value(state.config)).all()
     assert len({id(r) for r in spy.runners}) == 1
     if "two ways" in case:
         assert len(set(shared)) == 2, shared
@@ -410,6 +414,26 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
     assert warm == [0] * len(lengths), warm
     if wide and "two ways" in case:     # 360 (shared), 90 (read as rows of their own), 400 (longer): nothing else
         assert cold == [1, 1, 0, 0, 1, 0, 0, 0], cold
+
+
+def test_a_wider_kept_step_holds_no_earlier_calls_tokens(llama_pair, monkeypatch):
+    """A call moves into a kept step whose sequence buffers are wider than its own (a 600-token call into the step a
+    1100-token call captured, after a short prompt's beams, read as rows of their own, captured theirs): past its own
+    width the buffers hold the fill, not the longer call's tokens, and it gives stock's tokens."""
+    stock, cascade = llama_pair
+    config = CascadeConfig(cuda_graphs="eager", memory="static", max_kv_bytes=2 ** 26, block_size=4,
+                           min_saved_tokens=300)
+    kw = dict(num_beams=4, early_stopping=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    spy = RunnerSpy(monkeypatch)
+    for n in (1100, 90, 600):
+        ids = torch.randint(3, 60, (1, n), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config),
+                           stock.generate(input_ids=ids, **kw)), n
+    widths = [kept.state.sequences.shape[1] for kept in spy.runners[-1].kept_steps]
+    assert spy.runners[-1].first_steps == 0 and max(widths) == 2048 and min(widths) == 256, widths
+    for kept in spy.runners[-1].kept_steps:
+        state = kept.state
+        assert (state.sequences[:, state.config.max_length:] == device_select._fill_value(state.config)).all()
 
 
 def test_kept_steps_and_layouts_stay_bounded(llama_pair, monkeypatch):
