@@ -222,3 +222,15 @@ def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **gene
     runner, = spy.runners
     assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 18, \
         (runner.disabled, runner.captures, runner.replays)
+
+
+def host_library(out_dir, name: str, source: str, flags: list[str]):
+    """``source`` (a kernel's own code over a shim of the CUDA built-ins, for the emulation tests) compiled with g++
+    into ``out_dir/lib<name>.so`` and loaded with ctypes."""
+    import ctypes
+    import subprocess
+    src = pathlib.Path(out_dir) / f"{name}_emulated.cpp"
+    src.write_text(source, encoding="utf-8")
+    lib = pathlib.Path(out_dir) / f"lib{name}.so"
+    subprocess.run(["g++", *flags, "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return ctypes.CDLL(str(lib))

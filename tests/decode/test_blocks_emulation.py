@@ -15,13 +15,13 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from hf_cascade.kernels import cuda_binding
 
+from conftest import host_library
 from test_gpu_device_blocks import CASES, _drive
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
@@ -119,12 +119,8 @@ extern "C" {signature} {{
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """``advance(blocks, plan, parents, done, peak)`` on the emulated kernel, through the binding's own call."""
-    out = tmp_path_factory.mktemp("blocks")
-    src = out / "blocks_emulated.cpp"
-    src.write_text(_source(), encoding="utf-8")
-    subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-Wno-unknown-pragmas", "-o",
-                    str(out / "libblocks.so"), str(src)], check=True)
-    lib = ctypes.CDLL(str(out / "libblocks.so"))
+    lib = host_library(tmp_path_factory.mktemp("blocks"), "blocks", _source(),
+                       ["-std=c++20", "-pthread", "-Wno-unknown-pragmas"])
     lib.hfc_blocks_advance.restype = ctypes.c_int
     lib.hfc_blocks_advance.argtypes = [ctypes.c_void_p] * 23 + [ctypes.c_int64] * 7 + [ctypes.c_size_t]
     binding = object.__new__(cuda_binding._Lib)          # (the binding's method and check, on this library)

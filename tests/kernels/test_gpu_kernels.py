@@ -361,6 +361,32 @@ def test_three_levels_long(D, ratio):
     assert (st.row_nmid.cpu().numpy() > 0).sum() == 16
 
 
+def _assert_the_replayed_write_gives(want, pool, args) -> None:
+    """The library's write of ``args`` into a copy of ``pool``, captured in a CUDA graph and replayed, leaves ``want``
+    byte for byte."""
+    from hf_cascade.kernels import cuda_library
+    replayed = pool.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert cuda_library.write_slots(replayed, *args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))
+
+
+def _write_indices(g, blocks: int, bs: int, tokens: int, copies: int):
+    """A step's write indices (write_block, write_offset, copy_src, copy_dst; int64, contiguous): real block copies,
+    a static step's padding (pair 0 repeated, a block copied onto itself), tokens written into the copied blocks."""
+    ids = torch.randperm(blocks, device="cuda", generator=g)
+    real = max(copies - 2, min(copies, 1))             # the rest pads: pair 0 repeated, one self-copy
+    src, dst = ids[:real], ids[real:2 * real]
+    copy_src = torch.cat([src, src[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    copy_dst = torch.cat([dst, dst[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
+    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous() if tokens else dst[:0].contiguous()
+    write_offset = torch.randint(0, bs, (tokens,), device="cuda", generator=g)
+    return write_block, write_offset, copy_src, copy_dst
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("tokens, copies", [(8, 8), (1, 1), (13, 3), (8, 0), (0, 2)])
@@ -377,25 +403,13 @@ def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies, monkeypa
     pool = torch.randn(blocks, 2, bs, H, D, device="cuda", generator=g).to(dtype)
     key = torch.randn(tokens, H, D, device="cuda", generator=g).to(dtype)
     value = torch.randn(tokens, H, D, device="cuda", generator=g).to(dtype)
-    ids = torch.randperm(blocks, device="cuda", generator=g)
-    real = max(copies - 2, min(copies, 1))             # the rest pads: pair 0 repeated, one self-copy
-    src, dst = ids[:real], ids[real:2 * real]
-    copy_src = torch.cat([src, src[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
-    copy_dst = torch.cat([dst, dst[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
-    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous() if tokens else dst[:0].contiguous()
-    write_offset = torch.randint(0, bs, (tokens,), device="cuda", generator=g)
+    write_block, write_offset, copy_src, copy_dst = _write_indices(g, blocks, bs, tokens, copies)
     want, got = pool.clone(), pool.clone()
     args = (key, value, write_block, write_offset, copy_src, copy_dst, copies > 0)
     cache_module._write_slots_torch(want, *args)
     assert cuda_library.write_slots(got, *args)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    replayed = pool.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        assert cuda_library.write_slots(replayed, *args)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))
+    _assert_the_replayed_write_gives(want, pool, args)
 
 
 @pytest.mark.gpu
@@ -428,13 +442,7 @@ def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, 
     value = fused[:, (Hq + H) * D:].view(tokens, H, D)
     assert value.is_contiguous() == (tokens <= 1)
     assert cuda_library.write_fits(pool, key, value)
-    ids = torch.randperm(blocks, device="cuda", generator=g)
-    real = max(copies - 2, min(copies, 1))             # the rest pads: pair 0 repeated, one self-copy
-    src, dst = ids[:real], ids[real:2 * real]
-    copy_src = torch.cat([src, src[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
-    copy_dst = torch.cat([dst, dst[:1].expand(max(copies - real - 1, 0)), ids[-1:]])[:copies].contiguous()
-    write_block = torch.cat([dst, ids[2 * real:]])[:tokens].contiguous() if tokens else dst[:0].contiguous()
-    write_offset = torch.randint(0, bs, (tokens,), device="cuda", generator=g)
+    write_block, write_offset, copy_src, copy_dst = _write_indices(g, blocks, bs, tokens, copies)
     want, got = pool.clone(), pool.clone()
     args = (key, value, write_block, write_offset, copy_src, copy_dst, copies > 0)
     cache_module._write_slots_torch(want, *args)
@@ -442,10 +450,4 @@ def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, 
     assert entries == ["write_strided" if tokens > 1 else "write"]
     torch.cuda.synchronize()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    replayed = pool.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        assert cuda_library.write_slots(replayed, *args)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(replayed.view(torch.uint8), want.view(torch.uint8))
+    _assert_the_replayed_write_gives(want, pool, args)

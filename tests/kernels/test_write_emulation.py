@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,8 @@ import torch
 
 from hf_cascade.kernels import cuda_binding, cuda_library
 from hf_cascade.kv import cache as cache_module
+
+from conftest import host_library
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
 
@@ -63,18 +64,6 @@ void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
         }
 }
 
-namespace hfc {
-static thread_local char error_message[512] = "";
-void clear_error() { error_message[0] = '\0'; }
-const char* last_error() { return error_message; }
-cudaError_t fail(cudaError_t err, const char* fmt, ...) {
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(error_message, sizeof(error_message), fmt, args);
-  va_end(args);
-  return err;
-}
-}  // namespace hfc
 """
 
 
@@ -92,23 +81,22 @@ def _source() -> str:
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
     assert launches == 2, "write.cu's two launches (the block copies, the tokens) not found"
     api = (CSRC / "api.cu").read_text(encoding="utf-8")
+    # (api.cu's own error functions: its first `namespace hfc` block)
+    errors_start = api.index("namespace hfc {")
+    error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
     entries = "\n".join(_api_function(api, name) for name in ("hfc_write", "hfc_write_strided"))
     errors = """
 const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
 const char* hfc_last_error(void) { return hfc::last_error(); }
 """
-    return f'{SHIM}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
+    return f'{SHIM}\n{error_functions}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     """The binding (cuda_binding._Lib's own write / write_strided and error check) on the emulated library."""
-    out = tmp_path_factory.mktemp("write")
-    src = out / "write_emulated.cpp"
-    src.write_text(_source(), encoding="utf-8")
-    subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unused-function",
-                    "-o", str(out / "libwrite.so"), str(src)], check=True)
-    lib = ctypes.CDLL(str(out / "libwrite.so"))
+    lib = host_library(tmp_path_factory.mktemp("write"), "write", _source(),
+                       ["-std=c++17", "-Wall", "-Werror", "-Wno-unused-function"])
     _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
     lib.hfc_write.restype = lib.hfc_write_strided.restype = ctypes.c_int
     lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]

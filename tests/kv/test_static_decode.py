@@ -430,7 +430,7 @@ def test_a_wider_kept_step_holds_no_earlier_calls_tokens(llama_pair, monkeypatch
         assert torch.equal(cascade.generate(input_ids=ids, **kw, hf_cascade_config=config),
                            stock.generate(input_ids=ids, **kw)), n
     widths = [kept.state.sequences.shape[1] for kept in spy.runners[-1].kept_steps]
-    assert spy.runners[-1].first_steps == 0 and max(widths) == 2048 and min(widths) == 256, widths
+    assert spy.runners[-1].first_steps == 0 and max(widths) == 2048 and min(widths) <= 512, widths
     for kept in spy.runners[-1].kept_steps:
         state = kept.state
         assert (state.sequences[:, state.config.max_length:] == device_select._fill_value(state.config)).all()
