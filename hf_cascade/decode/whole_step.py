@@ -45,6 +45,7 @@ import functools
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from . import device_blocks, device_select, graphs, host_select
@@ -553,7 +554,7 @@ class WholeStepLoop:
     def _forward(self) -> torch.Tensor:
         """The forward on the planned step: the runner's (compiled where ``compile`` is on and the model compiles,
         with the step context as its argument; else the model's own)."""
-        self.step_context = self.cache.begin_planned_step(self.device)     # (what the step ran: see capture_refusal)
+        self.step_context = self.cache.begin_planned_step(self.device, self.held.copies)  # (see capture_refusal)
         try:
             return self.runner.forward_step(self.inputs).logits
         finally:
@@ -608,6 +609,7 @@ class DeviceHold(Protocol):
 
     room: int                         # device steps it may run before the host takes it back
     key: tuple                        # what a captured step bakes in of it (shapes, addresses)
+    copies: bool                      # whether its steps may copy blocks (False: the layers launch no copy)
     tensors: object                   # what its steps advance (a dataclass of tensors, kept with the captured step)
     flags: torch.Tensor | None        # sticky overflow bits the host reads with the finished flag (None: no overflow)
 
@@ -631,8 +633,10 @@ class BlocksHold:
     advance_fn = staticmethod(advance)    # what the loop runs (compiled with CascadeConfig(compile=True))
     positions_in_cache = False
 
-    def __init__(self, cache, blocks: device_blocks.DeviceBlocks, plan, room: int, key: tuple, peak, advance_fn):
+    def __init__(self, cache, blocks: device_blocks.DeviceBlocks, plan, room: int, key: tuple, peak, advance_fn,
+                 copies: bool = True):
         self.cache, self.tensors, self.plan, self.room, self.key = cache, blocks, plan, room, key
+        self.copies = copies
         self.peak, self._advance = peak, advance_fn
         self.base_length = cache.logical_length
 
@@ -705,8 +709,13 @@ class BlocksHold:
             like = None
         blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device, like=like)
         scalars = tuple(getattr(blocks, f) for f in ("block_size", "pool_blocks", "suffix_width", "inner_width"))
-        key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache))
-        return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn), None
+        # rows whose parents never change (no beam search) copy a block only where one appends to a block another
+        # holds: a prompt's last, part-filled block that its samples share (forked at the prefill; the first decode
+        # step, on the host, copies it). Where none does, no step of the hold copies: the layers launch no copy
+        copies = loop.beam or _appends_to_shared_block(manager)
+        key = ("blocks", layout.serial, scalars, _signature(_tensors(blocks)), graphs.pool_signature(cache), copies)
+        return cls(cache, blocks, layout.device_plan(loop.device), room, key, loop.peak, loop.advance_fn,
+                   copies), None
 
     @staticmethod
     def alive(cache, step_key: tuple) -> bool:
@@ -733,6 +742,16 @@ class BlocksHold:
         tables, lengths, refcount = device_blocks.host_state(self.tensors)
         self.cache.restore_blocks(tables, lengths, refcount, self.base_length + int(self.tensors.steps),
                                   int(self.peak))
+
+
+def _appends_to_shared_block(manager) -> bool:
+    """Whether a row's next token goes into a block another row holds too (its last block part-filled and shared)."""
+    lengths = manager.lengths
+    partial = np.flatnonzero(lengths % manager.block_size)
+    if not partial.size:
+        return False
+    last = manager.tables()[partial, (lengths[partial] - 1) // manager.block_size]
+    return bool((manager.refcount[last] > 1).any())
 
 
 def hold_kind(cache) -> type:

@@ -190,8 +190,9 @@ class CascadeLayer(CacheLayerMixin):
             rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
             flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
         key, value = (stored.to(pool.device) for stored in self.storage.encode(*flat))
-        # (a static step's copy pairs are padded to its rows: always copied; others only where there are some)
-        copies = plan.static or bool(dp.copy_src.numel())
+        # (a static step's copy pairs are padded to its rows: always copied, unless its plan says it copies no block;
+        # others only where there are some)
+        copies = plan.copies and (plan.static or bool(dp.copy_src.numel()))
         args = (pool, key, value, dp.write_block, dp.write_offset, dp.copy_src, dp.copy_dst, copies)
         if _is_compiling():      # one opaque operator: inductor neither re-generates nor autotunes a write into the pool
             torch.ops.hf_cascade.write_slots(*args)
@@ -541,15 +542,16 @@ class CascadeCache(Cache):
         replay); the forward's layers then write into this step."""
         return self._begin_step_shape(num_rows, q_len)
 
-    def begin_planned_step(self, device: torch.device) -> StepContext:
+    def begin_planned_step(self, device: torch.device, copies: bool = True) -> StepContext:
         """Begin a static decode step whose block bookkeeping and plan the device computed
         (:mod:`hf_cascade.whole_step`): the layers read the layout's buffers as the device wrote them. Neither the
         block manager nor ``logical_length`` change here: the caller owns the device state (and hands it back with
-        :meth:`restore_blocks`) and counts the steps."""
+        :meth:`restore_blocks`) and counts the steps. ``copies=False``: the holder knows that no row appends to a block
+        another row holds (no copy-on-write): the layers launch no copy."""
         if self._layout is None:
             raise RuntimeError("begin_planned_step needs the static decode layout of a decode in progress")
         self._end_step()
-        return self._new_context(self._layout.planned_step(device))
+        return self._new_context(self._layout.planned_step(device, copies))
 
     def restore_blocks(self, tables, lengths, refcount, logical_length: int, peak_blocks: int = 0) -> None:
         """Take back the block state that device steps reached (see :meth:`begin_planned_step`)."""

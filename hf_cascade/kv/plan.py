@@ -8,6 +8,7 @@ copy-on-write copies that must happen first) ride along so each layer's update i
 from __future__ import annotations
 
 import itertools
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +63,9 @@ class StepPlan:
     # the tables' widths are fixed while their values and the prefix lengths may be rewritten in place for a later
     # call (:meth:`rewrite_prefix`: a kept encoder-decoder state's cross plan, seq2seq/cross_kv.py)
     fixed_widths: bool = False
+    # whether the step's layers launch the copy-on-write copies (a static step pads its pairs and always does); False
+    # for a planned step of rows that append to no shared block (DecodeLayout.planned_step(copies=False))
+    copies: bool = True
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -562,12 +566,12 @@ class DecodeLayout:
         """Write ``plan``'s per-step arrays into this layout's persistent buffers on ``device``."""
         return self._buffers_on(device).fill(plan)
 
-    def planned_step(self, device: torch.device) -> StepPlan:
+    def planned_step(self, device: torch.device, copies: bool = True) -> StepPlan:
         """The plan of a decode step whose per-step tensors were written into this layout's buffers on ``device``
         by the device itself (:mod:`hf_cascade.whole_step`): the layers read the buffers as they are, nothing is
         uploaded. Made once per device and shared by every such step: its host arrays of per-step values are zeros of
         the right shapes (only their shapes are read: each layer's attention was bound at the layout's first step, on
-        the host plan)."""
+        the host plan). ``copies=False``: the same plan for steps that copy no block (``StepPlan.copies``)."""
         buffers = self._buffers_on(device)
         if buffers.planned is None:
             R, W, W2 = self.num_rows, self.suffix_width, self.inner_width
@@ -581,7 +585,12 @@ class DecodeLayout:
                 inner_suffix_table=np.full((R, W2), -1, dtype=np.int32) if W2 else None,
                 inner_q_limit=np.zeros((R, 1), dtype=np.int32) if W2 else None, layout=self)
             buffers.planned._on_device[str(buffers.device)] = buffers.plan
-        return buffers.planned
+        if copies:
+            return buffers.planned
+        if buffers.planned_without_copies is None:      # (the same buffers: one device plan, shared)
+            buffers.planned_without_copies = dataclasses.replace(buffers.planned, copies=False,
+                                                                 _on_device=buffers.planned._on_device)
+        return buffers.planned_without_copies
 
     def device_plan(self, device: torch.device) -> "DevicePlan":
         """This layout's persistent plan tensors on ``device`` (made on first use), as the last step left them."""
@@ -692,6 +701,7 @@ class _StaticBuffers:
         self.events = [torch.cuda.Event() for _ in self.host] if cuda else None
         self.turn = 0
         self.planned: StepPlan | None = None    # DecodeLayout.planned_step's plan over these buffers
+        self.planned_without_copies: StepPlan | None = None     # the same with copies=False
 
         def t(a, dtype):
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
@@ -714,7 +724,7 @@ class _StaticBuffers:
         address); the planned step's host arrays are made again from the layout's."""
         refuse_in_capture("a decode layout's level tensors written from the host")
         self.plan.write_levels(layout, _LEVEL_TENSORS)
-        self.planned = None
+        self.planned = self.planned_without_copies = None
 
     def fill(self, plan: StepPlan) -> DevicePlan:
         i = self.turn

@@ -32,8 +32,9 @@ class StaticStepCache(Protocol):
     def prepare_step(self, num_rows: int, q_len: int = 1) -> Any:
         """Begin a step before the forward (the host writes its device state once); returns its step context."""
 
-    def begin_planned_step(self, device: torch.device) -> Any:
-        """Begin a step whose device state the device computed (the whole step); returns its step context."""
+    def begin_planned_step(self, device: torch.device, copies: bool = True) -> Any:
+        """Begin a step whose device state the device computed (the whole step); returns its step context.
+        ``copies=False``: no row appends to a block another row holds (a paged cache launches no copy)."""
 
     @property
     def step(self) -> Any:

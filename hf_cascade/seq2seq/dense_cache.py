@@ -539,7 +539,7 @@ class StaticSelfAttentionCache(Cache):
         """How the whole step on the device (hf_cascade.whole_step) holds this cache: :class:`DenseHold`."""
         return DenseHold
 
-    def begin_planned_step(self, device=None) -> StaticStep:
+    def begin_planned_step(self, device=None, copies: bool = True) -> StaticStep:
         """Begin a static step whose position and mask the device wrote (:func:`advance`, the whole step on the
         device): nothing is written here, and the host's counts stay until :meth:`DenseHold.take_back`."""
         if self._keys is None:
@@ -630,6 +630,7 @@ class DenseHold:
     eagerly, :meth:`host_forward`) widens the buffers."""
 
     advance_fn = staticmethod(advance)    # what the loop runs (compiled with CascadeConfig(compile=True))
+    copies = True               # (a dense cache copies no blocks: begin_planned_step ignores it)
     positions_in_cache = True   # the decoder's positions are the cache's device position (its relative bias)
     flags = None
 

@@ -14,6 +14,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_cascade import CascadeCache, device_select, whole_step
+from hf_cascade.kv import cache as cache_module
 from conftest import EOS, VOCAB, cache_kw, model_pair, padded_batch
 
 import test_families
@@ -98,6 +99,35 @@ def test_layout_widens_on_the_host_between_device_chunks(llama_pair, runner_spy,
     assert torch.equal(_generate(stock, ids, mask, config=None, max_new_tokens=150, num_beams=3), got)
     assert sum("decode layout widened" in r.getMessage() for r in caplog.records) >= 2
     assert _device_steps(runner_spy) > 140
+
+
+@pytest.mark.parametrize("name", ["greedy", "sample", "beam"])
+def test_only_steps_that_can_copy_blocks_launch_the_copies(name, llama_pair, runner_spy, monkeypatch):
+    """The device's steps launch the copy-on-write copies only where a row can append to a block another row holds:
+    beam search (the rows follow new parents every step). Greedy and sampling rows hold their blocks alone from the
+    first decode step on (a prompt's part-filled last block, shared by its samples, is copied there, on the host):
+    their steps launch none, and give stock's tokens (prompts of 10-17 tokens: part-filled last blocks)."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=4)
+    planned, writes = [], []
+    real_begin, real_write = CascadeCache.begin_planned_step, cache_module._write_slots
+
+    def begin(self, device, copies=True):
+        planned.append(copies)
+        return real_begin(self, device, copies)
+
+    def write(*args):
+        writes.append(args[-1])
+        return real_write(*args)
+
+    monkeypatch.setattr(CascadeCache, "begin_planned_step", begin)
+    monkeypatch.setattr(cache_module, "_write_slots", write)
+    kwargs = dict(SETTINGS[name], max_new_tokens=12)
+    assert torch.equal(_generate(cascade, ids, mask, **kwargs), _generate(stock, ids, mask, config=None, **kwargs))
+    assert _device_steps(runner_spy) >= 10 and len(planned) >= 10
+    assert set(planned) == {name == "beam"}
+    if name != "beam":      # (no device step's layer wrote with copies; the host's first decode step may)
+        assert writes.count(False) >= len(planned) * len(cascade.model.layers)
 
 
 def test_shared_system_prompt_three_levels(llama_pair, runner_spy):
