@@ -317,7 +317,7 @@ class DeviceChooser:
         self.key = ("device", device_select.shape_key(config))
         # a kept step's sequence buffers where they are wider, up to ADOPT_SPAN times this call's (a shorter prompt
         # than the kept step's call: its state then fits the kept step)
-        own = shape_bucket(config.max_length, device_select.MIN_BUCKET_TOKENS)
+        own = _own_sequence_width(config.max_length)
         width = next((k.state.sequences.shape[1] for k in kept if k.call_key[0] == self.key), own)
         self.state = device_select.new_state(config, input_ids, attention_mask, encoder_ngrams=encoder_ngrams,
                                              width=width if own <= width <= ADOPT_SPAN * own else None)
@@ -400,8 +400,8 @@ class WholeStepLoop:
         buffers that hold this call's ``max_length``, at most ADOPT_SPAN times as wide as its own."""
         if kept.call_key != self.call_key:
             return False
-        width, own = _sequence_width(kept.state), _sequence_width(self.kept.state)
-        return width is None or own is None or self.max_length <= width <= ADOPT_SPAN * own
+        width = _sequence_width(kept.state)
+        return width is None or self.max_length <= width <= ADOPT_SPAN * _own_sequence_width(self.max_length)
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self):
@@ -804,6 +804,11 @@ def _signature(tensors: dict, any_width: tuple = ()) -> tuple:
             return tuple(v.shape[:-1]) if k in any_width else tuple(v.shape), v.dtype, str(v.device)
         return v if isinstance(v, (bool, int, float, str, type(None))) else type(v)
     return tuple(sorted((k, one(k, v)) for k, v in tensors.items()))
+
+
+def _own_sequence_width(max_length: int) -> int:
+    """The width of a call's own sequence buffers (``max_length`` bucketed, as ``device_select.new_state`` makes them)."""
+    return shape_bucket(max_length, device_select.MIN_BUCKET_TOKENS)
 
 
 def _sequence_width(state) -> int | None:

@@ -7,8 +7,8 @@ copy-on-write copies that must happen first) ride along so each layer's update i
 """
 from __future__ import annotations
 
-import itertools
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
