@@ -8,8 +8,11 @@ Candidates run safest first (the production launch, then launch-shape knobs, the
 register spills, then those with small spills): a CUDA error that poisons the context stops the sweep, and the
 JSON is rewritten after every candidate. Phase 2 times, per shape, the best kernel knob with the best chunk knob.
 
+``--profile`` also lists each candidate's kernels (torch.profiler over graph replays, the L2 flush left out): µs per
+kernel and the replay's time not covered by them (launch gaps and the dependent kernels' fill and drain).
+
     PYTHONPATH=. python benchmarks/prefix_sweep_gpu.py [--reps 20] [--dtype float16] [--shapes 8x8x1k,8x16x16k]
-        [--candidates "auto;variant=wg"] [--out benchmarks/results/sm90/prefix_sweep_gpu.json]
+        [--candidates "auto;variant=wg"] [--profile] [--out benchmarks/results/sm90/prefix_sweep_gpu.json]
 """
 from __future__ import annotations
 
@@ -82,6 +85,30 @@ def launch_of(st, lib) -> dict:
                 chunks=st.max_chunks, suffix_splits=st.nsplit, ctas_per_sm=ctas, smem_bytes=smem)
 
 
+def kernel_profile(fn, reps: int, flush) -> dict:
+    """µs per call of each kernel of ``fn`` (captured as a graph, replayed ``reps`` times after ``flush``), in launch
+    order; the L2 flush's own kernel is left out."""
+    from torch.profiler import ProfilerActivity, profile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    flush()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            graph.replay()
+        torch.cuda.synchronize()
+    flush_names = {e.name for e in prof.events() if "Fill" in e.name}
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name not in flush_names:
+            name = event.name[:90]
+            per_kernel[name] = per_kernel.get(name, 0.0) + event.time_range.elapsed_us() / reps
+    return {name: round(us, 2) for name, us in per_kernel.items()}
+
+
 def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> list[dict]:
     cuda_backend.set_prefix_tune(text)
     rows = []
@@ -104,6 +131,10 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
                                                  args.warmup, flush, graph=args.timing == "graph")
                 roof = bytes_moved(**shape) / bw * 1e6
                 row.update(median_us=med, min_us=best, roofline_us=roof, fraction_of_roofline=roof / med)
+                if args.profile:
+                    row["kernels_us"] = kernel_profile(lambda: backend.forward(q, pool, meta, params), args.reps,
+                                                       flush)
+                    row["outside_kernels_us"] = med - sum(row["kernels_us"].values())
         except Exception as err:   # report and go on; a poisoned context shows up at the next synchronize
             row["failed"] = f"{type(err).__name__}: {err}"[:300]
         meta = None                                # this candidate's partial buffers: keep memory flat
@@ -111,6 +142,8 @@ def run_candidate(text, steps, refs, backend, lib, args, flush, bw, console) -> 
         mark = f"{row['median_us']:.1f} µs ({100 * row['fraction_of_roofline']:.0f}%)" if "median_us" in row \
             else f"[red]FAILED[/red] {row['failed'][:80]}"
         console.print(f"  {text:28s} {row['shape']:10s} {mark}  {row.get('launch', '')}")
+        for name, us in row.get("kernels_us", {}).items():
+            console.print(f"      {us:8.2f} µs  {name}")
     return rows
 
 
@@ -195,10 +228,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--shapes", default=None, help="comma-separated GxBxP shapes (e.g. 8x8x1k,8x16x16k) instead of the "
                                                   "built-in ones")
+    p.add_argument("--suffix-inline", action="store_true",
+                   help="a captured layer launches the suffix on the prefix's stream (before 2026-12-05: the suffix "
+                        "kernel now runs beside the prefix kernel in a graph)")
+    p.add_argument("--profile", action="store_true", help="also each candidate's kernels (torch.profiler, graph replays)")
     p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/prefix_sweep_gpu.json)")
     args = p.parse_args(argv)
     args.out = args.out or str(harness.results_path("prefix_sweep_gpu"))
     global SHAPES, DTYPE
+    cuda_backend.concurrent_suffix = not args.suffix_inline
     DTYPE = getattr(torch, args.dtype)
     if args.shapes:
         SHAPES = [parse_shape(t) for t in args.shapes.split(",")]
@@ -229,6 +267,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     console.print(f"shapes and float32 references ready at {time.perf_counter() - t0:.1f} s")
     meta = dict(harness.run_record(__file__, argv), gpu=props.name, sms=props.multi_processor_count, dtype=args.dtype,
+                suffix_beside_prefix=cuda_backend.concurrent_suffix and args.timing == "graph",
                 copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR)
     out = Path(args.out)
     results: list[dict] = []

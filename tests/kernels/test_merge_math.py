@@ -1,8 +1,8 @@
 """The log-sum-exp merge's slot loop (csrc/include/hfc/merge_math.cuh ``merge_slots``, which the merge kernel and the
 suffix kernel's fused epilogue run) on the CPU: the header's own code, compiled with the system C++ compiler over a
 shim of the two CUDA names it uses, against the plain loop it replaces (one slot after another, empty partials
-skipped). ``merge_slots`` loads four slots ahead; the sums must stay those of the plain loop bit for bit, for every
-slot count (the tail after the last group of four) and any pattern of empty partials. The kernels themselves run on
+skipped). ``merge_slots`` loads eight slots ahead; the sums must stay those of the plain loop bit for bit, for every
+slot count (the last, part-filled group) and any pattern of empty partials. The kernels themselves run on
 the GPU in tests/kernels/test_gpu_kernels.py.
 """
 from __future__ import annotations
@@ -36,19 +36,23 @@ inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
 DRIVER = r"""
 namespace {
 constexpr int N = %(N)d;
+int past_end = 0;            // loads of a slot-item past the row's slots (must stay 0)
 struct Load {
   const float* part_o;
+  int64_t end;
   void operator()(int64_t at, float (&v)[N]) const {
+    if (at >= end) { ++past_end; return; }
     for (int e = 0; e < N; ++e) v[e] = part_o[at * N + e];
   }
 };
 }
+extern "C" int loads_past_end() { return past_end; }
 // merge_slots of the header (plain = 0) or the loop it replaces (plain = 1) over one item's slots
 extern "C" void merge(const float* part_lse, const float* part_o, int nslots, int64_t total, int64_t item, float mx,
                       int plain, float* acc_out, float* wsum_out) {
   const hfc::RowSlots slots{nslots, 0, 0, nslots};
   float acc[N] = {}, wsum = 0.0f;
-  Load load{part_o};
+  Load load{part_o, (int64_t)nslots * total};
   if (plain) {
     for (int s = 0; s < nslots; ++s) {
       const int64_t at = (int64_t)slots(s) * total + item;
@@ -89,7 +93,7 @@ def _merge(lib, lse, o, nslots, total, item, mx, plain):
     return acc, wsum
 
 
-@pytest.mark.parametrize("nslots", [0, 1, 3, 4, 5, 8, 9, 33, 38])
+@pytest.mark.parametrize("nslots", [0, 1, 3, 4, 5, 7, 8, 9, 16, 17, 33, 38])
 @pytest.mark.parametrize("seed", range(3))
 def test_merge_slots_loads_ahead_and_sums_as_the_plain_loop(library, nslots, seed):
     rng = np.random.default_rng(seed)
@@ -105,6 +109,7 @@ def test_merge_slots_loads_ahead_and_sums_as_the_plain_loop(library, nslots, see
     plain = _merge(library, lse, o, nslots, total, item, mx, plain=1)
     for a, b in zip(fast, plain):
         assert a.tobytes() == b.tobytes()
+    assert library.loads_past_end() == 0          # the last, part-filled group reads no slot past the row's
     if np.isfinite(mine).any():
         w = np.exp2(mine[np.isfinite(mine)].astype(np.float64) - float(mx))
         assert np.isclose(plain[1][0], w.sum(), rtol=1e-5)      # the loop merges what it should

@@ -43,34 +43,29 @@ __device__ __forceinline__ void merge_add(float lse, const float (&o)[N], float 
 }
 
 // item's slots [0, nslots) in order into wsum and acc (empty partials skipped); load(at, v) reads the N values of
-// slot-item `at` (at x D + the caller's offset) that the caller accumulates. Four slots at a time: their LSEs and
-// values are loaded together, then added in slot order (one slot after another, each a load of its LSE and then of
-// its values, waited on the memory twice a slot: a row of a long prefix has 32 and more). Every slot of a row is
-// written by the step's kernels (an empty one with values 0), so loading an empty slot's values is in bounds.
+// slot-item `at` (at x D + the caller's offset) that the caller accumulates. kAhead slots at a time, the last round
+// too: their LSEs and values are loaded together, then added in slot order (a row of a 16k prefix has 33 slots; the
+// merge's time is these rounds' memory latency, so 8 a round: 5 rounds there, where 4 a round and one at a time for
+// the rest took 9 and 2 loads waited on per leftover slot). Every slot of a row is written by the step's kernels (an
+// empty one with values 0), so loading an empty slot's values is in bounds.
 template <int N, typename Load>
 __device__ __forceinline__ void merge_slots(const float* part_lse, int64_t total, int64_t item, const RowSlots& slots,
                                             int nslots, float mx, float& wsum, float (&acc)[N], Load load) {
-  constexpr int kAhead = 4;
-  int s = 0;
-  for (; s + kAhead <= nslots; s += kAhead) {
+  constexpr int kAhead = 8;
+  for (int s = 0; s < nslots; s += kAhead) {
     float lse[kAhead], v[kAhead][N];
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
-      const int64_t at = (int64_t)slots(s + u) * total + item;
-      lse[u] = part_lse[at];
-      load(at, v[u]);
+      lse[u] = neg_inf();
+      if (s + u < nslots) {  // the same for every thread of an item
+        const int64_t at = (int64_t)slots(s + u) * total + item;
+        lse[u] = part_lse[at];
+        load(at, v[u]);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u)
       if (lse[u] != neg_inf()) merge_add(lse[u], v[u], mx, wsum, acc);  // the same for every thread of an item
-  }
-  for (; s < nslots; ++s) {
-    const int64_t at = (int64_t)slots(s) * total + item;
-    const float lse = part_lse[at];
-    if (lse == neg_inf()) continue;  // the same for every thread of an item
-    float v[N];
-    load(at, v);
-    merge_add(lse, v, mx, wsum, acc);
   }
 }
 
