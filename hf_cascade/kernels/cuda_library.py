@@ -37,9 +37,10 @@ PREBUILT = Path(__file__).resolve().parent / _build.LIBRARY_NAME
 WRITE_KERNEL_ENV = "HF_CASCADE_WRITE_KERNEL"
 write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")  # tests set it
 # On: the cache write reads K/V where they lie (hfc_write_strided: e.g. V as a column slice of a fused q|k|v product)
-# instead of copying them contiguous first (one copy kernel a layer, 72 us of the 8B step on the H200). Off until
-# tests/kernels/test_gpu_kernels.py's strided write test has passed on a GPU (the kernel has not run on one yet).
-strided_write = False
+# instead of copying them contiguous first (one copy kernel a layer, 72 us of the 8B 16k x 8 beam step on the H200;
+# that copy is gone with the kernel: benchmarks/RESULTS.md). tests/kernels/test_gpu_kernels.py's strided write tests
+# passed on the H200 (2026-12-05)
+strided_write = True
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)

@@ -6,8 +6,8 @@ that are Llama's, source for source, are wrapped (Gemma's and OLMo2's norms, Phi
 model's state_dict unchanged; inside a generate call that asks (and only there) every norm and every rotary
 embedding of every forward goes to the kernels (CPU stand-ins here: the library's kernels decline CPU tensors), stock's
 tokens in float64, and a call that does not ask, a forward outside generate, a forward that wants gradients and a
-compiled forward run the originals. The MLP activation kernel (``fused_ops.act_kernel``, off by default: tests turn it
-on) likewise for exactly the MLPs with Llama's forward and a SiLU, and with the flag off no MLP is wrapped. GPU
+compiled forward run the originals. The MLP activation kernel (``fused_ops.act_kernel``, on by default; tests set it)
+likewise for exactly the MLPs with Llama's forward and a SiLU, and with the flag off no MLP is wrapped. GPU
 (tests/decode/test_gpu_fused_ops.py): the kernels against the references, and tokens with them in a captured step.
 """
 from __future__ import annotations
@@ -278,7 +278,7 @@ def test_exactly_the_llama_silu_mlps_take_the_activation_kernel(name, monkeypatc
 
 
 def test_with_the_flag_off_no_mlp_is_wrapped(monkeypatch):
-    assert fused_ops.act_kernel is False        # the default until the kernel's GPU test has passed
+    monkeypatch.setattr(fused_ops, "act_kernel", False)
     kernels = StandIns(monkeypatch)
     stock, cascade = _model("Llama", "sdpa"), _model("Llama")
     copied = _fresh_llama_mlp_class()

@@ -454,8 +454,8 @@ def test_the_write_kernel_equals_the_torch_write(dtype, tokens, copies, monkeypa
 def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, copies, monkeypatch):
     """hfc_write_strided (cuda_library.strided_write on) reads V, or K and V, where they lie as column slices of a
     fused [tokens, q | k | v] product (an 8B layer's widths) and leaves the pool byte for byte as the torch write does,
-    eagerly and replayed from a CUDA graph; the cache's dispatch hands them over uncopied. strided_write stays off
-    until this has passed on a GPU."""
+    eagerly and replayed from a CUDA graph; the cache's dispatch hands them over uncopied (strided_write is on by
+    default since this passed on the H200)."""
     from hf_cascade import cache as cache_module
     from hf_cascade.kernels import cuda_library
     monkeypatch.setattr(cuda_library, "write_kernel", True)
