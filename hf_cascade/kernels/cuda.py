@@ -372,10 +372,10 @@ def _launch(lib, stream: int, q, pool, st: _StepState, params: AttentionParams, 
     scale_log2, softcap, window = layer.scale_log2, layer.softcap, layer.window
     suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
     with _suffix_branch(stream, q.device) as suffix_stream:
+        _launch_prefix_levels(lib, stream, q, pool, st, scale_log2, softcap, window, kv, kernels)
         kernels.suffix(lib, suffix_stream, SuffixArgs(
             q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens, st.nsplit, st.suffix_slot0,
             scale_log2, softcap, window, kv))
-        _launch_prefix_levels(lib, stream, q, pool, st, scale_log2, softcap, window, kv, kernels)
     kernels.merge(lib, stream, MergeArgs(
         st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit, st.row_nmid if three else None,
         st.max_chunks, layer.sinks))
