@@ -95,6 +95,13 @@ HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, in
                                 reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_copy_blocks_layers(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
+                                   const int64_t* copy_dst, int64_t copies, int64_t block_bytes, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::copy_blocks_layers_launch(pools, layers, copy_src, copy_dst, copies, block_bytes,
+                                             reinterpret_cast<cudaStream_t>(stream));
+}
+
 HFC_API int hfc_rms_norm(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden, int64_t x_stride,
                          float eps, int32_t dtype, uintptr_t stream) {
   hfc::clear_error();

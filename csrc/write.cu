@@ -3,7 +3,10 @@
 // moved as 16-byte vectors of raw bytes (any element type: bf16, fp16, an fp8 pool's encoded bytes). K and V are read
 // with their own token strides (a token's Hkv x D elements contiguous): with fused projections V is a column slice of
 // the fused q|k|v product, read where it lies instead of copied first.
-// Semantics: hf_cascade/cache.py `_write_slots` (pool[copy_dst] = pool[copy_src]; then
+// A static step's copies of every layer's pool can also go in one launch before the forward (copy_blocks_layers_launch:
+// the pairs are the same for all layers, and nothing writes a source block before the layers' own writes); the
+// layers' writes then pass no copies.
+// Semantics: hf_cascade/kv/cache.py `_write_slots` (pool[copy_dst] = pool[copy_src]; then
 // pool[write_block[i], 0|1, write_offset[i]] = key[i] | value[i]); layout: csrc/include/hfc/params.h.
 
 #include "hfc/errors.h"
@@ -16,12 +19,11 @@ namespace {
 
 constexpr int kWriteThreads = 128;
 
-// CTA (pair i, part y): part y of block copy i. A pair copying a block onto itself, or repeating pair 0 (a static
-// step pads its pairs so), does nothing: the copies of one step are simultaneous (no id is both a source and a
+// Part y (of gridDim.y) of block copy i within one pool. A pair copying a block onto itself, or repeating pair 0 (a
+// static step pads its pairs so), does nothing: the copies of one step are simultaneous (no id is both a source and a
 // destination), so skipping an exact repeat changes nothing.
-__global__ void __launch_bounds__(kWriteThreads)
-    copy_blocks_kernel(uint4* pool, const int64_t* __restrict__ src, const int64_t* __restrict__ dst,
-                       int64_t block_vecs) {
+__device__ __forceinline__ void copy_block_part(uint4* pool, const int64_t* __restrict__ src,
+                                                const int64_t* __restrict__ dst, int64_t block_vecs) {
   const int i = blockIdx.x;
   const int64_t s = __ldg(src + i), d = __ldg(dst + i);
   if (s == d || (i > 0 && s == __ldg(src) && d == __ldg(dst))) return;
@@ -29,6 +31,26 @@ __global__ void __launch_bounds__(kWriteThreads)
   uint4* to = pool + d * block_vecs;
   for (int64_t v = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; v < block_vecs; v += (int64_t)gridDim.y * blockDim.x)
     to[v] = from[v];
+}
+
+// CTA (pair i, part y): part y of block copy i.
+__global__ void __launch_bounds__(kWriteThreads)
+    copy_blocks_kernel(uint4* pool, const int64_t* __restrict__ src, const int64_t* __restrict__ dst,
+                       int64_t block_vecs) {
+  copy_block_part(pool, src, dst, block_vecs);
+}
+
+// CTA (pair i, part y, layer z): part y of block copy i in layer z's pool, whose base address is pools[z].
+__global__ void __launch_bounds__(kWriteThreads)
+    copy_blocks_layers_kernel(const uint64_t* __restrict__ pools, const int64_t* __restrict__ src,
+                              const int64_t* __restrict__ dst, int64_t block_vecs) {
+  copy_block_part(reinterpret_cast<uint4*>(__ldg(pools + blockIdx.z)), src, dst, block_vecs);
+}
+
+// The copy grid's parts per pair: ~4 vectors per thread, at most 16 CTAs a block.
+dim3 copy_grid(int64_t copies, int64_t block_vecs, int64_t layers) {
+  const int64_t parts = (block_vecs + 4 * kWriteThreads - 1) / (4 * kWriteThreads);
+  return dim3((unsigned)copies, (unsigned)(parts < 16 ? parts : 16), (unsigned)layers);
 }
 
 // CTA (token i, kv): token i's K (kv 0) or V (kv 1), token_vecs vectors starting key_stride_vecs (value_stride_vecs)
@@ -72,8 +94,7 @@ cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t
   const int64_t token_vecs = token_bytes / 16;
   if (copies > 0) {
     const int64_t block_vecs = 2 * block_size * token_vecs;
-    const int64_t parts = (block_vecs + 4 * kWriteThreads - 1) / (4 * kWriteThreads);  // ~4 vectors per thread
-    const dim3 grid((unsigned)copies, (unsigned)(parts < 16 ? parts : 16));
+    const dim3 grid = copy_grid(copies, block_vecs, 1);
     copy_blocks_kernel<<<grid, kWriteThreads, 0, stream>>>(static_cast<uint4*>(pool), copy_src, copy_dst,
                                                            block_vecs);
   }
@@ -84,6 +105,24 @@ cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t
                                                             write_offset, token_vecs, key_stride_bytes / 16,
                                                             value_stride_bytes / 16, block_size);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t copy_blocks_layers_launch(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
+                                      const int64_t* copy_dst, int64_t copies, int64_t block_bytes,
+                                      cudaStream_t stream) {
+  if (layers < 0 || copies < 0 || block_bytes < 16 || block_bytes % 16 != 0)
+    return fail(cudaErrorInvalidValue, "copy_blocks_layers: layers %lld, copies %lld, block_bytes %lld (a multiple of "
+                "16 needed)", (long long)layers, (long long)copies, (long long)block_bytes);
+  if (layers > 65535 || copies > 0x7fffffff)
+    return fail(cudaErrorInvalidConfiguration, "copy_blocks_layers: %lld layers (65535 at most), %lld copies in one "
+                "launch", (long long)layers, (long long)copies);
+  if (layers == 0 || copies == 0) return cudaSuccess;
+  // (the pools' base addresses are read on the device: the caller checks that each is 16-byte aligned)
+  if (pools == nullptr || (reinterpret_cast<uintptr_t>(pools) & 7) != 0 || copy_src == nullptr || copy_dst == nullptr)
+    return fail(cudaErrorInvalidValue, "copy_blocks_layers: a NULL pointer, or pools not 8-byte aligned");
+  const dim3 grid = copy_grid(copies, block_bytes / 16, layers);
+  copy_blocks_layers_kernel<<<grid, kWriteThreads, 0, stream>>>(pools, copy_src, copy_dst, block_bytes / 16);
   return cudaGetLastError();
 }
 

@@ -705,6 +705,9 @@ class BlocksHold:
         for layer in cache.layers:
             if layer.storage is not None:
                 layer.storage.ensure(pool_blocks + 1)     # + the scratch block
+        # (a kept step may replay from here on without a step begun on the host: the all-layer copy's addresses
+        # follow pools that moved first)
+        cache.follow_pool_addresses()
         if like is not None and like.pool_blocks != pool_blocks:     # (a cap kept this pool below the kept one)
             like = None
         blocks = device_blocks.DeviceBlocks.from_host(manager, layout, pool_blocks, device=loop.device, like=like)

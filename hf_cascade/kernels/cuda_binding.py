@@ -188,6 +188,11 @@ class _Lib:
             lib.hfc_write_strided.restype = ctypes.c_int
             lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
                                               ctypes.c_size_t]
+        # (likewise: a library without it leaves a static step's copy-on-write copies to each layer's write)
+        self.has_layer_copies = hasattr(lib, "hfc_copy_blocks_layers")
+        if self.has_layer_copies:
+            lib.hfc_copy_blocks_layers.restype = ctypes.c_int
+            lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -395,3 +400,12 @@ class _Lib:
                                               value_stride, write_block.data_ptr(), write_offset.data_ptr(), tokens,
                                               copy_src.data_ptr(), copy_dst.data_ptr(), n_copies, pool.shape[2],
                                               token_bytes, stream), "write_strided")
+
+    def copy_blocks_layers(self, pool_addresses, copy_src, copy_dst, block_bytes: int, stream: int) -> None:
+        """A static step's copy-on-write copies ``pool[copy_dst[i]] = pool[copy_src[i]]`` in every layer's pool in one
+        launch (``csrc/write.cu``): ``pool_addresses`` int64 ``[layers]``, each pool's base address (16-byte aligned,
+        blocks of ``block_bytes`` bytes, a multiple of 16); ``copy_src``, ``copy_dst`` int64 ``[copies]``; all
+        contiguous on the pools' device (``cuda_library.copy_blocks_layers`` checks them)."""
+        self.check(self.lib.hfc_copy_blocks_layers(pool_addresses.data_ptr(), pool_addresses.shape[0],
+                                                   copy_src.data_ptr(), copy_dst.data_ptr(), copy_src.shape[0],
+                                                   block_bytes, stream), "copy_blocks_layers")

@@ -8,10 +8,12 @@ compiled with nvcc (:mod:`hf_cascade.kernels._build`) for the present GPU on fir
 version; else the backend is unavailable (the reason starts with "CUDA kernels unavailable", on which
 :func:`hf_cascade.kernels.select` WARNs once with what to do) and the next backend runs.
 
-The cache write (:func:`write_slots`) uses the library where a backend has loaded it, for any backend's pool.
+The cache write (:func:`write_slots`) uses the library where a backend has loaded it, for any backend's pool; so
+does a static step's copy-on-write copies of every layer at once (:func:`copy_blocks_layers`, with
+:data:`layer_copies`).
 
 Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``; ``_arch_of``;
-``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests); ``strided_write`` (set by tests).
+``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests); ``strided_write`` and ``layer_copies`` (set by tests).
 """
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1").strip().lower() not in ("0"
 # that copy is gone with the kernel: benchmarks/RESULTS.md). tests/kernels/test_gpu_kernels.py's strided write tests
 # passed on the H200 (2026-12-05)
 strided_write = True
+# On: a static step that copies blocks (beam search) launches the copy-on-write copies of every layer's pool at once,
+# before the forward (hfc_copy_blocks_layers, from hf_cascade.kv.cache.CascadeCache), and the layers' writes launch
+# none: 32 launches a beam step at 8B, 101 us of the 6.4 ms step on the H200. Off until its GPU tests
+# (tests/kernels/test_gpu_kernels.py, tests/decode/test_gpu_whole_step.py) have passed (it has not run on a GPU yet).
+layer_copies = False
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
@@ -192,6 +199,31 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
         lib.write_strided(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
     else:
         return False
+    return True
+
+
+def copy_blocks_layers(pool_addresses: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor,
+                       block_bytes: int) -> bool:
+    """A static step's copy-on-write copies ``pool[copy_dst[i]] = pool[copy_src[i]]`` in every layer's pool in one
+    launch of the library's kernel (``csrc/write.cu``, on the current stream: inside a CUDA graph when captured), where
+    the library is loaded for the device (:func:`loaded`) and has the kernel; False where it did not run (the layers'
+    writes then copy their own blocks). ``pool_addresses`` int64 ``[layers]``: each pool's base address (16-byte
+    aligned; the caller's to check, as the kernel reads them on the device), every pool with blocks of ``block_bytes``
+    (a multiple of 16); ``copy_src``, ``copy_dst`` int64 ``[copies]``; pairs that copy a block onto itself or repeat
+    pair 0 are skipped. The caller decides where it is wanted (:data:`layer_copies`)."""
+    if not pool_addresses.is_cuda:
+        return False
+    lib = loaded(pool_addresses.device)
+    if lib is None or not getattr(lib, "has_layer_copies", False):
+        return False
+    tensors = (pool_addresses, copy_src, copy_dst)
+    if (block_bytes < 16 or block_bytes % 16 or pool_addresses.dim() != 1 or copy_src.dim() != 1
+            or copy_dst.shape != copy_src.shape
+            or any(t.dtype != torch.int64 or not t.is_contiguous() or t.device != pool_addresses.device
+                   for t in tensors)):
+        return False
+    lib.copy_blocks_layers(pool_addresses, copy_src, copy_dst, int(block_bytes),
+                           torch.cuda.current_stream(pool_addresses.device).cuda_stream)
     return True
 
 

@@ -8,6 +8,9 @@ or on the device before the forward (:meth:`CascadeCache.begin_planned_step`: th
 itself in the context and hands the context to the attention function (:mod:`hf_cascade.context` says how).
 Inside ``generate`` the decode steps follow a :class:`~hf_cascade.plan.DecodeLayout` (static shapes and buffers:
 what a captured CUDA graph replays), sized for the tokens made so far and widened geometrically as rows grow.
+A static step that copies blocks (beam search) may copy them in every layer's pool at once when it begins
+(:meth:`CascadeCache._copy_blocks_of_all_layers`: one kernel launch, ``cuda_library.layer_copies``), and its layers'
+writes then copy none.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from ..config import CascadeConfig
 from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_context, set_context
 from ..kernels import cuda_library
 from ..kernels.base import with_kv_scale
+from ..kernels.capture import capture_underway
 from .memory import make_storage
 from ..precision import as_computed
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
@@ -35,6 +39,10 @@ logger = logging.getLogger("hf_cascade")
 # evaluation loop meets a few ways the rows share (a prompt long enough for its beams to read it once, one below the
 # cascade's threshold read as solo rows) and prompt lengths more than ADOPT_SPAN apart
 KEPT_LAYOUTS = 4
+# The CPU's form of the all-layer copy (CascadeCache._copy_blocks_of_all_layers: torch index copies, one layer after
+# another, once per step), so that CPU tests run a static step's copies where a GPU with cuda_library.layer_copies
+# does: off (each layer's write copies its own blocks) unless a test turns it on
+cpu_layer_copies = False
 
 
 def _write_slots(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_block: torch.Tensor,
@@ -69,6 +77,13 @@ def _write_slots_torch(pool, key, value, write_block, write_offset, copy_src, co
         target[copy_dst] = target[copy_src]
     for kv, stored in enumerate((key, value)):
         target[write_block, kv, write_offset] = stored.view(torch.uint8) if quantized else stored
+
+
+def _copy_blocks_torch(pool: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor) -> None:
+    """One pool's copy-on-write copies ``pool[copy_dst] = pool[copy_src]`` in torch ops, as :func:`_write_slots_torch`
+    copies them (the all-layer copy's CPU form: :data:`cpu_layer_copies`)."""
+    target = pool.view(torch.uint8) if pool.element_size() == 1 else pool
+    target[copy_dst] = target[copy_src]
 
 
 # The write as an operator for torch.compile: inductor calls it as it is. Lowered to its own Triton kernel, the write
@@ -295,10 +310,14 @@ class CascadeCache(Cache):
         # set by the generate entry when beam search filled it: its rows are the running beams, not the sequences
         # generate returned (a flag of the cache, so that it travels with copies)
         self._filled_by_beam_search = False
+        # the all-layer copy's pool addresses per device: {device: (addresses, int64 tensor of them there, tensors it
+        # replaced)}, made on first use (None: none made yet; see _pool_addresses_on)
+        self._pool_addresses: dict | None = None
 
     # ---- copies (copy.deepcopy, pickle, torch.save) ---------------------------------------------------
     # what belongs to a step or a generate call in progress: never copied (a copy starts between calls)
-    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layouts": (), "_decode_max_length": None}
+    _TRANSIENT = {"_context": None, "_layout": None, "_kept_layouts": (), "_decode_max_length": None,
+                  "_pool_addresses": None}
 
     def __getstate__(self):
         return {**self.__dict__, **self._TRANSIENT}
@@ -551,7 +570,10 @@ class CascadeCache(Cache):
         if self._layout is None:
             raise RuntimeError("begin_planned_step needs the static decode layout of a decode in progress")
         self._end_step()
-        return self._new_context(self._layout.planned_step(device, copies))
+        plan = self._layout.planned_step(device, copies)
+        if copies and self._copy_blocks_of_all_layers(plan, device):
+            plan = self._layout.planned_step(device, copies=False)      # (copied: the layers launch no copy)
+        return self._new_context(plan)
 
     def restore_blocks(self, tables, lengths, refcount, logical_length: int, peak_blocks: int = 0) -> None:
         """Take back the block state that device steps reached (see :meth:`begin_planned_step`)."""
@@ -638,10 +660,80 @@ class CascadeCache(Cache):
             for layer in self.layers:
                 if layer.is_initialized:
                     layer.storage.ensure(self.blocks.capacity)
+            self.follow_pool_addresses()
+            if plan.copies and self._copy_blocks_of_all_layers(plan):
+                plan.copies = False             # (a plan of this step alone: the layers launch no copy)
         self._new_context(plan)
         self.logical_length += q_len
         self._peak_blocks = max(self._peak_blocks, self.blocks.blocks_in_use)
         return self._context
+
+    # ---- a static step's copies of every layer at once ----------------------------------------------------------
+    def _copy_blocks_of_all_layers(self, plan: StepPlan, device=None) -> bool:
+        """The copy-on-write copies of the static step ``plan`` (its pairs padded to the rows, on the layout's buffers)
+        in every layer's pool at once, as the step begins (on the current stream: inside the graph where the step is
+        captured), where it can: every layer's pool initialized on ``device`` (default: the first layer's) with blocks
+        of one size, not while torch.compile traces; on CUDA with ``cuda_library.layer_copies`` on, one launch of the
+        library's kernel over the pools' addresses (:meth:`_pool_addresses_on`); on the CPU with
+        :data:`cpu_layer_copies` on, torch copies layer by layer. Returns whether it copied: the layers' writes then
+        pass ``copies=False``. Nothing writes a source block between the step's start and a layer's write, and every
+        layer's pairs are the same: the copies are those each layer's write would make."""
+        if not plan.static or not plan.copies or _is_compiling() or not self.layers:
+            return False
+        if not all(layer.is_initialized for layer in self.layers):
+            return False
+        storages = [layer.storage for layer in self.layers]
+        device = storages[0].device if device is None else torch.device(device)
+        cuda = device.type == "cuda"
+        if not (cuda_library.layer_copies if cuda else cpu_layer_copies):
+            return False
+        dp = plan.on(device)        # (by the name the step's plan has it under: a planned step's, uploaded by none)
+        if cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        block_bytes = storages[0].block_nbytes
+        if any(s.block_nbytes != block_bytes or s.device != device for s in storages):
+            return False
+        if not cuda:
+            for storage in storages:
+                _copy_blocks_torch(storage.stable_view(), dp.copy_src, dp.copy_dst)
+            return True
+        addresses = self._pool_addresses_on(device)
+        return addresses is not None and cuda_library.copy_blocks_layers(addresses, dp.copy_src, dp.copy_dst,
+                                                                         block_bytes)
+
+    def _pool_addresses_on(self, device: torch.device, make: bool = True) -> torch.Tensor | None:
+        """An int64 tensor on ``device`` of every layer's pool base address (``storage.stable_view()``, in layer order),
+        as the pools lie now: made once (``make``), rewritten in place where a pool moved, only outside a CUDA graph
+        capture (an upload); None inside one where it is not up to date, or where a pool cannot be read so (none yet,
+        empty, not contiguous, not 16-byte aligned). A captured step reads it by address and replays only on the pools
+        it was captured on (graphs.pool_signature, in its key): the tensor keeps its address and always holds the
+        pools' current addresses (:meth:`follow_pool_addresses`)."""
+        views = [None if layer.storage is None else layer.storage.stable_view() for layer in self.layers]
+        if not views or any(v is None or not v.is_contiguous() or v.device != device or v.data_ptr() == 0
+                            or v.data_ptr() % 16 for v in views):
+            return None
+        addresses = tuple(v.data_ptr() for v in views)
+        known = self._pool_addresses = {} if self._pool_addresses is None else self._pool_addresses
+        found = known.get(str(device))
+        if found is not None and found[0] == addresses:
+            return found[1]
+        if (found is None and not make) or capture_underway():
+            return None
+        values = torch.tensor(addresses, dtype=torch.int64)
+        if found is not None and found[1].shape == values.shape:
+            tensor, replaced = found[1], found[2]
+            tensor.copy_(values)            # (in place, stream-ordered: a kept graph reads it by address)
+        else:       # (a new count of layers: a graph captured on the old tensor keeps it alive here)
+            tensor, replaced = values.to(device), (() if found is None else (*found[2], found[1]))
+        known[str(device)] = (addresses, tensor, replaced)
+        return tensor
+
+    def follow_pool_addresses(self) -> None:
+        """Rewrite the all-layer copy's pool addresses (made so far) where a pool moved: a ``grow`` pool that grew,
+        pools of a new call. Called where pools are made ready for static steps (a host step's begin, a device hold
+        before its first step or replay: hf_cascade.decode.whole_step.BlocksHold.take), outside any capture."""
+        for key in list(self._pool_addresses or ()):
+            self._pool_addresses_on(torch.device(key), make=False)
 
     def _new_context(self, plan) -> StepContext:
         """The one place a step's context is made: every step of this cache, planned on the host or on the device."""

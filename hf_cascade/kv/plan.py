@@ -64,7 +64,8 @@ class StepPlan:
     # call (:meth:`rewrite_prefix`: a kept encoder-decoder state's cross plan, seq2seq/cross_kv.py)
     fixed_widths: bool = False
     # whether the step's layers launch the copy-on-write copies (a static step pads its pairs and always does); False
-    # for a planned step of rows that append to no shared block (DecodeLayout.planned_step(copies=False))
+    # for a planned step of rows that append to no shared block (DecodeLayout.planned_step(copies=False)), and for a
+    # static step whose copies of every layer were made as it began (CascadeCache._copy_blocks_of_all_layers)
     copies: bool = True
     _on_device: dict = field(default_factory=dict, repr=False)
 

@@ -1,6 +1,7 @@
 """The whole decode step captured on the GPU (hf_cascade/decode/whole_step.py): block bookkeeping, forward and token choice
 in one CUDA graph per decode layout. Replays equal the same step run eagerly bitwise in bf16; float32 (TF32 off)
-gives stock's tokens for greedy, beam search and seeded sampling; a second call and a layout widening work.
+gives stock's tokens for greedy, beam search and seeded sampling; a second call and a layout widening work; beam steps
+that copy every layer's blocks at once (cuda_library.layer_copies) give the tokens of per-layer copies.
 
 Run on the GPU machine: ``pytest -m gpu tests/decode/test_gpu_whole_step.py``.
 """
@@ -11,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_cascade import CascadeConfig
+from hf_cascade.kernels import cuda_library
 
 from conftest import RunnerSpy
 from test_gpu_graphs import _batch
@@ -149,3 +151,64 @@ def test_an_evaluation_loop_replays_the_kept_steps_across_prompt_lengths(bf16_mo
             captures.append(spy.runners[-1].captures)
     assert sum(captures[:len(EVAL_LENGTHS)]) < len(EVAL_LENGTHS), captures
     assert captures[len(EVAL_LENGTHS):] == [0] * len(EVAL_LENGTHS), captures
+
+
+def _count_layer_copies(monkeypatch) -> list:
+    """The all-layer copy's launches from now on (True each; False where it did not run)."""
+    launches, real = [], cuda_library.copy_blocks_layers
+
+    def spy(*args):
+        launches.append(real(*args))
+        return launches[-1]
+
+    monkeypatch.setattr(cuda_library, "copy_blocks_layers", spy)
+    return launches
+
+
+@pytest.mark.parametrize("case", ["beam", "beam-eos"])
+@pytest.mark.parametrize("memory", ["auto", "grow"])
+def test_captured_beam_steps_with_the_all_layer_copy_give_the_same_tokens(monkeypatch, case, memory):
+    """cuda_library.layer_copies on: a captured beam whole step copies the copy-on-write blocks of every layer's pool in
+    one launch as it begins (inside the graph) and its layers' writes launch none; it gives the tokens of the same
+    call with the flag off, bitwise (bf16), across a layout widening (a second graph), with vmm pools (fixed addresses)
+    and grow pools (they move as they grow: the address tensor is rewritten in place between graphs); a second call
+    replays the kept graph (vmm) and gives the same tokens again. One model per setting: a model keeps its graph."""
+    ids, mask = _batch((700, 460, 590), seed=1)
+    kw = dict(max_new_tokens=90, pad_token_id=0, **CASES[case])     # 90 > the first layout's room: one widening
+    outs = []
+    spy = RunnerSpy(monkeypatch)
+    launches = _count_layer_copies(monkeypatch)
+    for on in (False, True):
+        monkeypatch.setattr(cuda_library, "layer_copies", on)
+        _, model = _models(torch.bfloat16)
+        torch.manual_seed(11)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask,
+                                   hf_cascade_config=CascadeConfig(cuda_graphs=True, memory=memory), **kw))
+        assert bool(launches) == on and all(launches)
+    off, on = spy.runners
+    assert off.captures >= 2 and on.captures >= 2 and on.replays > 30
+    assert torch.equal(outs[0], outs[1])
+    if memory == "auto":
+        torch.manual_seed(11)
+        again = model.generate(input_ids=ids, attention_mask=mask,
+                               hf_cascade_config=CascadeConfig(cuda_graphs=True, memory=memory), **kw)
+        assert spy.runners[-1].captures == 0 and spy.runners[-1].replays > 30
+        assert torch.equal(again, outs[0])
+
+
+def test_float32_beam_steps_with_the_all_layer_copy_give_stock_tokens(monkeypatch):
+    """float32 (TF32 off), cuda_library.layer_copies on: a captured beam call gives stock's tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(cuda_library, "layer_copies", True)
+    launches = _count_layer_copies(monkeypatch)
+    stock, cascade = _models(torch.float32)
+    ids, mask = _batch((300, 210), seed=2)
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **CASES["beam"])
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got)
+    assert launches and all(launches)
+    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)

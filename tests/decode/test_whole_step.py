@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -128,6 +129,129 @@ def test_only_steps_that_can_copy_blocks_launch_the_copies(name, llama_pair, run
     assert set(planned) == {name == "beam"}
     if name != "beam":      # (no device step's layer wrote with copies; the host's first decode step may)
         assert writes.count(False) >= len(planned) * len(cascade.model.layers)
+
+
+def _stored_tokens(cache) -> list[torch.Tensor]:
+    """Each layer's K/V of every row's tokens, ``[tokens of all rows, 2, Hkv, D]``, read through the block tables: what
+    a later step reads (slots no row holds are left out: their bytes are whatever the pool held)."""
+    tables, lengths, bs = cache.blocks.tables(), cache.blocks.lengths, cache.block_size
+    t = [np.arange(int(n)) for n in lengths]
+    blocks = torch.from_numpy(np.concatenate([tables[row, tokens // bs] for row, tokens in enumerate(t)])).long()
+    offsets = torch.from_numpy(np.concatenate([tokens % bs for tokens in t])).long()
+    return [layer.storage.tensor[blocks, :, offsets] for layer in cache.layers]
+
+
+def _call_with_layer_copies(cascade, ids, mask, kwargs, monkeypatch, on: bool):
+    """A call on a cache of its own with the all-layer copy's CPU form on or off: (tokens, the cache)."""
+    monkeypatch.setattr(cache_module, "cpu_layer_copies", on)
+    cache = CascadeCache(cascade.config, EAGER)
+    return _generate(cascade, ids, mask, config=None, **kwargs, **cache_kw(cascade, cache)), cache
+
+
+@pytest.mark.parametrize("name", ["beam", "beam-returned", "beam-sample"])
+def test_beam_steps_copy_every_layer_at_once_with_stock_tokens(name, eos_llama, runner_spy, monkeypatch):
+    """With the all-layer copy on (its CPU form, cache_module.cpu_layer_copies, as cuda_library.layer_copies on a GPU),
+    each static step of a beam call copies its copy-on-write blocks in every layer's pool once as it begins, and no
+    layer's write of such a step copies: the tokens are stock's, and after each call (two prompt batches) every layer
+    stores the K/V of the per-layer copies' call byte for byte."""
+    stock, cascade = eos_llama
+    planned, copied, writes = [], [], []
+    real_begin, real_copy, real_write = (CascadeCache.begin_planned_step, cache_module._copy_blocks_torch,
+                                         cache_module._write_slots)
+
+    def begin(self, device, copies=True):
+        ctx = real_begin(self, device, copies)
+        planned.append(ctx.plan.copies)
+        return ctx
+
+    def copy_blocks(pool, src, dst):
+        copied.append(pool.data_ptr())
+        return real_copy(pool, src, dst)
+
+    def write(*args):
+        writes.append(args[-1])
+        return real_write(*args)
+
+    monkeypatch.setattr(CascadeCache, "begin_planned_step", begin)
+    monkeypatch.setattr(cache_module, "_copy_blocks_torch", copy_blocks)
+    monkeypatch.setattr(cache_module, "_write_slots", write)
+    kwargs = dict(SETTINGS[name], max_new_tokens=24)
+    layers = len(cascade.model.layers)
+    for seed, lengths in ((4, (23, 17)), (6, (9, 30, 14))):
+        ids, mask = padded_batch(seed=seed, lengths=lengths)
+        per_layer, per_layer_cache = _call_with_layer_copies(cascade, ids, mask, kwargs, monkeypatch, on=False)
+        assert not copied and set(planned) == {True}
+        del planned[:], writes[:]
+        steps = _device_steps(runner_spy)
+        got, cache = _call_with_layer_copies(cascade, ids, mask, kwargs, monkeypatch, on=True)
+        assert _device_steps(runner_spy) - steps >= 10 and len(planned) >= 10
+        assert set(planned) == {False}                       # every device step's copies were made as it began
+        assert len(copied) % layers == 0 and len(copied) >= len(planned) * layers
+        assert {layer.storage.tensor.data_ptr() for layer in cache.layers} <= set(copied)   # (grow pools move)
+        assert writes.count(False) >= len(planned) * layers
+        assert torch.equal(got, per_layer)
+        assert torch.equal(got, _generate(stock, ids, mask, config=None, **kwargs))
+        for mine, theirs in zip(_stored_tokens(cache), _stored_tokens(per_layer_cache), strict=True):
+            assert torch.equal(mine, theirs)
+        del planned[:], copied[:], writes[:]
+
+
+def test_a_skipped_all_layer_copy_is_seen(eos_llama, runner_spy, monkeypatch):
+    """The comparison above sees a copy that does not happen: with the all-layer copy on but copying nothing (the
+    layers' writes skip theirs all the same), the rows' copy-on-write blocks lack their earlier tokens, and the stored
+    K/V differ from the per-layer copies'."""
+    _, cascade = eos_llama
+    ids, mask = padded_batch(seed=4)
+    kwargs = dict(SETTINGS["beam"], max_new_tokens=24)
+    _, per_layer = _call_with_layer_copies(cascade, ids, mask, kwargs, monkeypatch, on=False)
+    monkeypatch.setattr(cache_module, "_copy_blocks_torch", lambda pool, src, dst: None)
+    _, skipped = _call_with_layer_copies(cascade, ids, mask, kwargs, monkeypatch, on=True)
+    assert _device_steps(runner_spy) >= 10
+    assert not all(torch.equal(a, b) for a, b in zip(_stored_tokens(skipped), _stored_tokens(per_layer)))
+
+
+def test_the_all_layer_copy_follows_pools_that_move(llama_pair, monkeypatch):
+    """The all-layer copy's address tensor (what a captured step reads by address) is made once per device and, where a
+    pool moves (a grow pool that grows), rewritten in place at the next point where pools are made ready
+    (follow_pool_addresses: a host step's begin, a device hold), never inside a capture, where a stale one is not
+    used (the layers copy their own blocks then). Pools of two block sizes, or a layer without a pool, take no
+    all-layer copy."""
+    stock, cascade = llama_pair
+    ids, mask = padded_batch(seed=4)
+    cache = CascadeCache(cascade.config, dict(EAGER, memory="grow"))
+    _generate(cascade, ids, mask, config=None, max_new_tokens=4, num_beams=2, **cache_kw(cascade, cache))
+    cpu = torch.device("cpu")
+    addresses = cache._pool_addresses_on(cpu)
+    assert addresses.tolist() == [layer.storage.tensor.data_ptr() for layer in cache.layers]
+    assert cache._pool_addresses_on(cpu) is addresses                   # made once
+    storage = cache.layers[1].storage
+    storage.ensure(2 * storage.num_blocks)                              # the pool grows: a new tensor
+    assert addresses[1] != storage.tensor.data_ptr()
+    monkeypatch.setattr(cache_module, "capture_underway", lambda: True)
+    assert cache._pool_addresses_on(cpu) is None                        # stale, and no upload inside a capture
+    cache.follow_pool_addresses()
+    assert addresses[1] != storage.tensor.data_ptr()
+    monkeypatch.setattr(cache_module, "capture_underway", lambda: False)
+    cache.follow_pool_addresses()
+    assert addresses.tolist() == [layer.storage.tensor.data_ptr() for layer in cache.layers]
+    assert cache._pool_addresses_on(cpu) is addresses                   # in place: the same tensor
+    # which steps take the all-layer copy
+    monkeypatch.setattr(cache_module, "cpu_layer_copies", True)
+    cache.begin_decode(cache.logical_length + 8)
+    cache.prepare_step(cache.blocks.num_rows)
+    plan = cache.plan
+    assert plan.static and not plan.copies                              # copied as the step began
+    plan.copies = True
+    monkeypatch.setattr(storage, "block_nbytes", storage.block_nbytes // 2)
+    assert not cache._copy_blocks_of_all_layers(plan)                   # two block sizes
+    monkeypatch.undo()
+    monkeypatch.setattr(cache_module, "cpu_layer_copies", True)
+    assert cache._copy_blocks_of_all_layers(plan)
+    monkeypatch.setattr(cache.layers[0], "is_initialized", False)
+    assert not cache._copy_blocks_of_all_layers(plan)                   # a layer without its pool
+    monkeypatch.setattr(cache_module, "cpu_layer_copies", False)
+    monkeypatch.setattr(cache.layers[0], "is_initialized", True)
+    assert not cache._copy_blocks_of_all_layers(plan)                   # off
 
 
 def test_shared_system_prompt_three_levels(llama_pair, runner_spy):

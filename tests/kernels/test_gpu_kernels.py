@@ -486,3 +486,64 @@ def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, 
     torch.cuda.synchronize()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     _assert_the_replayed_write_gives(want, pool, args)
+
+
+def _layer_pairs(g, blocks: int, real: int, copies: int):
+    """(copy_src, copy_dst) int64 [copies] on the GPU: ``real`` copies of distinct blocks, the rest a static step's
+    padding (pair 0 repeated, and a block copied onto itself)."""
+    ids = torch.randperm(blocks, device="cuda", generator=g)
+    src, dst = ids[:real], ids[real:2 * real]
+    pad = copies - real
+    if pad:
+        src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+        dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+    return src.contiguous(), dst.contiguous()
+
+
+def _per_layer_copies(pools, copy_src, copy_dst) -> list:
+    """Each pool as its layer's own torch write leaves it with these copies and no tokens."""
+    from hf_cascade.kv import cache as cache_module
+    out, none = [], torch.zeros(0, dtype=torch.int64, device="cuda")
+    for pool in pools:
+        want = pool.clone()
+        empty = want.new_empty((0, *want.shape[3:]))
+        cache_module._write_slots_torch(want, empty, empty, none, none, copy_src, copy_dst, True)
+        out.append(want)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layers, real, copies", [(32, 5, 8), (3, 1, 1), (4, 0, 3), (2, 13, 16), (12, 64, 64)])
+def test_the_all_layer_copy_kernel_equals_per_layer_torch_copies(dtype, layers, real, copies):
+    """hfc_copy_blocks_layers (cuda_library.copy_blocks_layers: one launch over the pools' addresses) leaves every
+    layer's pool byte for byte as its own torch copy does (ragged pairs, a static step's padding: pair 0 repeated, a
+    self-copy; 8B-shaped 64 KB blocks), eagerly and replayed from a CUDA graph; the graph reads the addresses and the
+    pairs when it replays (other pairs written into the same tensors after the capture are the ones copied)."""
+    from hf_cascade.kernels import cuda_library
+    lib = cuda_backend.library(torch.device("cuda"))        # loaded, as the cuda backend loads it
+    assert lib.has_layer_copies
+    g = torch.Generator(device="cuda").manual_seed(layers * 100 + real * 10 + copies)
+    blocks, bs, H, D = 160, 16, 8, 128
+    pools = [torch.randn(blocks, 2, bs, H, D, device="cuda", generator=g).to(dtype) for _ in range(layers)]
+    block_bytes = 2 * bs * H * D * pools[0].element_size()
+    copy_src, copy_dst = _layer_pairs(g, blocks, real, copies)
+    want = _per_layer_copies(pools, copy_src, copy_dst)
+    got = [p.clone() for p in pools]
+    addresses = torch.tensor([p.data_ptr() for p in got], dtype=torch.int64, device="cuda")
+    assert cuda_library.copy_blocks_layers(addresses, copy_src, copy_dst, block_bytes)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+    # captured with other pairs in the tensors, replayed after this case's are written in: this case's copies
+    replayed = [p.clone() for p in pools]
+    addresses.copy_(torch.tensor([p.data_ptr() for p in replayed], dtype=torch.int64))
+    src, dst = copy_src.clone(), copy_dst.clone()
+    other_src, other_dst = _layer_pairs(g, blocks, min(real + 1, copies), copies)
+    src.copy_(other_src), dst.copy_(other_dst)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert cuda_library.copy_blocks_layers(addresses, src, dst, block_bytes)
+    src.copy_(copy_src), dst.copy_(copy_dst)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(replayed, want))

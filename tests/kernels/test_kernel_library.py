@@ -81,6 +81,17 @@ int hfc_write_strided(void* pool, const void* key, const void* value, int64_t ke
   return 0;
 }
 #endif
+#ifdef WITH_LAYER_COPIES   /* a library with the all-layer copy: it keeps what it was called with */
+const void* stub_copy_ptrs[3];
+int64_t stub_copy_sizes[4];
+int hfc_copy_blocks_layers(const void* pools, int64_t layers, const void* src, const void* dst, int64_t copies,
+                           int64_t block_bytes, uintptr_t s) {
+  stub_copy_ptrs[0] = pools, stub_copy_ptrs[1] = src, stub_copy_ptrs[2] = dst;
+  const int64_t n[4] = {layers, copies, block_bytes, (int64_t)s};
+  for (int i = 0; i < 4; ++i) stub_copy_sizes[i] = n[i];
+  return 0;
+}
+#endif
 #ifdef WITH_SILU_MUL   /* a library with the MLP activation kernel: it keeps what it was called with */
 const void* stub_silu_ptrs[3];
 int64_t stub_silu_sizes[6];
@@ -351,6 +362,57 @@ def test_the_binding_passes_the_strided_write_its_strides_in_bytes(tmp_path):
         assert sizes == [32, value_stride, tokens, tokens, 16, 32, 77]
         lib.write_strided(pool, key, value, block, offset, src, dst, False, 77)
         assert list((ctypes.c_int64 * 7).in_dll(lib.lib, "stub_write_sizes"))[3] == 0
+
+
+def test_the_all_layer_copy_is_called_with_the_addresses_and_pairs_it_names(tmp_path, monkeypatch):
+    """cuda_binding looks hfc_copy_blocks_layers up (a library built before it has none: has_layer_copies False) and
+    passes the address array, the layers, the pairs, their count, the block bytes and the stream;
+    cuda_library.copy_blocks_layers launches it only for a library that has it and int64 contiguous tensors on the
+    pools' device with whole 16-byte vectors per block (False otherwise: the layers copy their own blocks), and
+    layer_copies stays off until its GPU tests have passed."""
+    assert cuda_library.layer_copies is False
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_layer_copies
+    lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION, "WITH_LAYER_COPIES"))
+    assert lib.has_layer_copies
+    addresses, src, dst = torch.arange(3, dtype=torch.int64), torch.arange(5), torch.arange(5) + 5
+    lib.copy_blocks_layers(addresses, src, dst, 4096, 66)
+    assert list((ctypes.c_void_p * 3).in_dll(lib.lib, "stub_copy_ptrs")) == [t.data_ptr() for t in (addresses, src,
+                                                                                                  dst)]
+    assert list((ctypes.c_int64 * 4).in_dll(lib.lib, "stub_copy_sizes")) == [3, 5, 4096, 66]
+    assert not cuda_library.copy_blocks_layers(addresses, src, dst, 4096)              # (CPU tensors)
+
+    class CudaLike:       # a tensor that says it is on a GPU, for the checks before a launch
+        def __init__(self, t):
+            self.t, self.is_cuda, self.device = t, True, torch.device("cuda", 0)
+            self.dtype, self.shape = t.dtype, t.shape
+
+        def dim(self):
+            return self.t.dim()
+
+        def is_contiguous(self):
+            return self.t.is_contiguous()
+
+    launches = []
+
+    class Loaded:
+        has_layer_copies = True
+
+        def copy_blocks_layers(self, *args):
+            launches.append(args)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("Stream", (), {"cuda_stream": 9}))
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: Loaded())
+    a, s, d = CudaLike(addresses), CudaLike(src), CudaLike(dst)
+    assert cuda_library.copy_blocks_layers(a, s, d, 4096) and launches[-1][3:] == (4096, 9)
+    strided = CudaLike(torch.arange(10)[::2])
+    for bad in ((a, s, d, 24), (a, s, d, 0), (CudaLike(addresses.int()), s, d, 4096), (a, strided, d, 4096),
+                (a, s, CudaLike(dst[:4]), 4096), (CudaLike(addresses[None]), s, d, 4096)):
+        assert not cuda_library.copy_blocks_layers(*bad)
+    monkeypatch.setattr(Loaded, "has_layer_copies", False)
+    assert not cuda_library.copy_blocks_layers(a, s, d, 4096)
+    monkeypatch.setattr(cuda_library, "loaded", lambda device: None)
+    assert not cuda_library.copy_blocks_layers(a, s, d, 4096)
+    assert len(launches) == 1
 
 
 def test_the_elementwise_kernels_take_only_layouts_they_read_as_they_are(tmp_path):

@@ -1,15 +1,17 @@
 """The cache write kernel's source (csrc/write.cu) run on the CPU (no GPU needed).
 
-write.cu as it is (its kernels and its launcher, write_launch, with the launcher's argument checks) and csrc/api.cu's
-hfc_write and hfc_write_strided, compiled with the system C++ compiler over a shim of the CUDA built-ins they use
-(``blockIdx``, ``blockDim``, ``threadIdx``, ``gridDim``, ``__ldg``, ``uint4``, ``dim3``); each ``kernel<<<grid,
-threads, smem, stream>>>(...)`` launch becomes a host loop calling the kernel once per (CTA, thread) of its grid, one
-after another (the write's CTAs share nothing: no barriers, no atomics). Called through the real ctypes binding
-(cuda_binding._Lib.write / write_strided) with CPU tensors, it must leave the pool byte for byte as the torch write
-(hf_cascade/kv/cache.py ``_write_slots_torch``): K/V contiguous and strided (V, and K, as column slices of a fused
-[tokens, (Hq + 2 Hkv) x D] product), with and without block copies (a static step's padding pairs among them), a bf16
-and an fp8 pool, block sizes 1 and 16. This checks the kernels' indexing and the launcher's grid and checks, not the
-GPU's code for them: tests/kernels/test_gpu_kernels.py runs them on a GPU.
+write.cu as it is (its kernels and its launchers, write_launch and copy_blocks_layers_launch, with their argument
+checks) and csrc/api.cu's hfc_write, hfc_write_strided and hfc_copy_blocks_layers, compiled with the system C++
+compiler over a shim of the CUDA built-ins they use (``blockIdx``, ``blockDim``, ``threadIdx``, ``gridDim``,
+``__ldg``, ``uint4``, ``dim3``); each ``kernel<<<grid, threads, smem, stream>>>(...)`` launch becomes a host loop
+calling the kernel once per (CTA, thread) of its grid, one after another (the write's CTAs share nothing: no barriers,
+no atomics). Called through the real ctypes binding (cuda_binding._Lib.write / write_strided / copy_blocks_layers)
+with CPU tensors, it must leave the pool byte for byte as the torch write (hf_cascade/kv/cache.py
+``_write_slots_torch``): K/V contiguous and strided (V, and K, as column slices of a fused [tokens, (Hq + 2 Hkv) x D]
+product), with and without block copies (a static step's padding pairs among them), a bf16 and an fp8 pool, block
+sizes 1 and 16; and the all-layer copy (a static step's copies in every layer's pool in one launch, the pools found by
+their addresses) leaves every pool as each layer's own torch copy would. This checks the kernels' indexing and the
+launchers' grids and checks, not the GPU's code for them: tests/kernels/test_gpu_kernels.py runs them on a GPU.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ static cudaError_t cudaGetLastError() { return cudaSuccess; }
 static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(...)
 
 // a launch: every CTA of the grid, every thread of the CTA, one after another
@@ -75,16 +79,17 @@ def _api_function(api: str, name: str) -> str:
 
 
 def _source() -> str:
-    """The shim, write.cu with its launches turned into emu_launch, and api.cu's two write entries."""
+    """The shim, write.cu with its launches turned into emu_launch, and api.cu's write and all-layer copy entries."""
     cu = (CSRC / "write.cu").read_text(encoding="utf-8")
     cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
-    assert launches == 2, "write.cu's two launches (the block copies, the tokens) not found"
+    assert launches == 3, "write.cu's three launches (the block copies, the tokens, the all-layer copies) not found"
     api = (CSRC / "api.cu").read_text(encoding="utf-8")
     # (api.cu's own error functions: its first `namespace hfc` block)
     errors_start = api.index("namespace hfc {")
     error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
-    entries = "\n".join(_api_function(api, name) for name in ("hfc_write", "hfc_write_strided"))
+    entries = "\n".join(_api_function(api, name) for name in ("hfc_write", "hfc_write_strided",
+                                                              "hfc_copy_blocks_layers"))
     errors = """
 const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
 const char* hfc_last_error(void) { return hfc::last_error(); }
@@ -94,7 +99,8 @@ const char* hfc_last_error(void) { return hfc::last_error(); }
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The binding (cuda_binding._Lib's own write / write_strided and error check) on the emulated library."""
+    """The binding (cuda_binding._Lib's own write / write_strided / copy_blocks_layers and error check) on the
+    emulated library."""
     lib = host_library(tmp_path_factory.mktemp("write"), "write", _source(),
                        ["-std=c++17", "-Wall", "-Werror", "-Wno-unused-function"])
     _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -102,6 +108,8 @@ def emulated(tmp_path_factory):
     lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
     lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
                                       ctypes.c_size_t]
+    lib.hfc_copy_blocks_layers.restype = ctypes.c_int
+    lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
     lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
     lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
     binding = object.__new__(cuda_binding._Lib)
@@ -215,3 +223,92 @@ def test_the_fit_check_takes_what_the_kernel_reads():
     assert not fits(fused[:, (HQ + HKV) * D + 1:][:, :HKV * D - 8].view(5, HKV, D - 4))   # not 16-byte aligned
     assert not fits(_aligned(5, HKV * D, torch.bfloat16, g, row_stride=HKV * D + 4).view(5, HKV, D))  # 72 bytes apart
     assert not fits(v.as_strided(v.shape, (8, D, 1)))                          # tokens overlap
+
+
+def _layer_pools(layers: int, block_shape, dtype, seed: int, blocks: int = BLOCKS) -> list[torch.Tensor]:
+    """``layers`` pools ``[blocks, *block_shape]`` of random bytes, each 16-byte aligned (as the kernel needs)."""
+    g = torch.Generator().manual_seed(seed)
+    width = 1
+    for n in block_shape:
+        width *= n
+    return [_aligned(blocks, width, dtype, g).view(blocks, *block_shape) for _ in range(layers)]
+
+
+def _padded_pairs(real: int, copies: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(copy_src, copy_dst) int64 [copies]: ``real`` copies of distinct blocks, then a static step's padding: pair 0
+    repeated, and one block copied onto itself (last, where there is room)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(BLOCKS, generator=g)
+    src, dst = ids[:real], ids[real:2 * real]
+    pad = copies - real
+    if pad:
+        src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+        dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+    return src.contiguous(), dst.contiguous()
+
+
+def _addresses(pools) -> torch.Tensor:
+    return torch.tensor([p.data_ptr() for p in pools], dtype=torch.int64)
+
+
+def _torch_copies(pools, copy_src, copy_dst) -> list[torch.Tensor]:
+    """Each pool as its layer's own write leaves it with copies and no tokens (the per-layer path)."""
+    out = []
+    for pool in pools:
+        want, none = pool.clone(), torch.zeros(0, dtype=torch.int64)
+        empty = want.new_empty((0, *want.shape[3:]))
+        cache_module._write_slots_torch(want, empty, empty, none, none, copy_src, copy_dst, True)
+        out.append(want)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("block_shape", [(2, 1, HKV, D), (2, 16, HKV, D), (2, 64, 8, 64)],
+                         ids=["block1", "block16", "parts16"])
+@pytest.mark.parametrize("layers, real, copies", [(3, 4, 7), (1, 1, 1), (4, 2, 2), (2, 0, 3), (5, 3, 5)])
+def test_the_all_layer_copy_source_equals_each_layers_torch_copy(emulated, dtype, block_shape, layers, real, copies):
+    """hfc_copy_blocks_layers over the pools' addresses leaves every layer's pool byte for byte as its own torch copy
+    does: ragged pairs (``real`` copies, the rest a static step's padding: pair 0 repeated, a self-copy; or padding
+    alone), bf16 and fp8 (1-byte) pools, one to five layers, blocks of 1, 16 and 64 tokens (the widest over 16 parts
+    of the grid's second dimension, each thread moving several vectors)."""
+    pools = _layer_pools(layers, block_shape, dtype, seed=layers * 31 + real * 7 + copies)
+    copy_src, copy_dst = _padded_pairs(real, copies, seed=real + copies)
+    want = _torch_copies(pools, copy_src, copy_dst)
+    got = [p.clone() for p in pools]
+    block_bytes = got[0][0].numel() * got[0].element_size()
+    emulated.copy_blocks_layers(_addresses(got), copy_src, copy_dst, block_bytes, 0)
+    for g, w, before in zip(got, want, pools):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        assert torch.equal(g.view(torch.uint8), before.view(torch.uint8)) == (real == 0)   # (real copies move bytes)
+
+
+def test_the_all_layer_copy_takes_pools_of_any_dtype_with_the_same_block_bytes(emulated):
+    """The kernel moves raw bytes: a bf16 pool and an fp8 pool with twice the heads (the same bytes a block) are
+    copied in one launch, each as its own torch copy does; a pool left out of the addresses is left as it was."""
+    (bf16,) = _layer_pools(1, (2, 16, HKV, D), torch.bfloat16, seed=1)
+    (fp8, other) = _layer_pools(2, (2, 16, 2 * HKV, D), torch.float8_e4m3fn, seed=2)
+    copy_src, copy_dst = _padded_pairs(3, 6, seed=5)
+    want = _torch_copies([bf16, fp8], copy_src, copy_dst)
+    got, left_out = [bf16.clone(), fp8.clone()], other.clone()
+    emulated.copy_blocks_layers(_addresses(got), copy_src, copy_dst, 2 * 16 * HKV * D * 2, 0)
+    assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want))
+    assert torch.equal(left_out.view(torch.uint8), other.view(torch.uint8))
+
+
+def test_the_all_layer_copy_refuses_what_it_cannot_copy(emulated):
+    """Block bytes that are not whole 16-byte vectors, a layer count past the grid's third dimension and a NULL
+    address array are refused with a message naming them; nothing is copied. No layers or no pairs copy nothing."""
+    pools = _layer_pools(2, (2, 16, HKV, D), torch.bfloat16, seed=3)
+    before = [p.clone() for p in pools]
+    copy_src, copy_dst = _padded_pairs(2, 2, seed=1)
+    addresses = _addresses(pools)
+    with pytest.raises(RuntimeError, match=r"copy_blocks_layers failed: .*block_bytes 24 \(a multiple of 16 needed"):
+        emulated.copy_blocks_layers(addresses, copy_src, copy_dst, 24, 0)
+    lib = emulated.lib
+    rc = lib.hfc_copy_blocks_layers(addresses.data_ptr(), 65536, copy_src.data_ptr(), copy_dst.data_ptr(), 2, 2048, 0)
+    assert rc != 0 and b"65536 layers (65535 at most)" in lib.hfc_last_error()
+    rc = lib.hfc_copy_blocks_layers(None, 2, copy_src.data_ptr(), copy_dst.data_ptr(), 2, 2048, 0)
+    assert rc != 0 and b"NULL" in lib.hfc_last_error()
+    assert lib.hfc_copy_blocks_layers(None, 0, None, None, 2, 2048, 0) == 0
+    assert lib.hfc_copy_blocks_layers(addresses.data_ptr(), 2, None, None, 0, 2048, 0) == 0
+    assert all(torch.equal(p, b) for p, b in zip(pools, before))

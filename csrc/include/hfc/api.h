@@ -7,9 +7,9 @@
  *
  *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
- *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write, hfc_write_strided
- *                     are: they only launch on `stream` (a cudaStream_t as an integer), with grids computed from the
- *                     params alone.
+ *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write, hfc_write_strided,
+ *                     hfc_copy_blocks_layers are: they only launch on `stream` (a cudaStream_t as an integer),
+ *                     with grids computed from the params alone.
  */
 #pragma once
 
@@ -52,6 +52,13 @@ HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, in
                               int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
                               int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
                               int64_t block_size, int64_t token_bytes, uintptr_t stream);
+/* A static step's copy-on-write copies pool[copy_dst[i]] = pool[copy_src[i]] in every layer's pool at once
+   (csrc/write.cu), before the forward, so that the layers' writes pass no copies: pools [layers] a device array of the
+   pools' base addresses (16-byte aligned; any element type, blocks of block_bytes each, a multiple of 16), copy_src,
+   copy_dst [copies] int64 on the same device; a pair that copies a block onto itself or repeats pair 0 is skipped, as
+   in hfc_write. Capture safe; added as hfc_write_strided was. */
+HFC_API int hfc_copy_blocks_layers(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
+                                   const int64_t* copy_dst, int64_t copies, int64_t block_bytes, uintptr_t stream);
 /* RMSNorm of a step's rows (csrc/elementwise.cu): x [rows, hidden] with row stride x_stride elements, weight [hidden],
    out [rows, hidden] contiguous, one dtype code (HFC_BF16, HFC_FP16) for all three. Added without an ABI bump: the
    binding looks it up and leaves the norms to torch where a library lacks it. */

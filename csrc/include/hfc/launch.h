@@ -22,6 +22,11 @@ cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t
                          int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
                          int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
                          int64_t block_size, int64_t token_bytes, cudaStream_t stream);
+// csrc/write.cu: a static step's copy-on-write copies in every layer's pool at once: pools[layers] (device) holds each
+// pool's base address (16-byte aligned), every pool has blocks of block_bytes (a multiple of 16)
+cudaError_t copy_blocks_layers_launch(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
+                                      const int64_t* copy_dst, int64_t copies, int64_t block_bytes,
+                                      cudaStream_t stream);
 // csrc/elementwise.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out; the rotary
 // embedding of q [batch, q_heads, tokens, head_dim] and k (strided, head_dim contiguous) into contiguous q_out,
 // k_out; both with eager mode's roundings
