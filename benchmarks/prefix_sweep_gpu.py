@@ -228,15 +228,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--shapes", default=None, help="comma-separated GxBxP shapes (e.g. 8x8x1k,8x16x16k) instead of the "
                                                   "built-in ones")
-    p.add_argument("--suffix-inline", action="store_true",
-                   help="a captured layer launches the suffix on the prefix's stream (before 2026-12-05: the suffix "
-                        "kernel now runs beside the prefix kernel in a graph)")
     p.add_argument("--profile", action="store_true", help="also each candidate's kernels (torch.profiler, graph replays)")
     p.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/prefix_sweep_gpu.json)")
     args = p.parse_args(argv)
     args.out = args.out or str(harness.results_path("prefix_sweep_gpu"))
     global SHAPES, DTYPE
-    cuda_backend.concurrent_suffix = not args.suffix_inline
     DTYPE = getattr(torch, args.dtype)
     if args.shapes:
         SHAPES = [parse_shape(t) for t in args.shapes.split(",")]
@@ -267,7 +263,6 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     console.print(f"shapes and float32 references ready at {time.perf_counter() - t0:.1f} s")
     meta = dict(harness.run_record(__file__, argv), gpu=props.name, sms=props.multi_processor_count, dtype=args.dtype,
-                suffix_beside_prefix=cuda_backend.concurrent_suffix and args.timing == "graph",
                 copy_bandwidth_bytes_per_s=bw, reps=args.reps, max_rel_err=MAX_REL_ERR)
     out = Path(args.out)
     results: list[dict] = []

@@ -9,12 +9,6 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
-The suffix reads neither the prefix's partials nor its output, so a captured step (a CUDA graph) runs it beside the
-prefix kernel (:data:`concurrent_suffix`): a fork onto a side stream before the prefix and a join before the merge,
-which become two branches of the graph. Its few dozen tokens a row take the loads' latency (microseconds) with a few
-dozen CTAs; beside the prefix kernel that time is hidden. The same kernels read the same inputs: the captured step's
-results are the eager step's, bit for bit. Eager launches stay on one stream (the fork's events cost host time there).
-
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
 bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
@@ -334,28 +328,6 @@ def attend(q, pool, plan, params: AttentionParams | float):
     return BACKEND.attend(q, pool, plan, params)
 
 
-# a captured step runs the suffix kernel on a side stream beside the prefix kernel (the module's docstring). Off until
-# tests/kernels/test_gpu_kernels.py's captured-layer test has passed on a GPU (the fork has not been captured on one)
-concurrent_suffix = False
-_side_streams: dict = {}        # device index -> the side stream of captured steps
-
-
-@contextlib.contextmanager
-def _suffix_branch(stream: int, device: torch.device):
-    """The stream the suffix launches on, and the join after it: beside ``stream`` while a graph is being captured
-    (:data:`concurrent_suffix`), else ``stream`` itself."""
-    if not (concurrent_suffix and stream and torch.cuda.is_current_stream_capturing()):
-        yield stream
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_streams.get(device.index)
-    if side is None:
-        side = _side_streams[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(main)              # the fork: after everything before it (the layer's cache write)
-    yield side.cuda_stream
-    main.wait_stream(side)              # the join: the merge reads the suffix's partials
-
-
 def _launch(lib, stream: int, q, pool, st: _StepState, params: AttentionParams, out, kernels=ops) -> None:
     """The launches of one layer (``kernels``: :mod:`hf_cascade.kernels.ops`, or a CPU emulation in the tests)."""
     # the layer's variants: runtime scalars of the launches (fixed per layer: a CUDA graph bakes them); the
@@ -370,25 +342,19 @@ def _launch(lib, stream: int, q, pool, st: _StepState, params: AttentionParams, 
     kv = kv_scale(pool) if is_quantized(pool) else None
     # (positional: built per launch, and keywords cost several times as much on the host)
     scale_log2, softcap, window = layer.scale_log2, layer.softcap, layer.window
-    suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
-    with _suffix_branch(stream, q.device) as suffix_stream:
-        _launch_prefix_levels(lib, stream, q, pool, st, scale_log2, softcap, window, kv, kernels)
-        kernels.suffix(lib, suffix_stream, SuffixArgs(
-            q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens, st.nsplit, st.suffix_slot0,
-            scale_log2, softcap, window, kv))
-    kernels.merge(lib, stream, MergeArgs(
-        st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit, st.row_nmid if three else None,
-        st.max_chunks, layer.sinks))
-
-
-def _launch_prefix_levels(lib, stream, q, pool, st: _StepState, scale_log2, softcap, window, kv, kernels) -> None:
-    dp = st.dp
     if st.has_prefix:
         kernels.prefix(lib, stream, PrefixArgs(
             q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse, st.m_tile, st.row_tiles,
             st.chunk_tokens, st.max_chunks, scale_log2, dp.q_limit, 0, softcap, window, st.tune, kv))
-    if st.three and st.mid.has:
+    if three and st.mid.has:
         mid = st.mid
         kernels.prefix(lib, stream, PrefixArgs(
             q, pool, dp.mid_group_rows, dp.mid_table, dp.mid_len, st.part_o, st.part_lse, mid.m_tile, mid.row_tiles,
             mid.chunk_tokens, mid.max_chunks, scale_log2, dp.q_limit, st.max_chunks, softcap, window, mid.tune, kv))
+    suffix_table, q_limit = (dp.inner_suffix_table, dp.inner_q_limit) if three else (dp.suffix_table, dp.q_limit)
+    kernels.suffix(lib, stream, SuffixArgs(
+        q, pool, suffix_table, q_limit, st.part_o, st.part_lse, st.split_tokens, st.nsplit, st.suffix_slot0,
+        scale_log2, softcap, window, kv))
+    kernels.merge(lib, stream, MergeArgs(
+        st.part_o, st.part_lse, st.row_nchunks, out, st.suffix_slot0, st.nsplit, st.row_nmid if three else None,
+        st.max_chunks, layer.sinks))

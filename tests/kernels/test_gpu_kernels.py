@@ -325,41 +325,6 @@ def test_window_in_a_cuda_graph_follows_the_device_lengths(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("three", [False, True])
-@pytest.mark.parametrize("suffix", [(1, 70), (200, 1024)])
-def test_a_captured_layer_runs_the_suffix_beside_the_prefix_bit_for_bit(monkeypatch, suffix, three):
-    monkeypatch.setattr(cuda_binding, "debug_sync", False)   # no device synchronisation inside a capture
-    # the captured layer forks the suffix kernel onto a side stream and joins it before the merge: the graph's
-    # result is the eager launches' (one stream), bit for bit, over replays with NaN in the partial buffers between
-    if three:
-        lay = random_three_level(1300, sys_tokens=2048, prompts=4, beams=4, own_tokens=(300, 700), suffix=suffix,
-                                 lone_rows=2, Hkv=2, ratio=4, D=128, bs=16)
-        q, pool, plan, scale = lay.q.to("cuda", BF), lay.pool.to("cuda", BF), step_plan(lay), lay.scale
-    else:
-        q, pool, plan, scale = make_case(1300, dtype=BF, D=128, Hkv=8, ratio=4, bs=16,
-                                         groups=((8, 3000), (2, 90)), lone_rows=1, suffix=suffix)
-    monkeypatch.setattr(cuda_backend, "concurrent_suffix", True)
-    eager = cuda_attend(q, pool, plan, scale).clone()
-    torch.cuda.synchronize()
-    side_streams = dict(cuda_backend._side_streams)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cuda_attend(q, pool, plan, scale)
-    assert q.device.index in cuda_backend._side_streams      # the capture took the side branch
-    assert side_streams.get(q.device.index) in (None, cuda_backend._side_streams[q.device.index])
-    st = states(plan)[0]
-    assert st.three == three
-    for _ in range(3):
-        st.part_o.fill_(float("nan"))
-        st.part_lse.fill_(float("nan"))
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    compare(eager, reference.attend(q.float(), pool.float(), plan, scale), q)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("ratio,Lq", [(1, 1), (4, 2), (8, 1)])
