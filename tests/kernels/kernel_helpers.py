@@ -225,3 +225,16 @@ def step_context_of(plan: StepPlan) -> StepContext:
     if entry is None or entry[0] is not plan:
         entry = _contexts[id(plan)] = (plan, StepContext(None, plan, 0))
     return entry[1]
+
+
+def padded_pairs(generator: torch.Generator, blocks: int, real: int, copies: int,
+                 device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(copy_src, copy_dst) int64 [copies] over ``blocks`` block ids: ``real`` copies of distinct blocks, then a static
+    step's padding: pair 0 repeated, and one block copied onto itself (last, where there is room)."""
+    ids = torch.randperm(blocks, generator=generator, device=device)
+    src, dst = ids[:real], ids[real:2 * real]
+    pad = copies - real
+    if pad:
+        src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+        dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
+    return src.contiguous(), dst.contiguous()

@@ -27,7 +27,7 @@ from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning
 from hf_cascade.kernels import reference
 from hf_cascade.kernels.base import AttentionParams, as_params
-from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
+from kernel_helpers import padded_pairs, random_layout, random_three_level, step_context_of, step_plan
 
 BF, FP = torch.bfloat16, torch.float16
 
@@ -453,18 +453,6 @@ def test_the_strided_write_kernel_equals_the_torch_write(dtype, layout, tokens, 
     _assert_the_replayed_write_gives(want, pool, args)
 
 
-def _layer_pairs(g, blocks: int, real: int, copies: int):
-    """(copy_src, copy_dst) int64 [copies] on the GPU: ``real`` copies of distinct blocks, the rest a static step's
-    padding (pair 0 repeated, and a block copied onto itself)."""
-    ids = torch.randperm(blocks, device="cuda", generator=g)
-    src, dst = ids[:real], ids[real:2 * real]
-    pad = copies - real
-    if pad:
-        src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
-        dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
-    return src.contiguous(), dst.contiguous()
-
-
 def _per_layer_copies(pools, copy_src, copy_dst) -> list:
     """Each pool as its layer's own torch write leaves it with these copies and no tokens."""
     from hf_cascade.kv import cache as cache_module
@@ -492,7 +480,7 @@ def test_the_all_layer_copy_kernel_equals_per_layer_torch_copies(dtype, layers, 
     blocks, bs, H, D = 160, 16, 8, 128
     pools = [torch.randn(blocks, 2, bs, H, D, device="cuda", generator=g).to(dtype) for _ in range(layers)]
     block_bytes = 2 * bs * H * D * pools[0].element_size()
-    copy_src, copy_dst = _layer_pairs(g, blocks, real, copies)
+    copy_src, copy_dst = padded_pairs(g, blocks, real, copies, device="cuda")
     want = _per_layer_copies(pools, copy_src, copy_dst)
     got = [p.clone() for p in pools]
     addresses = torch.tensor([p.data_ptr() for p in got], dtype=torch.int64, device="cuda")
@@ -503,7 +491,7 @@ def test_the_all_layer_copy_kernel_equals_per_layer_torch_copies(dtype, layers, 
     replayed = [p.clone() for p in pools]
     addresses.copy_(torch.tensor([p.data_ptr() for p in replayed], dtype=torch.int64))
     src, dst = copy_src.clone(), copy_dst.clone()
-    other_src, other_dst = _layer_pairs(g, blocks, min(real + 1, copies), copies)
+    other_src, other_dst = padded_pairs(g, blocks, min(real + 1, copies), copies, device="cuda")
     src.copy_(other_src), dst.copy_(other_dst)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

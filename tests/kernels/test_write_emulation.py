@@ -27,6 +27,7 @@ from hf_cascade.kernels import cuda_binding, cuda_library
 from hf_cascade.kv import cache as cache_module
 
 from conftest import host_library
+from kernel_helpers import padded_pairs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
 
@@ -235,16 +236,7 @@ def _layer_pools(layers: int, block_shape, dtype, seed: int, blocks: int = BLOCK
 
 
 def _padded_pairs(real: int, copies: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(copy_src, copy_dst) int64 [copies]: ``real`` copies of distinct blocks, then a static step's padding: pair 0
-    repeated, and one block copied onto itself (last, where there is room)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(BLOCKS, generator=g)
-    src, dst = ids[:real], ids[real:2 * real]
-    pad = copies - real
-    if pad:
-        src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
-        dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
-    return src.contiguous(), dst.contiguous()
+    return padded_pairs(torch.Generator().manual_seed(seed), BLOCKS, real, copies)
 
 
 def _addresses(pools) -> torch.Tensor:
