@@ -160,18 +160,14 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
     }
   };
 
-  // the loop condition is uniform over the warp (tb does not depend on the lane). kAhead tokens per lane group in
-  // flight: a decode step's suffix is a few dozen tokens per row, so the CTA's time is the loads' latency, paid
-  // once per kAhead x STEP tokens (4: 32 tokens at D 128; 2 paid it four times for a 65-token suffix). A lane group
-  // still takes its tokens in the order tb + tg, tb + STEP + tg, ...: the same sums as before, bit for bit
-  constexpr int kAhead = 4;
-  for (int tb = t_lo + warp * TPW; tb < t_hi; tb += kAhead * STEP) {
-    Raw kk[kAhead], vv[kAhead];
-    bool ok[kAhead];
-#pragma unroll
-    for (int a = 0; a < kAhead; ++a) ok[a] = load_tok(tb + a * STEP + tg, kk[a], vv[a]);
-#pragma unroll
-    for (int a = 0; a < kAhead; ++a) process(kk[a], vv[a], ok[a], tb + a * STEP + tg);
+  // the loop condition is uniform over the warp (tb does not depend on the lane)
+  for (int tb = t_lo + warp * TPW; tb < t_hi; tb += 2 * STEP) {
+    Raw k0, v0, k1, v1;
+    const int t0 = tb + tg, t1 = tb + STEP + tg;
+    const bool ok0 = load_tok(t0, k0, v0);
+    const bool ok1 = load_tok(t1, k1, v1);
+    process(k0, v0, ok0, t0);
+    process(k1, v1, ok1, t1);
   }
 
   // merge the TPW token groups of the warp (lanes sub, sub + LPT, ...)

@@ -205,7 +205,6 @@ class Emulated:
         Ms = tb_.shape[1]
         TPW = 32 // (D // 8)
         STEP = 4 * TPW
-        AHEAD = 4       # tokens per lane group loaded before any is processed (kAhead)
         var = softcap > 0 or window > 0
         cap_in = f32(math.log(2.0) / softcap) if softcap > 0 else 0.0
         cap_out = f32(softcap * LOG2E) if softcap > 0 else 0.0
@@ -231,7 +230,7 @@ class Emulated:
                         tb = t_lo + warp * TPW
                         while tb < t_hi:
                             for tg in range(TPW):
-                                for t in (tb + a * STEP + tg for a in range(AHEAD)):
+                                for t in (tb + tg, tb + STEP + tg):
                                     blk = int(tb_[r, t // bs]) if t < t_hi else -1
                                     if blk < 0:
                                         continue
@@ -244,7 +243,7 @@ class Emulated:
                                         scores[qi].append(s)
                                         values[qi].append(v)
                                         keys[qi].append(t)
-                            tb += AHEAD * STEP
+                            tb += 2 * STEP
                     for qi in qis:
                         self.taken += [("suffix", -1, *where[qi], t) for t in keys[qi]]
                         yield (split, where[qi], *softmax_state(scores[qi], values[qi], D))
