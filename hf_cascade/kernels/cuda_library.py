@@ -195,7 +195,7 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
     stream = torch.cuda.current_stream(pool.device).cuda_stream
     if key.is_contiguous() and value.is_contiguous():
         lib.write(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
-    elif _strided_library(lib) and _tokens_fit(key) and _tokens_fit(value) and key.shape == value.shape:
+    elif _strided_fits(lib, key, value):
         lib.write_strided(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
     else:
         return False
@@ -233,17 +233,14 @@ def write_fits(pool: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bo
     device has ``hfc_write_strided``) each token's ``Hkv x D`` contiguous, tokens a multiple of 16 bytes apart (and no
     closer than a token's bytes), the data 16-byte aligned, as a fused q|k|v product's V slice is. Where not, the
     caller makes them contiguous first."""
-    if key.is_contiguous() and value.is_contiguous():
-        return True
-    if not strided_write or not _strided_library(loaded(pool.device)):
-        return False
-    return key.shape == value.shape and _tokens_fit(key) and _tokens_fit(value)
+    return (key.is_contiguous() and value.is_contiguous()) or _strided_fits(loaded(pool.device), key, value)
 
 
-def _strided_library(lib) -> bool:
-    """Whether ``lib`` (a loaded library or None) takes strided K/V: the flag on and a library with the entry (one
-    built before it has none)."""
-    return strided_write and lib is not None and getattr(lib, "has_strided_write", False)
+def _strided_fits(lib, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether ``lib`` (a loaded library or None) writes ``key`` and ``value`` as they lie: :data:`strided_write` on, a
+    library with the entry (one built before it has none), one shape, tokens the kernel reads (:func:`_tokens_fit`)."""
+    return (strided_write and lib is not None and getattr(lib, "has_strided_write", False)
+            and key.shape == value.shape and _tokens_fit(key) and _tokens_fit(value))
 
 
 def _tokens_fit(t: torch.Tensor) -> bool:

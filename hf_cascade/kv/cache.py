@@ -678,6 +678,8 @@ class CascadeCache(Cache):
         :data:`cpu_layer_copies` on, torch copies layer by layer. Returns whether it copied: the layers' writes then
         pass ``copies=False``. Nothing writes a source block between the step's start and a layer's write, and every
         layer's pairs are the same: the copies are those each layer's write would make."""
+        if not (cuda_library.layer_copies or cpu_layer_copies):     # (off: every planned step asks)
+            return False
         if not plan.static or not plan.copies or _is_compiling() or not self.layers:
             return False
         if not all(layer.is_initialized for layer in self.layers):
