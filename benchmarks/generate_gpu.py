@@ -344,9 +344,12 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=["reference", "cuda", "flashinfer"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                        help="module switches for this process, e.g. decode.whole_step.select_kernel=true")
     parser.add_argument("--out", help="JSON path (default: benchmarks/results/<sm90|...>/generate_gpu.json, "
                                       "without --whole-step generate_gpu_forward.json)")
     args = parser.parse_args(argv)
+    harness.apply_switches(args.set)      # (the command line in the record names them)
     args.out = args.out or str(harness.results_path("generate_gpu" if args.whole_step else "generate_gpu_forward"))
     dtype = getattr(torch, args.dtype)
     results, models = [], {}

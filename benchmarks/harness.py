@@ -231,6 +231,28 @@ def transformers_loop() -> dict:
     return dict(logits_processor=LogitsProcessorList([KeepScores()]))
 
 
+def apply_switches(settings: Sequence[str]) -> dict:
+    """``--set`` entries ``module.name=value`` (a module under hf_cascade, e.g. ``decode.whole_step.select_kernel=true``,
+    ``kernels.cuda_library.layer_copies=false``): each module-level switch set for this process, before any model
+    runs (a model keeps the graphs it captured, so a switch is compared across processes, each interleaved with stock).
+    Values: true/false, or an int. Returns the settings applied, for the run's record. Unknown names raise."""
+    import importlib
+    applied = {}
+    for entry in settings:
+        path, sep, text = entry.partition("=")
+        module_name, _, name = path.rpartition(".")
+        if not sep or not module_name:
+            raise SystemExit(f"--set takes module.name=value; got {entry!r}")
+        module = importlib.import_module(f"hf_cascade.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"--set: hf_cascade.{module_name} has no {name}")
+        value = {"true": True, "false": False}.get(text.lower())
+        value = int(text) if value is None else value
+        setattr(module, name, value)
+        applied[path] = value
+    return applied
+
+
 def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 

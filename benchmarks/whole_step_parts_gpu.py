@@ -160,8 +160,11 @@ def main():
                              "on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--quant", default=None, help="quantize the decoder's linears first (quantized_gpu.py's names)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                        help="module switches for this process, e.g. decode.whole_step.select_kernel=true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    harness.apply_switches(args.set)      # (the command line in the record names them)
     models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
     compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]

@@ -324,7 +324,7 @@ def new_state(config: SelectionConfig, input_ids: torch.Tensor, attention_mask: 
         raise ValueError(f"max_length {config.max_length} leaves no room after a {prompt_length}-token prompt")
     device = input_ids.device
     sequences = torch.full((rows, max(shape_bucket(config.max_length, MIN_BUCKET_TOKENS), width or 0)),
-                           _fill_value(config),
+                           fill_value(config),
                            dtype=torch.int64, device=device)
     sequences[:, :prompt_length] = input_ids
     prompt_start = penalty_start(attention_mask, rows, device)
@@ -401,19 +401,28 @@ def finalize(state: SelectionState) -> SelectionOutput:
 
 # --- the step -----------------------------------------------------------------------------------------------
 
-def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    config, active = state.config, ~state.done
+def sample_tokens(state: SelectionState, logits: torch.Tensor) -> torch.Tensor:
+    """A greedy / sampling step's chosen token per row ``[rows]``, before finished rows take the pad token: the
+    processors, then the argmax or the draw (which may flag ``state.invalid``). Greedy without processors takes the
+    argmax of the logits as they are: their float32 copy has the same order and the same first maximum."""
+    config = state.config
+    if not config.do_sample and not config.processor_names():
+        return torch.argmax(logits, dim=-1)
     scores = process_logits(state, logits.to(copy=True, dtype=torch.float32))
     if config.do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
-        _check_distribution(state, probs, active)
-        tokens = _multinomial(probs, 1, state.generator).squeeze(1)
-    else:
-        tokens = torch.argmax(scores, dim=-1)
+        _check_distribution(state, probs, ~state.done)
+        return _multinomial(probs, 1, state.generator).squeeze(1)
+    return torch.argmax(scores, dim=-1)
+
+
+def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    config, active = state.config, ~state.done
+    tokens = sample_tokens(state, logits)
     if config.eos_token_ids:    # finished rows repeat the pad token
         unfinished = state.unfinished.to(torch.int64)
         tokens = tokens * unfinished + config.pad_token_id * (1 - unfinished)
-    tokens = torch.where(active, tokens, _fill_value(config))
+    tokens = torch.where(active, tokens, fill_value(config))
     _write_column(state.sequences, state.cur_len, tokens, active)
     hits = _stopping_hits(state, tokens, state.cur_len + 1)
     state.unfinished.copy_(state.unfinished & ~(hits & active))
@@ -422,26 +431,40 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     return tokens, state.row_ids
 
 
-def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    config, active, cur_len = state.config, ~state.done, state.cur_len
+def beam_candidates(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A beam step's ``candidates`` continuations per prompt over beams x vocab (transformers'
+    ``_get_top_k_continuations``): ``(top_log_probs [B, K] float32, top_indices [B, K] int64)``, an index being
+    ``beam * vocab + token``."""
+    config = state.config
     batch, beams, candidates = config.batch_size, config.num_beams, config.candidates
     log_probs = torch.nn.functional.log_softmax(logits.to(copy=True, dtype=torch.float32), dim=-1)
     log_probs = process_logits(state, log_probs)            # beam search processes log-probs, not logits
     vocab = log_probs.shape[-1]
     log_probs = log_probs.reshape(batch, beams, vocab) + state.beam_scores[:, :, None]
     log_probs = torch.reshape(log_probs, (batch, -1))
-
-    # top-K continuations over beams x vocab (transformers' _get_top_k_continuations)
     if config.do_sample:
         probs = torch.nn.functional.softmax(log_probs, dim=-1)
-        _check_distribution(state, probs, active)
+        _check_distribution(state, probs, ~state.done)
         top_indices = _multinomial(probs, candidates, state.generator)
         top_log_probs = torch.gather(input=log_probs, dim=1, index=top_indices)
         if _TRANSFORMERS_5_24:
             top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
             top_indices = top_indices.gather(dim=-1, index=order)
-    else:
-        top_log_probs, top_indices = torch.topk(log_probs, k=candidates)
+        return top_log_probs, top_indices
+    return torch.topk(log_probs, k=candidates)
+
+
+def top_beams(scores: torch.Tensor, beams: int) -> torch.Tensor:
+    """The indices of the ``beams`` best of ``scores [B, n]`` as transformers ranks them (``torch.topk``, its tie
+    order): the running beams among the candidates, the finished store's among its own and the candidates."""
+    return torch.topk(scores, k=beams)[1]
+
+
+def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    config, active, cur_len = state.config, ~state.done, state.cur_len
+    batch, beams, candidates = config.batch_size, config.num_beams, config.candidates
+    vocab = logits.shape[-1]
+    top_log_probs, top_indices = beam_candidates(state, logits)
     top_parents = top_indices // vocab                              # [B, K] beam within the prompt
     top_tokens = top_indices % vocab
     running = state.sequences.view(batch, beams, -1)
@@ -454,7 +477,7 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     # the num_beams best candidates that did not stop run on (_get_running_beams_for_next_iteration)
     # (x + flag x NEG_INF_SCORE in one kernel: a 0/1 flag makes the product exact, so the sums are transformers' bits)
     running_log_probs = torch.add(top_log_probs, hits, alpha=NEG_INF_SCORE)
-    next_indices = torch.topk(running_log_probs, k=beams)[1]
+    next_indices = top_beams(running_log_probs, beams)
     next_sequences = _gather_beams(top_sequences, next_indices)
     next_scores = _gather_beams(running_log_probs, next_indices)
     parents = _gather_beams(top_rows, next_indices).reshape(-1)
@@ -469,7 +492,7 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     finished_log_probs = torch.add(finished_log_probs, ~just_finished, alpha=NEG_INF_SCORE)
     candidate_lengths = (cur_len + 1 - state.prompt_len).expand(batch, candidates)
     merged_scores = torch.cat((state.finished_scores, finished_log_probs), dim=1)
-    keep = torch.topk(merged_scores, k=beams)[1]
+    keep = top_beams(merged_scores, beams)
     finished_sequences = _gather_beams(torch.cat((state.finished_sequences, top_sequences), dim=1), keep)
     finished_scores = _gather_beams(merged_scores, keep)
     finished_lengths = _gather_beams(torch.cat((state.finished_lengths, candidate_lengths), dim=1), keep)
@@ -496,7 +519,7 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     _assign(state.finished_lengths, finished_lengths, active)
     _assign(state.is_finished, is_finished, active)
     _assign(state.improvement_possible, improvement_possible, active)
-    next_tokens = torch.where(active, _gather_beams(top_tokens, next_indices).reshape(-1), _fill_value(config))
+    next_tokens = torch.where(active, _gather_beams(top_tokens, next_indices).reshape(-1), fill_value(config))
     parents = torch.where(active, parents, state.row_ids)
     state.cur_len.add_(active.to(torch.int64))
     state.done.copy_(state.done | ~still_running | state.invalid)
@@ -747,7 +770,7 @@ def _multinomial(probs: torch.Tensor, num_samples: int, generator: torch.Generat
     return torch.topk(draws, num_samples)[1]
 
 
-def _fill_value(config: SelectionConfig) -> int:
+def fill_value(config: SelectionConfig) -> int:
     """transformers' fill of unwritten positions: ``pad_token_id or eos[0]`` (so pad 0 fills with eos), -1 without
     eos; sampling fills nothing visible (its output stops at cur_len)."""
     if not config.eos_token_ids:
@@ -788,7 +811,7 @@ def _length_divisors(config: SelectionConfig, device) -> torch.Tensor:
     division is a multiplication by float32(1 / s), so there the table holds reciprocals (see _divide_by_length)."""
     lengths = range(shape_bucket(config.max_length - config.prompt_length + 2, 1))   # (bucketed: new_state)
     values = [float(max(t, 1) ** config.length_penalty) for t in lengths]
-    if torch.device(device).type == "cuda":     # reciprocal in double, then float32 (torch >= 2.11)
+    if _length_multiplied(device):     # reciprocal in double, then float32 (torch >= 2.11)
         values = [1.0 / v for v in values]
     return torch.tensor(values, dtype=torch.float32, device=device)
 
@@ -798,6 +821,12 @@ def _divide_by_length(state: SelectionState, scores: torch.Tensor, generated: to
     device length ``generated`` (clamped into the table; out-of-range lengths only occur after ``done``)."""
     index = generated.clamp(min=0, max=state.length_divisors.shape[0] - 1).view(1)
     factor = state.length_divisors.index_select(0, index)
-    if factor.device.type == "cuda":
+    if _length_multiplied(factor.device):
         return scores * factor
     return scores / factor
+
+
+def _length_multiplied(device) -> bool:
+    """Whether torch divides a float32 tensor by a Python number on ``device`` as a multiplication by the number's
+    float32 reciprocal (CUDA; the CPU divides). The kernel library's beam step multiplies (csrc/select.cu)."""
+    return torch.device(device).type == "cuda"

@@ -70,6 +70,12 @@ EAGER_ROOM = 4 * CHECK_EVERY
 # against 250-300 us of the torch ops, benchmarks/blocks_advance_gpu.py). False: the torch ops everywhere
 blocks_kernel = True
 
+# the uncompiled step's token-choice bookkeeping on the kernel library's csrc/select.cu where it runs (bit for bit the
+# torch ops of device_select around its vocabulary-sized ops and top-k's: one launch for greedy and sampling instead of
+# ~30 torch kernels, two for beam search instead of ~75; tests/decode/test_select_emulation.py on the CPU). Off until
+# its GPU tests pass (tests/decode/test_gpu_whole_step.py -k select). False: the torch ops everywhere
+select_kernel = False
+
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
 # call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
@@ -767,7 +773,14 @@ def hold_kind(cache) -> type:
 def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: torch.Tensor, input_ids: torch.Tensor,
            positions: tuple) -> None:
     """Token choice on ``logits [rows, vocab]``; the next step's ``input_ids [rows, 1]``, ``positions`` and
-    ``parents``, in place."""
+    ``parents``, in place. Uncompiled on a GPU, where :data:`select_kernel` is on, the bookkeeping around the
+    vocabulary-sized ops runs on the kernel library (:func:`choose_on_library`)."""
+    if select_kernel and not torch.compiler.is_compiling():
+        lib = cuda_library.select_library(state, parents, input_ids, positions)
+        if lib is not None:
+            choose_on_library(lib, state, logits, parents, input_ids, positions,
+                              torch.cuda.current_stream(logits.device).cuda_stream)
+            return
     tokens, chosen = device_select.step(state, logits)
     parents.copy_(chosen)
     # (after the end the fill token may be -1, which no embedding takes: the steps queued after it feed 0 and change
@@ -775,6 +788,35 @@ def choose(state: device_select.SelectionState, logits: torch.Tensor, parents: t
     input_ids.copy_(tokens.clamp(min=0)[:, None])
     for position in positions:
         position.add_(1)
+
+
+def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Tensor, parents: torch.Tensor,
+                      input_ids: torch.Tensor, positions: tuple, stream: int) -> None:
+    """:func:`choose` with the bookkeeping on ``lib``'s kernels (``csrc/select.cu``, bit for bit the torch ops of
+    device_select): the chosen tokens (greedy, sampling) or the candidates and the two top-k's (beam search) stay the
+    torch ops, the rest is one launch (greedy, sampling) or two (beam search) instead of ~30 / ~75 torch kernels.
+    ``lib``: a loaded binding whose tensors fit (:func:`cuda_library.select_library`; tests pass an emulated one)."""
+    config = state.config
+    fill = device_select.fill_value(config)
+    if not config.is_beam:
+        tokens = device_select.sample_tokens(state, logits)
+        lib.sample_finish(state, tokens, parents, input_ids, positions, config.pad_token_id or 0, fill, stream)
+        return
+    top_log_probs, top_indices = device_select.beam_candidates(state, logits)
+    batch, candidates = top_indices.shape
+    beams = config.num_beams
+    device = top_indices.device
+    scratch = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
+        ("top_tokens", (batch, candidates), torch.int64), ("top_parents", (batch, candidates), torch.int64),
+        ("hits", (batch, candidates), torch.bool), ("running", (batch, candidates), torch.float32),
+        ("merged", (batch, beams + candidates), torch.float32), ("snapshot", (2,), torch.int64))}
+    early_true = config.early_stopping is True
+    lib.beam_scores(state, top_log_probs.contiguous(), top_indices.contiguous(), logits.shape[-1], scratch,
+                    early_true, stream)
+    next_indices = device_select.top_beams(scratch["running"], beams)
+    keep = device_select.top_beams(scratch["merged"], beams)
+    lib.beam_finish(state, scratch, next_indices, keep, parents, input_ids, positions, fill, early_true,
+                    config.early_stopping == "never" and config.length_penalty > 0.0, stream)
 
 
 class _Compiled:

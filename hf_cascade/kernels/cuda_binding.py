@@ -137,6 +137,25 @@ def _no_dtype(dtype) -> None:
                     f"{', '.join(map(str, DTYPE_CODES))})")
 
 
+def declare_select(lib) -> bool:
+    """Declare the token choice's entry points (``csrc/select.cu``) on ``lib``; False where the library has none."""
+    if not all(hasattr(lib, name) for name in ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")):
+        return False
+    for fn, argtypes in ((lib.hfc_sample_finish, [_vp] * 12 + [_i64] * 7),
+                         (lib.hfc_beam_scores, [_vp] * 17 + [_i64] * 6 + [_i32]),
+                         (lib.hfc_beam_finish, [_vp] * 25 + [_i64] * 8 + [_i32] * 2)):
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes + [ctypes.c_size_t]
+    return True
+
+
+def _next_inputs(parents, input_ids, positions) -> list:
+    """SelectNext's fields (csrc/include/hfc/launch.h): the next step's parents, ids and up to two position tensors."""
+    positions = list(positions) + [None] * (2 - len(positions))
+    return [parents.data_ptr(), input_ids.data_ptr(), *(None if p is None else p.data_ptr() for p in positions),
+            *(0 if p is None else p.numel() for p in positions)]
+
+
 class _Lib:
     """The loaded shared library: one method per C entry point, raw pointers and sizes in, errors raised."""
 
@@ -193,6 +212,8 @@ class _Lib:
         if self.has_layer_copies:
             lib.hfc_copy_blocks_layers.restype = ctypes.c_int
             lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
+        # (likewise: a library without them leaves the token choice's bookkeeping to torch ops)
+        self.has_select = declare_select(lib)
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -374,6 +395,47 @@ class _Lib:
             ptr(plan.inner_q_limit), plan.write_block.data_ptr(), plan.write_offset.data_ptr(),
             plan.copy_src.data_ptr(), plan.copy_dst.data_ptr(), R, W, blocks.pool_blocks, blocks.block_size,
             blocks.suffix_width, blocks.inner_width, blocks.check_rows.shape[0], stream), "blocks_advance")
+
+    # The token choice's bookkeeping (csrc/select.cu); ``state`` a device_select.SelectionState, the other tensors and
+    # their shapes as hf_cascade.kernels.cuda_library.select_fits checks them.
+    def sample_finish(self, state, tokens, parents, input_ids, positions, pad: int, fill: int, stream: int) -> None:
+        """After a greedy / sampling step's ``tokens`` [R]: the state, and the next step's inputs, advanced."""
+        rows, width = state.sequences.shape
+        self.check(self.lib.hfc_sample_finish(
+            tokens.data_ptr(), state.unfinished.data_ptr(), state.done.data_ptr(), state.invalid.data_ptr(),
+            state.sequences.data_ptr(), state.cur_len.data_ptr(), state.max_len.data_ptr(), state.eos_ids.data_ptr(),
+            *_next_inputs(parents, input_ids, positions), rows, width, state.eos_ids.numel(), pad, fill, stream),
+            "sample_finish")
+
+    def beam_scores(self, state, top_log_probs, top_indices, vocab: int, out, early_stopping_true: bool,
+                    stream: int) -> None:
+        """Before beam search's two top-k's: ``out`` (a dict of the step's scratch tensors: top_tokens, top_parents,
+        hits, running [B, K], merged [B, nb + K], snapshot [2]) from the candidates ``top_log_probs``, ``top_indices``
+        [B, K]."""
+        batch, candidates = top_indices.shape
+        self.check(self.lib.hfc_beam_scores(
+            top_log_probs.data_ptr(), top_indices.data_ptr(), state.cur_len.data_ptr(), state.max_len.data_ptr(),
+            state.prompt_len.data_ptr(), state.done.data_ptr(), state.eos_ids.data_ptr(),
+            state.is_finished.data_ptr(), state.improvement_possible.data_ptr(), state.finished_scores.data_ptr(),
+            state.length_divisors.data_ptr(), *(out[name].data_ptr() for name in (
+                "top_tokens", "top_parents", "hits", "running", "merged", "snapshot")),
+            batch, state.beam_scores.shape[1], candidates, vocab, state.eos_ids.numel(),
+            state.length_divisors.numel(), int(early_stopping_true), stream), "beam_scores")
+
+    def beam_finish(self, state, scratch, next_indices, keep, parents, input_ids, positions, fill: int,
+                    early_stopping_true: bool, best_length_never: bool, stream: int) -> None:
+        """After them: the state, and the next step's inputs, advanced (``scratch``: beam_scores' ``out``)."""
+        batch, beams = next_indices.shape
+        self.check(self.lib.hfc_beam_finish(
+            next_indices.data_ptr(), keep.data_ptr(), *(scratch[name].data_ptr() for name in (
+                "top_tokens", "top_parents", "hits", "running", "merged", "snapshot")),
+            state.prompt_len.data_ptr(), state.max_len.data_ptr(), state.invalid.data_ptr(),
+            state.length_divisors.data_ptr(), state.sequences.data_ptr(), state.finished_sequences.data_ptr(),
+            state.beam_scores.data_ptr(), state.finished_scores.data_ptr(), state.finished_lengths.data_ptr(),
+            state.is_finished.data_ptr(), state.improvement_possible.data_ptr(), state.cur_len.data_ptr(),
+            state.done.data_ptr(), *_next_inputs(parents, input_ids, positions), batch, beams,
+            scratch["top_tokens"].shape[1], state.sequences.shape[1], state.length_divisors.numel(), fill,
+            int(early_stopping_true), int(best_length_never), stream), "beam_finish")
 
     def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
         """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),

@@ -379,6 +379,52 @@ def blocks_fit(blocks, plan, parents, done, peak) -> bool:
                for t, dtype, shape in want)
 
 
+# the token choice kernels' limit (csrc/select.cu): a thread per row in one CTA
+SELECT_MAX_ROWS = 1024
+
+
+def select_library(state, parents: torch.Tensor, input_ids: torch.Tensor, positions: tuple) -> _Lib | None:
+    """The library that runs a step's token-choice bookkeeping (``csrc/select.cu``: the ``sample_finish``,
+    ``beam_scores`` and ``beam_finish`` methods of the binding) on ``state`` (a device_select.SelectionState) and the
+    next step's inputs, where it is loaded for their CUDA device (:func:`loaded`), has the kernels, and the tensors fit
+    (:func:`select_fits`); else None (the caller runs the torch ops)."""
+    if not state.sequences.is_cuda:
+        return None
+    lib = loaded(state.sequences.device)
+    if lib is None or not getattr(lib, "has_select", False) or not select_fits(state, parents, input_ids, positions):
+        return None
+    return lib
+
+
+def select_fits(state, parents: torch.Tensor, input_ids: torch.Tensor, positions: tuple) -> bool:
+    """Whether the token choice kernels read and write these tensors as they are: the state's dtypes and shapes (R
+    rows, 1 <= R <= 1024), ``parents`` [R] and ``input_ids`` [R, 1] int64, at most two position tensors of int64,
+    every tensor contiguous on the state's device."""
+    rows, width = state.sequences.shape
+    if not 1 <= rows <= SELECT_MAX_ROWS or len(positions) > 2:
+        return False
+    i64, f32, b = torch.int64, torch.float32, torch.bool
+    want = [(state.sequences, i64, (rows, width)), (state.cur_len, i64, ()), (state.done, b, ()),
+            (state.invalid, b, ()), (state.max_len, i64, ()), (state.prompt_len, i64, ()),
+            (state.eos_ids, i64, (state.eos_ids.numel(),)), (parents, i64, (rows,)), (input_ids, i64, (rows, 1))]
+    want += [(p, i64, tuple(p.shape)) for p in positions]
+    if state.config.is_beam:
+        batch, beams = state.beam_scores.shape
+        if batch * beams != rows:
+            return False
+        want += [(state.beam_scores, f32, (batch, beams)), (state.finished_sequences, i64, (batch, beams, width)),
+                 (state.finished_scores, f32, (batch, beams)), (state.finished_lengths, i64, (batch, beams)),
+                 (state.is_finished, b, (batch, beams)), (state.improvement_possible, b, (batch, 1)),
+                 (state.length_divisors, f32, (state.length_divisors.numel(),))]
+        if state.length_divisors.numel() < 1:
+            return False
+    else:
+        want.append((state.unfinished, b, (rows,)))
+    device = state.sequences.device
+    return all(t is not None and t.dtype == dtype and tuple(t.shape) == shape and t.device == device
+               and t.is_contiguous() for t, dtype, shape in want)
+
+
 def _elementwise_library(x: torch.Tensor) -> _Lib | None:
     """The library loaded for ``x``'s CUDA device where it has the elementwise kernels."""
     if not x.is_cuda:

@@ -1,7 +1,9 @@
 """The whole decode step captured on the GPU (hf_cascade/decode/whole_step.py): block bookkeeping, forward and token choice
 in one CUDA graph per decode layout. Replays equal the same step run eagerly bitwise in bf16; float32 (TF32 off)
 gives stock's tokens for greedy, beam search and seeded sampling; a second call and a layout widening work; beam steps
-that copy every layer's blocks at once (cuda_library.layer_copies) give the tokens of per-layer copies.
+that copy every layer's blocks at once (cuda_library.layer_copies) give the tokens of per-layer copies; the token
+choice's bookkeeping on the library's kernels (whole_step.select_kernel, csrc/select.cu) equals the torch ops byte for
+byte, step by step and captured, and gives stock's tokens in float32.
 
 Run on the GPU machine: ``pytest -m gpu tests/decode/test_gpu_whole_step.py``.
 """
@@ -12,10 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_cascade import CascadeConfig
+from hf_cascade.decode import whole_step
 from hf_cascade.kernels import cuda_library
 
 from conftest import RunnerSpy
 from test_gpu_graphs import _batch
+from test_select_emulation import CASES as SELECT_CASES, drive
 
 pytestmark = pytest.mark.gpu
 
@@ -211,4 +215,76 @@ def test_float32_beam_steps_with_the_all_layer_copy_give_stock_tokens(monkeypatc
                            **kw)
     assert torch.equal(expected, got)
     assert launches and all(launches)
+    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
+
+
+@pytest.mark.parametrize("case", list(SELECT_CASES))
+def test_select_kernels_equal_the_torch_ops_step_by_step(monkeypatch, case):
+    """csrc/select.cu on the GPU against device_select's torch ops, byte for byte after every step (the cases of
+    tests/decode/test_select_emulation.py: bf16-rounded logits with tied candidates, CUDA's own top-k between the
+    launches, every early_stopping, beam sampling, a NaN draw), eagerly, on the current stream."""
+    monkeypatch.setattr(whole_step, "select_kernel", False)
+    lib = cuda_library.library(torch.device("cuda"))
+    assert lib.has_select
+    drive(case, lib, "cuda", torch.cuda.current_stream().cuda_stream)
+
+
+def _count_select(monkeypatch) -> list:
+    """The token choice kernels' launches from now on (their binding's method names)."""
+    launches = []
+    for name in ("sample_finish", "beam_scores", "beam_finish"):
+        real = getattr(type(cuda_library.library(torch.device("cuda"))), name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            launches.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(cuda_library.library(torch.device("cuda"))), name, spy)
+    return launches
+
+
+# greedy without processors too: its argmax reads the logits as they are (no float32 copy)
+SELECT_GENERATE = {**CASES, "greedy-plain": dict(do_sample=False)}
+
+
+@pytest.mark.parametrize("case", list(SELECT_GENERATE))
+def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch, case):
+    """whole_step.select_kernel on: the captured whole step runs the token choice's bookkeeping on the library's
+    kernels and gives the tokens of the torch ops' step, bitwise (bf16), across a layout widening. One model per
+    setting: a model keeps its graph."""
+    ids, mask = _batch((700, 460, 590), seed=1)
+    kw = dict(max_new_tokens=90, pad_token_id=0, **SELECT_GENERATE[case])
+    outs = []
+    spy = RunnerSpy(monkeypatch)
+    launches = _count_select(monkeypatch)
+    for on in (False, True):
+        monkeypatch.setattr(whole_step, "select_kernel", on)
+        _, model = _models(torch.bfloat16)
+        torch.manual_seed(11)
+        outs.append(model.generate(input_ids=ids, attention_mask=mask,
+                                   hf_cascade_config=CascadeConfig(cuda_graphs=True), **kw))
+        assert bool(launches) == on
+    off, on = spy.runners
+    assert off.captures >= 2 and on.captures >= 2 and on.replays > 30
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("case", list(SELECT_GENERATE))
+def test_float32_steps_with_the_select_kernels_give_stock_tokens(monkeypatch, case):
+    """float32 (TF32 off), whole_step.select_kernel on: captured calls give stock's tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(whole_step, "select_kernel", True)
+    launches = _count_select(monkeypatch)
+    stock, cascade = _models(torch.float32)
+    ids, mask = _batch((300, 210), seed=2)
+    spy = RunnerSpy(monkeypatch)
+    kw = dict(max_new_tokens=24, pad_token_id=0, **SELECT_GENERATE[case])
+    torch.manual_seed(5)
+    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.manual_seed(5)
+    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
+                           **kw)
+    assert torch.equal(expected, got), case
+    assert launches
     assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)

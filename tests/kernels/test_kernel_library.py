@@ -504,3 +504,30 @@ def test_the_bookkeeping_kernel_is_called_with_the_state_and_plan_it_names(tmp_p
                          blocks.check_rows.shape[0], 77]
         assert cuda_library.blocks_fit(blocks, plan, parents, done, peak)
     assert np.all(got[17:19]) and not cuda_library.blocks_advance(blocks, plan, parents, done, peak)   # (CPU)
+
+
+def test_the_token_choice_kernels_take_only_the_tensors_they_read(tmp_path):
+    """A library built before csrc/select.cu has none (has_select False: whole_step.choose runs the torch ops); the
+    kernels take a state of the dtypes and shapes they read, contiguous, with at most 1024 rows and two position
+    tensors, and never CPU tensors (select_library None)."""
+    from hf_cascade.decode import device_select
+    assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_select
+
+    def inputs(rows):
+        return (torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, 1, dtype=torch.int64),
+                (torch.zeros(rows, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)))
+
+    for fields in (dict(batch_size=2, eos_token_ids=(3,)), dict(batch_size=2, num_beams=3, eos_token_ids=(3,))):
+        config = device_select.SelectionConfig(prompt_length=4, max_length=9, **fields)
+        state = device_select.new_state(config, torch.zeros(config.rows, 4, dtype=torch.int64))
+        parents, ids, positions = inputs(config.rows)
+        assert cuda_library.select_fits(state, parents, ids, positions)
+        assert cuda_library.select_library(state, parents, ids, positions) is None                  # (CPU)
+        assert not cuda_library.select_fits(state, parents, ids, positions + positions[:1])        # three positions
+        assert not cuda_library.select_fits(state, parents.int(), ids, positions)                  # int32 parents
+        assert not cuda_library.select_fits(state, parents, ids.view(-1), positions)               # ids [R]
+        state.sequences = state.sequences.t().contiguous().t()                                     # column-major
+        assert not cuda_library.select_fits(state, parents, ids, positions)
+    config = device_select.SelectionConfig(batch_size=1025, prompt_length=2, max_length=6)
+    state = device_select.new_state(config, torch.zeros(1025, 2, dtype=torch.int64))
+    assert not cuda_library.select_fits(state, *inputs(1025))                                      # > a CTA

@@ -403,7 +403,7 @@ def test_an_evaluation_loop_over_prompt_lengths_captures_once(llama_pair, monkey
             first_steps.append(spy.runners[-1].first_steps)
             for kept in spy.runners[-1].kept_steps:     # past its last call's max_length, a kept state holds the fill
                 state = kept.state
-                assert (state.sequences[:, state.config.max_length:] == device_select._fill_value(state.config)).all()
+                assert (state.sequences[:, state.config.max_length:] == device_select.fill_value(state.config)).all()
     assert len({id(r) for r in spy.runners}) == 1
     if "two ways" in case:
         assert len(set(shared)) == 2, shared
@@ -433,7 +433,7 @@ def test_a_wider_kept_step_holds_no_earlier_calls_tokens(llama_pair, monkeypatch
     assert spy.runners[-1].first_steps == 0 and max(widths) == 2048 and min(widths) <= 512, widths
     for kept in spy.runners[-1].kept_steps:
         state = kept.state
-        assert (state.sequences[:, state.config.max_length:] == device_select._fill_value(state.config)).all()
+        assert (state.sequences[:, state.config.max_length:] == device_select.fill_value(state.config)).all()
 
 
 def test_kept_steps_and_layouts_stay_bounded(llama_pair, monkeypatch):

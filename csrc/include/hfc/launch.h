@@ -72,6 +72,80 @@ struct BlocksAdvanceArgs {
 };
 cudaError_t blocks_advance_launch(const BlocksAdvanceArgs& a, cudaStream_t stream);
 
+// csrc/select.cu: the token choice's bookkeeping of one step (hf_cascade/decode/device_select.py's torch code, bit for
+// bit), around the vocabulary-sized torch ops and beam search's top-k's. Every tensor contiguous on one device, bools
+// as bytes; R rows (at most 1024), W sequence columns.
+struct SelectNext {                    // the next step's inputs (hf_cascade/decode/whole_step.py `choose`)
+  int64_t* parents;                    // [R]: the row each new row continues
+  int64_t* input_ids;                  // [R]: the chosen tokens, clamped at 0
+  int64_t* positions;                  // [n_positions] += 1 (NULL where n_positions is 0)
+  int64_t* cache_position;             // [n_cache_position] += 1 (likewise)
+  int64_t n_positions, n_cache_position;
+};
+struct SampleFinishArgs {              // greedy and sampling, after the argmax / the draw
+  const int64_t* tokens;               // [R] the chosen tokens
+  uint8_t* unfinished;                 // [R]
+  uint8_t* done;                       // []
+  const uint8_t* invalid;              // []
+  int64_t* sequences;                  // [R, W]
+  int64_t* cur_len;                    // []
+  const int64_t* max_len;              // []
+  const int64_t* eos_ids;              // [n_eos]
+  SelectNext next;
+  int64_t rows, width, n_eos, pad, fill;
+};
+cudaError_t sample_finish_launch(const SampleFinishArgs& a, cudaStream_t stream);
+struct BeamScoresArgs {                // beam search, after the top-K candidates (B prompts, nb beams, K candidates)
+  const float* top_log_probs;          // [B, K]
+  const int64_t* top_indices;          // [B, K] into nb x vocab
+  const int64_t* cur_len;              // []
+  const int64_t* max_len;              // []
+  const int64_t* prompt_len;           // []
+  const uint8_t* done;                 // []
+  const int64_t* eos_ids;              // [n_eos]
+  const uint8_t* is_finished;          // [B, nb]
+  const uint8_t* improvement_possible; // [B]
+  const float* finished_scores;        // [B, nb]
+  const float* length_factors;         // [n_factors]: 1 / t ** length_penalty
+  int64_t* top_tokens;                 // out [B, K]
+  int64_t* top_parents;                // out [B, K]: the beam within its prompt
+  uint8_t* hits;                       // out [B, K]
+  float* running;                      // out [B, K]: the scores the next beams are chosen from
+  float* merged;                       // out [B, nb + K]: the finished store's, then the candidates'
+  int64_t* snapshot;                   // out [2]: cur_len, done as the step began
+  int64_t batch, beams, candidates, vocab, n_eos, n_factors;
+  int32_t early_stopping_true;         // early_stopping=True
+};
+cudaError_t beam_scores_launch(const BeamScoresArgs& a, cudaStream_t stream);
+struct BeamFinishArgs {                // beam search, after the top-nb of running and of merged
+  const int64_t* next_indices;         // [B, nb] into K
+  const int64_t* keep;                 // [B, nb] into nb + K
+  const int64_t* top_tokens;           // [B, K] (beam_scores' outputs, and its snapshot)
+  const int64_t* top_parents;          // [B, K]
+  const uint8_t* hits;                 // [B, K]
+  const float* running;                // [B, K]
+  const float* merged;                 // [B, nb + K]
+  const int64_t* snapshot;             // [2]
+  const int64_t* prompt_len;           // []
+  const int64_t* max_len;              // []
+  const uint8_t* invalid;              // []
+  const float* length_factors;         // [n_factors]
+  int64_t* sequences;                  // [B * nb, W]
+  int64_t* finished_sequences;         // [B * nb, W]
+  float* beam_scores;                  // [B, nb]
+  float* finished_scores;              // [B, nb]
+  int64_t* finished_lengths;           // [B, nb]
+  uint8_t* is_finished;                // [B, nb]
+  uint8_t* improvement_possible;       // [B]
+  int64_t* cur_len;                    // []
+  uint8_t* done;                       // []
+  SelectNext next;
+  int64_t batch, beams, candidates, width, n_factors, fill;
+  int32_t early_stopping_true;         // early_stopping=True
+  int32_t best_length_never;           // early_stopping="never" with length_penalty > 0: the best possible length
+};
+cudaError_t beam_finish_launch(const BeamFinishArgs& a, cudaStream_t stream);
+
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
 cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe

@@ -1,0 +1,303 @@
+// The token choice's bookkeeping of one decode step in one or two launches: what hf_cascade/decode/device_select.py
+// `_sample_step` / `_beam_step` and hf_cascade/decode/whole_step.py `choose` run as ~30 (greedy, sampling) and ~75
+// (beam search) tiny torch kernels on [rows] and [batch, candidates] tensors, value for value. The vocabulary-sized
+// work (the float32 logits, processors, log-softmax, the beams' top-K, multinomial draws) and beam search's two small
+// top-k's stay torch's: their tie order is torch's own, so they run as the torch code runs them, between the launches.
+//
+// - sample_finish (greedy and sampling, one CTA): finished rows repeat the pad token, the token written at cur_len,
+//   the stopping criteria (max length, eos), cur_len and done, the next step's ids, parents and positions.
+// - beam_scores (beam search, before the two top-k's; one CTA): the candidates' tokens, parents and stopping hits, the
+//   running scores (a hit pushed down by -1e9) and the finished store's merged scores (the length-penalised
+//   candidates that may enter it, each excluded one pushed down by -1e9), and a snapshot of cur_len and done for
+//   beam_finish (whose CTA 0 updates them while the others still read).
+// - beam_finish (beam search, after them): CTA 0 the running and finished stores' scores, lengths and flags, the
+//   sticky early-stop heuristic, cur_len, done, the next step's ids, parents and positions; every CTA a tile of the
+//   sequence columns [prompt_len, cur_len] of both stores (the only columns a step changes: the prompt's are the same
+//   in every beam of a prompt, the columns past cur_len hold the fill in every row), read before any is written.
+//
+// Floats are added and multiplied with round-to-nearest PTX, subnormals kept (the library is built with
+// --use_fast_math, whose -ftz would flush them): the torch ops' bits. Semantics and the order of the roundings are
+// device_select.py's; tests/decode/test_select_emulation.py runs this source on the CPU against it.
+
+#include "hfc/errors.h"
+#include "hfc/launch.h"
+
+#include <cstdint>
+
+namespace hfc {
+namespace {
+
+constexpr int kSelectThreads = 1024;   // thread i owns row i (a CTA's rows at most: launchers check)
+constexpr float kNegScore = -1.0e9f;   // device_select.NEG_INF_SCORE: a candidate that cannot be chosen
+constexpr int kMaxFinishCtas = 64;     // beam_finish's sequence tiles: a grid-stride loop over the new columns
+
+__device__ __forceinline__ float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  return a + b;
+#endif
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  return a * b;
+#endif
+}
+
+// a > b (false where either is NaN), subnormals compared as they are
+__device__ __forceinline__ bool greater(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  unsigned r;
+  asm("{\n\t.reg .pred gt_p;\n\tsetp.gt.f32 gt_p, %1, %2;\n\tselp.u32 %0, 1, 0, gt_p;\n\t}" : "=r"(r) : "f"(a), "f"(b));
+  return r != 0;
+#else
+  return a > b;
+#endif
+}
+
+__device__ __forceinline__ bool is_eos(int64_t token, const int64_t* __restrict__ eos_ids, int64_t n_eos) {
+  bool hit = false;
+  for (int64_t e = 0; e < n_eos; ++e) hit |= token == eos_ids[e];
+  return hit;
+}
+
+// `_divide_by_length` on a CUDA state: the score times the table's reciprocal of `generated ** length_penalty`,
+// the length clamped into the table
+__device__ __forceinline__ float by_length(float score, const float* __restrict__ factors, int64_t n_factors,
+                                           int64_t generated) {
+  const int64_t i = generated < 0 ? 0 : generated > n_factors - 1 ? n_factors - 1 : generated;
+  return mul_rn(score, factors[i]);
+}
+
+// The next step's inputs: every position + 1 (`choose`)
+__device__ __forceinline__ void advance_positions(const SelectNext& n, int t) {
+  for (int64_t i = t; i < n.n_positions; i += kSelectThreads) n.positions[i] += 1;
+  for (int64_t i = t; i < n.n_cache_position; i += kSelectThreads) n.cache_position[i] += 1;
+}
+
+__global__ void __launch_bounds__(kSelectThreads) sample_finish_kernel(const SampleFinishArgs a) {
+  const int t = threadIdx.x;
+  const bool active = !*a.done;
+  const int64_t cur = *a.cur_len, W = a.width;
+  const int64_t column = cur < W - 1 ? cur : W - 1;      // (clamped: it reaches W only once the call is done)
+  const bool length_hit = cur + 1 >= *a.max_len;
+  bool running = false;
+  for (int64_t r = t; r < a.rows; r += kSelectThreads) {
+    const bool unfinished = a.unfinished[r];
+    int64_t token = a.tokens[r];
+    if (a.n_eos > 0 && !unfinished) token = a.pad;         // finished rows repeat the pad token
+    if (!active) token = a.fill;
+    if (active) a.sequences[r * W + column] = token;
+    const bool hit = length_hit || is_eos(token, a.eos_ids, a.n_eos);
+    const bool still = unfinished && !(hit && active);
+    a.unfinished[r] = still;
+    running |= still;
+    a.next.parents[r] = r;
+    a.next.input_ids[r] = token < 0 ? 0 : token;
+  }
+  const bool any_running = __syncthreads_or(running);      // (every thread has read done and cur_len)
+  if (t == 0) {
+    *a.cur_len = cur + (active ? 1 : 0);
+    *a.done = !active || !any_running || *a.invalid;
+  }
+  advance_positions(a.next, t);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) beam_scores_kernel(const BeamScoresArgs a) {
+  const int t = threadIdx.x;
+  const int64_t nb = a.beams, K = a.candidates, cur = *a.cur_len;
+  const bool length_hit = cur + 1 >= *a.max_len;
+  const int64_t generated = cur + 1 - *a.prompt_len;
+  for (int64_t i = t; i < a.batch * K; i += kSelectThreads) {
+    const int64_t b = i / K, k = i % K;
+    const int64_t index = a.top_indices[i];
+    const int64_t token = index % a.vocab;
+    a.top_tokens[i] = token;
+    a.top_parents[i] = index / a.vocab;
+    const bool hit = length_hit || is_eos(token, a.eos_ids, a.n_eos);
+    a.hits[i] = hit;
+    const float score = a.top_log_probs[i];
+    a.running[i] = add_rn(score, hit ? kNegScore : 0.0f);
+    // the candidates that stopped within the first num_beams ranks may enter the finished store
+    float finished = by_length(score, a.length_factors, a.n_factors, generated);
+    if (a.early_stopping_true) {
+      bool full = true;
+      for (int64_t j = 0; j < nb; ++j) full &= a.is_finished[b * nb + j] != 0;
+      finished = add_rn(finished, full ? kNegScore : 0.0f);
+    }
+    finished = add_rn(finished, a.improvement_possible[b] ? 0.0f : kNegScore);
+    finished = add_rn(finished, hit && k < nb ? 0.0f : kNegScore);
+    a.merged[b * (nb + K) + nb + k] = finished;
+  }
+  for (int64_t i = t; i < a.batch * nb; i += kSelectThreads)
+    a.merged[(i / nb) * (nb + K) + i % nb] = a.finished_scores[i];
+  if (t == 0) {
+    a.snapshot[0] = cur;
+    a.snapshot[1] = *a.done;
+  }
+}
+
+// Candidate k of prompt b's sequence at column c: its parent beam's, with its token at cur_len
+__device__ __forceinline__ int64_t candidate_column(const BeamFinishArgs& a, int64_t b, int64_t k, int64_t c,
+                                                    int64_t cur) {
+  const int64_t i = b * a.candidates + k;
+  return c == cur ? a.top_tokens[i] : a.sequences[(b * a.beams + a.top_parents[i]) * a.width + c];
+}
+
+__global__ void __launch_bounds__(kSelectThreads) beam_finish_kernel(const BeamFinishArgs a) {
+  const int t = threadIdx.x;
+  const int64_t nb = a.beams, K = a.candidates, R = a.batch * nb, W = a.width;
+  const int64_t cur = a.snapshot[0];
+  const bool active = a.snapshot[1] == 0;
+
+  // the sequences: tiles of `tile` columns x R rows, thread t at row t / tile, column t % tile of the tile
+  const int64_t tile = kSelectThreads / R, first = *a.prompt_len;
+  const int64_t r = t / tile, b = r / nb;
+  for (int64_t c0 = first + blockIdx.x * tile; active && c0 <= cur; c0 += (int64_t)gridDim.x * tile) {
+    const int64_t c = c0 + t % tile;
+    const bool mine = r < R && c <= cur && c < W;
+    int64_t next = 0, finished = 0;
+    if (mine) {
+      next = candidate_column(a, b, a.next_indices[r], c, cur);
+      const int64_t kept = a.keep[r];
+      finished = kept < nb ? a.finished_sequences[(b * nb + kept) * W + c] : candidate_column(a, b, kept - nb, c, cur);
+    }
+    __syncthreads();                                      // (every read of the tile before any write)
+    if (mine) {
+      a.sequences[r * W + c] = next;
+      a.finished_sequences[r * W + c] = finished;
+    }
+    __syncthreads();
+  }
+  if (blockIdx.x != 0) return;
+
+  // CTA 0: the stores' scores, lengths and flags (read, then written after a barrier), the heuristic, the step's end
+  __shared__ float scores_s[kSelectThreads];
+  __shared__ uint8_t better_s[kSelectThreads];
+  const bool row = t < R;
+  const int64_t tb = t / nb, tj = t % nb;
+  float score = 0.0f, running = 0.0f;
+  int64_t length = 0, parent = t, token = a.fill;
+  bool is_finished = false;
+  if (row) {
+    const int64_t kept = a.keep[t];
+    score = a.merged[tb * (nb + K) + kept];
+    if (kept < nb) {
+      length = a.finished_lengths[tb * nb + kept];
+      is_finished = a.is_finished[tb * nb + kept];
+    } else {
+      length = cur + 1 - *a.prompt_len;
+      is_finished = a.hits[tb * K + kept - nb] && kept - nb < nb;
+    }
+    const int64_t chosen = tb * K + a.next_indices[t];
+    running = a.running[chosen];
+    parent = a.top_parents[chosen] + tb * nb;
+    token = a.top_tokens[chosen];
+    scores_s[t] = score;
+  }
+  __syncthreads();
+  if (row) {
+    float worst = scores_s[tb * nb];                      // torch.min: NaN if any is
+    for (int64_t i = 1; i < nb; ++i) {
+      const float v = scores_s[tb * nb + i];
+      worst = (v != v || greater(worst, v)) ? v : worst;
+    }
+    if (!is_finished) worst = kNegScore;
+    const int64_t best_length = a.best_length_never ? *a.max_len - *a.prompt_len : cur + 1 - *a.prompt_len;
+    const float best = by_length(a.running[tb * K + a.next_indices[tb * nb]], a.length_factors, a.n_factors,
+                                 best_length);
+    better_s[t] = greater(best, worst);
+  }
+  __syncthreads();
+  bool improvement = false;
+  if (row && tj == 0) {
+    bool any = false;
+    for (int64_t i = 0; i < nb; ++i) any |= better_s[tb * nb + i] != 0;
+    improvement = a.improvement_possible[tb] && any;
+  }
+  bool all_hit = true;
+  for (int64_t i = t; i < a.batch * K; i += kSelectThreads) all_hit &= a.hits[i] != 0;
+  const bool any_improvement = __syncthreads_or(improvement);
+  const bool every_hit = !__syncthreads_or(!all_hit);
+  const bool all_finished = !__syncthreads_or(row && !is_finished);
+  bool still_running = any_improvement && !every_hit;
+  if (a.early_stopping_true) still_running = still_running && !all_finished;
+
+  if (row) {
+    if (active) {
+      a.beam_scores[t] = running;
+      a.finished_scores[t] = score;
+      a.finished_lengths[t] = length;
+      a.is_finished[t] = is_finished;
+      if (tj == 0) a.improvement_possible[tb] = improvement;
+    }
+    a.next.parents[t] = active ? parent : t;
+    const int64_t next_token = active ? token : a.fill;
+    a.next.input_ids[t] = next_token < 0 ? 0 : next_token;
+  }
+  if (t == 0) {
+    *a.cur_len = cur + (active ? 1 : 0);
+    *a.done = !active || !still_running || *a.invalid;
+  }
+  advance_positions(a.next, t);
+}
+
+bool next_ok(const SelectNext& n, int64_t rows) {
+  return n.parents && n.input_ids && (n.n_positions == 0 || n.positions) &&
+         (n.n_cache_position == 0 || n.cache_position) && n.n_positions >= 0 && n.n_cache_position >= 0 && rows >= 1;
+}
+
+}  // namespace
+
+cudaError_t sample_finish_launch(const SampleFinishArgs& a, cudaStream_t stream) {
+  if (a.rows < 1 || a.rows > kSelectThreads || a.width < 1 || a.n_eos < 0)
+    return fail(cudaErrorInvalidValue, "sample_finish: rows %lld (1..%d), width %lld, n_eos %lld",
+                (long long)a.rows, kSelectThreads, (long long)a.width, (long long)a.n_eos);
+  if (!a.tokens || !a.unfinished || !a.done || !a.invalid || !a.sequences || !a.cur_len || !a.max_len ||
+      (a.n_eos > 0 && !a.eos_ids) || !next_ok(a.next, a.rows))
+    return fail(cudaErrorInvalidValue, "sample_finish: a NULL pointer");
+  sample_finish_kernel<<<1, kSelectThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t beam_scores_launch(const BeamScoresArgs& a, cudaStream_t stream) {
+  if (a.batch < 1 || a.beams < 2 || a.batch * a.beams > kSelectThreads || a.candidates < a.beams || a.vocab < 1 ||
+      a.n_eos < 0 || a.n_factors < 1)
+    return fail(cudaErrorInvalidValue,
+                "beam_scores: batch %lld x beams %lld (2.., at most %d rows), candidates %lld, vocab %lld, n_eos %lld, "
+                "n_factors %lld", (long long)a.batch, (long long)a.beams, kSelectThreads, (long long)a.candidates,
+                (long long)a.vocab, (long long)a.n_eos, (long long)a.n_factors);
+  if (!a.top_log_probs || !a.top_indices || !a.cur_len || !a.max_len || !a.prompt_len || !a.done ||
+      (a.n_eos > 0 && !a.eos_ids) || !a.is_finished || !a.improvement_possible || !a.finished_scores ||
+      !a.length_factors || !a.top_tokens || !a.top_parents || !a.hits || !a.running || !a.merged || !a.snapshot)
+    return fail(cudaErrorInvalidValue, "beam_scores: a NULL pointer");
+  beam_scores_kernel<<<1, kSelectThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t beam_finish_launch(const BeamFinishArgs& a, cudaStream_t stream) {
+  const int64_t R = a.batch * a.beams;
+  if (a.batch < 1 || a.beams < 2 || R > kSelectThreads || a.candidates < a.beams || a.width < 1 || a.n_factors < 1)
+    return fail(cudaErrorInvalidValue,
+                "beam_finish: batch %lld x beams %lld (2.., at most %d rows), candidates %lld, width %lld, "
+                "n_factors %lld", (long long)a.batch, (long long)a.beams, kSelectThreads, (long long)a.candidates,
+                (long long)a.width, (long long)a.n_factors);
+  if (!a.next_indices || !a.keep || !a.top_tokens || !a.top_parents || !a.hits || !a.running || !a.merged ||
+      !a.snapshot || !a.prompt_len || !a.max_len || !a.invalid || !a.length_factors || !a.sequences ||
+      !a.finished_sequences || !a.beam_scores || !a.finished_scores || !a.finished_lengths || !a.is_finished ||
+      !a.improvement_possible || !a.cur_len || !a.done || !next_ok(a.next, R))
+    return fail(cudaErrorInvalidValue, "beam_finish: a NULL pointer");
+  const int64_t tile = kSelectThreads / R, tiles = (a.width + tile - 1) / tile;
+  const unsigned ctas = (unsigned)(tiles < kMaxFinishCtas ? tiles : kMaxFinishCtas);
+  beam_finish_kernel<<<ctas, kSelectThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace hfc

@@ -1,0 +1,255 @@
+"""The token choice kernels' source (csrc/select.cu) run on the CPU (no GPU needed).
+
+select.cu as it is (its kernels and launchers, with their argument checks) and csrc/api.cu's hfc_sample_finish,
+hfc_beam_scores and hfc_beam_finish, compiled with the system C++ compiler over a shim of the CUDA built-ins they use:
+each ``kernel<<<grid, threads, 0, stream>>>(...)`` runs its CTAs one after another, CTA 0 first (beam_finish's CTA 0
+updates cur_len and done, which the other CTAs must not read), each CTA as 1024 std::threads with a std::barrier for
+``__syncthreads`` / ``__syncthreads_or`` and function-static arrays for ``__shared__``. Called through the real
+ctypes binding (cuda_binding._Lib.sample_finish / beam_scores / beam_finish, by whole_step.choose_on_library) with CPU
+tensors, every step must leave the selection state and the next step's inputs byte for byte as the torch ops of
+device_select and whole_step.choose do: greedy and sampling with and without eos, beam search with one and two eos
+ids, every early_stopping, length penalties, beam sampling, a logits processor, prompts of several lengths, logits
+rounded to bf16 (ties among the candidates), through the end of the call and steps after it. The CPU's torch divides
+by the length penalty where CUDA multiplies by its reciprocal, so both sides here take CUDA's multiplication
+(``device_select._length_multiplied``). This checks the kernels' logic and indexing, not the GPU's code for them:
+tests/decode/test_gpu_whole_step.py runs them on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_cascade.decode import device_select, whole_step
+from hf_cascade.kernels import cuda_binding
+
+from conftest import host_library
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+SHIM = r"""
+#include <atomic>
+#include <barrier>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+static dim3 blockIdx, gridDim, blockDim;
+static thread_local dim3 threadIdx;
+static std::barrier<>* emu_cta;
+static std::atomic<int> emu_count;
+static cudaError_t cudaGetLastError() { return cudaSuccess; }
+static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+inline void __syncthreads() { emu_cta->arrive_and_wait(); }
+inline int __syncthreads_or(int p) {
+  __syncthreads();
+  if (threadIdx.x == 0) emu_count = 0;
+  __syncthreads();
+  if (p) emu_count.fetch_add(1);
+  __syncthreads();
+  const int n = emu_count.load();
+  __syncthreads();
+  return n > 0;
+}
+
+// a launch: the CTAs one after another (CTA 0 first), each as `threads` threads meeting at one barrier (a thread that
+// returns leaves it)
+template <class Kernel, class... Args>
+void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
+  gridDim = grid, blockDim = dim3(threads);
+  for (unsigned x = 0; x < grid.x; ++x) {
+    blockIdx = dim3(x);
+    std::barrier<> cta(threads);
+    emu_cta = &cta;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        threadIdx = dim3(t);
+        kernel(args...);
+        emu_cta->arrive_and_drop();
+      });
+    for (auto& th : pool) th.join();
+  }
+}
+"""
+
+ENTRIES = ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")
+
+
+def _api_function(api: str, name: str) -> str:
+    start = api.index(f"HFC_API int {name}(")
+    return api[start:api.index("\n}\n", start) + 3][len("HFC_API "):]
+
+
+def _source() -> str:
+    """The shim, launch.h's select structs, select.cu with its launches turned into emu_launch, api.cu's error
+    functions and the three entries."""
+    header = (CSRC / "include" / "hfc" / "launch.h").read_text(encoding="utf-8")
+    structs = header[header.index("struct SelectNext {"):]
+    structs = structs[:structs.index("cudaError_t beam_finish_launch(")]
+    cu = (CSRC / "select.cu").read_text(encoding="utf-8")
+    cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
+    cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
+    assert launches == 3, "select.cu's three launches not found"
+    cu = cu.replace("namespace hfc {", "namespace hfc {\n" + structs, 1)
+    api = (CSRC / "api.cu").read_text(encoding="utf-8")
+    errors_start = api.index("namespace hfc {")
+    error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
+    entries = "\n".join(_api_function(api, name) for name in ENTRIES)
+    errors = """
+const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
+const char* hfc_last_error(void) { return hfc::last_error(); }
+"""
+    return f'{SHIM}\n{error_functions}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The binding (cuda_binding._Lib's own sample_finish / beam_scores / beam_finish and error check) on the
+    emulated library."""
+    lib = host_library(tmp_path_factory.mktemp("select"), "select", _source(),
+                       ["-std=c++20", "-pthread", "-Wall", "-Werror", "-Wno-unused-function",
+                        "-Wno-unknown-pragmas"])
+    assert cuda_binding.declare_select(lib)
+    lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
+    lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
+    binding = object.__new__(cuda_binding._Lib)
+    binding.lib = lib
+    return binding
+
+
+@pytest.fixture(autouse=True)
+def cuda_length_rounding(monkeypatch):
+    """Both sides divide by the length penalty as CUDA does: a multiplication by the float32 reciprocal."""
+    monkeypatch.setattr(device_select, "_length_multiplied", lambda device: True)
+
+
+VOCAB = 40
+
+# name -> (SelectionConfig fields, prompt length, steps); max_length is prompt + new tokens
+CASES = {
+    "greedy-eos": (dict(batch_size=3, eos_token_ids=(3,), max_length=14), 5, 14),
+    "greedy-no-eos": (dict(batch_size=2, max_length=12), 4, 10),
+    "sample-eos": (dict(batch_size=2, num_return_sequences=3, do_sample=True, top_k=8, eos_token_ids=(3, 5)), 4, 14),
+    "beam-eos": (dict(batch_size=2, num_beams=4, eos_token_ids=(3,)), 5, 16),
+    "beam-two-eos-early": (dict(batch_size=2, num_beams=3, eos_token_ids=(3, 7), early_stopping=True,
+                                length_penalty=0.7), 4, 16),
+    "beam-never": (dict(batch_size=1, num_beams=4, eos_token_ids=(2,), early_stopping="never",
+                        length_penalty=1.5), 6, 16),
+    "beam-no-eos": (dict(batch_size=2, num_beams=2, length_penalty=-0.5), 3, 12),
+    "beam-sample": (dict(batch_size=2, num_beams=3, do_sample=True, eos_token_ids=(3,)), 4, 14),
+    "beam-repetition": (dict(batch_size=1, num_beams=5, eos_token_ids=(4,), repetition_penalty=1.3), 5, 14),
+    # 64 rows: beam_finish's tiles are 16 columns wide, so the new columns span the tiles of two CTAs
+    "beam-many-rows": (dict(batch_size=16, num_beams=4, eos_token_ids=(3,), max_length=26), 4, 24),
+    # a NaN in one row's logits at step NAN_STEP: the draw flags it, the call ends there, finalize raises
+    "sample-nan": (dict(batch_size=2, num_return_sequences=2, do_sample=True, eos_token_ids=(3,)), 4, 8),
+    "beam-sample-nan": (dict(batch_size=2, num_beams=3, do_sample=True, eos_token_ids=(3,)), 4, 8),
+}
+NAN_STEP = 3
+
+
+def _logits(generator, rows, step, eos, device):
+    """``[rows, 1, VOCAB]`` float32 logits rounded to bf16 (ties among the top candidates), eos likely at some steps."""
+    logits = (torch.randn(rows, 1, VOCAB, generator=generator) * 2).to(torch.bfloat16).to(torch.float32)
+    if eos and step % 3 == 1:
+        logits[:, :, eos[step % len(eos)]] += 3.0
+    return logits.to(device)
+
+
+def _call(case, device):
+    fields, prompt_length, _ = CASES[case]
+    fields = dict(fields)
+    fields.setdefault("max_length", prompt_length + 9)
+    config = device_select.SelectionConfig(prompt_length=prompt_length, **fields)
+    g = torch.Generator().manual_seed(len(case))
+    prompts = torch.randint(0, VOCAB, (config.batch_size, prompt_length), generator=g)
+    per_prompt = config.rows // config.batch_size
+    return config, prompts.repeat_interleave(per_prompt, dim=0).to(device)
+
+
+def _inputs(rows, start, device="cpu"):
+    return (torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows, 1, dtype=torch.int64, device=device),
+            (torch.full((rows, 1), start, dtype=torch.int64, device=device),
+             torch.tensor([start], dtype=torch.int64, device=device)))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte for byte (float signs of zero and NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def drive(case: str, lib, device, stream: int = 0) -> None:
+    """CASES[case]'s call step by step on two states, one with the torch ops (whole_step.choose, select_kernel off),
+    one with ``lib``'s kernels (whole_step.choose_on_library): the states and the next step's inputs byte for byte
+    equal after every step; the call reaches its end and steps run after it. (tests/decode/test_gpu_whole_step.py runs
+    it with the library on a GPU.)"""
+    config, input_ids = _call(case, device)
+    steps = CASES[case][2]
+    states = [device_select.new_state(config, input_ids, generator=torch.Generator(device).manual_seed(1234))
+              for _ in range(2)]
+    nexts = [_inputs(config.rows, config.prompt_length, device) for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    finished_at = None
+    for step in range(steps):
+        logits = _logits(g, config.rows, step, config.eos_token_ids, device)
+        if case.endswith("-nan") and step == NAN_STEP:
+            logits[-1, 0, 5] = float("nan")      # (the last prompt's: the first runs on but for the flag)
+        whole_step.choose(states[0], logits[:, -1], *nexts[0])
+        whole_step.choose_on_library(lib, states[1], logits[:, -1], *nexts[1], stream=stream)
+        for name, tensor in states[0].tensors().items():
+            assert _same(states[1].tensors()[name], tensor), (case, step, name)
+        for want, got in zip((nexts[0][0], nexts[0][1], *nexts[0][2]), (nexts[1][0], nexts[1][1], *nexts[1][2])):
+            assert torch.equal(want, got), (case, step)
+        if finished_at is None and bool(states[0].done):
+            finished_at = step
+    # the case reached the end of its call and ran steps after it (which change nothing but the positions)
+    assert finished_at is not None and finished_at < steps - 1, (case, finished_at)
+    if case.endswith("-nan"):
+        assert finished_at == NAN_STEP and bool(states[1].invalid)
+        for state in states:
+            with pytest.raises(RuntimeError, match="probability tensor contains"):
+                device_select.finalize(state)
+        return
+    if config.is_beam:
+        assert bool(states[0].is_finished.any()), case
+    assert device_select.finalize(states[0]).sequences.equal(device_select.finalize(states[1]).sequences)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_source_equals_the_torch_ops(emulated, monkeypatch, case):
+    monkeypatch.setattr(whole_step, "select_kernel", False)
+    drive(case, emulated, "cpu")
+
+
+def test_the_launchers_refuse_rows_past_a_cta(emulated):
+    """More rows than a CTA's threads: the launcher refuses with the limits named (select_fits keeps such calls on the
+    torch ops)."""
+    config = device_select.SelectionConfig(batch_size=1025, prompt_length=2, max_length=6)
+    state = device_select.new_state(config, torch.zeros(1025, 2, dtype=torch.int64))
+    parents, ids, positions = _inputs(1025, 2)
+    with pytest.raises(RuntimeError, match=r"sample_finish: rows 1025 \(1\.\.1024\)"):
+        emulated.sample_finish(state, torch.zeros(1025, dtype=torch.int64), parents, ids, positions, 0, -1, 0)
