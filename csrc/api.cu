@@ -118,6 +118,15 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                                  k_stride, cs_stride, dtype, reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_add_rms_norm(void* out, void* sum_out, const void* x, const void* residual, const void* weight,
+                             int64_t rows, int64_t hidden, int64_t x_stride, int64_t residual_stride, float eps,
+                             int32_t dtype, uintptr_t stream) {
+  hfc::clear_error();
+  if (residual == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "add_rms_norm: a NULL residual");
+  return (int)hfc::rms_norm_launch(out, x, weight, rows, hidden, x_stride, eps, dtype,
+                                   reinterpret_cast<cudaStream_t>(stream), residual, residual_stride, sum_out);
+}
+
 HFC_API int hfc_silu_mul(void* out, const void* gate, const void* up, int64_t rows, int64_t width,
                          int64_t gate_stride, int64_t up_stride, int32_t dtype, uintptr_t stream) {
   hfc::clear_error();

@@ -79,13 +79,36 @@ __device__ __forceinline__ float sum_of_squares(const uint4 v, float sum, bool b
   return sum;
 }
 
+// a + b rounded to nearest, subnormals kept (fast math's -ftz would flush them; eager's bf16 / fp16 add keeps them)
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float y;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// T(a + b) for 8 elements at once: eager's `residual + hidden_states` (float sum, rounded once to T)
+template <typename T>
+__device__ __forceinline__ uint4 add_vector(const uint4 a, const uint4 b) {
+  const T* as = reinterpret_cast<const T*>(&a);
+  const T* bs = reinterpret_cast<const T*>(&b);
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    o[j] = Cvt<T>::pack2(add_rn(to_float(as[2 * j]), to_float(bs[2 * j])),
+                         add_rn(to_float(as[2 * j + 1]), to_float(bs[2 * j + 1])));
+  return out;
+}
+
 // Rows whose ends and strides are 16-byte aligned, the row held in registers (kVecs vectors of 8 a thread) so that
 // every load of a row is in flight at once: `threads` threads a row (a warp, or the CTA), kNormThreads / threads rows
-// a CTA. A row of hidden <= threads * 8 * kVecs.
+// a CTA. A row of hidden <= threads * 8 * kVecs. With a `residual` (non-NULL): the row normalised is T(x + residual),
+// also written to `sum_out` (contiguous rows): a decoder layer's residual add and the norm after it in one launch.
 template <typename T, int kVecs>
 __global__ void __launch_bounds__(kNormThreads)
     rms_norm_vec_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight, int64_t rows,
-                        int64_t hidden, int64_t x_stride, float eps, int threads) {
+                        int64_t hidden, int64_t x_stride, float eps, int threads, const T* __restrict__ residual,
+                        int64_t residual_stride, T* __restrict__ sum_out) {
   __shared__ float warp_sums[kNormThreads / 32];
   const int64_t r = (int64_t)blockIdx.x * (kNormThreads / threads) + threadIdx.x / threads;
   const int t = threadIdx.x % threads;
@@ -98,6 +121,18 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int i = 0; i < kVecs; ++i) {
     const int64_t c = t + (int64_t)i * threads;
     v[i] = live && c < vecs ? row[c] : make_uint4(0, 0, 0, 0);
+  }
+  if (residual != nullptr) {
+    const uint4* res = reinterpret_cast<const uint4*>(residual + (live ? r : 0) * residual_stride);
+    uint4* sums = reinterpret_cast<uint4*>(sum_out + (live ? r : 0) * hidden);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int64_t c = t + (int64_t)i * threads;
+      if (live && c < vecs) {
+        v[i] = add_vector<T>(v[i], res[c]);
+        sums[c] = v[i];
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) sum = sum_of_squares(v[i], sum, std::is_same<T, __nv_bfloat16>::value);
@@ -255,27 +290,43 @@ cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const v
   })
 }
 
+namespace {
+
+// 16-byte aligned address
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
 cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
-                            int64_t x_stride, float eps, int dtype, cudaStream_t stream) {
-  if (rows < 0 || hidden < 1 || x_stride < hidden || !(eps >= 0.f))
-    return fail(cudaErrorInvalidValue, "rms_norm: rows %lld, hidden %lld, x_stride %lld, eps %g",
-                (long long)rows, (long long)hidden, (long long)x_stride, (double)eps);
+                            int64_t x_stride, float eps, int dtype, cudaStream_t stream, const void* residual,
+                            int64_t residual_stride, void* sum_out) {
+  if (rows < 0 || hidden < 1 || x_stride < hidden || !(eps >= 0.f) || (residual && residual_stride < hidden))
+    return fail(cudaErrorInvalidValue, "rms_norm: rows %lld, hidden %lld, x_stride %lld, residual_stride %lld, eps %g",
+                (long long)rows, (long long)hidden, (long long)x_stride, (long long)residual_stride, (double)eps);
   if (rows > 0x7fffffff) return fail(cudaErrorInvalidConfiguration, "rms_norm: %lld rows in one launch", (long long)rows);
   if (rows == 0) return cudaSuccess;
-  if (out == nullptr || x == nullptr || weight == nullptr) return fail(cudaErrorInvalidValue, "rms_norm: a NULL pointer");
-  const bool aligned = hidden % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0;
+  if (out == nullptr || x == nullptr || weight == nullptr || (residual != nullptr && sum_out == nullptr))
+    return fail(cudaErrorInvalidValue, "rms_norm: a NULL pointer");
+  const bool aligned = hidden % 8 == 0 && x_stride % 8 == 0 && aligned16(x) && aligned16(out) && aligned16(weight) &&
+                       (residual == nullptr || (residual_stride % 8 == 0 && aligned16(residual) && aligned16(sum_out)));
   const int64_t vecs = hidden / 8;
+  if (residual != nullptr && !(aligned && vecs <= kNormThreads * 4))
+    return fail(cudaErrorInvalidValue, "add_rms_norm: rows of %lld elements, %s (the residual's add takes aligned rows "
+                "of at most %d, a multiple of 8)", (long long)hidden, aligned ? "aligned" : "not 16-byte aligned",
+                kNormThreads * 32);
   HFC_DISPATCH_DTYPE(dtype, T, {
     T* o = static_cast<T*>(out);
     const T* xs = static_cast<const T*>(x);
     const T* w = static_cast<const T*>(weight);
+    const T* res = static_cast<const T*>(residual);
+    T* sums = static_cast<T*>(sum_out);
     if (aligned && vecs <= 32 * 4) {            // a warp a row (Qwen3's q/k norms over head_dim; hidden <= 1024)
       const int64_t ctas = (rows + kNormThreads / 32 - 1) / (kNormThreads / 32);
-      rms_norm_vec_kernel<T, 4><<<(unsigned)ctas, kNormThreads, 0, stream>>>(o, xs, w, rows, hidden, x_stride, eps, 32);
+      rms_norm_vec_kernel<T, 4><<<(unsigned)ctas, kNormThreads, 0, stream>>>(o, xs, w, rows, hidden, x_stride, eps, 32,
+                                                                              res, residual_stride, sums);
     } else if (aligned && vecs <= kNormThreads * 4) {     // a CTA a row (hidden <= 8192)
       rms_norm_vec_kernel<T, 4><<<(unsigned)rows, kNormThreads, 0, stream>>>(o, xs, w, rows, hidden, x_stride, eps,
-                                                                              kNormThreads);
+                                                                              kNormThreads, res, residual_stride, sums);
     } else {
       rms_norm_kernel<T><<<(unsigned)rows, kNormThreads, 0, stream>>>(o, xs, w, hidden, x_stride, eps);
     }

@@ -33,9 +33,18 @@ product, :mod:`hf_cascade.decode.fused_linears`). It rounds as eager mode does, 
 CUDA silu op for op although the library is built with fast math (inline PTX, ``csrc/elementwise.cu``): eager's result
 bit for bit (:func:`silu_mul_reference`). Where the kernel declines (float32, a CPU tensor) the MLP runs the original's
 ops on the same products.
+
+A decoder layer's first residual add and the norm after it, where :data:`add_norm_kernel` is on: eager
+``LlamaDecoderLayer.forward`` runs ``residual + hidden_states`` and then ``post_attention_layernorm`` as two
+launches; the decoder layer classes whose ``forward`` is Llama's, source for source (of the installed transformers),
+with Llama's norm there, run that forward with the two as one kernel (:func:`hf_cascade.kernels.cuda_library.
+add_rms_norm`: the add rounded as eager's, the norm as the norm kernel's) under the conditions above: 32 launches fewer
+in an 8B step. The forward is the class's own source with those lines replaced by one call (:func:`_add_norm`), which
+runs the original two ops wherever the kernel declines.
 """
 from __future__ import annotations
 
+import __future__
 import functools
 import inspect
 import sys
@@ -56,14 +65,21 @@ _wrapped: dict = {}             # norm class -> its original forward; modeling m
 _checked: dict = {}             # (class or module) -> whether it is Llama's, source for source
 _last: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # model -> (its last call asked, act_kernel too)
 _mlps: set = set()              # the wrapped MLP classes (also in _wrapped)
+_layers: set = set()            # the wrapped decoder layer classes (also in _wrapped)
 _norm_kernel = cuda_library.rms_norm        # (tests put CPU stand-ins here)
 _rotary_kernel = cuda_library.rotary
 _act_kernel = cuda_library.silu_mul
+_add_norm_kernel = cuda_library.add_rms_norm
 
 # the MLP's silu(gate) * up as one kernel (csrc/elementwise.cu) in the calls that take the elementwise kernels
 # (tests/decode/test_gpu_fused_ops.py's silu_mul tests passed on the H200, 2026-12-05: eager's bits; 8B 16k x 8 beam
 # step: 231 us of silu and product kernels -> 70 us). False: no MLP class is wrapped or changed
 act_kernel = True
+
+# a decoder layer's first residual add and post-attention norm as one kernel (csrc/elementwise.cu hfc_add_rms_norm) in
+# the calls that take the elementwise kernels. Off until its GPU tests pass (tests/decode/test_gpu_fused_ops.py -k
+# add_norm). False: no decoder layer class is wrapped or changed
+add_norm_kernel = False
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,6 +167,57 @@ def _mlp_eligible(module: nn.Module) -> bool:
     return _checked[cls] and _is_silu(module.act_fn)
 
 
+# the lines of LlamaDecoderLayer.forward that the fused forward replaces (the residual add, the norm after it), and
+# what replaces them
+# (as _source gives it: dedented to the def's column)
+_ADD_THEN_NORM = """    hidden_states = residual + hidden_states
+
+    # Fully Connected
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+"""
+_ADD_AND_NORM = """    residual, hidden_states = _add_norm(residual, hidden_states, self.post_attention_layernorm)
+"""
+
+
+def _layer_eligible(module: nn.Module) -> bool:
+    """A decoder layer whose class's forward is Llama's (source for source) and whose post-attention norm is Llama's."""
+    cls = type(module)
+    if not cls.__name__.endswith("DecoderLayer") or "forward" in module.__dict__:
+        return False
+    if cls not in _checked:
+        reference = _source(_original_forward(_llama().LlamaDecoderLayer))
+        _checked[cls] = (reference is not None and reference.count(_ADD_THEN_NORM) == 1
+                         and _source(_original_forward(cls)) == reference)
+    norm = getattr(module, "post_attention_layernorm", None)
+    return _checked[cls] and isinstance(norm, nn.Module) and _norm_eligible(norm)
+
+
+def _add_norm(residual: torch.Tensor, hidden_states: torch.Tensor, norm: nn.Module):
+    """``(residual + hidden_states, norm(residual + hidden_states))``: one kernel where the call takes them and it runs
+    (the norm Llama's), the two original ops otherwise."""
+    if _active() and _norm_eligible(norm):
+        out = _add_norm_kernel(hidden_states, residual, norm.weight, norm.variance_epsilon)
+        if out is not None:
+            return out
+    hidden_states = residual + hidden_states
+    return hidden_states, norm(hidden_states)
+
+
+def _fused_layer_forward(cls):
+    """``cls.forward``'s own source with the residual add and the norm after it as one :func:`_add_norm` call,
+    compiled in the namespace of the class's module (its decorators and names resolve as the original's)."""
+    source = _source(_original_forward(cls)).replace(_ADD_THEN_NORM, _ADD_AND_NORM)
+    module = sys.modules[cls.__module__]
+    namespace = dict(vars(module), _add_norm=_add_norm)
+    # (the module's own future flags, not this one's: its annotations stay what they are there)
+    flags = __future__.annotations.compiler_flag if getattr(module, "annotations", None) is __future__.annotations \
+        else 0
+    code = compile(source, f"<hf_cascade fused {cls.__qualname__}.forward>", "exec", flags=flags, dont_inherit=True)
+    exec(code, namespace)  # noqa: S102 — the class's own source, checked to be Llama's
+    return namespace["forward"]
+
+
 def _rotary_module(module: nn.Module):
     """The modeling module of an attention layer whose ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's."""
     found = sys.modules.get(type(module).__module__)
@@ -200,6 +267,20 @@ def _wrap_mlp(cls) -> None:
     cls.forward = forward
 
 
+def _wrap_layer(cls) -> None:
+    original, fused = cls.forward, _fused_layer_forward(cls)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if add_norm_kernel and _active():
+            return fused(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    _wrapped[cls] = original
+    _layers.add(cls)
+    cls.forward = forward
+
+
 def _wrap_rotary(module) -> None:
     original = module.apply_rotary_pos_emb
 
@@ -225,9 +306,10 @@ def configure(model: nn.Module, on: bool) -> bool:
     device = _device_of(model)
     if on and device is not None and device.type == "cuda" and cuda_library.prebuilt_or_loaded(device) is None:
         on = False
-    choice = (on, on and act_kernel)        # (graphs kept with the activation kernel hold it: a change drops them)
+    # (graphs kept with the activation or add-and-norm kernel hold it: a change drops them)
+    choice = (on, on and act_kernel, on and add_norm_kernel)
     with _lock:
-        changed = _last.get(model, (False, False)) != choice
+        changed = _last.get(model, (False, False, False)) != choice
         _last[model] = choice
         if on:
             for module in model.modules():
@@ -235,6 +317,8 @@ def configure(model: nn.Module, on: bool) -> bool:
                     _wrap_norm(type(module))
                 if act_kernel and type(module) not in _wrapped and _mlp_eligible(module):
                     _wrap_mlp(type(module))
+                if add_norm_kernel and type(module) not in _wrapped and _layer_eligible(module):
+                    _wrap_layer(type(module))
                 rotary = _rotary_module(module) if hasattr(module, "q_proj") else None
                 if rotary is not None and rotary not in _wrapped:
                     _wrap_rotary(rotary)
@@ -253,9 +337,12 @@ def call_ended() -> None:
 
 
 def takes_kernels(module: nn.Module) -> bool:
-    """Whether ``module``'s norm forward, its attention's rotary embedding, or (:data:`act_kernel` on) its MLP's
-    activation is wrapped and would take the kernel (for tests)."""
+    """Whether ``module``'s norm forward, its attention's rotary embedding, (:data:`act_kernel` on) its MLP's
+    activation, or (:data:`add_norm_kernel` on) its decoder layer's add and norm is wrapped and would take the kernel
+    (for tests)."""
     if type(module) in _mlps:
         return act_kernel and _is_silu(module.act_fn)
+    if type(module) in _layers:
+        return add_norm_kernel and _norm_eligible(module.post_attention_layernorm)
     found = sys.modules.get(type(module).__module__)
     return type(module) in _wrapped or (hasattr(module, "q_proj") and found in _wrapped)

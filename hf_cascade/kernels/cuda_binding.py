@@ -191,6 +191,11 @@ class _Lib:
             strides = ctypes.POINTER(_i64)
             lib.hfc_rotary.restype = ctypes.c_int
             lib.hfc_rotary.argtypes = [_vp] * 6 + [_i64] * 5 + [strides] * 3 + [_i32, ctypes.c_size_t]
+        # (likewise: a library without it leaves a decoder layer's residual add to torch, before the norm kernel)
+        self.has_add_norm = hasattr(lib, "hfc_add_rms_norm")
+        if self.has_add_norm:
+            lib.hfc_add_rms_norm.restype = ctypes.c_int
+            lib.hfc_add_rms_norm.argtypes = [_vp] * 5 + [_i64] * 4 + [ctypes.c_float, _i32, ctypes.c_size_t]
         # (likewise: a library without it leaves the MLP's activation to torch's two kernels)
         self.has_silu_mul = hasattr(lib, "hfc_silu_mul")
         if self.has_silu_mul:
@@ -350,6 +355,21 @@ class _Lib:
             _no_dtype(x.dtype)
         self.check(self.lib.hfc_rms_norm(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, hidden, x.stride(0),
                                          eps, code, stream), "rms_norm")
+
+    def add_rms_norm(self, out, sum_out, x, residual, weight, eps: float, stream: int) -> None:
+        """``sum_out = x + residual`` and ``out`` its RMSNorm with ``weight`` (``csrc/elementwise.cu``): ``x``,
+        ``residual`` ``[rows, hidden]`` (rows strided, elements contiguous), ``out``, ``sum_out`` contiguous; one dtype
+        (bf16, fp16), one device, 16-byte aligned rows (``cuda_library.add_norm_fits``)."""
+        rows, hidden = x.shape
+        try:
+            code = DTYPE_CODES[x.dtype]
+        except KeyError:
+            _no_dtype(x.dtype)
+        # (a single row's stride is whatever the view says: the kernel reads row 0 only)
+        strides = [t.stride(0) if rows > 1 else hidden for t in (x, residual)]
+        self.check(self.lib.hfc_add_rms_norm(out.data_ptr(), sum_out.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                                             weight.data_ptr(), rows, hidden, *strides, eps, code, stream),
+                   "add_rms_norm")
 
     def rotary(self, q, k, cos, sin, q_out, k_out, stream: int) -> None:
         """The rotary embedding (``csrc/elementwise.cu``) of ``q`` ``[B, Hq, L, D]`` and ``k`` ``[B, Hk, L, D]``

@@ -280,6 +280,41 @@ def norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape == (hidden,) and weight.stride(0) == 1 and x.stride(-1) == 1)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(residual + x, rms_norm(residual + x))`` in one launch of the library's kernel (``csrc/elementwise.cu``: the
+    sum rounded as eager's add, the norm as :func:`rms_norm`'s kernel), or None where it does not run (no library
+    loaded for the device, or one built before the kernel; not :func:`add_norm_fits`): the caller runs its own ops."""
+    lib = _elementwise_library(x)
+    if lib is None or not getattr(lib, "has_add_norm", False) or not add_norm_fits(x, residual, weight):
+        return None
+    hidden = x.shape[-1]
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return total, out
+    lib.add_rms_norm(out.view(-1, hidden), total.view(-1, hidden), x.reshape(-1, hidden), residual.reshape(-1, hidden),
+                     weight, eps, torch.cuda.current_stream(x.device).cuda_stream)
+    return total, out
+
+
+def add_norm_fits(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the add-and-norm kernel reads them as they are: :func:`norm_fits` for each, one shape, hidden a multiple
+    of 8 and at most 8192, rows evenly strided (a view as ``[rows, hidden]``), 16-byte aligned rows."""
+    if residual.shape != x.shape or not (norm_fits(x, weight) and norm_fits(residual, weight)):
+        return False
+    hidden = x.shape[-1]
+    if hidden % 8 or hidden > 8192 or weight.data_ptr() % 16:
+        return False
+    for t in (x, residual):
+        try:
+            rows = t.view(-1, hidden)
+        except RuntimeError:             # (rows not evenly strided: a view cannot say them)
+            return False
+        if rows.data_ptr() % 16 or (rows.shape[0] > 1 and rows.stride(0) % 8):
+            return False
+    return True
+
+
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``(q_embed, k_embed)``: transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (``unsqueeze_dim=1``) in one
     launch of the library's kernel, bit for bit eager mode's (:mod:`hf_cascade.fused_ops`), or None where it does

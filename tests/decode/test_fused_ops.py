@@ -81,11 +81,20 @@ def test_the_activation_reference_is_the_eager_mlp_s_rounding_for_rounding(dtype
 class StandIns:
     """The kernels' places on the CPU: count their calls and compute the references (what the kernels compute)."""
 
-    def __init__(self, monkeypatch):
-        self.norms = self.rotary = self.acts = 0
+    def __init__(self, monkeypatch, decline_add_norm=False):
+        self.norms = self.rotary = self.acts = self.add_norms = 0
+        self.decline_add_norm = decline_add_norm
         monkeypatch.setattr(fused_ops, "_norm_kernel", self.norm)
         monkeypatch.setattr(fused_ops, "_rotary_kernel", self.rope)
         monkeypatch.setattr(fused_ops, "_act_kernel", self.act)
+        monkeypatch.setattr(fused_ops, "_add_norm_kernel", self.add_norm)
+
+    def add_norm(self, x, residual, weight, eps):
+        self.add_norms += 1
+        if self.decline_add_norm:
+            return None
+        total = residual + x
+        return total, fused_ops.rms_norm_reference(total, weight, eps)
 
     def act(self, gate, up):
         self.acts += 1
@@ -353,3 +362,59 @@ def test_where_the_kernel_declines_the_mlp_computes_each_product_once(monkeypatc
             assert torch.equal(got, fused_ops._original_forward(type(mlp))(mlp, x))
     finally:
         fused_ops.call_ended()
+
+
+# decoder layers per forward whose forward is Llama's (source for source) with Llama's post-attention norm: Granite's
+# scales its residuals, Phi-3's, Gemma's, OLMo2's and OPT's layers differ
+LAYERS_PER_FORWARD = {"Llama": 2, "Mistral": 2, "Qwen2": 2, "Qwen3": 2, "Granite": 0, "Phi3": 0, "Gemma": 0,
+                      "OLMo2": 0, "OPT": 0}
+
+
+@pytest.mark.parametrize("decline", [False, True], ids=["kernel", "declined"])
+@pytest.mark.parametrize("name", list(LAYERS_PER_FORWARD))
+def test_exactly_the_llama_decoder_layers_take_the_add_and_norm_kernel(name, decline, monkeypatch):
+    """fused_ops.add_norm_kernel on: the decoder layers whose forward is Llama's run it with the residual add and the
+    post-attention norm as one kernel (a CPU stand-in computing their references; or declining, where the layer runs
+    the two original ops), every layer of every forward of the call, stock's tokens in float64; the norm kernel then
+    serves the other norms only. Other layers keep their class's forward; a forward outside generate and a call
+    without the kernels run the original."""
+    monkeypatch.setattr(fused_ops, "add_norm_kernel", True)
+    kernels = StandIns(monkeypatch, decline_add_norm=decline)
+    stock, cascade = _model(name, "sdpa"), _model(name)
+    layers = [m for m in cascade.modules() if type(m).__name__.endswith("DecoderLayer")]
+    originals = {type(m): type(m).forward for m in layers}
+    ids, mask = padded_batch(seed=10)
+    new = 6
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    expected = stock.generate(**kw)
+    forwards = []
+    cascade.get_decoder().register_forward_pre_hook(lambda module, args: forwards.append(1))
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=EAGER), expected)
+    per_forward = LAYERS_PER_FORWARD[name]
+    assert len(forwards) >= new and kernels.add_norms == per_forward * len(forwards)
+    norms = PER_FORWARD[name][0]
+    # the norm kernel: the others (or, declined, the post-attention norms too)
+    assert kernels.norms == (norms - (0 if decline else per_forward)) * len(forwards)
+    assert all(fused_ops.takes_kernels(m) == bool(per_forward) for m in layers)
+    if not per_forward:
+        assert all(type(m).forward is originals[type(m)] for m in layers)
+    seen = kernels.add_norms
+    with torch.no_grad():
+        cascade(input_ids=ids, attention_mask=mask)                  # a forward outside generate
+    off = CascadeConfig(cuda_graphs="eager", fuse_elementwise=False)
+    assert torch.equal(cascade.generate(**kw, hf_cascade_config=off), expected)
+    assert kernels.add_norms == seen
+
+
+def test_the_fused_layer_forward_is_the_original_but_for_the_add_and_norm():
+    """The fused forward is compiled from the class's own source with exactly the residual add and the norm after it
+    replaced (so a transformers whose Llama layer differs elsewhere still runs its own code): its code differs from the
+    original's in that call alone, and its signature and decorators are the original's."""
+    cls = modeling_llama.LlamaDecoderLayer
+    original = fused_ops._original_forward(cls)
+    fused = fused_ops._fused_layer_forward(cls)
+    assert inspect.signature(fused) == inspect.signature(original)
+    source = fused_ops._source(original)
+    assert source.count(fused_ops._ADD_THEN_NORM) == 1
+    names = set(inspect.unwrap(fused).__code__.co_names) - set(inspect.unwrap(original).__code__.co_names)
+    assert names == {"_add_norm"}

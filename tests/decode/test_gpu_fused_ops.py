@@ -1,7 +1,8 @@
 """GPU: ``csrc/elementwise.cu`` against :func:`hf_cascade.fused_ops.rms_norm_reference`,
 :func:`~hf_cascade.fused_ops.rotary_reference` and :func:`~hf_cascade.fused_ops.silu_mul_reference` (the eager ops),
-and a bf16 model's tokens with ``CascadeConfig(fuse_elementwise=True)`` (and ``fused_ops.act_kernel`` on) in a
-captured whole step. CPU side: tests/decode/test_fused_ops.py, tests/kernels/test_silu_ptx.py."""
+the residual add with the norm (``hfc_add_rms_norm``) against eager's add and the norm kernel, and a bf16 model's
+tokens with ``CascadeConfig(fuse_elementwise=True)`` (and ``fused_ops.act_kernel``, ``fused_ops.add_norm_kernel`` on)
+in a captured whole step. CPU side: tests/decode/test_fused_ops.py, tests/kernels/test_silu_ptx.py."""
 from __future__ import annotations
 
 import pytest
@@ -186,4 +187,56 @@ def test_bf16_captured_step_with_the_silu_mul_kernel_gives_the_same_tokens(lib, 
     assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
     # (a forward: 4 MLPs; the captured step's calls happen when it is captured)
     assert len(acts) >= 4 * 2
+    assert torch.equal(plain, fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (8, 4096), (64, 2048), (1001, 1024), (3, 8192), (5, 64)])
+def test_add_norm_kernel_is_the_eager_add_then_the_norm_kernel(lib, dtype, rows, hidden):
+    """hfc_add_rms_norm: the sum is eager's ``residual + x`` bit for bit, and the normalised rows are the norm kernel's
+    of that sum bit for bit (the same kernel, the same sum order); x may be a strided view (a product's rows)."""
+    g = torch.Generator("cuda").manual_seed(rows + hidden)
+    residual = (torch.randn(rows, hidden, device="cuda", generator=g) * 3).to(dtype)
+    x = (torch.randn(rows, 2 * hidden, device="cuda", generator=g) * 3).to(dtype)[:, hidden:]   # (strided rows)
+    weight = torch.randn(hidden, device="cuda", generator=g).to(dtype)
+    got = cuda_library.add_rms_norm(x, residual, weight, 1e-5)
+    assert got is not None
+    total, normed = got
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, cuda_library.rms_norm(residual + x, weight, 1e-5))
+
+
+def test_add_norm_kernel_declines_what_it_does_not_run(lib):
+    g = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn(4, 4096, device="cuda", generator=g).bfloat16()
+    weight = torch.randn(4096, device="cuda", generator=g).bfloat16()
+    assert cuda_library.add_rms_norm(x, x.clone(), weight, 1e-5) is not None
+    assert cuda_library.add_rms_norm(x.float(), x.float(), weight.float(), 1e-5) is None       # float32
+    assert cuda_library.add_rms_norm(x, x[:2], weight, 1e-5) is None                           # two shapes
+    assert cuda_library.add_rms_norm(x[:, 1:], x[:, 1:].clone(), weight[1:], 1e-5) is None     # not aligned
+    wide = torch.randn(2, 16384, device="cuda", generator=g).bfloat16()
+    assert cuda_library.add_rms_norm(wide, wide.clone(), wide[0].clone(), 1e-5) is None        # past 8192
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(num_beams=4)], ids=["greedy", "beam"])
+def test_bf16_captured_step_with_the_add_norm_kernel_gives_the_same_tokens(lib, kw, monkeypatch):
+    """The add-and-norm kernel is eager's add and the norm kernel's norm bit for bit: a captured step with it
+    (fused_ops.add_norm_kernel on) gives the very tokens of one without (the other kernels on in both), and the call
+    that turns it on drops the graphs kept without it."""
+    model = _llama()
+    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    calls = []
+    real = fused_ops._add_norm_kernel
+    monkeypatch.setattr(fused_ops, "_add_norm_kernel", lambda *a: calls.append(1) or real(*a))
+    kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
+    monkeypatch.setattr(fused_ops, "add_norm_kernel", False)
+    spy = RunnerSpy(monkeypatch)
+    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    assert not calls
+    monkeypatch.setattr(fused_ops, "add_norm_kernel", True)
+    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
+    first, runner = spy.runners
+    assert runner is not first
+    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
+    assert len(calls) >= 4 * 2          # (a forward: 4 decoder layers)
     assert torch.equal(plain, fused)

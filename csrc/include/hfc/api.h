@@ -72,6 +72,13 @@ HFC_API int hfc_rotary(const void* q, const void* k, const void* cos, const void
                        int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
                        const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int32_t dtype,
                        uintptr_t stream);
+/* A decoder layer's residual add and the RMSNorm after it in one launch (csrc/elementwise.cu): sum_out = T(x +
+   residual) ([rows, hidden] contiguous), out = hfc_rms_norm of sum_out; x and residual rows strided (x_stride,
+   residual_stride in elements, the hidden dimension contiguous), everything 16-byte aligned, hidden a multiple of 8
+   and at most 8192; the add rounded as eager mode's. Capture safe; added as hfc_rms_norm was. */
+HFC_API int hfc_add_rms_norm(void* out, void* sum_out, const void* x, const void* residual, const void* weight,
+                             int64_t rows, int64_t hidden, int64_t x_stride, int64_t residual_stride, float eps,
+                             int32_t dtype, uintptr_t stream);
 /* The MLP's activation silu(gate) * up (csrc/elementwise.cu): gate, up [rows, width] with row strides gate_stride,
    up_stride in elements (the width contiguous: e.g. the two halves of a fused gate|up product), out [rows, width]
    contiguous, one dtype code (HFC_BF16, HFC_FP16); eager mode's roundings, T(T(silu(g)) * u). Capture safe; added as

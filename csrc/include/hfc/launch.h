@@ -30,8 +30,11 @@ cudaError_t copy_blocks_layers_launch(const uint64_t* pools, int64_t layers, con
 // csrc/elementwise.cu: RMSNorm of rows [rows, hidden] (row stride x_stride) into contiguous out; the rotary
 // embedding of q [batch, q_heads, tokens, head_dim] and k (strided, head_dim contiguous) into contiguous q_out,
 // k_out; both with eager mode's roundings
+// (with a residual [rows, hidden] (row stride residual_stride): the rows normalised are T(x + residual), written to
+// sum_out (contiguous) too; aligned rows of at most 8192 only)
 cudaError_t rms_norm_launch(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
-                            int64_t x_stride, float eps, int dtype, cudaStream_t stream);
+                            int64_t x_stride, float eps, int dtype, cudaStream_t stream, const void* residual = nullptr,
+                            int64_t residual_stride = 0, void* sum_out = nullptr);
 cudaError_t rotary_launch(const void* q, const void* k, const void* cos, const void* sin, void* q_out, void* k_out,
                           int64_t batch, int64_t tokens, int64_t q_heads, int64_t k_heads, int64_t head_dim,
                           const int64_t* q_stride, const int64_t* k_stride, const int64_t* cs_stride, int dtype,
