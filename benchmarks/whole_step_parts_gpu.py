@@ -11,11 +11,15 @@ Triton cache directories for compile seconds that no earlier compile served); ``
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
 replay's time outside kernels (the gaps between the graph's kernels). ``--quant int4wo`` (or another of
 quantized_gpu.py's) quantizes the decoder's linear layers first: what limits a quantized step (issue 33 item 4; needs
-``source .device/quant/setup.sh``).
+``source .device/quant/setup.sh``). ``--set decode.whole_step.select_kernel=true`` (any module switch of hf_cascade)
+and ``--blas cublaslt`` (torch's preferred BLAS library) hold for the whole process: run one process per setting,
+each model's graphs being captured under it.
 
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 8b:4096:greedy --compile --profile
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 --compile false true regional
     PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:2048:beam8 --quant int4wo --profile
+    PYTHONPATH=. python benchmarks/whole_step_parts_gpu.py --configs 8b:16384:beam8 --profile \
+        --set decode.whole_step.select_kernel=true decode.fused_ops.add_norm_kernel=true --blas cublaslt
 """
 from __future__ import annotations
 
@@ -160,11 +164,17 @@ def main():
                              "on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
     parser.add_argument("--quant", default=None, help="quantize the decoder's linears first (quantized_gpu.py's names)")
+    parser.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
+                        help="torch.backends.cuda.preferred_blas_library for this process (which GEMM path the "
+                             "captured products take: cuBLAS picks split-K with separate reduce kernels at decode's "
+                             "few rows)")
     parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
                         help="module switches for this process, e.g. decode.whole_step.select_kernel=true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     harness.apply_switches(args.set)      # (the command line in the record names them)
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     models, results, calls = {}, [], []
     real_chunk = whole_step.WholeStepLoop._chunk
     compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]
@@ -213,7 +223,8 @@ def main():
         found["compile_s"] = call_s[0] - call_s[1]
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
-                        "fuse": not args.no_fuse, "elementwise": fuse_elementwise, "quant": args.quant, **found})
+                        "fuse": not args.no_fuse, "elementwise": fuse_elementwise, "quant": args.quant,
+                        "blas": str(torch.backends.cuda.preferred_blas_library()), "set": args.set, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, results[-1]))     # (the row itself: its profile joins it)
     # the profiles last: a config timed after another's profile showed 230-500 µs of host time per graph launch
