@@ -224,6 +224,36 @@ def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **gene
         (runner.disabled, runner.captures, runner.replays)
 
 
+def emulated_api(names) -> str:
+    """csrc/api.cu's error functions (its first ``namespace hfc`` block) and its entries ``names`` (``HFC_API int
+    name(...) {...}`` each, without the HFC_API), with hfc_error_string and hfc_last_error, for an emulation test's
+    source: the C ABI as the library has it, over the test's shim (which defines cudaGetErrorString)."""
+    api = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "api.cu").read_text(encoding="utf-8")
+    errors_start = api.index("namespace hfc {")
+    error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
+    entries = []
+    for name in names:
+        start = api.index(f"HFC_API int {name}(")
+        entries.append(api[start:api.index("\n}\n", start) + 3][len("HFC_API "):])
+    errors = """
+const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
+const char* hfc_last_error(void) { return hfc::last_error(); }
+"""
+    return error_functions, 'extern "C" {\n' + "\n".join(entries) + errors + "\n}\n"
+
+
+def emulated_binding(lib):
+    """A cuda_binding._Lib on an emulated library ``lib`` (its methods and error check; the entry points' argtypes are
+    the test's to declare)."""
+    import ctypes
+    from hf_cascade.kernels import cuda_binding
+    lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
+    lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
+    binding = object.__new__(cuda_binding._Lib)
+    binding.lib = lib
+    return binding
+
+
 def host_library(out_dir, name: str, source: str, flags: list[str]):
     """``source`` (a kernel's own code over a shim of the CUDA built-ins, for the emulation tests) compiled with g++
     into ``out_dir/lib<name>.so`` and loaded with ctypes."""

@@ -166,30 +166,6 @@ def test_silu_mul_kernel_takes_batched_offset_views_and_declines_what_it_does_no
     assert cuda_library.silu_mul(gate[:0], up[:0]).shape == (0, 5, 4096)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(num_beams=4)], ids=["greedy", "beam"])
-def test_bf16_captured_step_with_the_silu_mul_kernel_gives_the_same_tokens(lib, kw, monkeypatch):
-    """The activation kernel is eager's bit for bit: a captured step with it gives the very tokens of one without
-    (the norm and rotary kernels on in both), and the call that turns it on drops the graphs kept without it."""
-    model = _llama()
-    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    acts = []
-    real = fused_ops._act_kernel
-    monkeypatch.setattr(fused_ops, "_act_kernel", lambda gate, up: acts.append(gate.shape) or real(gate, up))
-    kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
-    monkeypatch.setattr(fused_ops, "act_kernel", False)
-    spy = RunnerSpy(monkeypatch)
-    plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
-    assert not acts
-    monkeypatch.setattr(fused_ops, "act_kernel", True)
-    fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
-    first, runner = spy.runners          # (a new runner: the graphs kept without the kernel were dropped)
-    assert runner is not first
-    assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
-    # (a forward: 4 MLPs; the captured step's calls happen when it is captured)
-    assert len(acts) >= 4 * 2
-    assert torch.equal(plain, fused)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,hidden", [(1, 4096), (8, 4096), (64, 2048), (1001, 1024), (3, 8192), (5, 64)])
 def test_add_norm_kernel_is_the_eager_add_then_the_norm_kernel(lib, dtype, rows, hidden):
@@ -218,25 +194,32 @@ def test_add_norm_kernel_declines_what_it_does_not_run(lib):
     assert cuda_library.add_rms_norm(wide, wide.clone(), wide[0].clone(), 1e-5) is None        # past 8192
 
 
+# the kernels that give eager's bits where they replace eager ops: (their switch, their place in fused_ops)
+BITWISE_KERNELS = {"silu_mul": ("act_kernel", "_act_kernel"), "add_norm": ("add_norm_kernel", "_add_norm_kernel")}
+
+
+@pytest.mark.parametrize("kernel", list(BITWISE_KERNELS))
 @pytest.mark.parametrize("kw", [dict(), dict(num_beams=4)], ids=["greedy", "beam"])
-def test_bf16_captured_step_with_the_add_norm_kernel_gives_the_same_tokens(lib, kw, monkeypatch):
-    """The add-and-norm kernel is eager's add and the norm kernel's norm bit for bit: a captured step with it
-    (fused_ops.add_norm_kernel on) gives the very tokens of one without (the other kernels on in both), and the call
-    that turns it on drops the graphs kept without it."""
+def test_bf16_captured_step_with_the_kernel_gives_the_same_tokens(lib, kw, kernel, monkeypatch):
+    """The activation kernel is eager's bit for bit, the add-and-norm kernel eager's add and the norm kernel's norm:
+    a captured step with one (its switch on) gives the very tokens of one without (the norm and rotary kernels on in
+    both), and the call that turns it on drops the graphs kept without it."""
+    switch, place = BITWISE_KERNELS[kernel]
     model = _llama()
-    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    ids = torch.randint(3, 512, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     calls = []
-    real = fused_ops._add_norm_kernel
-    monkeypatch.setattr(fused_ops, "_add_norm_kernel", lambda *a: calls.append(1) or real(*a))
+    real = getattr(fused_ops, place)
+    monkeypatch.setattr(fused_ops, place, lambda *args: calls.append(1) or real(*args))
     kw = dict(input_ids=ids, max_new_tokens=24, min_new_tokens=24, pad_token_id=0, **kw)
-    monkeypatch.setattr(fused_ops, "add_norm_kernel", False)
+    monkeypatch.setattr(fused_ops, switch, False)
     spy = RunnerSpy(monkeypatch)
     plain = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
     assert not calls
-    monkeypatch.setattr(fused_ops, "add_norm_kernel", True)
+    monkeypatch.setattr(fused_ops, switch, True)
     fused = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True))
-    first, runner = spy.runners
+    first, runner = spy.runners          # (a new runner: the graphs kept without the kernel were dropped)
     assert runner is not first
     assert runner.disabled is None and runner.captures >= 1 and runner.replays >= 15
-    assert len(calls) >= 4 * 2          # (a forward: 4 decoder layers)
+    # (a forward: 4 MLPs, 4 decoder layers; the captured step's calls happen when it is captured)
+    assert len(calls) >= 4 * 2
     assert torch.equal(plain, fused)

@@ -69,20 +69,44 @@ def test_captured_whole_step_equals_eager_whole_step_bitwise(bf16_models, monkey
     assert "forward" not in model.__dict__
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_float32_whole_step_gives_stock_tokens(monkeypatch, case):
+def _count_select(monkeypatch) -> list:
+    """The token choice kernels' launches from now on (their binding's method names)."""
+    launches = []
+    for name in ("sample_finish", "beam_scores", "beam_finish"):
+        real = getattr(type(cuda_library.library(torch.device("cuda"))), name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            launches.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(type(cuda_library.library(torch.device("cuda"))), name, spy)
+    return launches
+
+
+# greedy without processors too: its argmax reads the logits as they are (no float32 copy)
+SELECT_GENERATE = {**CASES, "greedy-plain": dict(do_sample=False)}
+
+
+@pytest.mark.parametrize("select", [False, True], ids=["torch-choice", "select-kernels"])
+@pytest.mark.parametrize("case", list(SELECT_GENERATE))
+def test_float32_whole_step_gives_stock_tokens(monkeypatch, case, select):
+    """float32 (TF32 off): captured calls give stock's tokens, the token choice's bookkeeping on torch ops or on the
+    library's kernels (whole_step.select_kernel)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(whole_step, "select_kernel", select)
+    launches = _count_select(monkeypatch)
     stock, cascade = _models(torch.float32)
     ids, mask = _batch((300, 210), seed=2)
     spy = RunnerSpy(monkeypatch)
-    kw = dict(max_new_tokens=24, pad_token_id=0, **CASES[case])
+    kw = dict(max_new_tokens=24, pad_token_id=0, **SELECT_GENERATE[case])
     torch.manual_seed(5)
     expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
     torch.manual_seed(5)
     got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
                            **kw)
     assert torch.equal(expected, got), case
+    assert bool(launches) == select
     assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
 
 
@@ -229,24 +253,6 @@ def test_select_kernels_equal_the_torch_ops_step_by_step(monkeypatch, case):
     drive(case, lib, "cuda", torch.cuda.current_stream().cuda_stream)
 
 
-def _count_select(monkeypatch) -> list:
-    """The token choice kernels' launches from now on (their binding's method names)."""
-    launches = []
-    for name in ("sample_finish", "beam_scores", "beam_finish"):
-        real = getattr(type(cuda_library.library(torch.device("cuda"))), name)
-
-        def spy(self, *args, _real=real, _name=name, **kwargs):
-            launches.append(_name)
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(type(cuda_library.library(torch.device("cuda"))), name, spy)
-    return launches
-
-
-# greedy without processors too: its argmax reads the logits as they are (no float32 copy)
-SELECT_GENERATE = {**CASES, "greedy-plain": dict(do_sample=False)}
-
-
 @pytest.mark.parametrize("case", list(SELECT_GENERATE))
 def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch, case):
     """whole_step.select_kernel on: the captured whole step runs the token choice's bookkeeping on the library's
@@ -267,24 +273,3 @@ def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch
     off, on = spy.runners
     assert off.captures >= 2 and on.captures >= 2 and on.replays > 30
     assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("case", list(SELECT_GENERATE))
-def test_float32_steps_with_the_select_kernels_give_stock_tokens(monkeypatch, case):
-    """float32 (TF32 off), whole_step.select_kernel on: captured calls give stock's tokens."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    monkeypatch.setattr(whole_step, "select_kernel", True)
-    launches = _count_select(monkeypatch)
-    stock, cascade = _models(torch.float32)
-    ids, mask = _batch((300, 210), seed=2)
-    spy = RunnerSpy(monkeypatch)
-    kw = dict(max_new_tokens=24, pad_token_id=0, **SELECT_GENERATE[case])
-    torch.manual_seed(5)
-    expected = stock.generate(input_ids=ids, attention_mask=mask, **kw)
-    torch.manual_seed(5)
-    got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
-                           **kw)
-    assert torch.equal(expected, got), case
-    assert launches
-    assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)

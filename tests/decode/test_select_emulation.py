@@ -16,7 +16,6 @@ tests/decode/test_gpu_whole_step.py runs them on a GPU.
 """
 from __future__ import annotations
 
-import ctypes
 import re
 import shutil
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from hf_cascade.decode import device_select, whole_step
 from hf_cascade.kernels import cuda_binding
 
-from conftest import host_library
+from conftest import emulated_api, emulated_binding, host_library
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
 
@@ -95,17 +94,9 @@ void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
 }
 """
 
-ENTRIES = ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")
-
-
-def _api_function(api: str, name: str) -> str:
-    start = api.index(f"HFC_API int {name}(")
-    return api[start:api.index("\n}\n", start) + 3][len("HFC_API "):]
-
-
 def _source() -> str:
     """The shim, launch.h's select structs, select.cu with its launches turned into emu_launch, api.cu's error
-    functions and the three entries."""
+    functions and its three entries."""
     header = (CSRC / "include" / "hfc" / "launch.h").read_text(encoding="utf-8")
     structs = header[header.index("struct SelectNext {"):]
     structs = structs[:structs.index("cudaError_t beam_finish_launch(")]
@@ -114,15 +105,8 @@ def _source() -> str:
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
     assert launches == 3, "select.cu's three launches not found"
     cu = cu.replace("namespace hfc {", "namespace hfc {\n" + structs, 1)
-    api = (CSRC / "api.cu").read_text(encoding="utf-8")
-    errors_start = api.index("namespace hfc {")
-    error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
-    entries = "\n".join(_api_function(api, name) for name in ENTRIES)
-    errors = """
-const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
-const char* hfc_last_error(void) { return hfc::last_error(); }
-"""
-    return f'{SHIM}\n{error_functions}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
+    error_functions, entries = emulated_api(("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish"))
+    return f"{SHIM}\n{error_functions}\n{cu}\n{entries}"
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +117,7 @@ def emulated(tmp_path_factory):
                        ["-std=c++20", "-pthread", "-Wall", "-Werror", "-Wno-unused-function",
                         "-Wno-unknown-pragmas"])
     assert cuda_binding.declare_select(lib)
-    lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
-    lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
-    binding = object.__new__(cuda_binding._Lib)
-    binding.lib = lib
-    return binding
+    return emulated_binding(lib)
 
 
 @pytest.fixture(autouse=True)

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cascade.kernels import cuda_binding, cuda_library
+from hf_cascade.kernels import cuda_library
 from hf_cascade.kv import cache as cache_module
 
-from conftest import host_library
+from conftest import emulated_api, emulated_binding, host_library
 from kernel_helpers import padded_pairs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
@@ -72,30 +72,14 @@ void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
 """
 
 
-def _api_function(api: str, name: str) -> str:
-    """``HFC_API int name(...) {...}`` of csrc/api.cu, without the HFC_API."""
-    start = api.index(f"HFC_API int {name}(")
-    body = api[start:api.index("\n}\n", start) + 3]
-    return body[len("HFC_API "):]
-
-
 def _source() -> str:
     """The shim, write.cu with its launches turned into emu_launch, and api.cu's write and all-layer copy entries."""
     cu = (CSRC / "write.cu").read_text(encoding="utf-8")
     cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
     assert launches == 3, "write.cu's three launches (the block copies, the tokens, the all-layer copies) not found"
-    api = (CSRC / "api.cu").read_text(encoding="utf-8")
-    # (api.cu's own error functions: its first `namespace hfc` block)
-    errors_start = api.index("namespace hfc {")
-    error_functions = api[errors_start:api.index("}  // namespace hfc\n", errors_start) + len("}  // namespace hfc\n")]
-    entries = "\n".join(_api_function(api, name) for name in ("hfc_write", "hfc_write_strided",
-                                                              "hfc_copy_blocks_layers"))
-    errors = """
-const char* hfc_error_string(int err) { return cudaGetErrorString(err); }
-const char* hfc_last_error(void) { return hfc::last_error(); }
-"""
-    return f'{SHIM}\n{error_functions}\n{cu}\nextern "C" {{\n{entries}\n{errors}\n}}\n'
+    error_functions, entries = emulated_api(("hfc_write", "hfc_write_strided", "hfc_copy_blocks_layers"))
+    return f"{SHIM}\n{error_functions}\n{cu}\n{entries}"
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +95,7 @@ def emulated(tmp_path_factory):
                                       ctypes.c_size_t]
     lib.hfc_copy_blocks_layers.restype = ctypes.c_int
     lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
-    lib.hfc_error_string.restype = lib.hfc_last_error.restype = ctypes.c_char_p
-    lib.hfc_error_string.argtypes, lib.hfc_last_error.argtypes = [ctypes.c_int], []
-    binding = object.__new__(cuda_binding._Lib)
-    binding.lib = lib
-    return binding
+    return emulated_binding(lib)
 
 
 HQ, HKV, D, BLOCKS = 4, 2, 16, 12
