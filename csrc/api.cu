@@ -153,13 +153,13 @@ HFC_API int hfc_blocks_advance(int32_t* tables, int64_t* lengths, int32_t* refco
 }
 
 
-HFC_API int hfc_sample_finish(const int64_t* tokens, uint8_t* unfinished, uint8_t* done, const uint8_t* invalid,
-                              int64_t* sequences, int64_t* cur_len, const int64_t* max_len, const int64_t* eos_ids,
+HFC_API int hfc_sample_finish(const int64_t* tokens, const float* probs_total, uint8_t* unfinished, uint8_t* done,
+                              uint8_t* invalid, int64_t* sequences, int64_t* cur_len, const int64_t* max_len, const int64_t* eos_ids,
                               int64_t* parents, int64_t* input_ids, int64_t* positions, int64_t* cache_position,
                               int64_t n_positions, int64_t n_cache_position, int64_t rows, int64_t width, int64_t n_eos,
                               int64_t pad, int64_t fill, uintptr_t stream) {
   hfc::clear_error();
-  const hfc::SampleFinishArgs args{tokens, unfinished, done, invalid, sequences, cur_len, max_len, eos_ids,
+  const hfc::SampleFinishArgs args{tokens, probs_total, unfinished, done, invalid, sequences, cur_len, max_len, eos_ids,
                                    {parents, input_ids, positions, cache_position, n_positions, n_cache_position},
                                    rows, width, n_eos, pad, fill};
   return (int)hfc::sample_finish_launch(args, reinterpret_cast<cudaStream_t>(stream));
@@ -167,13 +167,14 @@ HFC_API int hfc_sample_finish(const int64_t* tokens, uint8_t* unfinished, uint8_
 
 HFC_API int hfc_beam_scores(const float* top_log_probs, const int64_t* top_indices, const int64_t* cur_len,
                             const int64_t* max_len, const int64_t* prompt_len, const uint8_t* done,
-                            const int64_t* eos_ids, const uint8_t* is_finished, const uint8_t* improvement_possible,
+                            const float* probs_total, uint8_t* invalid, const int64_t* eos_ids, const uint8_t* is_finished, const uint8_t* improvement_possible,
                             const float* finished_scores, const float* length_factors, int64_t* top_tokens,
                             int64_t* top_parents, uint8_t* hits, float* running, float* merged, int64_t* snapshot,
                             int64_t batch, int64_t beams, int64_t candidates, int64_t vocab, int64_t n_eos,
                             int64_t n_factors, int32_t early_stopping_true, uintptr_t stream) {
   hfc::clear_error();
-  const hfc::BeamScoresArgs args{top_log_probs, top_indices, cur_len, max_len, prompt_len, done, eos_ids, is_finished,
+  const hfc::BeamScoresArgs args{top_log_probs, top_indices, cur_len, max_len, prompt_len, done, probs_total,
+                                 invalid, eos_ids, is_finished,
                                  improvement_possible, finished_scores, length_factors, top_tokens, top_parents, hits,
                                  running, merged, snapshot, batch, beams, candidates, vocab, n_eos, n_factors,
                                  early_stopping_true};

@@ -62,6 +62,22 @@ __device__ __forceinline__ bool greater(float a, float b) {
 #endif
 }
 
+// x is neither NaN nor infinite (read from its bits: fast math leaves no test of them to the compiler's judgement)
+__device__ __forceinline__ bool finite(float x) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t bits = __float_as_uint(x);
+#else
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+#endif
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+// `flag_invalid`: a step that runs and drew from probabilities that are not all finite (their sum is not) sets it
+__device__ __forceinline__ bool step_invalid(const uint8_t* invalid, const float* probs_total, bool active) {
+  return *invalid || (active && probs_total != nullptr && !finite(*probs_total));
+}
+
 __device__ __forceinline__ bool is_eos(int64_t token, const int64_t* __restrict__ eos_ids, int64_t n_eos) {
   bool hit = false;
   for (int64_t e = 0; e < n_eos; ++e) hit |= token == eos_ids[e];
@@ -104,8 +120,10 @@ __global__ void __launch_bounds__(kSelectThreads) sample_finish_kernel(const Sam
   }
   const bool any_running = __syncthreads_or(running);      // (every thread has read done and cur_len)
   if (t == 0) {
+    const bool invalid = step_invalid(a.invalid, a.probs_total, active);
+    *a.invalid = invalid;
     *a.cur_len = cur + (active ? 1 : 0);
-    *a.done = !active || !any_running || *a.invalid;
+    *a.done = !active || !any_running || invalid;
   }
   advance_positions(a.next, t);
 }
@@ -139,8 +157,10 @@ __global__ void __launch_bounds__(kSelectThreads) beam_scores_kernel(const BeamS
   for (int64_t i = t; i < a.batch * nb; i += kSelectThreads)
     a.merged[(i / nb) * (nb + K) + i % nb] = a.finished_scores[i];
   if (t == 0) {
+    const bool active = !*a.done;
     a.snapshot[0] = cur;
-    a.snapshot[1] = *a.done;
+    a.snapshot[1] = !active;
+    *a.invalid = step_invalid(a.invalid, a.probs_total, active);     // (beam_finish reads it for done)
   }
 }
 
@@ -274,7 +294,7 @@ cudaError_t beam_scores_launch(const BeamScoresArgs& a, cudaStream_t stream) {
                 "beam_scores: batch %lld x beams %lld (2.., at most %d rows), candidates %lld, vocab %lld, n_eos %lld, "
                 "n_factors %lld", (long long)a.batch, (long long)a.beams, kSelectThreads, (long long)a.candidates,
                 (long long)a.vocab, (long long)a.n_eos, (long long)a.n_factors);
-  if (!a.top_log_probs || !a.top_indices || !a.cur_len || !a.max_len || !a.prompt_len || !a.done ||
+  if (!a.top_log_probs || !a.top_indices || !a.cur_len || !a.max_len || !a.prompt_len || !a.done || !a.invalid ||
       (a.n_eos > 0 && !a.eos_ids) || !a.is_finished || !a.improvement_possible || !a.finished_scores ||
       !a.length_factors || !a.top_tokens || !a.top_parents || !a.hits || !a.running || !a.merged || !a.snapshot)
     return fail(cudaErrorInvalidValue, "beam_scores: a NULL pointer");

@@ -401,24 +401,25 @@ def finalize(state: SelectionState) -> SelectionOutput:
 
 # --- the step -----------------------------------------------------------------------------------------------
 
-def sample_tokens(state: SelectionState, logits: torch.Tensor) -> torch.Tensor:
+def sample_tokens(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A greedy / sampling step's chosen token per row ``[rows]``, before finished rows take the pad token: the
-    processors, then the argmax or the draw (which may flag ``state.invalid``). Greedy without processors takes the
-    argmax of the logits as they are: their float32 copy has the same order and the same first maximum."""
+    processors, then the argmax or the draw; and, sampling, the draw's probabilities summed (:func:`flag_invalid`'s
+    argument; None for greedy). Greedy without processors takes the argmax of the logits as they are: their float32
+    copy has the same order and the same first maximum."""
     config = state.config
     if not config.do_sample and not config.processor_names():
-        return torch.argmax(logits, dim=-1)
+        return torch.argmax(logits, dim=-1), None
     scores = process_logits(state, logits.to(copy=True, dtype=torch.float32))
     if config.do_sample:
         probs = torch.nn.functional.softmax(scores, dim=-1)
-        _check_distribution(state, probs, ~state.done)
-        return _multinomial(probs, 1, state.generator).squeeze(1)
-    return torch.argmax(scores, dim=-1)
+        return _multinomial(probs, 1, state.generator).squeeze(1), probs.sum()
+    return torch.argmax(scores, dim=-1), None
 
 
 def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     config, active = state.config, ~state.done
-    tokens = sample_tokens(state, logits)
+    tokens, probs_total = sample_tokens(state, logits)
+    flag_invalid(state, probs_total)
     if config.eos_token_ids:    # finished rows repeat the pad token
         unfinished = state.unfinished.to(torch.int64)
         tokens = tokens * unfinished + config.pad_token_id * (1 - unfinished)
@@ -431,10 +432,12 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     return tokens, state.row_ids
 
 
-def beam_candidates(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def beam_candidates(state: SelectionState, logits: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A beam step's ``candidates`` continuations per prompt over beams x vocab (transformers'
-    ``_get_top_k_continuations``): ``(top_log_probs [B, K] float32, top_indices [B, K] int64)``, an index being
-    ``beam * vocab + token``."""
+    ``_get_top_k_continuations``): ``(top_log_probs [B, K] float32, top_indices [B, K] int64, probs_total)``, an index
+    being ``beam * vocab + token``; ``probs_total`` the draw's probabilities summed where the beams are sampled
+    (:func:`flag_invalid`'s argument), else None."""
     config = state.config
     batch, beams, candidates = config.batch_size, config.num_beams, config.candidates
     log_probs = torch.nn.functional.log_softmax(logits.to(copy=True, dtype=torch.float32), dim=-1)
@@ -444,14 +447,13 @@ def beam_candidates(state: SelectionState, logits: torch.Tensor) -> tuple[torch.
     log_probs = torch.reshape(log_probs, (batch, -1))
     if config.do_sample:
         probs = torch.nn.functional.softmax(log_probs, dim=-1)
-        _check_distribution(state, probs, ~state.done)
         top_indices = _multinomial(probs, candidates, state.generator)
         top_log_probs = torch.gather(input=log_probs, dim=1, index=top_indices)
         if _TRANSFORMERS_5_24:
             top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
             top_indices = top_indices.gather(dim=-1, index=order)
-        return top_log_probs, top_indices
-    return torch.topk(log_probs, k=candidates)
+        return top_log_probs, top_indices, probs.sum()
+    return *torch.topk(log_probs, k=candidates), None
 
 
 def top_beams(scores: torch.Tensor, beams: int) -> torch.Tensor:
@@ -464,7 +466,8 @@ def _beam_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Tenso
     config, active, cur_len = state.config, ~state.done, state.cur_len
     batch, beams, candidates = config.batch_size, config.num_beams, config.candidates
     vocab = logits.shape[-1]
-    top_log_probs, top_indices = beam_candidates(state, logits)
+    top_log_probs, top_indices, probs_total = beam_candidates(state, logits)
+    flag_invalid(state, probs_total)
     top_parents = top_indices // vocab                              # [B, K] beam within the prompt
     top_tokens = top_indices % vocab
     running = state.sequences.view(batch, beams, -1)
@@ -753,11 +756,14 @@ def _plain(value):
     return value
 
 
-def _check_distribution(state: SelectionState, probs: torch.Tensor, active: torch.Tensor) -> None:
+def flag_invalid(state: SelectionState, probs_total: torch.Tensor | None) -> None:
     """What ATen's multinomial checks on the host before it draws, as a sticky device flag (no sync): a NaN or infinite
     probability (softmax of NaN, or of a row of -inf scores) in a step that runs. The call then stops (``done``) and
-    :func:`finalize` raises."""
-    state.invalid.copy_(state.invalid | (active & ~torch.isfinite(probs).all()))
+    :func:`finalize` raises. ``probs_total``: the draw's softmax probabilities summed (None: no draw). Each is in
+    [0, 1] or NaN (a softmax gives no inf), so the sum is finite exactly where every probability is: one reduction
+    instead of the elementwise test's four passes."""
+    if probs_total is not None:
+        state.invalid.copy_(state.invalid | (~state.done & ~torch.isfinite(probs_total)))
 
 
 def _multinomial(probs: torch.Tensor, num_samples: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -799,10 +799,11 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
     config = state.config
     fill = device_select.fill_value(config)
     if not config.is_beam:
-        tokens = device_select.sample_tokens(state, logits)
-        lib.sample_finish(state, tokens, parents, input_ids, positions, config.pad_token_id or 0, fill, stream)
+        tokens, probs_total = device_select.sample_tokens(state, logits)
+        lib.sample_finish(state, tokens, probs_total, parents, input_ids, positions, config.pad_token_id or 0, fill,
+                          stream)
         return
-    top_log_probs, top_indices = device_select.beam_candidates(state, logits)
+    top_log_probs, top_indices, probs_total = device_select.beam_candidates(state, logits)
     batch, candidates = top_indices.shape
     beams = config.num_beams
     device = top_indices.device
@@ -811,8 +812,8 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
         ("hits", (batch, candidates), torch.bool), ("running", (batch, candidates), torch.float32),
         ("merged", (batch, beams + candidates), torch.float32), ("snapshot", (2,), torch.int64))}
     early_true = config.early_stopping is True
-    lib.beam_scores(state, top_log_probs.contiguous(), top_indices.contiguous(), logits.shape[-1], scratch,
-                    early_true, stream)
+    lib.beam_scores(state, top_log_probs.contiguous(), top_indices.contiguous(), probs_total, logits.shape[-1],
+                    scratch, early_true, stream)
     next_indices = device_select.top_beams(scratch["running"], beams)
     keep = device_select.top_beams(scratch["merged"], beams)
     lib.beam_finish(state, scratch, next_indices, keep, parents, input_ids, positions, fill, early_true,

@@ -141,8 +141,8 @@ def declare_select(lib) -> bool:
     """Declare the token choice's entry points (``csrc/select.cu``) on ``lib``; False where the library has none."""
     if not all(hasattr(lib, name) for name in ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")):
         return False
-    for fn, argtypes in ((lib.hfc_sample_finish, [_vp] * 12 + [_i64] * 7),
-                         (lib.hfc_beam_scores, [_vp] * 17 + [_i64] * 6 + [_i32]),
+    for fn, argtypes in ((lib.hfc_sample_finish, [_vp] * 13 + [_i64] * 7),
+                         (lib.hfc_beam_scores, [_vp] * 19 + [_i64] * 6 + [_i32]),
                          (lib.hfc_beam_finish, [_vp] * 25 + [_i64] * 8 + [_i32] * 2)):
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes + [ctypes.c_size_t]
@@ -418,24 +418,28 @@ class _Lib:
 
     # The token choice's bookkeeping (csrc/select.cu); ``state`` a device_select.SelectionState, the other tensors and
     # their shapes as hf_cascade.kernels.cuda_library.select_fits checks them.
-    def sample_finish(self, state, tokens, parents, input_ids, positions, pad: int, fill: int, stream: int) -> None:
-        """After a greedy / sampling step's ``tokens`` [R]: the state, and the next step's inputs, advanced."""
+    def sample_finish(self, state, tokens, probs_total, parents, input_ids, positions, pad: int, fill: int,
+                      stream: int) -> None:
+        """After a greedy / sampling step's ``tokens`` [R] (and, sampling, its ``probs_total`` [] float32, else None):
+        the state, and the next step's inputs, advanced."""
         rows, width = state.sequences.shape
         self.check(self.lib.hfc_sample_finish(
-            tokens.data_ptr(), state.unfinished.data_ptr(), state.done.data_ptr(), state.invalid.data_ptr(),
+            tokens.data_ptr(), None if probs_total is None else probs_total.data_ptr(), state.unfinished.data_ptr(),
+            state.done.data_ptr(), state.invalid.data_ptr(),
             state.sequences.data_ptr(), state.cur_len.data_ptr(), state.max_len.data_ptr(), state.eos_ids.data_ptr(),
             *_next_inputs(parents, input_ids, positions), rows, width, state.eos_ids.numel(), pad, fill, stream),
             "sample_finish")
 
-    def beam_scores(self, state, top_log_probs, top_indices, vocab: int, out, early_stopping_true: bool,
+    def beam_scores(self, state, top_log_probs, top_indices, probs_total, vocab: int, out, early_stopping_true: bool,
                     stream: int) -> None:
         """Before beam search's two top-k's: ``out`` (a dict of the step's scratch tensors: top_tokens, top_parents,
         hits, running [B, K], merged [B, nb + K], snapshot [2]) from the candidates ``top_log_probs``, ``top_indices``
-        [B, K]."""
+        [B, K] (and, sampled beams, their draw's ``probs_total`` [] float32, else None)."""
         batch, candidates = top_indices.shape
         self.check(self.lib.hfc_beam_scores(
             top_log_probs.data_ptr(), top_indices.data_ptr(), state.cur_len.data_ptr(), state.max_len.data_ptr(),
-            state.prompt_len.data_ptr(), state.done.data_ptr(), state.eos_ids.data_ptr(),
+            state.prompt_len.data_ptr(), state.done.data_ptr(), None if probs_total is None else probs_total.data_ptr(),
+            state.invalid.data_ptr(), state.eos_ids.data_ptr(),
             state.is_finished.data_ptr(), state.improvement_possible.data_ptr(), state.finished_scores.data_ptr(),
             state.length_divisors.data_ptr(), *(out[name].data_ptr() for name in (
                 "top_tokens", "top_parents", "hits", "running", "merged", "snapshot")),

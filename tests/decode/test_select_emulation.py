@@ -232,4 +232,4 @@ def test_the_launchers_refuse_rows_past_a_cta(emulated):
     state = device_select.new_state(config, torch.zeros(1025, 2, dtype=torch.int64))
     parents, ids, positions = _inputs(1025, 2)
     with pytest.raises(RuntimeError, match=r"sample_finish: rows 1025 \(1\.\.1024\)"):
-        emulated.sample_finish(state, torch.zeros(1025, dtype=torch.int64), parents, ids, positions, 0, -1, 0)
+        emulated.sample_finish(state, torch.zeros(1025, dtype=torch.int64), None, parents, ids, positions, 0, -1, 0)

@@ -87,9 +87,10 @@ struct SelectNext {                    // the next step's inputs (hf_cascade/dec
 };
 struct SampleFinishArgs {              // greedy and sampling, after the argmax / the draw
   const int64_t* tokens;               // [R] the chosen tokens
+  const float* probs_total;            // []: the draw's probabilities summed (NULL: greedy); not finite: invalid
   uint8_t* unfinished;                 // [R]
   uint8_t* done;                       // []
-  const uint8_t* invalid;              // []
+  uint8_t* invalid;                    // []
   int64_t* sequences;                  // [R, W]
   int64_t* cur_len;                    // []
   const int64_t* max_len;              // []
@@ -105,6 +106,8 @@ struct BeamScoresArgs {                // beam search, after the top-K candidate
   const int64_t* max_len;              // []
   const int64_t* prompt_len;           // []
   const uint8_t* done;                 // []
+  const float* probs_total;            // []: the beams' draw's probabilities summed (NULL: not sampled)
+  uint8_t* invalid;                    // []: set where probs_total is not finite in a step that runs
   const int64_t* eos_ids;              // [n_eos]
   const uint8_t* is_finished;          // [B, nb]
   const uint8_t* improvement_possible; // [B]
