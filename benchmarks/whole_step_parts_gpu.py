@@ -1,8 +1,8 @@
 """GPU time of the whole decode step's parts (hf_cascade/decode/whole_step.py), each captured as its own CUDA graph and
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph; the token choice also both ways side by side (``choose_torch_us``: its bookkeeping as torch
-ops; ``choose_kernels_us``: on the library's csrc/select.cu, ``whole_step.select_kernel``). Where the whole step is slower than transformers' loop replaying the forward, this says
-which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
+ops; ``choose_kernels_us``: on the library's csrc/select.cu, ``whole_step.select_kernel``). Where the whole step is
+slower than transformers' loop replaying the forward, this says which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
 stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--compile MODE ...`` with each of
 ``false``, ``true`` (the whole forward as one graph) and ``regional`` (one compiled decoder layer for every layer:
 hf_cascade/decode/regional.py), one row each on the same model, back to back, with the first call's wall time (compile and
