@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU test suite (`pytest -m gpu`) in four processes sharing one GPU, within one device call's ten minutes.
+# The GPU test suite (`pytest -m gpu`) in five processes sharing one GPU, within one device call's ten minutes.
 # FlashInfer's tests need `source .device/setup.sh` and the quantized ones `.device/quant/setup.sh` (the two together
-# made the FlashInfer tests skip), so each group sources what it needs where present. Logs: $OUT/p1..p4.log (or
+# made the FlashInfer tests skip), so each group sources what it needs where present. Logs: $OUT/p1..p5.log (or
 # ./gpu-tests/ without $OUT), then each group's summary lines.
 # Usage (device machine, repository root): bash tools/gpu_tests.sh [timeout seconds per group, default 540]
 set -uo pipefail
@@ -16,8 +16,9 @@ group() {   # name, setup script (or ""), test files...
     timeout "$limit" python -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
     echo "rc=$?" >> "$out/$name.log" ) &
 }
-group p1 "" tests/decode/test_gpu_whole_step.py tests/seq2seq/test_gpu_encoder_decoder.py tests/decode/test_gpu_graphs.py \
+group p1 "" tests/seq2seq/test_gpu_encoder_decoder.py tests/decode/test_gpu_graphs.py \
   tests/decode/test_host_select.py tests/test_edges.py tests/test_gpu_generate.py tests/decode/test_gpu_threads.py
+group p5 "" tests/decode/test_gpu_whole_step.py
 group p2 "" tests/decode/test_compile.py tests/seq2seq/test_seq2seq_graphs.py tests/seq2seq/test_t5_graphs.py tests/seq2seq/test_seq2seq_keep.py \
   tests/seq2seq/test_whole_step_t5.py tests/seq2seq/test_whole_step_seq2seq.py tests/decode/test_gpu_fused_ops.py
 group p3 .device/setup.sh tests/kernels/test_gpu_flashinfer.py tests/test_gpu_variants.py tests/kv/test_cache_lifetime.py \
