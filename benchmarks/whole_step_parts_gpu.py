@@ -1,9 +1,10 @@
 """GPU time of the whole decode step's parts (hf_cascade/decode/whole_step.py), each captured as its own CUDA graph and
 replayed with CUDA events around it: the block bookkeeping, the forward on the planned step, the token choice, and
 the whole step's own graph; the token choice also both ways side by side (``choose_torch_us``: its bookkeeping as torch
-ops; ``choose_kernels_us``: on the library's csrc/select.cu, ``whole_step.select_kernel``). Where the whole step is
-slower than transformers' loop replaying the forward, this says which part costs what. The parts are timed inside a real generate call (its first device chunk), which is then
-stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--compile MODE ...`` with each of
+ops; ``choose_kernels_us``: on the library's csrc/select.cu, ``whole_step.select_kernel``; ``choose_kernels_topk_us``:
+and beam search's small top-k's ranked in it, ``select_topk``). Where the whole step is slower than transformers'
+loop replaying the forward, this says which part costs what. The parts are timed inside a real generate call (its
+first device chunk), which is then stopped. ``--compile`` builds the step with ``CascadeConfig(compile=True)``; ``--compile MODE ...`` with each of
 ``false``, ``true`` (the whole forward as one graph) and ``regional`` (one compiled decoder layer for every layer:
 hf_cascade/decode/regional.py), one row each on the same model, back to back, with the first call's wall time (compile and
 capture) and the second's ("compile_s": the first less the second; run one mode per process with empty inductor and
@@ -82,13 +83,14 @@ def time_parts(loop, reps: int) -> dict:
     parts["choose"] = _graph(lambda: loop._choose(logits["out"]))
     # the token choice both ways side by side (its bookkeeping on torch ops, on csrc/select.cu), whatever the process's
     # switch: each captured under its own setting
-    default = whole_step.select_kernel
+    default = whole_step.select_kernel, whole_step.select_topk
     try:
-        for name, on in (("choose_torch", False), ("choose_kernels", True)):
-            whole_step.select_kernel = on
+        for name, on, topk in (("choose_torch", False, False), ("choose_kernels", True, False),
+                               ("choose_kernels_topk", True, True)):
+            whole_step.select_kernel, whole_step.select_topk = on, topk
             parts[name] = _graph(lambda: loop._choose(logits["out"]))
     finally:
-        whole_step.select_kernel = default
+        whole_step.select_kernel, whole_step.select_topk = default
     parts["whole"] = loop.graph
     out = {}
     for name, graph in parts.items():
@@ -250,7 +252,7 @@ def main():
             console.print(f"  {us:8.1f}  {name}")
     harness.table("whole step parts (µs, CUDA events, median)",
                   ["shape", "prompt", "mode", "compile", "fuse", "first_call_s", "compile_s", "blocks_us", "forward_us",
-                   "choose_us", "choose_torch_us", "choose_kernels_us", "whole_us",
+                   "choose_us", "choose_torch_us", "choose_kernels_us", "choose_kernels_topk_us", "whole_us",
                    "chunk_wall_us_per_step", "host_us_per_step", "host_own_us_per_step", "floor_us", "whole_vs_floor"],
                   results, console=Console(width=180))
     harness.write_json(args.out or harness.results_path("whole_step_parts_gpu"),

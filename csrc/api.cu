@@ -167,16 +167,18 @@ HFC_API int hfc_sample_finish(const int64_t* tokens, const float* probs_total, u
 
 HFC_API int hfc_beam_scores(const float* top_log_probs, const int64_t* top_indices, const int64_t* cur_len,
                             const int64_t* max_len, const int64_t* prompt_len, const uint8_t* done,
-                            const float* probs_total, uint8_t* invalid, const int64_t* eos_ids, const uint8_t* is_finished, const uint8_t* improvement_possible,
+                            const float* probs_total, uint8_t* invalid, const int64_t* eos_ids,
+                            const uint8_t* is_finished, const uint8_t* improvement_possible,
                             const float* finished_scores, const float* length_factors, int64_t* top_tokens,
                             int64_t* top_parents, uint8_t* hits, float* running, float* merged, int64_t* snapshot,
-                            int64_t batch, int64_t beams, int64_t candidates, int64_t vocab, int64_t n_eos,
-                            int64_t n_factors, int32_t early_stopping_true, uintptr_t stream) {
+                            int64_t* next_indices, int64_t* keep, int64_t batch, int64_t beams, int64_t candidates,
+                            int64_t vocab, int64_t n_eos, int64_t n_factors, int32_t early_stopping_true,
+                            uintptr_t stream) {
   hfc::clear_error();
   const hfc::BeamScoresArgs args{top_log_probs, top_indices, cur_len, max_len, prompt_len, done, probs_total,
-                                 invalid, eos_ids, is_finished,
-                                 improvement_possible, finished_scores, length_factors, top_tokens, top_parents, hits,
-                                 running, merged, snapshot, batch, beams, candidates, vocab, n_eos, n_factors,
+                                 invalid, eos_ids, is_finished, improvement_possible, finished_scores, length_factors,
+                                 top_tokens, top_parents, hits, running, merged, snapshot, next_indices, keep, batch,
+                                 beams, candidates, vocab, n_eos, n_factors,
                                  early_stopping_true};
   return (int)hfc::beam_scores_launch(args, reinterpret_cast<cudaStream_t>(stream));
 }

@@ -128,6 +128,135 @@ __global__ void __launch_bounds__(kSelectThreads) sample_finish_kernel(const Sam
   advance_positions(a.next, t);
 }
 
+// ---- beam search's two small top-k's as torch.topk(largest=True, sorted=True) orders them on CUDA, ties included ----
+// torch (aten/src/ATen/native/cuda: TensorTopK.cu, SortUtils.cuh; k <= 32): the k-th largest value is found in a radix
+// order of the float bits (NaN the largest, -0 below +0); the elements above it, then those equal to it, are gathered
+// in index order (k in all); then sorted by a 32-slot bitonic network (16 threads x 2 slots, slots past k invalid)
+// with GTOp<float, true> (NaN above all, then >). Here one CTA does it for every prompt's two lists: the running
+// beams among the K candidates, the finished store's among its nb + K entries; kChooseGroup lists at a time.
+constexpr int kSortSlots = 32;         // the bitonic network's slots (k <= 32)
+constexpr int kChooseGroup = 32;       // lists ranked at once (shared memory: kChooseGroup x kMaxChooseInputs)
+constexpr int kMaxChooseInputs = 128;  // a list's entries at most (nb + K)
+
+__device__ __forceinline__ uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  return bits;
+#endif
+}
+
+__device__ __forceinline__ bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
+
+// TopKTypeConfig<float>::convert: the radix order torch's selection uses
+__device__ __forceinline__ uint32_t radix_key(float x) {
+  const uint32_t bits = float_bits(x);
+  return is_nan(x) ? 0xffffffffu : bits ^ ((bits & 0x80000000u) ? 0xffffffffu : 0x80000000u);
+}
+
+// GTOp<float, true>: a NaN above any number, else a > b
+__device__ __forceinline__ bool gt_op(float a, float b) { return (is_nan(a) && !is_nan(b)) || greater(a, b); }
+
+// bitonicSwap: invalid slots sort to the end; equal keys swap where the direction asks
+__device__ __forceinline__ void bitonic_swap(float* key, int32_t* value, uint8_t* valid, int i, int j, bool dir) {
+  const bool swap = (gt_op(key[i], key[j]) && valid[i]) || !valid[j];
+  if (swap == dir) {
+    const float k = key[i];
+    key[i] = key[j], key[j] = k;
+    const int32_t v = value[i];
+    value[i] = value[j], value[j] = v;
+    const uint8_t ok = valid[i];
+    valid[i] = valid[j], valid[j] = ok;
+  }
+}
+
+// next_indices [B, nb] (the top nb of running [B, K]) and keep [B, nb] (of merged [B, nb + K]), as torch.topk
+__device__ void choose_beams(const BeamScoresArgs& a) {
+  __shared__ uint32_t radix_s[kChooseGroup][kMaxChooseInputs];
+  __shared__ uint8_t chosen_s[kChooseGroup][kMaxChooseInputs];
+  __shared__ uint32_t kth_s[kChooseGroup];
+  __shared__ float key_s[kChooseGroup][kSortSlots];
+  __shared__ int32_t value_s[kChooseGroup][kSortSlots];
+  __shared__ uint8_t valid_s[kChooseGroup][kSortSlots];
+  const int t = threadIdx.x;
+  const int nb = (int)a.beams, K = (int)a.candidates, width = nb + K;
+  const int64_t lists = 2 * a.batch;        // list 2b: prompt b's running scores, 2b + 1: its merged ones
+  for (int64_t l0 = 0; l0 < lists; l0 += kChooseGroup) {
+    for (int item = t; item < kChooseGroup * width; item += kSelectThreads) {   // the entries' radix keys
+      const int g = item / width, i = item % width;
+      const int64_t l = l0 + g;
+      const int n = l % 2 ? width : K;
+      if (l < lists && i < n) {
+        const float* x = l % 2 ? a.merged + (l / 2) * width : a.running + (l / 2) * K;
+        radix_s[g][i] = radix_key(x[i]);
+      }
+    }
+    for (int slot = t; slot < kChooseGroup * kSortSlots; slot += kSelectThreads) {
+      key_s[slot / kSortSlots][slot % kSortSlots] = 0.0f;
+      value_s[slot / kSortSlots][slot % kSortSlots] = 0;
+      valid_s[slot / kSortSlots][slot % kSortSlots] = 0;
+    }
+    __syncthreads();
+    for (int item = t; item < kChooseGroup * width; item += kSelectThreads) {   // chosen: among the nb first by
+      const int g = item / width, i = item % width;                             // (radix desc, index asc)
+      const int64_t l = l0 + g;
+      const int n = l % 2 ? width : K;
+      if (l < lists && i < n) {
+        const uint32_t r = radix_s[g][i];
+        int rank = 0;
+        for (int j = 0; j < n; ++j) rank += radix_s[g][j] > r || (radix_s[g][j] == r && j < i);
+        chosen_s[g][i] = rank < nb;
+        if (rank == nb - 1) kth_s[g] = r;
+      }
+    }
+    __syncthreads();
+    for (int item = t; item < kChooseGroup * width; item += kSelectThreads) {   // gathered: above the k-th, then
+      const int g = item / width, i = item % width;                             // equal to it, in index order
+      const int64_t l = l0 + g;
+      const int n = l % 2 ? width : K;
+      if (l < lists && i < n && chosen_s[g][i]) {
+        const uint32_t r = radix_s[g][i], kth = kth_s[g];
+        int above = 0, slot = 0;
+        for (int j = 0; j < n; ++j) {
+          const bool other = chosen_s[g][j] != 0;
+          above += other && radix_s[g][j] > kth;
+          slot += other && j < i && (r > kth ? radix_s[g][j] > kth : radix_s[g][j] == kth);
+        }
+        if (r == kth) slot += above;
+        const float* x = l % 2 ? a.merged + (l / 2) * width : a.running + (l / 2) * K;
+        key_s[g][slot] = x[i];
+        value_s[g][slot] = i;
+        valid_s[g][slot] = 1;
+      }
+    }
+    // bitonicSort<32>: threads (g, x) for x < 16 of each list, the same compare-exchanges in the same stages
+    const int g = t / (kSortSlots / 2), x = t % (kSortSlots / 2);
+    const bool mine = g < kChooseGroup;
+    for (int size = 2; size < kSortSlots; size *= 2) {
+      const bool flag = (x & (size / 2)) != 0;
+      for (int stride = size / 2; stride > 0; stride /= 2) {
+        __syncthreads();
+        const int pos = 2 * x - (x & (stride - 1));
+        if (mine) bitonic_swap(key_s[g], value_s[g], valid_s[g], pos, pos + stride, flag);
+      }
+    }
+    for (int stride = kSortSlots / 2; stride > 0; stride /= 2) {
+      __syncthreads();
+      const int pos = 2 * x - (x & (stride - 1));
+      if (mine) bitonic_swap(key_s[g], value_s[g], valid_s[g], pos, pos + stride, false);
+    }
+    __syncthreads();
+    for (int item = t; item < kChooseGroup * nb; item += kSelectThreads) {
+      const int gi = item / nb, s = item % nb;
+      const int64_t l = l0 + gi;
+      if (l < lists) (l % 2 ? a.keep : a.next_indices)[(l / 2) * nb + s] = value_s[gi][s];
+    }
+    __syncthreads();
+  }
+}
+
 __global__ void __launch_bounds__(kSelectThreads) beam_scores_kernel(const BeamScoresArgs a) {
   const int t = threadIdx.x;
   const int64_t nb = a.beams, K = a.candidates, cur = *a.cur_len;
@@ -161,6 +290,10 @@ __global__ void __launch_bounds__(kSelectThreads) beam_scores_kernel(const BeamS
     a.snapshot[0] = cur;
     a.snapshot[1] = !active;
     *a.invalid = step_invalid(a.invalid, a.probs_total, active);     // (beam_finish reads it for done)
+  }
+  if (a.next_indices != nullptr) {
+    __syncthreads();                                  // (running and merged, written above, read by other threads)
+    choose_beams(a);
   }
 }
 
@@ -294,6 +427,10 @@ cudaError_t beam_scores_launch(const BeamScoresArgs& a, cudaStream_t stream) {
                 "beam_scores: batch %lld x beams %lld (2.., at most %d rows), candidates %lld, vocab %lld, n_eos %lld, "
                 "n_factors %lld", (long long)a.batch, (long long)a.beams, kSelectThreads, (long long)a.candidates,
                 (long long)a.vocab, (long long)a.n_eos, (long long)a.n_factors);
+  if (a.next_indices != nullptr && (a.beams > kSortSlots || a.beams + a.candidates > kMaxChooseInputs || !a.keep))
+    return fail(cudaErrorInvalidValue,
+                "beam_scores: the top-k's in the kernel take beams <= %d and beams + candidates <= %d (got %lld, %lld) "
+                "and both outputs", kSortSlots, kMaxChooseInputs, (long long)a.beams, (long long)a.candidates);
   if (!a.top_log_probs || !a.top_indices || !a.cur_len || !a.max_len || !a.prompt_len || !a.done || !a.invalid ||
       (a.n_eos > 0 && !a.eos_ids) || !a.is_finished || !a.improvement_possible || !a.finished_scores ||
       !a.length_factors || !a.top_tokens || !a.top_parents || !a.hits || !a.running || !a.merged || !a.snapshot)

@@ -76,6 +76,13 @@ blocks_kernel = True
 # its GPU tests pass (tests/decode/test_gpu_whole_step.py -k select). False: the torch ops everywhere
 select_kernel = False
 
+# with select_kernel: beam search's two small top-k's (the running beams, the finished store's) ranked inside the first
+# select launch as torch.topk ranks them on CUDA (its radix selection, index-ordered gather and 32-slot bitonic sort,
+# ties included; csrc/select.cu choose_beams), instead of torch.topk's 4 kernels between the launches. Off until its
+# GPU tests pass (tests/decode/test_gpu_whole_step.py -k topk: against torch.topk itself on tied scores). False: torch
+SELECT_TOPK_BEAMS, SELECT_TOPK_INPUTS = 32, 128      # (the kernel's limits: torch's bitonic sort takes k <= 32)
+select_topk = False
+
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
 # call that the decoder does not read once the cross-attention K/V are stored, are passed through as they are)
 _DECODER = {"input_ids": "decoder_input_ids", "position_ids": "decoder_position_ids",
@@ -807,15 +814,21 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
     batch, candidates = top_indices.shape
     beams = config.num_beams
     device = top_indices.device
+    # (the two small top-k's in the kernel too where they fit its ranking: torch.topk's order, ties included)
+    ranked = select_topk and beams <= SELECT_TOPK_BEAMS and beams + candidates <= SELECT_TOPK_INPUTS
     scratch = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
         ("top_tokens", (batch, candidates), torch.int64), ("top_parents", (batch, candidates), torch.int64),
         ("hits", (batch, candidates), torch.bool), ("running", (batch, candidates), torch.float32),
-        ("merged", (batch, beams + candidates), torch.float32), ("snapshot", (2,), torch.int64))}
+        ("merged", (batch, beams + candidates), torch.float32), ("snapshot", (2,), torch.int64),
+        *((name, (batch, beams), torch.int64) for name in (("next_indices", "keep") if ranked else ())))}
     early_true = config.early_stopping is True
     lib.beam_scores(state, top_log_probs.contiguous(), top_indices.contiguous(), probs_total, logits.shape[-1],
                     scratch, early_true, stream)
-    next_indices = device_select.top_beams(scratch["running"], beams)
-    keep = device_select.top_beams(scratch["merged"], beams)
+    if ranked:
+        next_indices, keep = scratch["next_indices"], scratch["keep"]
+    else:
+        next_indices = device_select.top_beams(scratch["running"], beams)
+        keep = device_select.top_beams(scratch["merged"], beams)
     lib.beam_finish(state, scratch, next_indices, keep, parents, input_ids, positions, fill, early_true,
                     config.early_stopping == "never" and config.length_penalty > 0.0, stream)
 

@@ -142,7 +142,7 @@ def declare_select(lib) -> bool:
     if not all(hasattr(lib, name) for name in ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")):
         return False
     for fn, argtypes in ((lib.hfc_sample_finish, [_vp] * 13 + [_i64] * 7),
-                         (lib.hfc_beam_scores, [_vp] * 19 + [_i64] * 6 + [_i32]),
+                         (lib.hfc_beam_scores, [_vp] * 21 + [_i64] * 6 + [_i32]),
                          (lib.hfc_beam_finish, [_vp] * 25 + [_i64] * 8 + [_i32] * 2)):
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes + [ctypes.c_size_t]
@@ -433,8 +433,9 @@ class _Lib:
     def beam_scores(self, state, top_log_probs, top_indices, probs_total, vocab: int, out, early_stopping_true: bool,
                     stream: int) -> None:
         """Before beam search's two top-k's: ``out`` (a dict of the step's scratch tensors: top_tokens, top_parents,
-        hits, running [B, K], merged [B, nb + K], snapshot [2]) from the candidates ``top_log_probs``, ``top_indices``
-        [B, K] (and, sampled beams, their draw's ``probs_total`` [] float32, else None)."""
+        hits, running [B, K], merged [B, nb + K], snapshot [2]; with next_indices and keep [B, nb], the top-k's too)
+        from the candidates ``top_log_probs``, ``top_indices`` [B, K] (and, sampled beams, their draw's
+        ``probs_total`` [] float32, else None)."""
         batch, candidates = top_indices.shape
         self.check(self.lib.hfc_beam_scores(
             top_log_probs.data_ptr(), top_indices.data_ptr(), state.cur_len.data_ptr(), state.max_len.data_ptr(),
@@ -443,7 +444,7 @@ class _Lib:
             state.is_finished.data_ptr(), state.improvement_possible.data_ptr(), state.finished_scores.data_ptr(),
             state.length_divisors.data_ptr(), *(out[name].data_ptr() for name in (
                 "top_tokens", "top_parents", "hits", "running", "merged", "snapshot")),
-            batch, state.beam_scores.shape[1], candidates, vocab, state.eos_ids.numel(),
+            *(out[name].data_ptr() if name in out else None for name in ("next_indices", "keep")), batch, state.beam_scores.shape[1], candidates, vocab, state.eos_ids.numel(),
             state.length_divisors.numel(), int(early_stopping_true), stream), "beam_scores")
 
     def beam_finish(self, state, scratch, next_indices, keep, parents, input_ids, positions, fill: int,

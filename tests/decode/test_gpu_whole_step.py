@@ -19,7 +19,7 @@ from hf_cascade.kernels import cuda_library
 
 from conftest import RunnerSpy
 from test_gpu_graphs import _batch
-from test_select_emulation import CASES as SELECT_CASES, drive
+from test_select_emulation import CASES as SELECT_CASES, cuda_topk_indices, drive
 
 pytestmark = pytest.mark.gpu
 
@@ -87,14 +87,17 @@ def _count_select(monkeypatch) -> list:
 SELECT_GENERATE = {**CASES, "greedy-plain": dict(do_sample=False)}
 
 
-@pytest.mark.parametrize("select", [False, True], ids=["torch-choice", "select-kernels"])
+@pytest.mark.parametrize("select", [False, True, "topk"], ids=["torch-choice", "select-kernels", "select-topk"])
 @pytest.mark.parametrize("case", list(SELECT_GENERATE))
 def test_float32_whole_step_gives_stock_tokens(monkeypatch, case, select):
     """float32 (TF32 off): captured calls give stock's tokens, the token choice's bookkeeping on torch ops or on the
-    library's kernels (whole_step.select_kernel)."""
+    library's kernels (whole_step.select_kernel; and select_topk: the small top-k's ranked in the kernel)."""
+    if select == "topk" and not SELECT_GENERATE[case].get("num_beams"):
+        pytest.skip("the top-k's are beam search's")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    monkeypatch.setattr(whole_step, "select_kernel", select)
+    monkeypatch.setattr(whole_step, "select_kernel", bool(select))
+    monkeypatch.setattr(whole_step, "select_topk", select == "topk")
     launches = _count_select(monkeypatch)
     stock, cascade = _models(torch.float32)
     ids, mask = _batch((300, 210), seed=2)
@@ -106,7 +109,7 @@ def test_float32_whole_step_gives_stock_tokens(monkeypatch, case, select):
     got = cascade.generate(input_ids=ids, attention_mask=mask, hf_cascade_config=CascadeConfig(cuda_graphs=True),
                            **kw)
     assert torch.equal(expected, got), case
-    assert bool(launches) == select
+    assert bool(launches) == bool(select)
     assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
 
 
@@ -242,22 +245,45 @@ def test_float32_beam_steps_with_the_all_layer_copy_give_stock_tokens(monkeypatc
     assert all(r.device_steps > 10 and r.captures >= 1 for r in spy.runners)
 
 
+@pytest.mark.parametrize("topk", [False, True], ids=["torch-topk", "kernel-topk"])
 @pytest.mark.parametrize("case", list(SELECT_CASES))
-def test_select_kernels_equal_the_torch_ops_step_by_step(monkeypatch, case):
+def test_select_kernels_equal_the_torch_ops_step_by_step(monkeypatch, case, topk):
     """csrc/select.cu on the GPU against device_select's torch ops, byte for byte after every step (the cases of
-    tests/decode/test_select_emulation.py: bf16-rounded logits with tied candidates, CUDA's own top-k between the
-    launches, every early_stopping, beam sampling, a NaN draw), eagerly, on the current stream."""
+    tests/decode/test_select_emulation.py: bf16-rounded logits with tied candidates, every early_stopping, beam
+    sampling, a NaN draw), eagerly, on the current stream; the two small top-k's by CUDA's torch.topk between the
+    launches, or (whole_step.select_topk) ranked in the first launch against torch.topk itself."""
     monkeypatch.setattr(whole_step, "select_kernel", False)
+    monkeypatch.setattr(whole_step, "select_topk", topk)
     lib = cuda_library.library(torch.device("cuda"))
     assert lib.has_select
     drive(case, lib, "cuda", torch.cuda.current_stream().cuda_stream)
 
 
+@pytest.mark.parametrize("n,k", [(16, 8), (48, 16), (24, 8), (96, 32), (12, 4), (6, 2), (128, 32)])
+def test_the_cuda_topk_model_is_torch_topk(n, k):
+    """tests/decode/test_select_emulation.py's cuda_topk_indices (what select.cu's choose_beams ranks) is torch.topk's
+    order on this GPU, ties included: values rounded to few levels (many ties), the -1e9 of stopped candidates,
+    zeros of both signs, NaN and infinities."""
+    g = torch.Generator().manual_seed(n * k)
+    for levels in (3, 8, 1000):
+        x = (torch.randint(0, levels, (64, n), generator=g).float() - levels / 2) / 4
+        x[torch.rand(64, n, generator=g) < 0.2] = -1.0e9
+        x[torch.rand(64, n, generator=g) < 0.05] = -0.0
+        x[:4, :2] = float("nan")
+        x[4:8, 1] = float("inf")
+        x[8:12, 3] = -float("inf")
+        assert torch.equal(cuda_topk_indices(x, k), torch.topk(x.cuda(), k)[1].cpu()), (levels, n, k)
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["torch-topk", "kernel-topk"])
 @pytest.mark.parametrize("case", list(SELECT_GENERATE))
-def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch, case):
-    """whole_step.select_kernel on: the captured whole step runs the token choice's bookkeeping on the library's
-    kernels and gives the tokens of the torch ops' step, bitwise (bf16), across a layout widening. One model per
-    setting: a model keeps its graph."""
+def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch, case, topk):
+    """whole_step.select_kernel on (and select_topk): the captured whole step runs the token choice's bookkeeping on
+    the library's kernels and gives the tokens of the torch ops' step, bitwise (bf16), across a layout widening. One
+    model per setting: a model keeps its graph."""
+    if topk and not SELECT_GENERATE[case].get("num_beams"):
+        pytest.skip("the top-k's are beam search's")
+    monkeypatch.setattr(whole_step, "select_topk", topk)
     ids, mask = _batch((700, 460, 590), seed=1)
     kw = dict(max_new_tokens=90, pad_token_id=0, **SELECT_GENERATE[case])
     outs = []

@@ -16,6 +16,7 @@ tests/decode/test_gpu_whole_step.py runs them on a GPU.
 """
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from pathlib import Path
@@ -219,10 +220,71 @@ def drive(case: str, lib, device, stream: int = 0) -> None:
     assert device_select.finalize(states[0]).sequences.equal(device_select.finalize(states[1]).sequences)
 
 
+def cuda_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``torch.topk(scores, k)[1]`` as torch computes it on CUDA for k <= 32, ties included (the CPU's topk orders ties
+    otherwise): the k-th largest in the radix order of the float bits (NaN the largest, -0 below +0), the entries
+    above it and then those equal to it gathered in index order, then torch's 32-slot bitonic sort (16 threads x 2
+    slots, the slots past k invalid, GTOp: NaN above all, else >). What csrc/select.cu's choose_beams computes;
+    tests/decode/test_gpu_whole_step.py checks it against torch.topk on a GPU."""
+    assert k <= 32
+    bits = scores.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    radix = torch.where(bits & 0x80000000 != 0, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    radix = torch.where(torch.isnan(scores), 0xFFFFFFFF, radix)
+    rows = []
+    for r, x in zip(radix.tolist(), scores.tolist()):
+        chosen = sorted(range(len(r)), key=lambda i: (-r[i], i))[:k]
+        kth = r[chosen[-1]]
+        gathered = sorted(i for i in chosen if r[i] > kth) + sorted(i for i in chosen if r[i] == kth)
+        keys, values, valid = [x[i] for i in gathered] + [0.0] * (32 - k), gathered + [0] * (32 - k), \
+            [True] * k + [False] * (32 - k)
+
+        def greater(a, b):
+            return (math.isnan(a) and not math.isnan(b)) or a > b
+
+        def swap(i, j, direction):
+            if ((greater(keys[i], keys[j]) and valid[i]) or not valid[j]) == direction:
+                for array in (keys, values, valid):
+                    array[i], array[j] = array[j], array[i]
+
+        stages = [(size, stride, None) for size in (2, 4, 8, 16) for stride in (8, 4, 2, 1) if stride < size]
+        stages += [(32, stride, False) for stride in (16, 8, 4, 2, 1)]
+        for size, stride, direction in stages:
+            for thread in range(16):
+                position = 2 * thread - (thread & (stride - 1))
+                flag = (thread & (size // 2)) != 0 if direction is None else direction
+                swap(position, position + stride, flag)
+        rows.append(values[:k])
+    return torch.tensor(rows, dtype=torch.int64, device=scores.device)
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["torch-topk", "kernel-topk"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_kernel_source_equals_the_torch_ops(emulated, monkeypatch, case):
+def test_the_kernel_source_equals_the_torch_ops(emulated, monkeypatch, case, topk):
+    """With whole_step.select_topk the kernel ranks the two small top-k's itself: both sides then rank as torch does
+    on CUDA (cuda_topk_indices; the CPU's torch.topk orders ties otherwise)."""
     monkeypatch.setattr(whole_step, "select_kernel", False)
+    monkeypatch.setattr(whole_step, "select_topk", topk)
+    if topk:
+        monkeypatch.setattr(device_select, "top_beams", cuda_topk_indices)
     drive(case, emulated, "cpu")
+
+
+def test_the_cuda_topk_model_is_a_top_k():
+    """cuda_topk_indices picks the k largest (NaN largest) and orders distinct values as topk does; a tie's order is
+    the bitonic network's: equal values may leave index order (which torch.topk on CUDA does too)."""
+    g = torch.Generator().manual_seed(3)
+    for n, k in ((16, 8), (48, 16), (24, 8), (96, 32), (5, 2)):
+        distinct = torch.randperm(n, generator=g).float().view(1, -1) - n / 2
+        assert torch.equal(cuda_topk_indices(distinct, k), torch.topk(distinct, k)[1])
+        tied = (torch.randn(3, n, generator=g) * 2).round()
+        got = cuda_topk_indices(tied, k)
+        assert torch.equal(tied.gather(1, got), torch.topk(tied, k)[0])
+    # (a tie of two leaves index order in this network: ties are where the model and the CPU's order part)
+    tied = torch.tensor([[5.0, 5.0, 1.0, 0.0]])
+    assert cuda_topk_indices(tied, 2).tolist() in ([[0, 1]], [[1, 0]])
+    special = torch.tensor([[0.0, -0.0, float("nan"), -1e9, -1e9, 3.0, float("inf")]])
+    got = cuda_topk_indices(special, 5)[0].tolist()
+    assert got[:2] == [2, 6] and got[2] == 5 and sorted(got[3:]) == [0, 1]
 
 
 def test_the_launchers_refuse_rows_past_a_cta(emulated):

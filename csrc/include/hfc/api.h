@@ -108,7 +108,9 @@ HFC_API int hfc_blocks_advance(int32_t* tables, int64_t* lengths, int32_t* refco
    torch code around the vocabulary-sized torch ops: hfc_sample_finish after a greedy / sampling step's chosen tokens,
    hfc_beam_scores and hfc_beam_finish before and after beam search's two small top-k's. Shapes and meanings:
    csrc/include/hfc/launch.h (SampleFinishArgs, BeamScoresArgs, BeamFinishArgs; the next step's inputs SelectNext);
-   bools as bytes, every tensor contiguous on one device, at most 1024 rows. Capture safe; added as hfc_rms_norm was. */
+   bools as bytes, every tensor contiguous on one device, at most 1024 rows. hfc_beam_scores also ranks the two
+   top-k's as torch.topk does on CUDA where next_indices and keep are given (beams <= 32, beams + candidates <= 128).
+   Capture safe; added as hfc_rms_norm was. */
 HFC_API int hfc_sample_finish(const int64_t* tokens, const float* probs_total, uint8_t* unfinished, uint8_t* done,
                               uint8_t* invalid, int64_t* sequences, int64_t* cur_len, const int64_t* max_len, const int64_t* eos_ids,
                               int64_t* parents, int64_t* input_ids, int64_t* positions, int64_t* cache_position,
@@ -116,11 +118,13 @@ HFC_API int hfc_sample_finish(const int64_t* tokens, const float* probs_total, u
                               int64_t pad, int64_t fill, uintptr_t stream);
 HFC_API int hfc_beam_scores(const float* top_log_probs, const int64_t* top_indices, const int64_t* cur_len,
                             const int64_t* max_len, const int64_t* prompt_len, const uint8_t* done,
-                            const float* probs_total, uint8_t* invalid, const int64_t* eos_ids, const uint8_t* is_finished, const uint8_t* improvement_possible,
+                            const float* probs_total, uint8_t* invalid, const int64_t* eos_ids,
+                            const uint8_t* is_finished, const uint8_t* improvement_possible,
                             const float* finished_scores, const float* length_factors, int64_t* top_tokens,
                             int64_t* top_parents, uint8_t* hits, float* running, float* merged, int64_t* snapshot,
-                            int64_t batch, int64_t beams, int64_t candidates, int64_t vocab, int64_t n_eos,
-                            int64_t n_factors, int32_t early_stopping_true, uintptr_t stream);
+                            int64_t* next_indices, int64_t* keep, int64_t batch, int64_t beams, int64_t candidates,
+                            int64_t vocab, int64_t n_eos, int64_t n_factors, int32_t early_stopping_true,
+                            uintptr_t stream);
 HFC_API int hfc_beam_finish(const int64_t* next_indices, const int64_t* keep, const int64_t* top_tokens,
                             const int64_t* top_parents, const uint8_t* hits, const float* running, const float* merged,
                             const int64_t* snapshot, const int64_t* prompt_len, const int64_t* max_len,

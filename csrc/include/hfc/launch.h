@@ -119,6 +119,8 @@ struct BeamScoresArgs {                // beam search, after the top-K candidate
   float* running;                      // out [B, K]: the scores the next beams are chosen from
   float* merged;                       // out [B, nb + K]: the finished store's, then the candidates'
   int64_t* snapshot;                   // out [2]: cur_len, done as the step began
+  int64_t* next_indices;               // out [B, nb]: torch.topk(running, nb)'s indices (NULL: torch runs it)
+  int64_t* keep;                       // out [B, nb]: torch.topk(merged, nb)'s (beams <= 32, nb + K <= 128)
   int64_t batch, beams, candidates, vocab, n_eos, n_factors;
   int32_t early_stopping_true;         // early_stopping=True
 };
