@@ -203,4 +203,10 @@ HFC_API int hfc_beam_finish(const int64_t* next_indices, const int64_t* keep, co
                                  best_length_never};
   return (int)hfc::beam_finish_launch(args, reinterpret_cast<cudaStream_t>(stream));
 }
+
+HFC_API int hfc_topk(const float* x, int64_t rows, int64_t n, int64_t k, uint64_t* best, int64_t chunks,
+                     float* values, int64_t* indices, uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::topk_launch(x, rows, n, k, best, chunks, values, indices, reinterpret_cast<cudaStream_t>(stream));
+}
 }  // extern "C"

@@ -172,6 +172,25 @@ __device__ __forceinline__ void bitonic_swap(float* key, int32_t* value, uint8_t
   }
 }
 
+// bitonicSort<32> (SortUtils.cuh) of one list's slots, its network thread x < 16 (`mine`; the CTA's other threads
+// pass mine = false): the same compare-exchanges in the same stages. Every thread of the CTA calls it (barriers).
+__device__ __forceinline__ void bitonic_sort32(float* key, int32_t* value, uint8_t* valid, int x, bool mine) {
+  for (int size = 2; size < kSortSlots; size *= 2) {
+    const bool flag = (x & (size / 2)) != 0;
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      __syncthreads();
+      const int pos = 2 * x - (x & (stride - 1));
+      if (mine) bitonic_swap(key, value, valid, pos, pos + stride, flag);
+    }
+  }
+  for (int stride = kSortSlots / 2; stride > 0; stride /= 2) {
+    __syncthreads();
+    const int pos = 2 * x - (x & (stride - 1));
+    if (mine) bitonic_swap(key, value, valid, pos, pos + stride, false);
+  }
+  __syncthreads();
+}
+
 // next_indices [B, nb] (the top nb of running [B, K]) and keep [B, nb] (of merged [B, nb + K]), as torch.topk
 __device__ void choose_beams(const BeamScoresArgs& a) {
   __shared__ uint32_t radix_s[kChooseGroup][kMaxChooseInputs];
@@ -231,23 +250,9 @@ __device__ void choose_beams(const BeamScoresArgs& a) {
         valid_s[g][slot] = 1;
       }
     }
-    // bitonicSort<32>: threads (g, x) for x < 16 of each list, the same compare-exchanges in the same stages
-    const int g = t / (kSortSlots / 2), x = t % (kSortSlots / 2);
-    const bool mine = g < kChooseGroup;
-    for (int size = 2; size < kSortSlots; size *= 2) {
-      const bool flag = (x & (size / 2)) != 0;
-      for (int stride = size / 2; stride > 0; stride /= 2) {
-        __syncthreads();
-        const int pos = 2 * x - (x & (stride - 1));
-        if (mine) bitonic_swap(key_s[g], value_s[g], valid_s[g], pos, pos + stride, flag);
-      }
-    }
-    for (int stride = kSortSlots / 2; stride > 0; stride /= 2) {
-      __syncthreads();
-      const int pos = 2 * x - (x & (stride - 1));
-      if (mine) bitonic_swap(key_s[g], value_s[g], valid_s[g], pos, pos + stride, false);
-    }
-    __syncthreads();
+    const int g = t / (kSortSlots / 2);
+    if (g < kChooseGroup) bitonic_sort32(key_s[g], value_s[g], valid_s[g], t % (kSortSlots / 2), true);
+    else bitonic_sort32(key_s[0], value_s[0], valid_s[0], 0, false);
     for (int item = t; item < kChooseGroup * nb; item += kSelectThreads) {
       const int gi = item / nb, s = item % nb;
       const int64_t l = l0 + gi;
@@ -402,6 +407,129 @@ __global__ void __launch_bounds__(kSelectThreads) beam_finish_kernel(const BeamF
   advance_positions(a.next, t);
 }
 
+// ---- the candidates' top-K over beams x vocabulary: torch.topk(largest, sorted) of rows [B, n], k <= 32 ----
+// The same order as choose_beams (torch's on CUDA), in two launches: each CTA of topk_chunks_kernel keeps its chunk's k
+// best by (radix desc, index asc) (a thread's sorted list in registers, then the CTA's lists merged pairwise in shared
+// memory); topk_final_kernel merges the chunks' lists of a row, gathers the k as torch does and sorts them with the
+// bitonic network. (A 64-bit key, radix << 32 | ~index, orders both at once: every key distinct, 0 none.)
+constexpr int kTopkThreads = 128;
+
+__device__ __forceinline__ uint64_t topk_key(float x, int64_t i) {
+  return (uint64_t)radix_key(x) << 32 | (uint64_t)(0xffffffffu - (uint32_t)i);
+}
+
+__device__ __forceinline__ int64_t key_index(uint64_t key) { return 0xffffffffu - (uint32_t)(key & 0xffffffffu); }
+
+// list (sorted descending, kSortSlots keys) with `key` put in its place, the smallest dropped
+__device__ __forceinline__ void insert_key(uint64_t (&list)[kSortSlots], uint64_t key) {
+#pragma unroll
+  for (int j = 0; j < kSortSlots; ++j) {
+    const uint64_t here = list[j];
+    const bool in = key > here;
+    list[j] = in ? key : here;
+    key = in ? here : key;
+  }
+}
+
+// The CTA's threads' lists (lists_s[thread][0..k)) merged pairwise into lists_s[0][0..k)
+__device__ __forceinline__ void merge_lists(uint64_t (*lists_s)[kSortSlots], int k) {
+  const int t = threadIdx.x;
+  for (int width = 1; width < kTopkThreads; width *= 2) {
+    __syncthreads();
+    uint64_t merged[kSortSlots];
+    const bool merges = t % (2 * width) == 0;
+    if (merges) {
+      const uint64_t* a = lists_s[t];
+      const uint64_t* b = lists_s[t + width];
+      int i = 0, j = 0;
+#pragma unroll
+      for (int s = 0; s < kSortSlots; ++s) {
+        const bool from_a = s < k && a[i] > b[j];
+        merged[s] = s < k ? (from_a ? a[i] : b[j]) : 0;
+        i += s < k && from_a;
+        j += s < k && !from_a;
+      }
+    }
+    __syncthreads();
+    if (merges) {
+#pragma unroll
+      for (int s = 0; s < kSortSlots; ++s)
+        if (s < k) lists_s[t][s] = merged[s];
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+    topk_chunks_kernel(const float* __restrict__ x, int64_t n, int k, int64_t chunk, uint64_t* __restrict__ best) {
+  __shared__ uint64_t lists_s[kTopkThreads][kSortSlots];
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.y, start = blockIdx.x * chunk, end = start + chunk < n ? start + chunk : n;
+  const float* xs = x + row * n;
+  uint64_t list[kSortSlots];
+#pragma unroll
+  for (int j = 0; j < kSortSlots; ++j) list[j] = 0;
+  uint64_t threshold = 0;                     // (list[k - 1]: a key must beat it to enter the k best)
+  for (int64_t i = start + t; i < end; i += kTopkThreads) {
+    const uint64_t key = topk_key(xs[i], i);
+    if (key > threshold) {
+      insert_key(list, key);
+#pragma unroll
+      for (int j = 0; j < kSortSlots; ++j) threshold = j == k - 1 ? list[j] : threshold;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kSortSlots; ++j)
+    if (j < k) lists_s[t][j] = list[j];
+  merge_lists(lists_s, k);
+  for (int j = t; j < k; j += kTopkThreads) best[(row * gridDim.x + blockIdx.x) * k + j] = lists_s[0][j];
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+    topk_final_kernel(const float* __restrict__ x, int64_t n, int k, int chunks, const uint64_t* __restrict__ best,
+                      float* __restrict__ values, int64_t* __restrict__ indices) {
+  __shared__ uint64_t lists_s[kTopkThreads][kSortSlots];
+  __shared__ float key_s[kSortSlots];
+  __shared__ int32_t value_s[kSortSlots];
+  __shared__ uint8_t valid_s[kSortSlots];
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  uint64_t list[kSortSlots];
+#pragma unroll
+  for (int j = 0; j < kSortSlots; ++j) list[j] = 0;
+  for (int c = t; c < chunks; c += kTopkThreads)         // (chunks <= kTopkThreads: the launcher sizes them so)
+    for (int j = 0; j < k; ++j) insert_key(list, best[(row * chunks + c) * k + j]);
+#pragma unroll
+  for (int j = 0; j < kSortSlots; ++j)
+    if (j < k) lists_s[t][j] = list[j];
+  merge_lists(lists_s, k);
+  // gathered as torch gathers: the k above the k-th's radix in index order, then those equal to it in index order
+  if (t < kSortSlots) {
+    key_s[t] = 0.0f, value_s[t] = 0, valid_s[t] = 0;
+  }
+  __syncthreads();
+  if (t < k) {
+    const uint64_t kth = lists_s[0][k - 1] >> 32, mine = lists_s[0][t];
+    const uint64_t r = mine >> 32;
+    const int64_t i = key_index(mine);
+    int above = 0, slot = 0;
+    for (int j = 0; j < k; ++j) {
+      const uint64_t other = lists_s[0][j];
+      above += (other >> 32) > kth;
+      slot += key_index(other) < i && (r > kth ? (other >> 32) > kth : (other >> 32) == kth);
+    }
+    if (r == kth) slot += above;
+    key_s[slot] = x[row * n + i];
+    value_s[slot] = (int32_t)i;
+    valid_s[slot] = 1;
+  }
+  bitonic_sort32(key_s, value_s, valid_s, t, t < kSortSlots / 2);
+  if (t < k) {
+    values[row * k + t] = key_s[t];
+    indices[row * k + t] = value_s[t];
+  }
+}
+
 bool next_ok(const SelectNext& n, int64_t rows) {
   return n.parents && n.input_ids && (n.n_positions == 0 || n.positions) &&
          (n.n_cache_position == 0 || n.cache_position) && n.n_positions >= 0 && n.n_cache_position >= 0 && rows >= 1;
@@ -436,6 +564,20 @@ cudaError_t beam_scores_launch(const BeamScoresArgs& a, cudaStream_t stream) {
       !a.length_factors || !a.top_tokens || !a.top_parents || !a.hits || !a.running || !a.merged || !a.snapshot)
     return fail(cudaErrorInvalidValue, "beam_scores: a NULL pointer");
   beam_scores_kernel<<<1, kSelectThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t topk_launch(const float* x, int64_t rows, int64_t n, int64_t k, uint64_t* best, int64_t chunks,
+                        float* values, int64_t* indices, cudaStream_t stream) {
+  if (rows < 1 || rows > 65535 || k < 1 || k > kSortSlots || n < k || n > 0x7fffffff || chunks < 1 ||
+      chunks > kTopkThreads || chunks > n)
+    return fail(cudaErrorInvalidValue, "topk: rows %lld (1..65535), n %lld (k..2^31-1), k %lld (1..%d), chunks %lld "
+                "(1..%d)", (long long)rows, (long long)n, (long long)k, kSortSlots, (long long)chunks, kTopkThreads);
+  if (!x || !best || !values || !indices) return fail(cudaErrorInvalidValue, "topk: a NULL pointer");
+  const int64_t chunk = (n + chunks - 1) / chunks;
+  const dim3 grid((unsigned)chunks, (unsigned)rows);
+  topk_chunks_kernel<<<grid, kTopkThreads, 0, stream>>>(x, n, (int)k, chunk, best);
+  topk_final_kernel<<<(unsigned)rows, kTopkThreads, 0, stream>>>(x, n, (int)k, (int)chunks, best, values, indices);
   return cudaGetLastError();
 }
 

@@ -432,12 +432,13 @@ def _sample_step(state: SelectionState, logits: torch.Tensor) -> tuple[torch.Ten
     return tokens, state.row_ids
 
 
-def beam_candidates(state: SelectionState, logits: torch.Tensor
+def beam_candidates(state: SelectionState, logits: torch.Tensor, topk=None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A beam step's ``candidates`` continuations per prompt over beams x vocab (transformers'
     ``_get_top_k_continuations``): ``(top_log_probs [B, K] float32, top_indices [B, K] int64, probs_total)``, an index
     being ``beam * vocab + token``; ``probs_total`` the draw's probabilities summed where the beams are sampled
-    (:func:`flag_invalid`'s argument), else None."""
+    (:func:`flag_invalid`'s argument), else None. ``topk(scores, k)``: what ranks them where they are not sampled
+    (default :func:`top_candidates`; one that returns None leaves it to that)."""
     config = state.config
     batch, beams, candidates = config.batch_size, config.num_beams, config.candidates
     log_probs = torch.nn.functional.log_softmax(logits.to(copy=True, dtype=torch.float32), dim=-1)
@@ -453,7 +454,14 @@ def beam_candidates(state: SelectionState, logits: torch.Tensor
             top_log_probs, order = top_log_probs.sort(dim=-1, descending=True)
             top_indices = top_indices.gather(dim=-1, index=order)
         return top_log_probs, top_indices, probs.sum()
-    return *torch.topk(log_probs, k=candidates), None
+    ranked = None if topk is None else topk(log_probs, candidates)
+    return *(top_candidates(log_probs, candidates) if ranked is None else ranked), None
+
+
+def top_candidates(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices)`` of the ``k`` best of ``scores [B, n]`` as transformers ranks them (``torch.topk``, its tie
+    order)."""
+    return torch.topk(scores, k=k)
 
 
 def top_beams(scores: torch.Tensor, beams: int) -> torch.Tensor:

@@ -76,10 +76,11 @@ blocks_kernel = True
 # its GPU tests pass (tests/decode/test_gpu_whole_step.py -k select). False: the torch ops everywhere
 select_kernel = False
 
-# with select_kernel: beam search's two small top-k's (the running beams, the finished store's) ranked inside the first
-# select launch as torch.topk ranks them on CUDA (its radix selection, index-ordered gather and 32-slot bitonic sort,
-# ties included; csrc/select.cu choose_beams), instead of torch.topk's 4 kernels between the launches. Off until its
-# GPU tests pass (tests/decode/test_gpu_whole_step.py -k topk: against torch.topk itself on tied scores). False: torch
+# with select_kernel: beam search's top-k's ranked as torch.topk ranks them on CUDA (its radix selection, index-ordered
+# gather and 32-slot bitonic sort, ties included): the candidates over beams x vocabulary in two launches
+# (csrc/select.cu topk_chunks / topk_final) instead of torch's ~6 (~90 us at 8 x 128k in the 8B beam step's profile),
+# and the two small ones inside the first select launch (choose_beams) instead of torch's 4. Off until its GPU tests
+# pass (tests/decode/test_gpu_whole_step.py -k topk: against torch.topk itself on tied scores). False: torch
 SELECT_TOPK_BEAMS, SELECT_TOPK_INPUTS = 32, 128      # (the kernel's limits: torch's bitonic sort takes k <= 32)
 select_topk = False
 
@@ -810,7 +811,8 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
         lib.sample_finish(state, tokens, probs_total, parents, input_ids, positions, config.pad_token_id or 0, fill,
                           stream)
         return
-    top_log_probs, top_indices, probs_total = device_select.beam_candidates(state, logits)
+    ranking = (lambda scores, k: cuda_library.topk(lib, scores, k)) if select_topk else None
+    top_log_probs, top_indices, probs_total = device_select.beam_candidates(state, logits, topk=ranking)
     batch, candidates = top_indices.shape
     beams = config.num_beams
     device = top_indices.device

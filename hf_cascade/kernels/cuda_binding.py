@@ -138,9 +138,13 @@ def _no_dtype(dtype) -> None:
 
 
 def declare_select(lib) -> bool:
-    """Declare the token choice's entry points (``csrc/select.cu``) on ``lib``; False where the library has none."""
+    """Declare the token choice's entry points (``csrc/select.cu``, with its top-k, hfc_topk) on ``lib``; False where
+    the library has none."""
     if not all(hasattr(lib, name) for name in ("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish")):
         return False
+    if hasattr(lib, "hfc_topk"):
+        lib.hfc_topk.restype = ctypes.c_int
+        lib.hfc_topk.argtypes = [_vp, _i64, _i64, _i64, _vp, _i64, _vp, _vp, ctypes.c_size_t]
     for fn, argtypes in ((lib.hfc_sample_finish, [_vp] * 13 + [_i64] * 7),
                          (lib.hfc_beam_scores, [_vp] * 21 + [_i64] * 6 + [_i32]),
                          (lib.hfc_beam_finish, [_vp] * 25 + [_i64] * 8 + [_i32] * 2)):
@@ -219,6 +223,7 @@ class _Lib:
             lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
         # (likewise: a library without them leaves the token choice's bookkeeping to torch ops)
         self.has_select = declare_select(lib)
+        self.has_topk = self.has_select and hasattr(lib, "hfc_topk")
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -461,6 +466,13 @@ class _Lib:
             state.done.data_ptr(), *_next_inputs(parents, input_ids, positions), batch, beams,
             scratch["top_tokens"].shape[1], state.sequences.shape[1], state.length_divisors.numel(), fill,
             int(early_stopping_true), int(best_length_never), stream), "beam_finish")
+
+    def topk(self, x, k: int, values, indices, best, stream: int) -> None:
+        """``torch.topk(x, k)`` of ``x`` [rows, n] float32 as torch orders it on CUDA (``csrc/select.cu``) into
+        ``values`` [rows, k] float32 and ``indices`` [rows, k] int64; ``best`` [rows, chunks, k] int64 scratch."""
+        rows, n = x.shape
+        self.check(self.lib.hfc_topk(x.data_ptr(), rows, n, k, best.data_ptr(), best.shape[1], values.data_ptr(),
+                                     indices.data_ptr(), stream), "topk")
 
     def write(self, pool, key, value, write_block, write_offset, copy_src, copy_dst, copies: bool, stream: int) -> None:
         """The cache write of one layer (``csrc/write.cu``): ``pool[copy_dst] = pool[copy_src]`` (when ``copies``),

@@ -460,6 +460,27 @@ def select_fits(state, parents: torch.Tensor, input_ids: torch.Tensor, positions
                and t.is_contiguous() for t, dtype, shape in want)
 
 
+# the top-k kernel's limits (csrc/select.cu): torch's small bitonic sort (k <= 32), at most 128 chunks a row
+TOPK_MAX_K, TOPK_CHUNKS, TOPK_CHUNK_MIN = 32, 128, 4096
+
+
+def topk(lib, x: torch.Tensor, k: int):
+    """``torch.topk(x, k)`` (values, indices) of ``x`` [rows, n] on ``lib``'s kernel, in torch's order on CUDA, ties
+    included (``csrc/select.cu``), or None where it does not take them (not float32, contiguous and 2-D; k > 32 or
+    past n; n >= 2^31; more than 65535 rows): the caller runs torch.topk. Two launches: the chunks' best (at most
+    128 CTAs a row, at least 4096 entries each), then the row's."""
+    if (not getattr(lib, "has_topk", False) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+            or not 1 <= k <= min(TOPK_MAX_K, x.shape[1]) or x.shape[1] >= 2 ** 31 or not 1 <= x.shape[0] <= 65535):
+        return None
+    rows, n = x.shape
+    chunks = max(1, min(TOPK_CHUNKS, n // TOPK_CHUNK_MIN))
+    values = torch.empty((rows, k), dtype=torch.float32, device=x.device)
+    indices = torch.empty((rows, k), dtype=torch.int64, device=x.device)
+    best = torch.empty((rows, chunks, k), dtype=torch.int64, device=x.device)
+    lib.topk(x, k, values, indices, best, torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0)
+    return values, indices
+
+
 def _elementwise_library(x: torch.Tensor) -> _Lib | None:
     """The library loaded for ``x``'s CUDA device where it has the elementwise kernels."""
     if not x.is_cuda:

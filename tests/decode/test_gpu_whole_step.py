@@ -275,6 +275,25 @@ def test_the_cuda_topk_model_is_torch_topk(n, k):
         assert torch.equal(cuda_topk_indices(x, k), torch.topk(x.cuda(), k)[1].cpu()), (levels, n, k)
 
 
+@pytest.mark.parametrize("rows,n,k", [(1, 8 * 128256, 16), (2, 4 * 128256, 8), (8, 32000, 16), (1, 16 * 32000, 32),
+                                      (3, 5000, 24), (1, 40, 8)])
+def test_the_topk_kernel_is_torch_topk(rows, n, k):
+    """cuda_library.topk (csrc/select.cu's two launches) is torch.topk on this GPU, values and indices, ties included:
+    bf16-rounded log-probabilities over a vocabulary (many ties), a row's best in one place, -1e9, NaN, inf."""
+    lib = cuda_library.library(torch.device("cuda"))
+    g = torch.Generator("cuda").manual_seed(rows * k)
+    logits = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16).float() * 3
+    for x in (torch.log_softmax(logits, dim=-1), logits.round(), logits):
+        x = x.clone()
+        x[:, : n // 7] = -1.0e9
+        x[0, n // 3] = float("inf")
+        x[-1, n // 2] = float("nan")
+        got = cuda_library.topk(lib, x, k)
+        assert got is not None
+        want = torch.topk(x, k)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+
+
 @pytest.mark.parametrize("topk", [False, True], ids=["torch-topk", "kernel-topk"])
 @pytest.mark.parametrize("case", list(SELECT_GENERATE))
 def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch, case, topk):

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from hf_cascade.decode import device_select, whole_step
-from hf_cascade.kernels import cuda_binding
+from hf_cascade.kernels import cuda_binding, cuda_library
 
 from conftest import emulated_api, emulated_binding, host_library
 
@@ -79,8 +79,9 @@ inline int __syncthreads_or(int p) {
 template <class Kernel, class... Args>
 void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
   gridDim = grid, blockDim = dim3(threads);
+  for (unsigned y = 0; y < grid.y; ++y)
   for (unsigned x = 0; x < grid.x; ++x) {
-    blockIdx = dim3(x);
+    blockIdx = dim3(x, y);
     std::barrier<> cta(threads);
     emu_cta = &cta;
     std::vector<std::thread> pool;
@@ -104,9 +105,9 @@ def _source() -> str:
     cu = (CSRC / "select.cu").read_text(encoding="utf-8")
     cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
-    assert launches == 3, "select.cu's three launches not found"
+    assert launches == 5, "select.cu's five launches not found"
     cu = cu.replace("namespace hfc {", "namespace hfc {\n" + structs, 1)
-    error_functions, entries = emulated_api(("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish"))
+    error_functions, entries = emulated_api(("hfc_sample_finish", "hfc_beam_scores", "hfc_beam_finish", "hfc_topk"))
     return f"{SHIM}\n{error_functions}\n{cu}\n{entries}"
 
 
@@ -118,7 +119,9 @@ def emulated(tmp_path_factory):
                        ["-std=c++20", "-pthread", "-Wall", "-Werror", "-Wno-unused-function",
                         "-Wno-unknown-pragmas"])
     assert cuda_binding.declare_select(lib)
-    return emulated_binding(lib)
+    binding = emulated_binding(lib)
+    binding.has_topk = True
+    return binding
 
 
 @pytest.fixture(autouse=True)
@@ -266,7 +269,39 @@ def test_the_kernel_source_equals_the_torch_ops(emulated, monkeypatch, case, top
     monkeypatch.setattr(whole_step, "select_topk", topk)
     if topk:
         monkeypatch.setattr(device_select, "top_beams", cuda_topk_indices)
+        monkeypatch.setattr(device_select, "top_candidates", cuda_topk)
+        monkeypatch.setattr(cuda_library, "TOPK_CHUNK_MIN", 16)       # (several chunks a row: their merge)
     drive(case, emulated, "cpu")
+
+
+def cuda_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores, k)`` as CUDA orders it (:func:`cuda_topk_indices`)."""
+    indices = cuda_topk_indices(scores, k)
+    return scores.gather(1, indices), indices
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 5000, 16), (3, 700, 32), (2, 64, 8), (1, 33, 33 - 1), (4, 1000, 1)])
+def test_the_topk_kernel_source_is_torch_s_cuda_order(emulated, monkeypatch, rows, n, k):
+    """hfc_topk (its chunks' best, then the row's, gathered and sorted as torch does) equals the model of torch.topk on
+    CUDA on scores with heavy ties or distinct ones, -1e9, zeros of both signs, NaN and infinities, over one chunk and
+    over many."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    for chunk_min, levels in ((4096, 6), (16, 6), (4096, None), (16, None)):
+        monkeypatch.setattr(cuda_library, "TOPK_CHUNK_MIN", chunk_min)
+        x = (torch.randn(rows, n, generator=g) if levels is None       # (distinct values, in no order)
+             else (torch.randint(0, levels, (rows, n), generator=g).float() - 3) / 4)
+        x[torch.rand(rows, n, generator=g) < 0.2] = -1.0e9
+        x[torch.rand(rows, n, generator=g) < 0.05] = -0.0
+        if levels is not None:
+            x[0, 1] = float("nan")
+            x[-1, n // 2] = float("inf")
+        elif n >= 128 * (k + 2):        # the best all in thread 0's stride, best first: its list holds all k of them
+            stride = torch.arange(k + 2) * 128      # (the kernel's CTAs have 128 threads)
+            x[:, stride] = 10.0 + torch.arange(k + 2, 0, -1).float()
+        values, indices = cuda_library.topk(emulated, x, k)
+        want = cuda_topk_indices(x, k)
+        assert torch.equal(indices, want), (chunk_min, indices, want)
+        assert torch.equal(values.view(torch.int32), x.gather(1, want).view(torch.int32))
 
 
 def test_the_cuda_topk_model_is_a_top_k():

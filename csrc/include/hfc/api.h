@@ -135,6 +135,13 @@ HFC_API int hfc_beam_finish(const int64_t* next_indices, const int64_t* keep, co
                             int64_t* cache_position, int64_t n_positions, int64_t n_cache_position, int64_t batch,
                             int64_t beams, int64_t candidates, int64_t width, int64_t n_factors, int64_t fill,
                             int32_t early_stopping_true, int32_t best_length_never, uintptr_t stream);
+/* torch.topk(x, k) (largest=True, sorted=True) of rows x [rows, n] float32 (contiguous) as torch orders it on CUDA,
+   ties included, k <= 32 (csrc/select.cu: the candidates of a beam step): values [rows, k] float32, indices [rows, k]
+   int64; best [rows, chunks, k] 64-bit scratch, chunks (1..128, <= n) CTAs a row. Capture safe; added as
+   hfc_rms_norm was. */
+HFC_API int hfc_topk(const float* x, int64_t rows, int64_t n, int64_t k, uint64_t* best, int64_t chunks,
+                     float* values, int64_t* indices, uintptr_t stream);
+
 #ifdef __cplusplus
 }
 #endif

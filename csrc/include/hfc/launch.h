@@ -153,6 +153,10 @@ struct BeamFinishArgs {                // beam search, after the top-nb of runni
   int32_t best_length_never;           // early_stopping="never" with length_penalty > 0: the best possible length
 };
 cudaError_t beam_finish_launch(const BeamFinishArgs& a, cudaStream_t stream);
+// torch.topk(x, k) (largest, sorted) of rows x [rows, n] float32 as torch orders it on CUDA, ties included, k <= 32:
+// values [rows, k], indices [rows, k]; best [rows, chunks, k] scratch (chunks <= 128 CTAs a row)
+cudaError_t topk_launch(const float* x, int64_t rows, int64_t n, int64_t k, uint64_t* best, int64_t chunks,
+                        float* values, int64_t* indices, cudaStream_t stream);
 
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
