@@ -224,6 +224,30 @@ def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **gene
         (runner.disabled, runner.captures, runner.replays)
 
 
+# An emulation shim's CTA: the qualifiers, and __syncthreads / __syncthreads_count / __syncthreads_or over a
+# std::barrier* emu_cta, a std::atomic<int> emu_count and a thread_local threadIdx that the test's shim declares first
+CTA_SHIM = r"""
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+inline void __syncthreads() { emu_cta->arrive_and_wait(); }
+inline int __syncthreads_count(int p) {
+  __syncthreads();
+  if (threadIdx.x == 0) emu_count = 0;
+  __syncthreads();
+  if (p) emu_count.fetch_add(1);
+  __syncthreads();
+  const int n = emu_count.load();
+  __syncthreads();
+  return n;
+}
+inline int __syncthreads_or(int p) { return __syncthreads_count(p) > 0; }
+"""
+
+
 def emulated_api(names) -> str:
     """csrc/api.cu's error functions (its first ``namespace hfc`` block) and its entries ``names`` (``HFC_API int
     name(...) {...}`` each, without the HFC_API), with hfc_error_string and hfc_last_error, for an emulation test's

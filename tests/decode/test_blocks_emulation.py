@@ -21,7 +21,7 @@ import pytest
 
 from hf_cascade.kernels import cuda_binding
 
-from conftest import host_library
+from conftest import CTA_SHIM, host_library
 from test_gpu_device_blocks import CASES, _drive
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
@@ -46,24 +46,8 @@ static std::barrier<>* emu_warp[32];
 static int emu_lanes[32][32];
 static std::atomic<int> emu_count;
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-
-inline void __syncthreads() { emu_cta->arrive_and_wait(); }
-inline int __syncthreads_count(int p) {
-  __syncthreads();
-  if (threadIdx.x == 0) emu_count = 0;
-  __syncthreads();
-  if (p) emu_count.fetch_add(1);
-  __syncthreads();
-  const int n = emu_count.load();
-  __syncthreads();
-  return n;
-}
-inline int __syncthreads_or(int p) { return __syncthreads_count(p) > 0; }
+"""
+SHIM += CTA_SHIM + r"""
 inline int __shfl_up_sync(unsigned, int x, int off) {
   const int w = threadIdx.x / 32, l = threadIdx.x % 32;
   emu_lanes[w][l] = x;

@@ -27,7 +27,7 @@ import torch
 from hf_cascade.decode import device_select, whole_step
 from hf_cascade.kernels import cuda_binding, cuda_library
 
-from conftest import emulated_api, emulated_binding, host_library
+from conftest import CTA_SHIM, emulated_api, emulated_binding, host_library
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
 
@@ -56,23 +56,8 @@ static std::atomic<int> emu_count;
 static cudaError_t cudaGetLastError() { return cudaSuccess; }
 static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-
-inline void __syncthreads() { emu_cta->arrive_and_wait(); }
-inline int __syncthreads_or(int p) {
-  __syncthreads();
-  if (threadIdx.x == 0) emu_count = 0;
-  __syncthreads();
-  if (p) emu_count.fetch_add(1);
-  __syncthreads();
-  const int n = emu_count.load();
-  __syncthreads();
-  return n > 0;
-}
+"""
+SHIM += CTA_SHIM + r"""
 
 // a launch: the CTAs one after another (CTA 0 first), each as `threads` threads meeting at one barrier (a thread that
 // returns leaves it)
