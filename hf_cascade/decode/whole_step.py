@@ -802,8 +802,9 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
                       input_ids: torch.Tensor, positions: tuple, stream: int) -> None:
     """:func:`choose` with the bookkeeping on ``lib``'s kernels (``csrc/select.cu``, bit for bit the torch ops of
     device_select): the chosen tokens (greedy, sampling) or the candidates and the two top-k's (beam search) stay the
-    torch ops, the rest is one launch (greedy, sampling) or two (beam search) instead of ~30 / ~75 torch kernels.
-    ``lib``: a loaded binding whose tensors fit (:func:`cuda_library.select_library`; tests pass an emulated one)."""
+    torch ops, the rest is one launch (greedy, sampling) or two (beam search) instead of ~30 / ~75 torch kernels; with
+    :data:`select_topk` the top-k's are the library's too (torch.topk's order on CUDA). ``lib``: a loaded binding
+    whose tensors fit (:func:`cuda_library.select_library`; tests pass an emulated one)."""
     config = state.config
     fill = device_select.fill_value(config)
     if not config.is_beam:
