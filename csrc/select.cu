@@ -1,8 +1,10 @@
 // The token choice's bookkeeping of one decode step in one or two launches: what hf_cascade/decode/device_select.py
 // `_sample_step` / `_beam_step` and hf_cascade/decode/whole_step.py `choose` run as ~30 (greedy, sampling) and ~75
 // (beam search) tiny torch kernels on [rows] and [batch, candidates] tensors, value for value. The vocabulary-sized
-// work (the float32 logits, processors, log-softmax, the beams' top-K, multinomial draws) and beam search's two small
-// top-k's stay torch's: their tie order is torch's own, so they run as the torch code runs them, between the launches.
+// work (the float32 logits, processors, log-softmax, multinomial draws) stays torch's. Beam search's top-k's (the
+// candidates over beams x vocabulary, then the two small ones) are torch.topk's between the launches, or, where the
+// caller asks (hf_cascade/decode/whole_step.py select_topk), this file's in torch's own order on CUDA, ties included:
+// topk_chunks + topk_final for the candidates, choose_beams inside beam_scores for the small ones.
 //
 // - sample_finish (greedy and sampling, one CTA): finished rows repeat the pad token, the token written at cur_len,
 //   the stopping criteria (max length, eos), cur_len and done, the next step's ids, parents and positions.
