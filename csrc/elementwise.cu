@@ -12,6 +12,7 @@
 #include "hfc/dispatch.h"
 #include "hfc/errors.h"
 #include "hfc/launch.h"
+#include "hfc/rounding.cuh"
 
 #include <cstdint>
 #include <type_traits>
@@ -77,13 +78,6 @@ __device__ __forceinline__ float sum_of_squares(const uint4 v, float sum, bool b
     sum += hi * hi;
   }
   return sum;
-}
-
-// a + b rounded to nearest, subnormals kept (fast math's -ftz would flush them; eager's bf16 / fp16 add keeps them)
-__device__ __forceinline__ float add_rn(float a, float b) {
-  float y;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
 }
 
 // T(a + b) for 8 elements at once: eager's `residual + hidden_states` (float sum, rounded once to T)
@@ -223,13 +217,6 @@ __device__ __forceinline__ float eager_silu(float x) {
       "}"
       : "=f"(y)
       : "f"(x));
-  return y;
-}
-
-// a * b rounded to nearest, subnormals kept (fast math's -ftz would flush a bf16 product below 2^-126)
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float y;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
   return y;
 }
 

@@ -17,12 +17,13 @@
 //   sequence columns [prompt_len, cur_len] of both stores (the only columns a step changes: the prompt's are the same
 //   in every beam of a prompt, the columns past cur_len hold the fill in every row), read before any is written.
 //
-// Floats are added and multiplied with round-to-nearest PTX, subnormals kept (the library is built with
-// --use_fast_math, whose -ftz would flush them): the torch ops' bits. Semantics and the order of the roundings are
-// device_select.py's; tests/decode/test_select_emulation.py runs this source on the CPU against it.
+// Floats are added, multiplied and compared as torch's ops do (hfc/rounding.cuh, whatever the build's fast math): the
+// torch ops' bits. Semantics and the order of the roundings are device_select.py's; tests/decode/test_select_emulation.py
+// runs this source on the CPU against it.
 
 #include "hfc/errors.h"
 #include "hfc/launch.h"
+#include "hfc/rounding.cuh"
 
 #include <cstdint>
 
@@ -33,47 +34,19 @@ constexpr int kSelectThreads = 1024;   // thread i owns row i (a CTA's rows at m
 constexpr float kNegScore = -1.0e9f;   // device_select.NEG_INF_SCORE: a candidate that cannot be chosen
 constexpr int kMaxFinishCtas = 64;     // beam_finish's sequence tiles: a grid-stride loop over the new columns
 
-__device__ __forceinline__ float add_rn(float a, float b) {
+// the bits of x
+__device__ __forceinline__ uint32_t float_bits(float x) {
 #if defined(__CUDA_ARCH__)
-  float y;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-#else
-  return a + b;
-#endif
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-#else
-  return a * b;
-#endif
-}
-
-// a > b (false where either is NaN), subnormals compared as they are
-__device__ __forceinline__ bool greater(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  unsigned r;
-  asm("{\n\t.reg .pred gt_p;\n\tsetp.gt.f32 gt_p, %1, %2;\n\tselp.u32 %0, 1, 0, gt_p;\n\t}" : "=r"(r) : "f"(a), "f"(b));
-  return r != 0;
-#else
-  return a > b;
-#endif
-}
-
-// x is neither NaN nor infinite (read from its bits: fast math leaves no test of them to the compiler's judgement)
-__device__ __forceinline__ bool finite(float x) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t bits = __float_as_uint(x);
+  return __float_as_uint(x);
 #else
   uint32_t bits;
   __builtin_memcpy(&bits, &x, sizeof bits);
+  return bits;
 #endif
-  return (bits & 0x7f800000u) != 0x7f800000u;
 }
+
+// x is neither NaN nor infinite (read from its bits: no test of them left to fast math)
+__device__ __forceinline__ bool finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
 
 // `flag_invalid`: a step that runs and drew from probabilities that are not all finite (their sum is not) sets it
 __device__ __forceinline__ bool step_invalid(const uint8_t* invalid, const float* probs_total, bool active) {
@@ -139,16 +112,6 @@ __global__ void __launch_bounds__(kSelectThreads) sample_finish_kernel(const Sam
 constexpr int kSortSlots = 32;         // the bitonic network's slots (k <= 32)
 constexpr int kChooseGroup = 32;       // lists ranked at once (shared memory: kChooseGroup x kMaxChooseInputs)
 constexpr int kMaxChooseInputs = 128;  // a list's entries at most (nb + K)
-
-__device__ __forceinline__ uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof bits);
-  return bits;
-#endif
-}
 
 __device__ __forceinline__ bool is_nan(float x) { return (float_bits(x) & 0x7fffffffu) > 0x7f800000u; }
 

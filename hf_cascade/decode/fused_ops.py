@@ -194,9 +194,10 @@ def _layer_eligible(module: nn.Module) -> bool:
 
 
 def _add_norm(residual: torch.Tensor, hidden_states: torch.Tensor, norm: nn.Module):
-    """``(residual + hidden_states, norm(residual + hidden_states))``: one kernel where the call takes them and it runs
-    (the norm Llama's), the two original ops otherwise."""
-    if _active() and _norm_eligible(norm):
+    """``(residual + hidden_states, norm(residual + hidden_states))``: one kernel where it runs and the norm is Llama's
+    (the fused forward runs only in the calls that take the kernels: :func:`_wrap_layer`), the two original ops
+    otherwise."""
+    if _norm_eligible(norm):
         out = _add_norm_kernel(hidden_states, residual, norm.weight, norm.variance_epsilon)
         if out is not None:
             return out

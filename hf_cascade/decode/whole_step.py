@@ -81,7 +81,6 @@ select_kernel = False
 # (csrc/select.cu topk_chunks / topk_final) instead of torch's ~6 (~90 us at 8 x 128k in the 8B beam step's profile),
 # and the two small ones inside the first select launch (choose_beams) instead of torch's 4. Off until its GPU tests
 # pass (tests/decode/test_gpu_whole_step.py -k topk: against torch.topk itself on tied scores). False: torch
-SELECT_TOPK_BEAMS, SELECT_TOPK_INPUTS = 32, 128      # (the kernel's limits: torch's bitonic sort takes k <= 32)
 select_topk = False
 
 # an encoder-decoder model's decode forward names its decoder inputs so (the encoder outputs, an object fixed for the
@@ -818,7 +817,7 @@ def choose_on_library(lib, state: device_select.SelectionState, logits: torch.Te
     beams = config.num_beams
     device = top_indices.device
     # (the two small top-k's in the kernel too where they fit its ranking: torch.topk's order, ties included)
-    ranked = select_topk and beams <= SELECT_TOPK_BEAMS and beams + candidates <= SELECT_TOPK_INPUTS
+    ranked = select_topk and cuda_library.ranks_beams(beams, candidates)
     scratch = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
         ("top_tokens", (batch, candidates), torch.int64), ("top_parents", (batch, candidates), torch.int64),
         ("hits", (batch, candidates), torch.bool), ("running", (batch, candidates), torch.float32),

@@ -449,8 +449,9 @@ class _Lib:
             state.is_finished.data_ptr(), state.improvement_possible.data_ptr(), state.finished_scores.data_ptr(),
             state.length_divisors.data_ptr(), *(out[name].data_ptr() for name in (
                 "top_tokens", "top_parents", "hits", "running", "merged", "snapshot")),
-            *(out[name].data_ptr() if name in out else None for name in ("next_indices", "keep")), batch, state.beam_scores.shape[1], candidates, vocab, state.eos_ids.numel(),
-            state.length_divisors.numel(), int(early_stopping_true), stream), "beam_scores")
+            *(out[name].data_ptr() if name in out else None for name in ("next_indices", "keep")), batch,
+            state.beam_scores.shape[1], candidates, vocab, state.eos_ids.numel(), state.length_divisors.numel(),
+            int(early_stopping_true), stream), "beam_scores")
 
     def beam_finish(self, state, scratch, next_indices, keep, parents, input_ids, positions, fill: int,
                     early_stopping_true: bool, best_length_never: bool, stream: int) -> None:

@@ -414,8 +414,14 @@ def blocks_fit(blocks, plan, parents, done, peak) -> bool:
                for t, dtype, shape in want)
 
 
-# the token choice kernels' limit (csrc/select.cu): a thread per row in one CTA
-SELECT_MAX_ROWS = 1024
+# the token choice kernels' limits (csrc/select.cu): a thread per row in one CTA; beam_scores ranks the two small top-k's
+# (torch's bitonic sort: k <= 32) of lists of at most 128 entries
+SELECT_MAX_ROWS, CHOOSE_MAX_BEAMS, CHOOSE_MAX_ENTRIES = 1024, 32, 128
+
+
+def ranks_beams(beams: int, candidates: int) -> bool:
+    """Whether the library's beam_scores ranks a beam step's two small top-k's itself (its next_indices and keep)."""
+    return beams <= CHOOSE_MAX_BEAMS and beams + candidates <= CHOOSE_MAX_ENTRIES
 
 
 def select_library(state, parents: torch.Tensor, input_ids: torch.Tensor, positions: tuple) -> _Lib | None:

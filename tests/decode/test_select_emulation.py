@@ -87,8 +87,9 @@ def _source() -> str:
     header = (CSRC / "include" / "hfc" / "launch.h").read_text(encoding="utf-8")
     structs = header[header.index("struct SelectNext {"):]
     structs = structs[:structs.index("cudaError_t beam_finish_launch(")]
+    rounding = (CSRC / "include" / "hfc" / "rounding.cuh").read_text(encoding="utf-8").replace("#pragma once\n", "")
     cu = (CSRC / "select.cu").read_text(encoding="utf-8")
-    cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
+    cu = rounding + re.sub(r'#include "hfc/[a-z]+\.(?:cu)?h"\n', "", cu)
     cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
     assert launches == 5, "select.cu's five launches not found"
     cu = cu.replace("namespace hfc {", "namespace hfc {\n" + structs, 1)
