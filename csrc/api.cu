@@ -76,6 +76,12 @@ HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream) {
   return (int)hfc::merge_launch(*params, reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_solo(const hfc_solo_params* params, uintptr_t stream) {
+  hfc::clear_error();
+  if (params == nullptr) return (int)hfc::fail(cudaErrorInvalidValue, "hfc_solo: params is NULL");
+  return (int)hfc::solo_launch(*params, reinterpret_cast<cudaStream_t>(stream));
+}
+
 HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,
                       const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
                       int64_t copies, int64_t block_size, int64_t token_bytes, uintptr_t stream) {

@@ -9,6 +9,11 @@ Three kernels per layer, all on ``torch.cuda.current_stream()`` and with no host
    suffixes);
 3. merge (``csrc/merge.cu``): log-sum-exp of all partials of a row into the output, in q's dtype.
 
+Where no row shares its prefix (groups of one row: greedy search, one sample per prompt) and ``cuda_tuning.solo_kernel``
+is on, a plain layer (no softcap, window or sinks; K/V in q's dtype) of a decode step runs one launch instead
+(``csrc/solo.cu``): each row's prefix and suffix split over the GPU, the last CTA of each row and KV head merging the
+splits. The step state holds both launches' metadata; the other layers of the step run the three kernels.
+
 An fp8 pool (``CascadeConfig(kv_dtype="float8_e4m3fn")``: float8_e4m3fn with its scales, :mod:`hf_cascade.kernels.base`)
 is read by the same kernels: they convert the fp8 values to q's dtype in registers (exact; the prefix kernel stages the
 bytes with 16-byte copies, twice the elements of a bf16 copy, and converts them into its MMA operands) and apply the
@@ -55,7 +60,7 @@ import numpy as np
 import torch
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
-from . import ops
+from . import cuda_tuning, ops
 from .capture import refuse_in_capture
 from .base import KV_SCALED_DTYPES, AttentionParams, Backend, is_quantized, kv_scale
 from .cuda_binding import (ABI_VERSION, _Lib, _MergeParams, _PrefixInfo, _PrefixParams,  # noqa: F401 (re-exported)
@@ -66,9 +71,11 @@ from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, HOPPER_KERNEL,  # noqa
                           MIN_CHUNK_TOKENS, MIN_SPLIT_TOKENS, PREFER_CHUNK_TOKENS, PREFIX_TUNE_ENV, PREFIX_VARIANTS, SUFFIX_CTAS_PER_SM,
                           SUFFIX_QB, PrefixTune, choose_chunk_blocks, choose_suffix_split, parse_prefix_tune,
                           prefix_tune, set_prefix_tune)
+from .cuda_tuning import SOLO_CTAS_PER_SM, choose_solo_split
 from .cuda_tuning import PrefixLevel as _PrefixLevel  # noqa: F401 (the step state's levels)
 from .cuda_tuning import prefix_level as _prefix_level
-from .ops import DTYPE_CODES, HEAD_DIMS, LOG2E, MergeArgs, PrefixArgs, SuffixArgs, layer_args  # noqa: F401
+from .ops import (DTYPE_CODES, HEAD_DIMS, LOG2E, SOLO_QB, MergeArgs, PrefixArgs, SoloArgs,  # noqa: F401
+                  SuffixArgs, layer_args)
 
 __all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
            "choose_suffix_split", "PrefixTune", "parse_prefix_tune", "prefix_tune",
@@ -96,6 +103,12 @@ class _StepState:
     mid: _PrefixLevel | None = None
     row_nmid: torch.Tensor | None = None   # int32 [R]: middle-level partials of each row
     tune: int = 0                 # the group prefix's kernel tuning variant (PrefixTune.code; 0: the default)
+    # the solo launch (csrc/solo.cu) for the step's plain layers where no row shares its prefix (solo_nsplit 0: none):
+    # its split, each row's group, and its counters (int32 [R x Hkv x query blocks], 0 between launches)
+    solo_split: int = 0
+    solo_nsplit: int = 0
+    row_group: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
 
     @property
     def suffix_slot0(self) -> int:
@@ -197,6 +210,15 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     split_tokens, nsplit = choose_suffix_split(tmax, R * Hkv * nqb, sms * SUFFIX_CTAS_PER_SM,
                                                tune.split_min or MIN_SPLIT_TOKENS)
     slots = pre.max_chunks + (mid.max_chunks if three else 0) + nsplit
+    solo = _solo_split(lib, plan, pool, R, Lq, Hkv, grp, bs, sms, three)
+    row_group = counters = None
+    if solo is not None:
+        row_group = np.full(R, -1, dtype=np.int32)
+        for g, rows in enumerate(np.asarray(plan.group_rows)):    # one iteration per group (a prompt)
+            row_group[rows[rows >= 0]] = g
+        row_group = torch.from_numpy(row_group).to(dev)
+        counters = torch.zeros(R * Hkv * -(-(Lq * grp) // SOLO_QB), dtype=torch.int32, device=dev)
+        slots = max(slots, solo[1])
     return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
         max_chunks=pre.max_chunks, split_tokens=split_tokens, nsplit=nsplit, slots=slots,
@@ -204,7 +226,21 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
         part_o=torch.empty(slots * R * Lq * Hq * D, dtype=torch.float32, device=dev),
         part_lse=torch.empty(slots * R * Lq * Hq, dtype=torch.float32, device=dev),
         dp=plan.on(dev), three=three, mid=mid,
-        row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None, tune=pre.tune)
+        row_nmid=torch.from_numpy(mid.row_nchunks).to(dev) if three else None, tune=pre.tune,
+        solo_split=solo[0] if solo else 0, solo_nsplit=solo[1] if solo else 0, row_group=row_group, counters=counters)
+
+
+def _solo_split(lib, plan, pool, R: int, Lq: int, Hkv: int, grp: int, bs: int, sms: int, three: bool):
+    """(tokens per split, splits) of the solo launch where the step's plain layers take it, else None: the switch on,
+    the library has it, a decode step (one query per row) of two levels where no group holds two rows, K/V in q's
+    dtype, rows short enough (cuda_tuning.choose_solo_split)."""
+    if not (cuda_tuning.solo_kernel and getattr(lib, "has_solo", False)) or three or Lq != 1 or is_quantized(pool):
+        return None
+    group_rows = np.asarray(plan.group_rows)
+    if group_rows.size and int((group_rows >= 0).sum(axis=1).max()) > 1:
+        return None
+    capacity = (plan.prefix_table.shape[1] + plan.suffix_table.shape[1]) * bs
+    return choose_solo_split(capacity, R * Hkv * -(-(Lq * grp) // SOLO_QB), sms * SOLO_CTAS_PER_SM)
 
 
 # --------------------------------------------------------------------------------------- the backend
@@ -342,6 +378,11 @@ def _launch(lib, stream: int, q, pool, st: _StepState, params: AttentionParams, 
     kv = kv_scale(pool) if is_quantized(pool) else None
     # (positional: built per launch, and keywords cost several times as much on the host)
     scale_log2, softcap, window = layer.scale_log2, layer.softcap, layer.window
+    if st.solo_nsplit and not softcap and not window and layer.sinks is None and kv is None:
+        kernels.solo(lib, stream, SoloArgs(
+            q, pool, st.row_group, dp.prefix_table, dp.prefix_len, dp.suffix_table, dp.q_limit, st.part_o,
+            st.part_lse, st.counters, out, st.solo_split, st.solo_nsplit, scale_log2))
+        return
     if st.has_prefix:
         kernels.prefix(lib, stream, PrefixArgs(
             q, pool, dp.group_rows, dp.prefix_table, dp.prefix_len, st.part_o, st.part_lse, st.m_tile, st.row_tiles,

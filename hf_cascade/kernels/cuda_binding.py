@@ -65,9 +65,18 @@ class _MergeParams(ctypes.Structure):      # hfc_merge_params
                [("dtype", _i32), ("head_dim", _i32), ("row_nmid", _vp), ("mid_slot0", _i64), ("sinks", _vp)]
 
 
+class _SoloParams(ctypes.Structure):       # hfc_solo_params
+    _fields_ = [(n, _vp) for n in ("q", "pool", "row_group", "prefix_table", "prefix_len", "suffix_table", "q_limit",
+                                   "part_o", "part_lse", "counters", "out")] + \
+               [(n, _i64) for n in ("R", "Lq", "Hq", "Hkv", "block_size", "G", "Mp", "Ms", "split_tokens", "nsplit")] + \
+               [("scale_log2", _f32), ("dtype", _i32), ("head_dim", _i32)]
+
+
 # C struct name -> its ctypes mirror: every struct that crosses the ABI
 PARAMS_STRUCTS = {"hfc_prefix_params": _PrefixParams, "hfc_prefix_info": _PrefixInfo,
                   "hfc_suffix_params": _SuffixParams, "hfc_merge_params": _MergeParams}
+# the structs of entries added without an ABI bump: checked where the library has them
+OPTIONAL_STRUCTS = {"hfc_solo_params": _SoloParams}
 
 
 class _LayoutEntry(ctypes.Structure):      # hfc_layout_entry (csrc/include/hfc/layout.h)
@@ -174,7 +183,10 @@ class _Lib:
         if got != ABI_VERSION:
             raise RuntimeError(f"{path} has ABI version {got}, this hf_cascade needs {ABI_VERSION}")
         try:
-            check_layout(read_layout(lib))
+            table = read_layout(lib)
+            check_layout(table)
+            described = {row[0] for row in table}
+            check_layout(table, {name: mirror for name, mirror in OPTIONAL_STRUCTS.items() if name in described})
         except LayoutMismatch as err:
             raise LayoutMismatch(f"{path}: {err}") from None
         lib.hfc_error_string.restype = ctypes.c_char_p
@@ -224,6 +236,11 @@ class _Lib:
         # (likewise: a library without them leaves the token choice's bookkeeping to torch ops)
         self.has_select = declare_select(lib)
         self.has_topk = self.has_select and hasattr(lib, "hfc_topk")
+        # (likewise: a library without it runs rows that share no prefix on the prefix, suffix and merge kernels)
+        self.has_solo = hasattr(lib, "hfc_solo") and "hfc_solo_params" in described
+        if self.has_solo:
+            lib.hfc_solo.restype = ctypes.c_int
+            lib.hfc_solo.argtypes = [ctypes.POINTER(_SoloParams), ctypes.c_size_t]
         for name, params in (("hfc_prefix", _PrefixParams), ("hfc_suffix", _SuffixParams),
                              ("hfc_merge", _MergeParams)):
             fn = getattr(lib, name)
@@ -349,6 +366,20 @@ class _Lib:
                               None if row_nmid is None else row_nmid.data_ptr(), a.mid_slot0,
                               None if sinks is None else sinks.data_ptr())
         self.check(self.lib.hfc_merge(ctypes.byref(params), stream), "merge")
+
+    def solo(self, a, stream: int) -> None:
+        q, pool, prefix_table, suffix_table = a.q, a.pool, a.prefix_table, a.suffix_table
+        R, Lq, Hq, D = q.shape
+        try:
+            dtype_code = DTYPE_CODES[q.dtype]
+        except KeyError:
+            _no_dtype(q.dtype)
+        params = _SoloParams(q.data_ptr(), pool.data_ptr(), a.row_group.data_ptr(), prefix_table.data_ptr(),
+                             a.prefix_len.data_ptr(), suffix_table.data_ptr(), a.q_limit.data_ptr(),
+                             a.part_o.data_ptr(), a.part_lse.data_ptr(), a.counters.data_ptr(), a.out.data_ptr(),
+                             R, Lq, Hq, pool.shape[3], pool.shape[2], prefix_table.shape[0], prefix_table.shape[1],
+                             suffix_table.shape[1], a.split_tokens, a.nsplit, a.scale_log2, dtype_code, D)
+        self.check(self.lib.hfc_solo(ctypes.byref(params), stream), "solo")
 
     def rms_norm(self, out, x, weight, eps: float, stream: int) -> None:
         """RMSNorm of the rows of ``x`` ``[rows, hidden]`` (rows strided, elements contiguous) into ``out`` (contiguous,

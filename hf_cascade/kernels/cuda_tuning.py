@@ -8,6 +8,8 @@ once per step state and reused by every layer:
 - The prefix kernel is an architecture decision: on a GPU that runs the library's sm_90a code (the library's probe,
   ``csrc/prefix_sm90.cu``, compiled under ``__CUDA_ARCH__``), plain bf16 / fp16 head_dim-128 layers run the Hopper
   kernel (:data:`HOPPER_KERNEL`); elsewhere the portable mma.sync kernel of ``csrc/prefix.cu``.
+- :func:`choose_solo_split`: the split of rows that share no prefix (one launch, ``csrc/solo.cu``) where
+  :data:`solo_kernel` is on.
 - :class:`PrefixTune`: the tuning knobs of a sweep (``benchmarks/prefix_sweep_gpu.py``), from
   ``$HF_CASCADE_PREFIX_TUNE`` or :func:`set_prefix_tune`; unset ("auto"), every launch is the production one.
 
@@ -24,7 +26,8 @@ import torch
 from .cuda_binding import DTYPE_CODES
 
 __all__ = ["PrefixTune", "PrefixLevel", "parse_prefix_tune", "prefix_tune", "set_prefix_tune", "prefix_level",
-           "choose_chunk_blocks", "choose_suffix_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS", "HOPPER_KERNEL"]
+           "choose_chunk_blocks", "choose_suffix_split", "choose_solo_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS",
+           "HOPPER_KERNEL"]
 
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
 MIN_SPLIT_TOKENS = 256     # same for suffix splits
@@ -43,6 +46,18 @@ HOPPER_KERNEL = 6
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIM = 128
 HOPPER_M_TILE = 64
+
+# Rows that share no prefix (every group of one row: greedy search, one sample per prompt) in one launch of
+# csrc/solo.cu instead of the prefix, suffix and merge kernels: a decode step's layer reads a few MB there, and the
+# three dependent launches took ~20 us a layer of 8B greedy at 4k on the H200 (prefix 9.5, suffix 8, merge 3.1 us).
+# Off until its GPU tests pass (tests/kernels/test_gpu_kernels.py -k solo; not yet run on a GPU). False: the three
+# kernels everywhere
+solo_kernel = False
+SOLO_CTAS_PER_SM = 3       # the solo kernel's occupancy (128 threads x 155 registers)
+SOLO_MIN_SPLIT = 64        # tokens per split at least: a split's partial costs D floats per query
+SOLO_SPLIT_ALIGN = 32      # a CTA's tokens per round (4 warps x 2 tokens x kU 4 at head_dim 128)
+SOLO_MAX_SLOTS = 64        # splits per row at most: the last CTA merges them (16 at a time), so longer rows (past
+                           # 64 x 512 tokens) keep the prefix kernel, which also reads them at a higher bandwidth
 
 # Tuning the prefix kernel's launch for a sweep (benchmarks/prefix_sweep_gpu.py), e.g. "variant=n64,m=32,chunk=1024":
 #   variant  a compiled tuning variant of csrc/prefix.cu (PrefixTune<code>): its code and the row tiles it is compiled
@@ -247,6 +262,19 @@ def choose_suffix_split(max_tokens: int, ctas: int, slots: int, min_tokens: int 
     nsplit = max(1, min(want, -(-max_tokens // min_tokens)))
     split_tokens = -(-max_tokens // nsplit)
     return split_tokens, -(-max_tokens // split_tokens)
+
+
+def choose_solo_split(capacity_tokens: int, units: int, slots: int) -> tuple[int, int] | None:
+    """(tokens per split, splits) of the solo kernel over rows of ``capacity_tokens`` (prefix and suffix tables' widths
+    in tokens): about one wave of ``slots`` CTAs over ``units`` (rows x KV heads x query blocks) CTAs per split, splits
+    of SOLO_MIN_SPLIT to SOLO_MAX_SPLIT tokens in multiples of SOLO_SPLIT_ALIGN; None where that takes more than
+    SOLO_MAX_SLOTS splits (the three kernels then)."""
+    from .ops import SOLO_MAX_SPLIT
+    capacity_tokens = max(int(capacity_tokens), 1)
+    want = -(-capacity_tokens * max(units, 1) // max(slots, 1))
+    split = min(max(SOLO_MIN_SPLIT, -(-want // SOLO_SPLIT_ALIGN) * SOLO_SPLIT_ALIGN), SOLO_MAX_SPLIT)
+    nsplit = -(-capacity_tokens // split)
+    return (split, nsplit) if nsplit <= SOLO_MAX_SLOTS else None
 
 
 # ------------------------------------------------------------------------------- one prefix level

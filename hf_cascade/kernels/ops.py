@@ -1,4 +1,4 @@
-"""Typed entry points of the CUDA kernels: ``torch.ops.hf_cascade.{prefix,suffix,merge}``.
+"""Typed entry points of the CUDA kernels: ``torch.ops.hf_cascade.{prefix,suffix,merge,solo}``.
 
 Each kernel is a ``torch.library`` custom operator that writes into buffers it is given (partials, output), with a
 fake implementation, so that ``torch.compile`` traces through the layers around it and the shapes, dtypes and
@@ -13,6 +13,7 @@ argument). Shapes (``csrc/include/hfc/params.h``)::
     part_o       float32, >= slots x R x Lq x Hq x D elements; part_lse float32, >= slots x R x Lq x Hq
     out          [R, Lq, Hq, D]  q's dtype
     row_nmid     [R] int32 or None (three levels)               sinks [Hq] float32 or None
+    row_group    [R] int32 (solo: each row's group, -1: none)   counters [R x Hkv x query blocks] int32, all 0
 
 Each kernel's arguments are one value, :class:`PrefixArgs`, :class:`SuffixArgs`, :class:`MergeArgs`: their fields
 (in order, with their annotations and defaults) are the operator's schema, and the checks, the eager launcher
@@ -43,8 +44,9 @@ import torch
 from .cuda_binding import DTYPE_CODES, KV_DTYPE_CODES   # the C side's codes (the binding owns the C ABI)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
-__all__ = ["LayerArgs", "layer_args", "PrefixArgs", "SuffixArgs", "MergeArgs", "check_prefix", "check_suffix",
-           "check_merge", "prefix", "suffix", "merge", "DTYPE_CODES", "HEAD_DIMS"]
+__all__ = ["LayerArgs", "layer_args", "PrefixArgs", "SuffixArgs", "MergeArgs", "SoloArgs", "check_prefix",
+           "check_suffix", "check_merge", "check_solo", "prefix", "suffix", "merge", "solo", "DTYPE_CODES",
+           "HEAD_DIMS"]
 
 HEAD_DIMS = (64, 128, 256)
 M_TILES = (16, 32, 64)
@@ -135,6 +137,32 @@ class MergeArgs(NamedTuple):
     row_nmid: Optional[torch.Tensor] = None
     mid_slot0: int = 0
     sinks: Optional[torch.Tensor] = None
+
+
+class SoloArgs(NamedTuple):
+    """The solo kernel's arguments (``hfc_solo_params``: rows that share no prefix, prefix, suffix and merge in one
+    launch; csrc/solo.cu), as :class:`PrefixArgs`. Its partials are slots [0, nsplit) and ``counters`` (int32, one
+    per (row, KV head, query block of SOLO_QB queries)) must be 0, as every launch leaves them."""
+
+    q: torch.Tensor
+    pool: torch.Tensor
+    row_group: torch.Tensor
+    prefix_table: torch.Tensor
+    prefix_len: torch.Tensor
+    suffix_table: torch.Tensor
+    q_limit: torch.Tensor
+    part_o: torch.Tensor
+    part_lse: torch.Tensor
+    counters: torch.Tensor
+    out: torch.Tensor
+    split_tokens: int
+    nsplit: int
+    scale_log2: float
+
+
+# the solo kernel's query vectors per CTA (kQB in csrc/solo.cu) and its longest split (kMaxSplit)
+SOLO_QB = 4
+SOLO_MAX_SPLIT = 512
 
 
 # -------------------------------------------------------------------------------------------- checks
@@ -248,6 +276,33 @@ def check_merge(a: MergeArgs) -> None:
     _partials("merge", a.part_o, a.part_lse, a.slot0 + a.nsplit, R * Lq * Hq, D, out.device)
 
 
+def check_solo(a: SoloArgs) -> None:
+    """Raise TypeError / ValueError naming the argument unless the solo kernel can take these arguments."""
+    q = a.q
+    if a.pool.dtype != q.dtype:
+        _fail("solo", f"the pool must hold q's dtype {q.dtype}, got {a.pool.dtype} (an fp8 pool runs the three "
+                      "kernels)", TypeError)
+    R, Lq, Hq, D, bs, Hkv = _q_pool("solo", q, a.pool)
+    _index("solo", "row_group", a.row_group, (R,), q.device)
+    _index("solo", "prefix_table", a.prefix_table, (None, None), q.device)
+    G, Mp = a.prefix_table.shape
+    _index("solo", "prefix_len", a.prefix_len, (G,), q.device)
+    _index("solo", "suffix_table", a.suffix_table, (R, None), q.device)
+    _index("solo", "q_limit", a.q_limit, (R, Lq), q.device)
+    Ms = a.suffix_table.shape[1]
+    if not 1 <= a.split_tokens <= SOLO_MAX_SPLIT or a.nsplit < 1 or a.split_tokens * a.nsplit < (Mp + Ms) * bs:
+        _fail("solo", f"{a.nsplit} splits of {a.split_tokens} tokens (1 to {SOLO_MAX_SPLIT}) do not cover the "
+                      f"tables' {(Mp + Ms) * bs} tokens")
+    _tensor("solo", "counters", a.counters, dtype=torch.int32, device=q.device)
+    if a.counters.numel() < R * Hkv * -(-(Lq * (Hq // Hkv)) // SOLO_QB):
+        _fail("solo", f"counters holds {a.counters.numel()} ints, the kernel counts in "
+                      f"{R} x {Hkv} x {-(-(Lq * (Hq // Hkv)) // SOLO_QB)}")
+    _tensor("solo", "out", a.out, dtype=q.dtype, dim=4, device=q.device)
+    if a.out.shape != q.shape:
+        _fail("solo", f"out has shape {tuple(a.out.shape)}, q {tuple(q.shape)}")
+    _partials("solo", a.part_o, a.part_lse, a.nsplit, R * Lq * Hq, D, q.device)
+
+
 def _merged_levels(op: str, row_nchunks, R: int, Hq: int, slot0: int, row_nmid, mid_slot0: int, sinks, device) -> None:
     """The merge's per-row slot counts (prefix, middle level from mid_slot0, before the suffix's slot0) and sinks."""
     _index(op, "row_nchunks", row_nchunks, (R,), device)
@@ -331,9 +386,18 @@ def _run_merge(a: MergeArgs) -> None:
         _lib(a.out.device).merge(a, _stream(a.out.device))
 
 
+def _run_solo(a: SoloArgs) -> None:
+    """Rows that share no prefix: each row's prefix and suffix in one launch, merged into out (csrc/solo.cu)."""
+    check_solo(a)
+    _aligned(q=a.q, pool=a.pool, part_o=a.part_o)
+    with torch.cuda.device(a.q.device):
+        _lib(a.q.device).solo(a, _stream(a.q.device))
+
+
 prefix_op = _operator("prefix", PrefixArgs, _run_prefix, check_prefix, ("part_o", "part_lse"))
 suffix_op = _operator("suffix", SuffixArgs, _run_suffix, check_suffix, ("part_o", "part_lse"))
 merge_op = _operator("merge", MergeArgs, _run_merge, check_merge, ("out",))
+solo_op = _operator("solo", SoloArgs, _run_solo, check_solo, ("part_o", "part_lse", "counters", "out"))
 
 
 # ------------------------------------------------------------------------------ entry points for attend
@@ -366,3 +430,13 @@ def merge(lib, stream: int, a: MergeArgs) -> None:
         if lib.debug:
             check_merge(a)
         lib.merge(a, stream)
+
+
+def solo(lib, stream: int, a: SoloArgs) -> None:
+    """The solo kernel: the operator while torch.compile traces, else the library directly on ``stream``."""
+    if _is_compiling():
+        torch.ops.hf_cascade.solo(*a)
+    else:
+        if lib.debug:
+            check_solo(a)
+        lib.solo(a, stream)

@@ -122,6 +122,41 @@ def test_chunk_rule_fills_the_gpu():
     assert n > 1 and split * n >= 16448
 
 
+def test_solo_split_rule():
+    # one 8B greedy row at 4k (8 KV heads; the H200: 132 SMs x 3 CTAs): about a wave of CTAs in aligned splits
+    split, n = cuda_tuning.choose_solo_split(4176, 8, 396)
+    assert split % cuda_tuning.SOLO_SPLIT_ALIGN == 0 and 64 <= split <= 512 and split * n >= 4176
+    assert 396 // 2 <= 8 * n <= 396 * 3 // 2
+    assert cuda_tuning.choose_solo_split(0, 8, 396) == (64, 1)
+    assert cuda_tuning.choose_solo_split(4176, 512, 396)[0] == 512                 # many rows: the longest splits
+    assert cuda_tuning.choose_solo_split(64 * 512, 8, 396) == (512, 64)
+    assert cuda_tuning.choose_solo_split(64 * 512 + 1, 8, 396) is None            # longer: the three kernels
+
+
+class _SoloLib:
+    has_solo = True
+
+
+@pytest.mark.parametrize("case", ["solo", "off", "old library", "shared prefix", "two queries", "three levels",
+                                  "fp8 pool"])
+def test_solo_launch_only_where_no_row_shares_its_prefix(case, monkeypatch):
+    monkeypatch.setattr(cuda_tuning, "solo_kernel", case != "off")
+    lib = object() if case == "old library" else _SoloLib()
+    groups = ((2, 40), (1, 9)) if case == "shared prefix" else ((1, 40), (1, 0))
+    Lq = 2 if case == "two queries" else 1
+    lay = random_layout(3, groups=groups, lone_rows=1, Lq=Lq, Hkv=2, ratio=4, D=64, bs=16, dtype=BF)
+    plan, pool = lay.plan(), lay.pool
+    if case == "fp8 pool":
+        pool = pool.to(torch.float8_e4m3fn)
+    got = cuda_backend._solo_split(lib, plan, pool, lay.q.shape[0], Lq, 2, 4, 16, 132, case == "three levels")
+    if case == "solo":
+        capacity = (plan.prefix_table.shape[1] + plan.suffix_table.shape[1]) * 16
+        assert got == cuda_tuning.choose_solo_split(capacity, lay.q.shape[0] * 2, 132 * cuda_tuning.SOLO_CTAS_PER_SM)
+        assert got is not None
+    else:
+        assert got is None
+
+
 # ----------------------------------------------------------------------------------------- GPU tests
 
 @pytest.mark.gpu
@@ -500,3 +535,94 @@ def test_the_all_layer_copy_kernel_equals_per_layer_torch_copies(dtype, layers, 
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(replayed, want))
+
+
+# ------------------------------------------------------------------ rows that share no prefix in one launch (GPU)
+
+@pytest.fixture
+def solo_on(monkeypatch):
+    """``cuda_tuning.solo_kernel`` on: a state whose rows share no prefix launches csrc/solo.cu."""
+    monkeypatch.setattr(cuda_tuning, "solo_kernel", True)
+
+
+def _solo_state(plan):
+    state, = states(plan)
+    assert state.solo_nsplit >= 1, "the solo kernel did not take the step"
+    return state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("ratio", [1, 4, 6, 8])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+def test_solo_kernel_shape_grid(solo_on, dtype, D, ratio, bs):
+    # groups of one row (prefixes ending inside a block, one empty), rows in no group, suffixes of 1 to 3 blocks;
+    # GQA 6: two query blocks per KV head, the second half empty
+    Hkv = {1: 8, 4: 4, 6: 2, 8: 2}[ratio]
+    case = make_case(3000 + D + ratio + bs + (dtype == FP), dtype=dtype, D=D, Hkv=Hkv, ratio=ratio, bs=bs,
+                     groups=((1, 2 * bs * 7 + 5), (1, 17), (1, 0), (1, 3 * bs + 1)), lone_rows=2, suffix=(1, 3 * bs))
+    check_case(*case)
+    state = _solo_state(case[2])
+    assert (state.counters == 0).all(), "the last CTAs must leave the counters at 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plen,bs", [(4096 + 7, 16), (16384, 16), (9000, 64)])
+def test_solo_kernel_long_rows_split(solo_on, plen, bs):
+    # a greedy step's shape: every split of the row counted and merged by the last CTA, prefix splits and suffix splits
+    case = make_case(3100 + bs, dtype=BF, D=128, Hkv=8, ratio=4, bs=bs, groups=((1, plen), (1, plen // 3)),
+                     lone_rows=1, suffix=(1, 64))
+    check_case(*case)
+    state = _solo_state(case[2])
+    assert state.solo_nsplit > 8 and (state.counters == 0).all()
+    check_case(*case)        # a second launch on the counters the first left
+
+
+@pytest.mark.gpu
+def test_solo_kernel_nothing_visible_gives_zeros(solo_on):
+    q, pool, plan, scale = make_case(3200, dtype=BF, D=128, Hkv=2, ratio=4, bs=16,
+                                     groups=((1, 0), (1, 40)), lone_rows=2, suffix=(1, 30))
+    lone = np.setdiff1d(np.arange(q.shape[0]), plan.group_rows[plan.group_rows >= 0])
+    plan.q_limit[lone[0]] = 0
+    plan.q_limit[plan.group_rows[0, 0]] = 0
+    out = check_case(q, pool, plan, scale)
+    assert (out[int(lone[0])] == 0).all() and (out[int(plan.group_rows[0, 0])] == 0).all()
+    _solo_state(plan)
+
+
+@pytest.mark.gpu
+def test_solo_state_leaves_shared_prefixes_and_variants_to_the_three_kernels(solo_on):
+    # a group of two rows: the three kernels; a solo state's layer with a window, a softcap or sinks: the three kernels
+    q, pool, plan, scale = make_case(3300, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((2, 300), (1, 90)),
+                                     lone_rows=1, suffix=(1, 50))
+    check_case(q, pool, plan, scale)
+    assert states(plan)[0].solo_nsplit == 0
+    q, pool, plan, scale = make_case(3301, dtype=BF, D=128, Hkv=2, ratio=4, bs=16, groups=((1, 700), (1, 90)),
+                                     lone_rows=1, suffix=(40, 120))
+    sinks = torch.randn(q.shape[2], device="cuda")
+    for kw in (dict(window=64), dict(softcap=SOFTCAP), dict(sinks=sinks)):
+        check_variants(q, pool, plan, scale, **kw)
+    assert any(st.solo_nsplit for st in states(plan))
+
+
+@pytest.mark.gpu
+def test_solo_kernel_in_a_cuda_graph_follows_the_device_lengths(solo_on, monkeypatch):
+    monkeypatch.setattr(cuda_binding, "debug_sync", False)   # no device synchronisation inside a capture
+    # a static decode layout's replays: the lengths change on the device, the launch and its counters stay
+    q, pool, plan, scale = make_case(3400, dtype=BF, D=128, Hkv=8, ratio=4, bs=16,
+                                     groups=((1, 3000), (1, 900)), lone_rows=1, suffix=(40, 120))
+    cuda_attend(q, pool, plan, scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cuda_attend(q, pool, plan, scale)
+    dp = plan.on(q.device)
+    for cut in (0, 30, 7):
+        plan.q_limit[:] = np.maximum(plan.q_limit - cut, 0)
+        dp.q_limit.copy_(torch.from_numpy(plan.q_limit))
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        compare(out, reference.attend(q.float(), pool.float(), plan, scale), q)
+    assert (_solo_state(plan).counters == 0).all()

@@ -198,9 +198,10 @@ def test_the_binding_structs_are_the_c_structs(tmp_path):
     # the real layout table (sizeof / offsetof of csrc/include/hfc/params.h by the C compiler) against the mirrors
     lib = ctypes.CDLL(str(stub_library(tmp_path, cuda_binding.ABI_VERSION)))
     table = cuda_binding.read_layout(lib)
-    assert {row[0] for row in table} == set(cuda_binding.PARAMS_STRUCTS)
-    cuda_binding.check_layout(table)
-    for struct, mirror in cuda_binding.PARAMS_STRUCTS.items():      # every field of every mirror is described
+    structs = {**cuda_binding.PARAMS_STRUCTS, **cuda_binding.OPTIONAL_STRUCTS}
+    assert {row[0] for row in table} == set(structs)
+    cuda_binding.check_layout(table, structs)
+    for struct, mirror in structs.items():      # every field of every mirror is described
         assert {row[1] for row in table if row[0] == struct} == {None} | {f for f, _ in mirror._fields_}
 
 

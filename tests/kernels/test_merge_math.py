@@ -1,8 +1,8 @@
 """The log-sum-exp merge's slot loop (csrc/include/hfc/merge_math.cuh ``merge_slots``, which the merge kernel and the
 suffix kernel's fused epilogue run) on the CPU: the header's own code, compiled with the system C++ compiler over a
 shim of the two CUDA names it uses, against the plain loop it replaces (one slot after another, empty partials
-skipped). ``merge_slots`` loads eight slots ahead; the sums must stay those of the plain loop bit for bit, for every
-slot count (the last, part-filled group) and any pattern of empty partials. The kernels themselves run on
+skipped). ``merge_slots`` loads eight slots ahead (the solo kernel's last CTA sixteen, through L2); the sums must stay
+those of the plain loop bit for bit, for every slot count (the last, part-filled group) and any pattern of empty partials. The kernels themselves run on
 the GPU in tests/kernels/test_gpu_kernels.py.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ namespace hfc {
 constexpr unsigned kFull = 0xffffffffu;
 inline float neg_inf() { return -std::numeric_limits<float>::infinity(); }
 inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+inline float __ldcg(const float* p) { return *p; }
 }
 """
 
@@ -50,6 +51,7 @@ extern "C" int loads_past_end() { return past_end; }
 // merge_slots of the header (plain = 0) or the loop it replaces (plain = 1) over one item's slots
 extern "C" void merge(const float* part_lse, const float* part_o, int nslots, int64_t total, int64_t item, float mx,
                       int plain, float* acc_out, float* wsum_out) {
+  // plain: 1 the loop, 0 merge_slots as the merge kernel takes it, 2 as csrc/solo.cu's last CTA does (16 ahead, L2)
   const hfc::RowSlots slots{nslots, 0, 0, nslots};
   float acc[N] = {}, wsum = 0.0f;
   Load load{part_o, (int64_t)nslots * total};
@@ -61,6 +63,8 @@ extern "C" void merge(const float* part_lse, const float* part_o, int nslots, in
       load(at, v);
       hfc::merge_add(part_lse[at], v, mx, wsum, acc);
     }
+  } else if (plain == 2) {
+    hfc::merge_slots<N, true, 16>(part_lse, total, item, slots, nslots, mx, wsum, acc, load);
   } else {
     hfc::merge_slots(part_lse, total, item, slots, nslots, mx, wsum, acc, load);
   }
@@ -105,10 +109,11 @@ def test_merge_slots_loads_ahead_and_sums_as_the_plain_loop(library, nslots, see
     o.reshape(-1, N)[empty] = 0.0
     mine = lse.reshape(-1, total)[:nslots, item]
     mx = np.float32(mine.max()) if nslots and np.isfinite(mine).any() else np.float32(0.0)
-    fast = _merge(library, lse, o, nslots, total, item, mx, plain=0)
     plain = _merge(library, lse, o, nslots, total, item, mx, plain=1)
-    for a, b in zip(fast, plain):
-        assert a.tobytes() == b.tobytes()
+    for way in (0, 2):
+        fast = _merge(library, lse, o, nslots, total, item, mx, plain=way)
+        for a, b in zip(fast, plain):
+            assert a.tobytes() == b.tobytes()
     assert library.loads_past_end() == 0          # the last, part-filled group reads no slot past the row's
     if np.isfinite(mine).any():
         w = np.exp2(mine[np.isfinite(mine)].astype(np.float64) - float(mx))

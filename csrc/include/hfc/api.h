@@ -39,6 +39,9 @@ HFC_API int hfc_prefix_setup(int32_t dtype, int32_t head_dim, int32_t m_tile, in
 HFC_API int hfc_prefix(const hfc_prefix_params* params, uintptr_t stream);
 HFC_API int hfc_suffix(const hfc_suffix_params* params, uintptr_t stream);
 HFC_API int hfc_merge(const hfc_merge_params* params, uintptr_t stream);
+/* rows that share no prefix: prefix, suffix and merge in one launch (csrc/solo.cu; hfc_solo_params). Capture safe.
+   Added without an ABI bump: the binding looks it up, and a library without it runs the three kernels. */
+HFC_API int hfc_solo(const hfc_solo_params* params, uintptr_t stream);
 /* the cache write of one layer (csrc/write.cu): pool [num_blocks, 2, block_size, Hkv, D] of any element type;
    key, value [tokens, Hkv, D] contiguous; token_bytes = Hkv x D x element size (a multiple of 16); copies may be 0 */
 HFC_API int hfc_write(void* pool, const void* key, const void* value, const int64_t* write_block,

@@ -16,6 +16,8 @@ cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_pref
 cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream);
 cudaError_t suffix_launch(const hfc_suffix_params& p, cudaStream_t stream);
 cudaError_t merge_launch(const hfc_merge_params& p, cudaStream_t stream);
+// csrc/solo.cu: rows that share no prefix, prefix + suffix + merge in one launch
+cudaError_t solo_launch(const hfc_solo_params& p, cudaStream_t stream);
 // csrc/write.cu: the cache write of one layer (copy-on-write block copies, then the new tokens' K/V), raw bytes; K's
 // and V's tokens key_stride_bytes / value_stride_bytes apart (multiples of 16, >= token_bytes)
 cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t key_stride_bytes,

@@ -66,7 +66,20 @@ typedef struct {
   HFC_LAYOUT_FIELD(hfc_merge_params, slot0), HFC_LAYOUT_FIELD(hfc_merge_params, nsplit),                         \
   HFC_LAYOUT_FIELD(hfc_merge_params, dtype), HFC_LAYOUT_FIELD(hfc_merge_params, head_dim),                       \
   HFC_LAYOUT_FIELD(hfc_merge_params, row_nmid), HFC_LAYOUT_FIELD(hfc_merge_params, mid_slot0),                   \
-  HFC_LAYOUT_FIELD(hfc_merge_params, sinks)
+  HFC_LAYOUT_FIELD(hfc_merge_params, sinks),                                                                     \
+  HFC_LAYOUT_STRUCT(hfc_solo_params), HFC_LAYOUT_FIELD(hfc_solo_params, q),                                      \
+  HFC_LAYOUT_FIELD(hfc_solo_params, pool), HFC_LAYOUT_FIELD(hfc_solo_params, row_group),                         \
+  HFC_LAYOUT_FIELD(hfc_solo_params, prefix_table), HFC_LAYOUT_FIELD(hfc_solo_params, prefix_len),                \
+  HFC_LAYOUT_FIELD(hfc_solo_params, suffix_table), HFC_LAYOUT_FIELD(hfc_solo_params, q_limit),                   \
+  HFC_LAYOUT_FIELD(hfc_solo_params, part_o), HFC_LAYOUT_FIELD(hfc_solo_params, part_lse),                        \
+  HFC_LAYOUT_FIELD(hfc_solo_params, counters), HFC_LAYOUT_FIELD(hfc_solo_params, out),                           \
+  HFC_LAYOUT_FIELD(hfc_solo_params, R), HFC_LAYOUT_FIELD(hfc_solo_params, Lq),                                   \
+  HFC_LAYOUT_FIELD(hfc_solo_params, Hq), HFC_LAYOUT_FIELD(hfc_solo_params, Hkv),                                 \
+  HFC_LAYOUT_FIELD(hfc_solo_params, block_size), HFC_LAYOUT_FIELD(hfc_solo_params, G),                           \
+  HFC_LAYOUT_FIELD(hfc_solo_params, Mp), HFC_LAYOUT_FIELD(hfc_solo_params, Ms),                                  \
+  HFC_LAYOUT_FIELD(hfc_solo_params, split_tokens), HFC_LAYOUT_FIELD(hfc_solo_params, nsplit),                    \
+  HFC_LAYOUT_FIELD(hfc_solo_params, scale_log2), HFC_LAYOUT_FIELD(hfc_solo_params, dtype),                       \
+  HFC_LAYOUT_FIELD(hfc_solo_params, head_dim)
 
 /* the table and its row count (a definition: include this header in one translation unit) */
 static const hfc_layout_entry hfc_params_layout_table[] = {HFC_PARAMS_LAYOUT_ROWS};

@@ -23,11 +23,20 @@ __device__ __forceinline__ float sink_lse(const float* sinks, int hq) {
   return sinks != nullptr ? sinks[hq] * 1.4426950408889634f : neg_inf();
 }
 
+// A partial's LSE: through L2 where other CTAs of the same launch wrote it (L2: csrc/solo.cu's last CTA), else a
+// plain load.
+template <bool L2>
+__device__ __forceinline__ float load_lse(const float* at) {
+  if constexpr (L2) return __ldcg(at);
+  return *at;
+}
+
 // The warp's maximum LSE of item's slots [0, nslots) (lanes stride over them; every lane of the warp must call it).
+template <bool L2 = false>
 __device__ __forceinline__ float warp_max_lse(const float* part_lse, int64_t total, int64_t item, const RowSlots& slots,
                                               int nslots, int lane) {
   float mx = neg_inf();
-  for (int s = lane; s < nslots; s += 32) mx = fmaxf(mx, part_lse[(int64_t)slots(s) * total + item]);
+  for (int s = lane; s < nslots; s += 32) mx = fmaxf(mx, load_lse<L2>(part_lse + (int64_t)slots(s) * total + item));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
   return mx;
@@ -48,10 +57,9 @@ __device__ __forceinline__ void merge_add(float lse, const float (&o)[N], float 
 // merge's time is these rounds' memory latency, so 8 a round: 5 rounds there, where 4 a round and one at a time for
 // the rest took 9 and 2 loads waited on per leftover slot). Every slot of a row is written by the step's kernels (an
 // empty one with values 0), so loading an empty slot's values is in bounds.
-template <int N, typename Load>
+template <int N, bool L2 = false, int kAhead = 8, typename Load>
 __device__ __forceinline__ void merge_slots(const float* part_lse, int64_t total, int64_t item, const RowSlots& slots,
                                             int nslots, float mx, float& wsum, float (&acc)[N], Load load) {
-  constexpr int kAhead = 8;
   for (int s = 0; s < nslots; s += kAhead) {
     float lse[kAhead], v[kAhead][N];
 #pragma unroll
@@ -59,7 +67,7 @@ __device__ __forceinline__ void merge_slots(const float* part_lse, int64_t total
       lse[u] = neg_inf();
       if (s + u < nslots) {  // the same for every thread of an item
         const int64_t at = (int64_t)slots(s + u) * total + item;
-        lse[u] = part_lse[at];
+        lse[u] = load_lse<L2>(part_lse + at);
         load(at, v[u]);
       }
     }

@@ -116,6 +116,30 @@ typedef struct {
                                * sinks[h] x log2 e) per query, or NULL */
 } hfc_merge_params;
 
+/* solo (csrc/solo.cu): rows that share no prefix, each row's whole sequence (its group's prefix, then its own suffix) in
+ * one launch: one CTA per (split x query block, KV head, row) writes slot `split` of part_o / part_lse ([nsplit, R, Lq,
+ * Hq, D] / [nsplit, R, Lq, Hq]); the last CTA of each (query block, KV head, row) merges the row's slots into out and
+ * sets its counter back to 0. Token t of row r is prefix token t below prefix_len[row_group[r]], suffix token
+ * t - prefix_len above; query lq sees the tokens below prefix_len + q_limit[r, lq]. split_tokens x nsplit covers
+ * (Mp + Ms) x block_size. bf16 / fp16, K/V in q's dtype, no softcap / window / sinks. */
+typedef struct {
+  const void* q;
+  const void* pool;
+  const int32_t* row_group;    /* [R] each row's group (its prefix), -1: none */
+  const int32_t* prefix_table; /* [G, Mp] */
+  const int32_t* prefix_len;   /* [G] */
+  const int32_t* suffix_table; /* [R, Ms] */
+  const int32_t* q_limit;      /* [R, Lq] */
+  float* part_o;
+  float* part_lse;
+  int32_t* counters;           /* [R, Hkv, query blocks] all 0 before a launch, and after it */
+  void* out;                   /* [R, Lq, Hq, D] in the dtype */
+  int64_t R, Lq, Hq, Hkv, block_size, G, Mp, Ms;
+  int64_t split_tokens, nsplit;
+  float scale_log2;
+  int32_t dtype, head_dim;
+} hfc_solo_params;
+
 #ifdef __cplusplus
 }
 #endif
