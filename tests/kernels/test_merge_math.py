@@ -55,7 +55,7 @@ extern "C" void merge(const float* part_lse, const float* part_o, int nslots, in
   const hfc::RowSlots slots{nslots, 0, 0, nslots};
   float acc[N] = {}, wsum = 0.0f;
   Load load{part_o, (int64_t)nslots * total};
-  if (plain) {
+  if (plain == 1) {
     for (int s = 0; s < nslots; ++s) {
       const int64_t at = (int64_t)slots(s) * total + item;
       if (part_lse[at] == hfc::neg_inf()) continue;
