@@ -1,9 +1,9 @@
 """The typed entry points of the CUDA kernels (hf_cascade/kernels/ops.py) and their C ABI mirror.
 
 CPU: the ctypes structs match csrc/include/hfc/params.h byte for byte (compiled with the system C compiler); the
-fake implementations accept consistent shapes over a grid and name the argument that is wrong; torch.compile
-traces a layer around the three operators into one graph. GPU (``gpu``): torch.library.opcheck of each operator
-on a real layout, and the operators give bitwise the eager backend's output.
+fake implementations accept consistent shapes over a grid and name the argument that is wrong (the solo operator's
+too); torch.compile traces a layer around the three operators into one graph. GPU (``gpu``): torch.library.opcheck of
+each operator on a real layout, and the operators give bitwise the eager backend's output.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_cascade.kernels import cuda as cuda_backend
-from hf_cascade.kernels import ops
+from hf_cascade.kernels import cuda_binding, ops
 from hf_cascade.kernels.base import AttentionParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,8 @@ def call(name, a):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 def test_ctypes_structs_match_the_c_header(tmp_path):
     structs = {"hfc_prefix_params": cuda_backend._PrefixParams, "hfc_prefix_info": cuda_backend._PrefixInfo,
-               "hfc_suffix_params": cuda_backend._SuffixParams, "hfc_merge_params": cuda_backend._MergeParams}
+               "hfc_suffix_params": cuda_backend._SuffixParams, "hfc_merge_params": cuda_backend._MergeParams,
+               "hfc_solo_params": cuda_binding._SoloParams}
     lines = ["#include <stddef.h>", "#include <stdio.h>", '#include "hfc/params.h"', "int main(void) {"]
     for cname, py in structs.items():
         lines.append(f'  printf("{cname} size %zu\\n", sizeof({cname}));')
@@ -134,6 +135,51 @@ def test_fake_implementations_name_the_wrong_argument(op, arg, value, exc):
             bad["pslot0"] = a["max_chunks"] + a["nsplit"]      # the middle level's slots would not fit
         with pytest.raises(exc, match=rf"hf_cascade::{op}: .*\b{arg}\b"):
             call(op, bad)
+
+
+def solo_args(a, *, split_tokens=32, nsplit=None, counters=None) -> ops.SoloArgs:
+    """The solo operator's arguments over ``layout``'s tables (every group of one row: its contents are irrelevant
+    here), splits covering the tables."""
+    R, Lq, Hq, D = a["q"].shape
+    Hkv, bs = a["pool"].shape[3], a["pool"].shape[2]
+    tokens = (a["prefix_table"].shape[1] + a["suffix_table"].shape[1]) * bs
+    nsplit = nsplit or -(-tokens // split_tokens)
+    device = a["q"].device
+    return ops.SoloArgs(a["q"], a["pool"], torch.empty(R, dtype=I32, device=device), a["prefix_table"],
+                        a["prefix_len"], a["suffix_table"], a["q_limit"],
+                        torch.empty(nsplit * R * Lq * Hq * D, device=device), torch.empty(nsplit * R * Lq * Hq, device=device),
+                        counters if counters is not None else
+                        torch.zeros(R * Hkv * -(-(Lq * (Hq // Hkv)) // ops.SOLO_QB), dtype=I32, device=device),
+                        a["out"], split_tokens, nsplit, 0.1)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("Lq,Hq,Hkv", [(1, 8, 8), (1, 32, 8), (2, 12, 2)])
+def test_solo_fake_implementation_takes_consistent_shapes(D, Lq, Hq, Hkv):
+    with FakeTensorMode():
+        a = layout(D=D, Lq=Lq, Hq=Hq, Hkv=Hkv)
+        assert torch.ops.hf_cascade.solo(*solo_args(a)) is None
+
+
+SOLO_BAD = [  # (argument, how it is wrong, exception): the message names the argument
+    ("pool", lambda a, s: s._replace(pool=a["pool"].half()), TypeError),
+    ("row_group", lambda a, s: s._replace(row_group=_shaped(s.row_group, 5)), ValueError),
+    ("prefix_len", lambda a, s: s._replace(prefix_len=a["prefix_len"].long()), TypeError),
+    ("counters", lambda a, s: s._replace(counters=_shaped(s.counters, 3)), ValueError),
+    ("counters", lambda a, s: s._replace(counters=s.counters.long()), TypeError),
+    ("out", lambda a, s: s._replace(out=a["out"].float()), TypeError),
+    ("splits", lambda a, s: s._replace(nsplit=1), ValueError),                 # do not cover the tables
+    ("splits", lambda a, s: s._replace(split_tokens=1024, nsplit=1), ValueError),  # past the longest split
+    ("part_lse", lambda a, s: s._replace(part_lse=_shaped(s.part_lse, 5)), ValueError),
+]
+
+
+@pytest.mark.parametrize("arg,change,exc", SOLO_BAD, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(SOLO_BAD)])
+def test_solo_fake_implementation_names_the_wrong_argument(arg, change, exc):
+    with FakeTensorMode():
+        a = layout()
+        with pytest.raises(exc, match=rf"hf_cascade::solo: .*\b{arg}\b"):
+            torch.ops.hf_cascade.solo(*change(a, solo_args(a)))
 
 
 def test_m_tile_64_needs_head_dim_at_most_128():
@@ -236,6 +282,27 @@ def test_gpu_opcheck(op):
             "merge": ("part_o", "part_lse", "row_nchunks", "out", "slot0", "nsplit", "row_nmid", "mid_slot0",
                       "sinks")}[op]
     torch.library.opcheck(getattr(torch.ops.hf_cascade, op).default, tuple(a[k] for k in args))
+
+
+@gpu
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_gpu_solo_operator_passes_opcheck_and_equals_the_eager_backend_bitwise(dtype, D, monkeypatch):
+    from hf_cascade.kernels import cuda_tuning
+    from test_gpu_kernels import make_case
+    monkeypatch.setattr(cuda_tuning, "solo_kernel", True)
+    q, pool, plan, scale = make_case(43, dtype=dtype, D=D, Hkv=2, ratio=4, bs=16, groups=((1, 700), (1, 40)),
+                                     lone_rows=1, suffix=(1, 60))
+    st = cuda_backend.BACKEND.build(plan, q, pool)
+    assert st.solo_nsplit >= 1
+    eager = cuda_backend.BACKEND.forward(q, pool, st, AttentionParams(scale))
+    dp = st.dp
+    args = ops.SoloArgs(q, pool, st.row_group, dp.prefix_table, dp.prefix_len, dp.suffix_table, dp.q_limit,
+                        torch.zeros_like(st.part_o), torch.zeros_like(st.part_lse), torch.zeros_like(st.counters),
+                        torch.empty_like(q), st.solo_split, st.solo_nsplit, scale * cuda_backend.LOG2E)
+    torch.library.opcheck(torch.ops.hf_cascade.solo.default, tuple(args))
+    torch.ops.hf_cascade.solo(*args)
+    torch.cuda.synchronize()
+    assert torch.equal(args.out, eager) and (args.counters == 0).all()
 
 
 @gpu
