@@ -3,7 +3,8 @@ in one CUDA graph per decode layout. Replays equal the same step run eagerly bit
 gives stock's tokens for greedy, beam search and seeded sampling; a second call and a layout widening work; beam steps
 that copy every layer's blocks at once (cuda_library.layer_copies) give the tokens of per-layer copies; the token
 choice's bookkeeping on the library's kernels (whole_step.select_kernel, csrc/select.cu) equals the torch ops byte for
-byte, step by step and captured, and gives stock's tokens in float32.
+byte, step by step and captured, and gives stock's tokens in float32; greedy steps on the solo kernel
+(cuda_tuning.solo_kernel) replay bitwise and follow the three kernels' tokens.
 
 Run on the GPU machine: ``pytest -m gpu tests/decode/test_gpu_whole_step.py``.
 """
@@ -318,3 +319,28 @@ def test_captured_steps_with_the_select_kernels_give_the_same_tokens(monkeypatch
     off, on = spy.runners
     assert off.captures >= 2 and on.captures >= 2 and on.replays > 30
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("case", ["greedy", "greedy-plain"])
+def test_greedy_steps_on_the_solo_kernel(bf16_models, monkeypatch, case):
+    """Rows that share no prefix in one launch (cuda_tuning.solo_kernel, csrc/solo.cu): the captured step replays the
+    eager one bitwise (the splits are merged in slot order whichever CTA finishes last), and the tokens follow the
+    three kernels' (another order of the same sums: a late bf16 tie may break otherwise)."""
+    from hf_cascade.kernels import cuda_binding, cuda_tuning
+    _, model = bf16_models
+    ids, mask = _batch((700, 460, 590), seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=60, min_new_tokens=60, pad_token_id=0,
+              **SELECT_GENERATE[case])
+    three = model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=True, backend="cuda"))
+    launches = []
+    real = cuda_binding._Lib.solo
+    monkeypatch.setattr(cuda_binding._Lib, "solo", lambda self, *a, **k: launches.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(cuda_tuning, "solo_kernel", True)
+    outs = [model.generate(**kw, hf_cascade_config=CascadeConfig(cuda_graphs=mode, backend="cuda"))
+            for mode in ("eager", True)]
+    assert len(launches) >= 12 * 30           # the eager call's layers, and the captured step's
+    assert torch.equal(outs[0], outs[1])
+    new = ids.shape[1]
+    assert torch.equal(three[:, :new + 8], outs[1][:, :new + 8])
+    agree = (three[:, new:] == outs[1][:, new:]).float().mean().item()
+    assert agree >= 0.9, f"new tokens agree {agree:.3f}"
