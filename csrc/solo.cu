@@ -20,6 +20,7 @@
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
 #include "hfc/merge_math.cuh"
+#include "hfc/row_state.cuh"
 
 namespace hfc {
 namespace {
@@ -151,55 +152,17 @@ __global__ void __launch_bounds__(kThreads) solo_kernel(const __grid_constant__ 
     for (int u = 0; u < kU; ++u) process(kk[u], vv[u], ok[u], tb + u * STEP + tg);
   }
 
-  // the TPW token groups of the warp (lanes sub, sub + LPT, ...), then the warps
-#pragma unroll
-  for (int off = LPT; off < 32; off <<= 1) {
-#pragma unroll
-    for (int qi = 0; qi < kQB; ++qi) {
-      const float m2 = __shfl_xor_sync(kFull, m[qi], off);
-      const float l2 = __shfl_xor_sync(kFull, l[qi], off);
-      const float mn = fmaxf(m[qi], m2);
-      const float a1 = (m[qi] == neg_inf()) ? 0.0f : exp2f(m[qi] - mn);
-      const float a2 = (m2 == neg_inf()) ? 0.0f : exp2f(m2 - mn);
-      l[qi] = l[qi] * a1 + l2 * a2;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float o2 = __shfl_xor_sync(kFull, o[qi][e], off);
-        o[qi][e] = o[qi][e] * a1 + o2 * a2;
-      }
-      m[qi] = mn;
-    }
-  }
-  if (tg == 0) {
-#pragma unroll
-    for (int qi = 0; qi < kQB; ++qi) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) red_o[warp][qi][sub * 8 + e] = o[qi][e];
-      if (sub == 0) {
-        red_m[warp][qi] = m[qi];
-        red_l[warp][qi] = l[qi];
-      }
-    }
-  }
+  // the TPW token groups of the warp, then each warp's state for the CTA's (csrc/include/hfc/row_state.cuh)
+  fold_token_groups<kQB, LPT>(m, l, o);
+  if (tg == 0) stash_warp_state(red_o, red_m, red_l, warp, sub, m, l, o);
   __syncthreads();
   const int64_t total = (int64_t)R * Lq * Hq;  // partial items per slot
   for (int idx = tid; idx < kQB * D; idx += kThreads) {
     const int qi = idx / D, d = idx % D;
     const int qidx = qb * kQB + qi;
     if (qidx >= nq) continue;
-    float mx = neg_inf();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][qi]);
-    float L = 0.0f, O = 0.0f;
-    if (mx != neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = red_m[w][qi];
-        const float a = (mw == neg_inf()) ? 0.0f : exp2f(mw - mx);
-        L += a * red_l[w][qi];
-        O += a * red_o[w][qi][d];
-      }
-    }
+    float mx, L, O;
+    cta_state(red_o, red_m, red_l, qi, d, mx, L, O);
     const bool any = L > 0.0f;
     const int lq = qidx / grp, j = qidx - lq * grp;
     const int64_t item = (int64_t)split * total + ((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j;

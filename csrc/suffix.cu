@@ -13,6 +13,7 @@
 #include "hfc/dispatch.h"
 #include "hfc/launch.h"
 #include "hfc/merge_math.cuh"
+#include "hfc/row_state.cuh"
 
 #include <type_traits>
 
@@ -170,53 +171,9 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
     process(k1, v1, ok1, t1);
   }
 
-  // merge the TPW token groups of the warp (lanes sub, sub + LPT, ...)
-#pragma unroll
-  for (int off = LPT; off < 32; off <<= 1) {
-#pragma unroll
-    for (int qi = 0; qi < kQB; ++qi) {
-      const float m2 = __shfl_xor_sync(kFull, m[qi], off);
-      const float l2 = __shfl_xor_sync(kFull, l[qi], off);
-      const float mn = fmaxf(m[qi], m2);
-      const float a1 = (m[qi] == neg_inf()) ? 0.0f : exp2f(m[qi] - mn);
-      const float a2 = (m2 == neg_inf()) ? 0.0f : exp2f(m2 - mn);
-      l[qi] = l[qi] * a1 + l2 * a2;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float o2 = __shfl_xor_sync(kFull, o[qi][e], off);
-        o[qi][e] = o[qi][e] * a1 + o2 * a2;
-      }
-      m[qi] = mn;
-    }
-  }
-  if (tg == 0) {
-#pragma unroll
-    for (int qi = 0; qi < kQB; ++qi) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) red_o[warp][qi][sub * 8 + e] = o[qi][e];
-      if (sub == 0) {
-        red_m[warp][qi] = m[qi];
-        red_l[warp][qi] = l[qi];
-      }
-    }
-  }
-  // the CTA's state of query qi at element d, its warps' merged: maximum mx, weight sum L, output sum O
-  auto cta_state = [&](int qi, int d, float& mx, float& L, float& O) {
-    mx = neg_inf();
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_m[w][qi]);
-    L = 0.0f;
-    O = 0.0f;
-    if (mx != neg_inf()) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = red_m[w][qi];
-        const float a = (mw == neg_inf()) ? 0.0f : exp2f(mw - mx);
-        L += a * red_l[w][qi];
-        O += a * red_o[w][qi][d];
-      }
-    }
-  };
+  // the TPW token groups of the warp, then each warp's state for the CTA's (csrc/include/hfc/row_state.cuh)
+  fold_token_groups<kQB, LPT>(m, l, o);
+  if (tg == 0) stash_warp_state(red_o, red_m, red_l, warp, sub, m, l, o);
   if constexpr (FUSE) {
     // the merge kernel's steps (csrc/include/hfc/merge_math.cuh) per (query, d): the row's prefix slots, its middle
     // slots, then this CTA's suffix state as the last partial (the values the unfused kernel writes), against the
@@ -242,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
       const int qidx = qb * kQB + qi;
       if (qidx >= nq) continue;
       float mx, L, O;
-      cta_state(qi, d, mx, L, O);
+      cta_state(red_o, red_m, red_l, qi, d, mx, L, O);
       const bool any = L > 0.0f;
       const float lse_s = any ? mx + log2f(L) : neg_inf();
       const float o_s[1] = {any ? (F8 ? O / L * v_scale : O / L) : 0.0f};
@@ -267,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
       const int qidx = qb * kQB + qi;
       if (qidx >= nq) continue;
       float mx, L, O;
-      cta_state(qi, d, mx, L, O);
+      cta_state(red_o, red_m, red_l, qi, d, mx, L, O);
       const bool any = L > 0.0f;
       const int lq = qidx / grp, j = qidx - lq * grp;
       const int64_t item = (((int64_t)(slot0 + split) * R + r) * Lq + lq) * Hq + (int64_t)h * grp + j;

@@ -2,7 +2,7 @@
 CPU (no GPU needed).
 
 solo.cu as it is (solo_kernel, launch_t, solo_launch with its argument checks), the headers it uses
-(common.cuh's constants and its Cvt conversions, merge_math.cuh, dispatch.h) and csrc/api.cu's hfc_solo, compiled
+(common.cuh's constants and its Cvt conversions, merge_math.cuh, row_state.cuh, dispatch.h) and csrc/api.cu's hfc_solo, compiled
 with the system C++ compiler over a shim of the CUDA built-ins they use. The launch ``solo_kernel<T, D><<<grid,
 kThreads, 0, stream>>>(p)`` runs its CTAs one after another (in grid order, reversed, or shuffled: the last CTA of a
 (query block, KV head, row) to count merges, whichever it is), each CTA as 128 std::threads: ``__syncthreads`` a
@@ -269,7 +269,7 @@ def _strip(text: str) -> str:
 
 def _source(solo_cu: str | None = None) -> str:
     """The shim; params.h, errors.h, dispatch.h; common.cuh's constants and conversions (up to its fp8 part, which
-    solo.cu does not use); merge_math.cuh; api.cu's error functions; solo.cu (``solo_cu``: a mutant's text) with its
+    solo.cu does not use); merge_math.cuh and row_state.cuh; api.cu's error functions; solo.cu (``solo_cu``: a mutant's text) with its
     launch turned into emu_launch and its __shared__ arrays registered; api.cu's hfc_solo; the conversion driver."""
     common = (HFC / "common.cuh").read_text(encoding="utf-8")
     start, end = common.index("namespace hfc {"), common.index("// 8 float8_e4m3fn values")
@@ -277,7 +277,8 @@ def _source(solo_cu: str | None = None) -> str:
     assert "struct Cvt<__nv_bfloat16>" in common and "neg_inf()" in common and "fits_int" in common
     headers = "\n".join(_strip((HFC / name).read_text(encoding="utf-8"))
                         for name in ("params.h", "errors.h", "dispatch.h"))
-    merge_math = _strip((HFC / "merge_math.cuh").read_text(encoding="utf-8"))
+    merge_math = "\n".join(_strip((HFC / name).read_text(encoding="utf-8"))
+                           for name in ("merge_math.cuh", "row_state.cuh"))
     cu = (CSRC / "solo.cu").read_text(encoding="utf-8") if solo_cu is None else solo_cu
     cu = _strip(cu)
     cu, launches = LAUNCH.subn(r"emu_launch(\1, kThreads, solo_kernel<T, D>, p);", cu)
