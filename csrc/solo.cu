@@ -101,13 +101,7 @@ __global__ void __launch_bounds__(kThreads) solo_kernel(const __grid_constant__ 
   const int64_t kv_stride = (int64_t)bs * Hkv * D;   // V after K inside a block
   const uint4 zero4 = {};
   float m[kQB], l[kQB], o[kQB][8];
-#pragma unroll
-  for (int qi = 0; qi < kQB; ++qi) {
-    m[qi] = neg_inf();
-    l[qi] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[qi][e] = 0.0f;
-  }
+  empty_state(m, l, o);
   auto load_tok = [&](int t, uint4& kk, uint4& vv) -> bool {
     kk = zero4;
     vv = zero4;
@@ -125,20 +119,8 @@ __global__ void __launch_bounds__(kThreads) solo_kernel(const __grid_constant__ 
     Cvt<T>::unpack8(vv, vf);
 #pragma unroll
     for (int qi = 0; qi < kQB; ++qi) {
-      float s = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s = fmaf(qr[qi][e], kf[e], s);
-#pragma unroll
-      for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);  // every lane takes part
-      if (ok && t < plen + lim[qi]) {
-        const float mn = fmaxf(m[qi], s);
-        const float a = exp2f(m[qi] - mn);  // m = -inf -> 0
-        const float pr = exp2f(s - mn);
-        l[qi] = l[qi] * a + pr;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[qi][e] = fmaf(o[qi][e], a, pr * vf[e]);
-        m[qi] = mn;
-      }
+      const float s = token_score<LPT>(qr[qi], kf);  // every lane takes part
+      if (ok && t < plen + lim[qi]) online_add(m[qi], l[qi], o[qi], s, vf);
     }
   };
 

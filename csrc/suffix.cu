@@ -109,13 +109,7 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
   const Raw zero4 = {};
 
   float m[kQB], l[kQB], o[kQB][8];
-#pragma unroll
-  for (int qi = 0; qi < kQB; ++qi) {
-    m[qi] = neg_inf();
-    l[qi] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) o[qi][e] = 0.0f;
-  }
+  empty_state(m, l, o);
 
   auto load_tok = [&](int t, Raw& kk, Raw& vv) -> bool {
     kk = zero4;
@@ -139,25 +133,13 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
     }
 #pragma unroll
     for (int qi = 0; qi < kQB; ++qi) {
-      float s = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s = fmaf(qr[qi][e], kf[e], s);
-#pragma unroll
-      for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);  // every lane takes part
+      float s = token_score<LPT>(qr[qi], kf);  // every lane takes part
       bool sees = ok && t < lim[qi];
       if constexpr (VAR) {
         if (cap_out > 0.0f) s = cap_out * tanhf(s * cap_in);
         sees = sees && (window <= 0 || t + window >= lim[qi]);
       }
-      if (sees) {
-        const float mn = fmaxf(m[qi], s);
-        const float a = exp2f(m[qi] - mn);  // m = -inf -> 0
-        const float p = exp2f(s - mn);
-        l[qi] = l[qi] * a + p;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[qi][e] = fmaf(o[qi][e], a, p * vf[e]);
-        m[qi] = mn;
-      }
+      if (sees) online_add(m[qi], l[qi], o[qi], s, vf);
     }
   };
 

@@ -1,13 +1,49 @@
 // The per-row decode state of the CUDA-core kernels (csrc/suffix.cu, csrc/solo.cu): a CTA holds kQB query vectors of
 // one KV head, each lane group of LPT lanes reads a token (8 elements a lane) and keeps an online softmax (log2
-// domain: maximum m, weight sum l, output sum o over its 8 elements) per query. After the token loop, the warp's TPW
-// lane groups are folded (fold_token_groups), each warp leaves its state in shared memory (stash_warp_state), and the
-// CTA's state of one (query, element) is its warps' merged (cta_state).
+// domain: maximum m, weight sum l, output sum o over its 8 elements) per query: empty_state, then per token and query
+// token_score and online_add. After the token loop, the warp's TPW lane groups are folded (fold_token_groups), each
+// warp leaves its state in shared memory (stash_warp_state), and the CTA's state of one (query, element) is its warps'
+// merged (cta_state).
 #pragma once
 
 #include "hfc/common.cuh"
 
 namespace hfc {
+
+// No token seen yet: m = -inf, l = 0, o = 0.
+template <int QB>
+__device__ __forceinline__ void empty_state(float (&m)[QB], float (&l)[QB], float (&o)[QB][8]) {
+#pragma unroll
+  for (int qi = 0; qi < QB; ++qi) {
+    m[qi] = neg_inf();
+    l[qi] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[qi][e] = 0.0f;
+  }
+}
+
+// A query's score of a token: its 8 elements' products with the token's K summed over the LPT lanes of the group
+// (shuffles over the whole warp: every lane must call it).
+template <int LPT>
+__device__ __forceinline__ float token_score(const float (&q)[8], const float (&k)[8]) {
+  float s = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) s = fmaf(q[e], k[e], s);
+#pragma unroll
+  for (int off = LPT / 2; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+  return s;
+}
+
+// A seen token of score s and values v into a query's state.
+__device__ __forceinline__ void online_add(float& m, float& l, float (&o)[8], float s, const float (&v)[8]) {
+  const float mn = fmaxf(m, s);
+  const float a = exp2f(m - mn);  // m = -inf -> 0
+  const float p = exp2f(s - mn);
+  l = l * a + p;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = fmaf(o[e], a, p * v[e]);
+  m = mn;
+}
 
 // The warp's token groups (lanes sub, sub + LPT, ...) merged into every lane of the group: shuffles over the whole
 // warp, so every lane must call it.
