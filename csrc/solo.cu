@@ -28,7 +28,7 @@ namespace {
 constexpr int kQB = 4;            // query vectors per CTA (SOLO_QB in hf_cascade/kernels/cuda_tuning.py)
 constexpr int kU = 4;             // tokens per lane group loaded before the first of them is used
 constexpr int kMergeAhead = 16;   // the last CTA's slots loaded together (a row of 4k tokens in 128-token splits: 33)
-constexpr int kMaxSplit = 512;    // tokens per split at most (the staged pool rows: 4 KB of shared memory)
+constexpr int kMaxSplit = 512;    // tokens per split at most (SOLO_MAX_SPLIT; the staged pool rows: 4 KB of shared memory)
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) solo_kernel(const __grid_constant__ hfc_solo_params p) {
@@ -61,24 +61,7 @@ __global__ void __launch_bounds__(kThreads) solo_kernel(const __grid_constant__ 
   const int g = __ldg(p.row_group + r);
   float qr[kQB][8];
   int lim[kQB];
-  int smax = 0;  // the most suffix tokens a query of the CTA sees
-#pragma unroll
-  for (int qi = 0; qi < kQB; ++qi) {
-    const int qidx = qb * kQB + qi;
-    lim[qi] = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qr[qi][e] = 0.0f;
-    if (qidx < nq) {
-      const int lq = qidx / grp, j = qidx - lq * grp;
-      lim[qi] = max(0, min(__ldg(p.q_limit + (int64_t)r * Lq + lq), Ms * bs));
-      smax = max(smax, lim[qi]);
-      const uint4 raw =
-          __ldg(reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8));
-      Cvt<T>::unpack8(raw, qr[qi]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qr[qi][e] *= p.scale_log2;
-    }
-  }
+  const int smax = load_queries<T, D, kQB>(q, p.q_limit, r, Lq, Hq, h, grp, qb, sub, Ms * bs, p.scale_log2, qr, lim);
   const int plen = g >= 0 ? max(0, min(__ldg(p.prefix_len + g), Mp * bs)) : 0;
   const int t_lo = split * split_tokens;
   const int t_hi = min(t_lo + split_tokens, plen + smax);

@@ -74,24 +74,8 @@ __global__ void __launch_bounds__(kThreads) suffix_kernel(const __grid_constant_
 
   float qr[kQB][8];
   int lim[kQB];
-  int tmax = 0;
-#pragma unroll
-  for (int qi = 0; qi < kQB; ++qi) {
-    const int qidx = qb * kQB + qi;
-    lim[qi] = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qr[qi][e] = 0.0f;
-    if (qidx < nq) {
-      const int lq = qidx / grp, j = qidx - lq * grp;
-      lim[qi] = max(0, min(__ldg(q_limit + (int64_t)r * Lq + lq), cap));
-      tmax = max(tmax, lim[qi]);
-      const uint4 raw =
-          __ldg(reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8));
-      Cvt<T>::unpack8(raw, qr[qi]);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) qr[qi][e] *= F8 ? scale_log2 * k_scale : scale_log2;
-    }
-  }
+  const int tmax = load_queries<T, D, kQB>(q, q_limit, r, Lq, Hq, h, grp, qb, sub, cap,
+                                           F8 ? scale_log2 * k_scale : scale_log2, qr, lim);
   int t_lo = split * split_tokens;
   const int t_hi = min(t_lo + split_tokens, tmax);
   if constexpr (VAR) {

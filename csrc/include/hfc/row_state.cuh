@@ -1,6 +1,6 @@
 // The per-row decode state of the CUDA-core kernels (csrc/suffix.cu, csrc/solo.cu): a CTA holds kQB query vectors of
 // one KV head, each lane group of LPT lanes reads a token (8 elements a lane) and keeps an online softmax (log2
-// domain: maximum m, weight sum l, output sum o over its 8 elements) per query: empty_state, then per token and query
+// domain: maximum m, weight sum l, output sum o over its 8 elements) per query: load_queries, empty_state, then per token and query
 // token_score and online_add. After the token loop, the warp's TPW lane groups are folded (fold_token_groups), each
 // warp leaves its state in shared memory (stash_warp_state), and the CTA's state of one (query, element) is its warps'
 // merged (cta_state).
@@ -9,6 +9,35 @@
 #include "hfc/common.cuh"
 
 namespace hfc {
+
+// The CTA's queries: query block qb's kQB query vectors of row r and KV head h (those past the nq of a head group
+// zero, seeing nothing), this lane's 8 elements each times `scale`, and how many suffix tokens each sees (q_limit
+// within [0, cap]). Returns the most any of them sees.
+template <typename T, int D, int QB>
+__device__ __forceinline__ int load_queries(const T* __restrict__ q, const int* __restrict__ q_limit, int r, int Lq,
+                                            int Hq, int h, int grp, int qb, int sub, int cap, float scale,
+                                            float (&qr)[QB][8], int (&lim)[QB]) {
+  const int nq = Lq * grp;
+  int most = 0;
+#pragma unroll
+  for (int qi = 0; qi < QB; ++qi) {
+    const int qidx = qb * QB + qi;
+    lim[qi] = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qr[qi][e] = 0.0f;
+    if (qidx < nq) {
+      const int lq = qidx / grp, j = qidx - lq * grp;
+      lim[qi] = max(0, min(__ldg(q_limit + (int64_t)r * Lq + lq), cap));
+      most = max(most, lim[qi]);
+      const uint4 raw =
+          __ldg(reinterpret_cast<const uint4*>(q + (((int64_t)r * Lq + lq) * Hq + (int64_t)h * grp + j) * D + sub * 8));
+      Cvt<T>::unpack8(raw, qr[qi]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) qr[qi][e] *= scale;
+    }
+  }
+  return most;
+}
 
 // No token seen yet: m = -inf, l = 0, o = 0.
 template <int QB>
