@@ -71,11 +71,11 @@ from .cuda_tuning import (AUTO_MIN_QUERY_ROWS, AUTO_TUNE, HOPPER_KERNEL,  # noqa
                           MIN_CHUNK_TOKENS, MIN_SPLIT_TOKENS, PREFER_CHUNK_TOKENS, PREFIX_TUNE_ENV, PREFIX_VARIANTS, SUFFIX_CTAS_PER_SM,
                           SUFFIX_QB, PrefixTune, choose_chunk_blocks, choose_suffix_split, parse_prefix_tune,
                           prefix_tune, set_prefix_tune)
-from .cuda_tuning import SOLO_CTAS_PER_SM, choose_solo_split
+from .cuda_tuning import SOLO_CTAS_PER_SM, choose_solo_split, solo_counters
 from .cuda_tuning import PrefixLevel as _PrefixLevel  # noqa: F401 (the step state's levels)
 from .cuda_tuning import prefix_level as _prefix_level
-from .ops import (DTYPE_CODES, HEAD_DIMS, LOG2E, SOLO_QB, MergeArgs, PrefixArgs, SoloArgs,  # noqa: F401
-                  SuffixArgs, layer_args)
+from .ops import (DTYPE_CODES, HEAD_DIMS, LOG2E, MergeArgs, PrefixArgs, SoloArgs, SuffixArgs,  # noqa: F401
+                  layer_args)
 
 __all__ = ["CudaBackend", "BACKEND", "attend", "library", "availability", "prebuilt_library", "choose_chunk_blocks",
            "choose_suffix_split", "PrefixTune", "parse_prefix_tune", "prefix_tune",
@@ -217,7 +217,7 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
         for g, rows in enumerate(np.asarray(plan.group_rows)):    # one iteration per group (a prompt)
             row_group[rows[rows >= 0]] = g
         row_group = torch.from_numpy(row_group).to(dev)
-        counters = torch.zeros(R * Hkv * -(-(Lq * grp) // SOLO_QB), dtype=torch.int32, device=dev)
+        counters = torch.zeros(solo_counters(R, Lq, Hq, Hkv), dtype=torch.int32, device=dev)
         slots = max(slots, solo[1])
     return _StepState(
         has_prefix=pre.has, m_tile=pre.m_tile, row_tiles=pre.row_tiles, chunk_tokens=pre.chunk_tokens,
@@ -240,7 +240,7 @@ def _solo_split(lib, plan, pool, R: int, Lq: int, Hkv: int, grp: int, bs: int, s
     if group_rows.size and int((group_rows >= 0).sum(axis=1).max()) > 1:
         return None
     capacity = (plan.prefix_table.shape[1] + plan.suffix_table.shape[1]) * bs
-    return choose_solo_split(capacity, R * Hkv * -(-(Lq * grp) // SOLO_QB), sms * SOLO_CTAS_PER_SM)
+    return choose_solo_split(capacity, solo_counters(R, Lq, Hkv * grp, Hkv), sms * SOLO_CTAS_PER_SM)
 
 
 # --------------------------------------------------------------------------------------- the backend

@@ -26,8 +26,8 @@ import torch
 from .cuda_binding import DTYPE_CODES
 
 __all__ = ["PrefixTune", "PrefixLevel", "parse_prefix_tune", "prefix_tune", "set_prefix_tune", "prefix_level",
-           "choose_chunk_blocks", "choose_suffix_split", "choose_solo_split", "PREFIX_TUNE_ENV", "PREFIX_VARIANTS",
-           "HOPPER_KERNEL"]
+           "choose_chunk_blocks", "choose_suffix_split", "choose_solo_split", "solo_counters", "PREFIX_TUNE_ENV",
+           "PREFIX_VARIANTS", "HOPPER_KERNEL"]
 
 MIN_CHUNK_TOKENS = 256     # a prefix chunk's partial costs D floats per query row: keep chunks long enough
 MIN_SPLIT_TOKENS = 256     # same for suffix splits
@@ -53,6 +53,8 @@ HOPPER_M_TILE = 64
 # Off until its GPU tests pass (tests/kernels/test_gpu_kernels.py -k solo; not yet run on a GPU). False: the three
 # kernels everywhere
 solo_kernel = False
+SOLO_QB = 4                # query vectors per solo CTA (kQB in csrc/solo.cu)
+SOLO_MAX_SPLIT = 512       # tokens per split at most (kMaxSplit there: its staged pool rows)
 SOLO_CTAS_PER_SM = 3       # the solo kernel's occupancy (128 threads x 155 registers)
 SOLO_MIN_SPLIT = 64        # tokens per split at least: a split's partial costs D floats per query
 SOLO_SPLIT_ALIGN = 32      # a CTA's tokens per round (4 warps x 2 tokens x kU 4 at head_dim 128)
@@ -264,12 +266,16 @@ def choose_suffix_split(max_tokens: int, ctas: int, slots: int, min_tokens: int 
     return split_tokens, -(-max_tokens // split_tokens)
 
 
+def solo_counters(R: int, Lq: int, Hq: int, Hkv: int) -> int:
+    """The solo kernel's counters (and CTAs per split): one per (row, KV head, query block of SOLO_QB queries)."""
+    return R * Hkv * -(-(Lq * (Hq // Hkv)) // SOLO_QB)
+
+
 def choose_solo_split(capacity_tokens: int, units: int, slots: int) -> tuple[int, int] | None:
     """(tokens per split, splits) of the solo kernel over rows of ``capacity_tokens`` (prefix and suffix tables' widths
     in tokens): about one wave of ``slots`` CTAs over ``units`` (rows x KV heads x query blocks) CTAs per split, splits
     of SOLO_MIN_SPLIT to SOLO_MAX_SPLIT tokens in multiples of SOLO_SPLIT_ALIGN; None where that takes more than
     SOLO_MAX_SLOTS splits (the three kernels then)."""
-    from .ops import SOLO_MAX_SPLIT
     capacity_tokens = max(int(capacity_tokens), 1)
     want = -(-capacity_tokens * max(units, 1) // max(slots, 1))
     split = min(max(SOLO_MIN_SPLIT, -(-want // SOLO_SPLIT_ALIGN) * SOLO_SPLIT_ALIGN), SOLO_MAX_SPLIT)

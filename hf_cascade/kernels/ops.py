@@ -42,6 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .cuda_binding import DTYPE_CODES, KV_DTYPE_CODES   # the C side's codes (the binding owns the C ABI)
+from .cuda_tuning import SOLO_MAX_SPLIT, SOLO_QB, solo_counters   # noqa: F401 (SOLO_QB re-exported)
 from torch.compiler import is_compiling as _is_compiling   # bound once: the eager path pays for every lookup
 
 __all__ = ["LayerArgs", "layer_args", "PrefixArgs", "SuffixArgs", "MergeArgs", "SoloArgs", "check_prefix",
@@ -158,11 +159,6 @@ class SoloArgs(NamedTuple):
     split_tokens: int
     nsplit: int
     scale_log2: float
-
-
-# the solo kernel's query vectors per CTA (kQB in csrc/solo.cu) and its longest split (kMaxSplit)
-SOLO_QB = 4
-SOLO_MAX_SPLIT = 512
 
 
 # -------------------------------------------------------------------------------------------- checks
@@ -294,9 +290,9 @@ def check_solo(a: SoloArgs) -> None:
         _fail("solo", f"{a.nsplit} splits of {a.split_tokens} tokens (1 to {SOLO_MAX_SPLIT}) do not cover the "
                       f"tables' {(Mp + Ms) * bs} tokens")
     _tensor("solo", "counters", a.counters, dtype=torch.int32, device=q.device)
-    if a.counters.numel() < R * Hkv * -(-(Lq * (Hq // Hkv)) // SOLO_QB):
-        _fail("solo", f"counters holds {a.counters.numel()} ints, the kernel counts in "
-                      f"{R} x {Hkv} x {-(-(Lq * (Hq // Hkv)) // SOLO_QB)}")
+    if a.counters.numel() < solo_counters(R, Lq, Hq, Hkv):
+        _fail("solo", f"counters holds {a.counters.numel()} ints, the kernel counts in {solo_counters(R, Lq, Hq, Hkv)} "
+                      f"({R} rows x {Hkv} KV heads x query blocks of {SOLO_QB})")
     _tensor("solo", "out", a.out, dtype=q.dtype, dim=4, device=q.device)
     if a.out.shape != q.shape:
         _fail("solo", f"out has shape {tuple(a.out.shape)}, q {tuple(q.shape)}")
