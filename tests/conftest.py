@@ -224,6 +224,22 @@ def assert_captured_matches_stock(stock, cascade, ids, mask, monkeypatch, **gene
         (runner.disabled, runner.captures, runner.replays)
 
 
+# An emulation shim's CUDA runtime: the error codes and functions the launchers use, dim3 and the vector types (the
+# test's shim declares its own blockIdx / threadIdx: thread_local where threads run at once)
+RUNTIME_SHIM = r"""
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct uint4 { unsigned x, y, z, w; };
+static cudaError_t cudaGetLastError() { return cudaSuccess; }
+static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+"""
+
+
 # An emulation shim's CTA: the qualifiers, and __syncthreads / __syncthreads_count / __syncthreads_or over a
 # std::barrier* emu_cta, a std::atomic<int> emu_count and a thread_local threadIdx that the test's shim declares first
 CTA_SHIM = r"""

@@ -27,7 +27,7 @@ import torch
 from hf_cascade.decode import device_select, whole_step
 from hf_cascade.kernels import cuda_binding, cuda_library
 
-from conftest import CTA_SHIM, emulated_api, emulated_binding, host_library
+from conftest import CTA_SHIM, RUNTIME_SHIM, emulated_api, emulated_binding, host_library
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++20 compiler (g++)")
 
@@ -41,20 +41,11 @@ SHIM = r"""
 #include <cstdio>
 #include <thread>
 #include <vector>
-
-typedef int cudaError_t;
-typedef void* cudaStream_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
-struct dim3 {
-  unsigned x, y, z;
-  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
-};
+""" + RUNTIME_SHIM + r"""
 static dim3 blockIdx, gridDim, blockDim;
 static thread_local dim3 threadIdx;
 static std::barrier<>* emu_cta;
 static std::atomic<int> emu_count;
-static cudaError_t cudaGetLastError() { return cudaSuccess; }
-static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 
 """
 SHIM += CTA_SHIM + r"""

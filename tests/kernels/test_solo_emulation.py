@@ -34,8 +34,9 @@ import torch
 from hf_cascade.kernels import cuda_binding, cuda_tuning, ops, reference
 from hf_cascade.kernels.ops import LOG2E, SOLO_QB, SoloArgs
 
-from conftest import CTA_SHIM, emulated_api, emulated_binding, host_library
+from conftest import CTA_SHIM, RUNTIME_SHIM, emulated_api, emulated_binding, host_library
 from kernel_helpers import random_layout
+from test_gpu_kernels import compare     # the GPU tests' comparison: overall, per (row, query), exact zeros
 
 
 def _has_cxx20() -> bool:
@@ -68,22 +69,12 @@ SHIM = r"""
 #include <thread>
 #include <utility>
 #include <vector>
-
-typedef int cudaError_t;
-typedef void* cudaStream_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
-struct dim3 {
-  unsigned x, y, z;
-  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
-};
-struct uint4 { unsigned x, y, z, w; };
+""" + RUNTIME_SHIM + r"""
 struct float2 { float x, y; };
 static dim3 blockIdx, gridDim, blockDim;
 static thread_local dim3 threadIdx;
 static std::barrier<>* emu_cta;
 static std::atomic<int> emu_count;
-static cudaError_t cudaGetLastError() { return cudaSuccess; }
-static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 #define __host__
 #define __grid_constant__
 """
@@ -369,23 +360,6 @@ def launch(lib, a: SoloArgs, order: int = 0, seed: int = 0) -> None:
     Hkv = a.pool.shape[3]
     merging = R * Hkv * -(-(Lq * (Hq // Hkv)) // SOLO_QB)
     assert c.emu_merging_ctas() == merging, "one merging CTA per (query block, KV head, row): the last to count"
-
-
-def compare(out, ref, q, *, tol=1e-2, row_tol=2e-2):
-    """tests/kernels/test_gpu_kernels.py's comparison: the relative error overall and per (row, query), rows that
-    see no key exactly 0."""
-    assert out.shape == q.shape and out.dtype == q.dtype
-    o = out.double()
-    assert torch.isfinite(o).all(), "NaN/inf in the output"
-    assert torch.isfinite(ref).all()
-    err = (o - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert err < tol, f"relative error {err:.3e}"
-    diff = (o - ref).flatten(2).norm(dim=-1)
-    scale_ = ref.flatten(2).norm(dim=-1)
-    zero = scale_ == 0
-    assert (diff[zero] == 0).all(), "rows that see no key must be exactly 0"
-    worst = (diff[~zero] / scale_[~zero]).max() if (~zero).any() else torch.tensor(0.0)
-    assert worst < row_tol, f"worst row relative error {worst:.3e}"
 
 
 def check(lib, lay, *, split=None, waves=3, orders=((0, 0),), min_splits=2):

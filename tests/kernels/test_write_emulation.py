@@ -26,7 +26,7 @@ import torch
 from hf_cascade.kernels import cuda_library
 from hf_cascade.kv import cache as cache_module
 
-from conftest import emulated_api, emulated_binding, host_library
+from conftest import RUNTIME_SHIM, emulated_api, emulated_binding, host_library
 from kernel_helpers import padded_pairs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
@@ -37,19 +37,9 @@ SHIM = r"""
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
-
-typedef int cudaError_t;
-typedef void* cudaStream_t;
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
-struct dim3 {
-  unsigned x, y, z;
-  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
-};
-struct uint4 { unsigned x, y, z, w; };
+""" + RUNTIME_SHIM + r"""
 static dim3 blockIdx, threadIdx, blockDim, gridDim;
 template <class T> T __ldg(const T* p) { return *p; }
-static cudaError_t cudaGetLastError() { return cudaSuccess; }
-static const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
 
 #define __global__
 #define __device__
