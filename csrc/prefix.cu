@@ -662,14 +662,15 @@ cudaError_t with_tune(int tune, int dtype, int head_dim, int m_tile, F&& f) {
     default:
       return fail(cudaErrorInvalidValue, "prefix kernel code %d with m_tile %d has no instantiation (compiled: 0 "
                   "default; tuning variants 1: m 16/32/64, 2, 3: m 32/64, 4: m 16/32, 5: m 32/64; %d: the Hopper "
-                  "kernel, m 64)", tune, m_tile, HFC_PREFIX_KERNEL_SM90);
+                  "kernel, m 64; %d: its fp8 code)", tune, m_tile, HFC_PREFIX_KERNEL_SM90, HFC_PREFIX_KERNEL_SM90_FP8);
   }
 }
 
 }  // namespace
 
 cudaError_t prefix_setup(int dtype, int head_dim, int m_tile, int tune, hfc_prefix_info* info) {
-  if (tune == HFC_PREFIX_KERNEL_SM90) return prefix_sm90_setup(dtype, head_dim, m_tile, info);
+  if (tune == HFC_PREFIX_KERNEL_SM90 || tune == HFC_PREFIX_KERNEL_SM90_FP8)
+    return prefix_sm90_setup(dtype, head_dim, m_tile, tune == HFC_PREFIX_KERNEL_SM90_FP8, info);
   if (tune != 0)
     return with_tune(tune, dtype, head_dim, m_tile, [&](auto v, auto m) {
       return setup_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(info);
@@ -691,10 +692,10 @@ cudaError_t prefix_launch(const hfc_prefix_params& p, cudaStream_t stream) {
   if (p.kv_dtype != HFC_KV_SAME && p.kv_dtype != HFC_KV_FP8_E4M3)
     return fail(cudaErrorInvalidValue, "prefix: kv_dtype code %d (compiled: %d the queries' dtype, %d float8_e4m3fn)",
                 (int)p.kv_dtype, HFC_KV_SAME, HFC_KV_FP8_E4M3);
-  if (p.kv_dtype == HFC_KV_FP8_E4M3 && (p.kv_scale == nullptr || p.tune != 0))
-    return fail(cudaErrorInvalidValue, "prefix: a float8_e4m3fn pool needs kv_scale and the default kernel (tune 0, "
-                "got %d)", (int)p.tune);
-  if (p.tune == HFC_PREFIX_KERNEL_SM90) return prefix_sm90_launch(p, stream);
+  if (p.kv_dtype == HFC_KV_FP8_E4M3 && (p.kv_scale == nullptr || (p.tune != 0 && p.tune != HFC_PREFIX_KERNEL_SM90_FP8)))
+    return fail(cudaErrorInvalidValue, "prefix: a float8_e4m3fn pool needs kv_scale and the default kernel (tune 0) "
+                "or the Hopper kernel's fp8 code (%d), got %d", HFC_PREFIX_KERNEL_SM90_FP8, (int)p.tune);
+  if (p.tune == HFC_PREFIX_KERNEL_SM90 || p.tune == HFC_PREFIX_KERNEL_SM90_FP8) return prefix_sm90_launch(p, stream);
   if (p.tune != 0)
     return with_tune(p.tune, p.dtype, p.head_dim, p.m_tile, [&](auto v, auto m) {
       return launch_t<__nv_bfloat16, 128, decltype(m)::value, decltype(v)::value>(p, stream);

@@ -30,21 +30,38 @@
 namespace hfc {
 namespace {
 
+template <bool F8>
 struct Sm90Cfg {
   static constexpr int D = 128, M = 64, N = 64;  // head_dim, query rows, tokens per K/V tile
-  static constexpr int STAGES = 3;
-  static constexpr int CONSUMERS = 128, THREADS = CONSUMERS + 32;
+  static constexpr int STAGES = F8 ? 2 : 3;       // 16-bit [K | V] slots the consumers read
+  static constexpr int CONSUMERS = 128;
+  static constexpr int PRODUCERS = F8 ? 64 : 32;  // fp8: warp 4 fills K, warp 5 V
+  static constexpr int THREADS = CONSUMERS + PRODUCERS;
   static constexpr int HALF_BYTES = N * 128;                 // one 64-dim half of K or V: 8 KB
   static constexpr int SLOT_BYTES = 4 * HALF_BYTES;          // K and V: 32 KB
   static constexpr int RING_BYTES = STAGES * SLOT_BYTES;
-  static constexpr int SMEM = 1024 + RING_BYTES + 2 * STAGES * 8;  // + alignment slack, + the mbarriers
-};
-static_assert(2 * (Sm90Cfg::SMEM + 1024) <= 228 * 1024, "two CTAs per SM");
+  static constexpr int F8_STAGES = 2;                        // fp8 tiles in flight per producer warp
+  static constexpr int F8_TILE_BYTES = N * D;                // 64 tokens of K (or V) in fp8: 8 KB
+  static constexpr int STAGING_BYTES = F8 ? 2 * F8_STAGES * F8_TILE_BYTES : 0;
+  static constexpr int BARRIER_BYTES = 128;                  // full and empty, STAGES x 8 bytes each (padded)
+  static constexpr int SMEM = 1024 + RING_BYTES + BARRIER_BYTES + STAGING_BYTES;  // + alignment slack
 
-template <typename T>
-__global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const __grid_constant__ hfc_prefix_params p) {
+  // fp8: the byte offset of 16-byte chunk c (16 dims) of token n in a producer warp's staging tile [64 tokens][128
+  // bytes], swizzled as the 16-bit tiles are, so that 8 lanes reading chunk c of 8 tokens hit 8 different bank groups
+  static __device__ __forceinline__ int staging_offset(int n, int c) { return n * 128 + ((c ^ (n & 7)) << 4); }
+};
+static_assert(2 * (Sm90Cfg<false>::SMEM + 1024) <= 228 * 1024, "two CTAs per SM");
+static_assert(2 * (Sm90Cfg<true>::SMEM + 1024) <= 228 * 1024, "two CTAs per SM (fp8)");
+static_assert(2 * Sm90Cfg<true>::STAGES * 8 <= Sm90Cfg<true>::BARRIER_BYTES &&
+              2 * Sm90Cfg<false>::STAGES * 8 <= Sm90Cfg<false>::BARRIER_BYTES, "the barriers fit their bytes");
+static_assert(Sm90Cfg<true>::D == Sm90Cfg<false>::D && Sm90Cfg<true>::M == Sm90Cfg<false>::M &&
+              Sm90Cfg<true>::N == Sm90Cfg<false>::N, "one tile geometry: the setup reports Sm90Cfg<false>'s");
+
+template <typename T, bool F8>
+__global__ void __launch_bounds__(Sm90Cfg<F8>::THREADS, 2)
+    prefix_sm90_kernel(const __grid_constant__ hfc_prefix_params p) {
 #if defined(HFC_SM90A)
-  using C = Sm90Cfg;
+  using C = Sm90Cfg<F8>;
   using namespace sm90;
   extern __shared__ __align__(128) unsigned char smem[];
   const int row_tiles = (int)p.row_tiles, Hq = (int)p.Hq, Hkv = (int)p.Hkv, Lq = (int)p.Lq, Rg = (int)p.Rg;
@@ -87,20 +104,106 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
   const int t_end = min(t_begin + (int)p.chunk_tokens, plen);
   const int ntiles = (t_end - t_begin + C::N - 1) / C::N;
 
-  // the ring, 1024-byte aligned (the swizzle atoms), then the barriers
+  // the ring, 1024-byte aligned (the swizzle atoms), then the barriers, then (fp8) the producers' staging
   const uint32_t raw = smem_addr(smem);
   const uint32_t ring = (raw + 1023u) & ~1023u;
-  const uint32_t full_bar = ring + C::RING_BYTES;  // STAGES x 8 bytes: the producer filled slot s
+  const uint32_t full_bar = ring + C::RING_BYTES;  // STAGES x 8 bytes: the producer(s) filled slot s
   const uint32_t empty_bar = full_bar + C::STAGES * 8;  // ... the consumers are done with slot s
   if (tid == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 32);
+      mbar_init(full_bar + 8 * s, C::PRODUCERS);
       mbar_init(empty_bar + 8 * s, C::CONSUMERS);
     }
   }
   __syncthreads();
 
-  if (warp == C::CONSUMERS / 32) {
+  if constexpr (F8) {
+    if (warp >= C::CONSUMERS / 32) {
+      // ------------------------------------------------------------------------------ fp8 producers
+      // warp 4 fills the slots' K, warp 5 their V. Each copies its fp8 tiles (cp.async, zero fill past the chunk)
+      // into its own staging ring F8_STAGES tiles ahead, and as a tile lands converts it (exact: fp8x2_to) into the
+      // 16-bit slot's swizzled layout, the same bytes the 16-bit producer's copies write; then the proxy fence and
+      // its arrival on `full`. The consumers apply K's and V's scales.
+      const int kv = warp - C::CONSUMERS / 32;
+      const uint8_t* pool_h = static_cast<const uint8_t*>(p.pool) + (int64_t)h * C::D;
+      const int64_t slot_stride = p.Hkv * C::D;                            // bytes between token slots of a block
+      const int64_t kv_off = (int64_t)kv * p.block_size * p.Hkv * C::D;    // V after K inside a block
+      const int bs_shift = __ffs((int)p.block_size) - 1;
+      const int bs_mask = (int)p.block_size - 1;
+      const int* table = p.prefix_table + (int64_t)g * p.Mp;
+      unsigned char* staging = smem + (full_bar - raw) + C::BARRIER_BYTES + kv * C::F8_STAGES * C::F8_TILE_BYTES;
+      const uint32_t staging_addr = full_bar + C::BARRIER_BYTES + kv * C::F8_STAGES * C::F8_TILE_BYTES;
+      unsigned char* ring_ptr = smem + (ring - raw);
+      int blk_next[2];  // the block-table entries of tokens `lane` and `lane + 32` of the next tile to copy
+      auto lookup = [&](int i) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int t = t_begin + i * C::N + lane + 32 * j;
+          blk_next[j] = i < ntiles && t < t_end ? __ldg(table + (t >> bs_shift)) : -1;
+        }
+      };
+      // copy tile i (if any) into its staging slot, one commit group per call so the groups count tiles
+      auto copy = [&](int i) {
+        if (i < ntiles) {
+          const int t0 = t_begin + i * C::N;
+          int64_t row[2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            row[j] = blk_next[j] >= 0
+                         ? ((int64_t)blk_next[j] * 2 * p.block_size + ((t0 + lane + 32 * j) & bs_mask)) * slot_stride
+                         : -1;
+          lookup(i + 1);
+          const uint32_t dst = staging_addr + (i % C::F8_STAGES) * C::F8_TILE_BYTES;
+          const int c = lane & 7;
+#pragma unroll
+          for (int pass = 0; pass < C::N / 4; ++pass) {
+            const int n = 4 * pass + (lane >> 3);                 // 8 lanes a token, 16 bytes (16 dims) each
+            const int64_t r = __shfl_sync(kFull, row[pass >= C::N / 8], n & 31);
+            const uint8_t* src = r >= 0 ? pool_h + r + kv_off + c * 16 : pool_h;
+            cp_async16(dst + C::staging_offset(n, c), src, r >= 0 ? 16 : 0);
+          }
+        }
+        cp_async_commit();
+      };
+      lookup(0);
+#pragma unroll
+      for (int i = 0; i < C::F8_STAGES; ++i) copy(i);
+      for (int i = 0; i < ntiles; ++i) {
+        const int s = i % C::STAGES;
+        cp_async_wait<C::F8_STAGES - 1>();  // this lane's copies of tile i have landed ...
+        __syncwarp();                       // ... and every lane's, visible to the warp
+        if (i >= C::STAGES) mbar_wait(empty_bar + 8 * s, ((i / C::STAGES) - 1) & 1);
+        const unsigned char* src_tile = staging + (i % C::F8_STAGES) * C::F8_TILE_BYTES;
+        unsigned char* dst_kv = ring_ptr + s * C::SLOT_BYTES + kv * 2 * C::HALF_BYTES;
+        // item it: chunk c of token n; the 8 lanes of a shared-memory phase take one chunk of 8 consecutive tokens,
+        // so both the staging reads and the 16-bit writes (chunk (2c | 1) ^ (n & 7)) fall in 8 different bank groups
+#pragma unroll 4
+        for (int it = 0; it < 16; ++it) {
+          const int n = 8 * (it >> 1) + (lane & 7);
+          const int c = 4 * (it & 1) + (lane >> 3);
+          const uint4 w = *reinterpret_cast<const uint4*>(src_tile + C::staging_offset(n, c));
+          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+          uint32_t o16[8];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            o16[2 * q] = fp8x2_to<T>(words[q] & 0xffffu);
+            o16[2 * q + 1] = fp8x2_to<T>(words[q] >> 16);
+          }
+          unsigned char* row_dst = dst_kv + (c >> 2) * C::HALF_BYTES + n * 128;
+          const int cc = 2 * (c & 3);
+          *reinterpret_cast<uint4*>(row_dst + ((cc ^ (n & 7)) << 4)) = make_uint4(o16[0], o16[1], o16[2], o16[3]);
+          *reinterpret_cast<uint4*>(row_dst + (((cc + 1) ^ (n & 7)) << 4)) = make_uint4(o16[4], o16[5], o16[6], o16[7]);
+        }
+        fence_proxy_async();  // these generic-proxy stores before the consumers' wgmma reads them
+        mbar_arrive(full_bar + 8 * s);
+        __syncwarp();  // every lane is done reading staging slot i before it is refilled
+        copy(i + C::F8_STAGES);
+      }
+      cp_async_wait<0>();  // leave no copy in flight behind an exited thread
+      return;
+    }
+  }
+  if (!F8 && warp == C::CONSUMERS / 32) {
     // ---------------------------------------------------------------------------------------- producer
     const T* pool_h = static_cast<const T*>(p.pool) + (int64_t)h * C::D;
     const int64_t slot_stride = p.Hkv * C::D;                 // between token slots of a block
@@ -176,7 +279,11 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
   auto& s_flat = reinterpret_cast<float(&)[C::N / 2]>(sacc);
   float m_run[2] = {neg_inf(), neg_inf()};
   float l_run[2] = {0.0f, 0.0f};  // this lane's share of the row sums (reduced over the quad at the end)
-  const float scale_log2 = p.scale_log2;
+  float scale_log2 = p.scale_log2, v_scale = 1.0f;
+  if constexpr (F8) {  // real = stored x scale: K's on the scores, V's on the output
+    scale_log2 *= __ldg(p.kv_scale + h);
+    v_scale = __ldg(p.kv_scale + Hkv + h);
+  }
 
   for (int it = 0; it < ntiles; ++it) {
     const int s = it % C::STAGES;
@@ -235,7 +342,7 @@ __global__ void __launch_bounds__(Sm90Cfg::THREADS, 2) prefix_sm90_kernel(const 
     const int64_t qi = query_of(r0 + 8 * r);
     if (qi < 0) continue;
     const bool any = l_run[r] > 0.0f;
-    const float inv = any ? 1.0f / l_run[r] : 0.0f;
+    const float inv = any ? v_scale / l_run[r] : 0.0f;
     float* dst = p.part_o + (slot_items + qi) * C::D + 2 * q4;
 #pragma unroll
     for (int dn = 0; dn < C::D / 8; ++dn)
@@ -286,52 +393,66 @@ cudaError_t sm90_available(bool* ok) {
   return cudaSuccess;
 }
 
-template <typename T>
+template <typename T, bool F8>
 cudaError_t setup_sm90_t(hfc_prefix_info* info) {
-  auto kern = prefix_sm90_kernel<T>;
-  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Sm90Cfg::SMEM);
+  using C = Sm90Cfg<F8>;
+  auto kern = prefix_sm90_kernel<T, F8>;
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess || info == nullptr) return err;
-  info->smem_bytes = Sm90Cfg::SMEM;
-  info->tile_tokens = Sm90Cfg::N;
+  info->smem_bytes = C::SMEM;
+  info->tile_tokens = C::N;
   int ctas = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, Sm90Cfg::THREADS, Sm90Cfg::SMEM);
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kern, C::THREADS, C::SMEM);
   info->ctas_per_sm = ctas;
   return err;
 }
 
+template <typename T, bool F8>
+void launch_sm90_t(const hfc_prefix_params& p, dim3 grid, cudaStream_t stream) {
+  using C = Sm90Cfg<F8>;
+  prefix_sm90_kernel<T, F8><<<grid, C::THREADS, C::SMEM, stream>>>(p);
+}
+
 }  // namespace
 
-cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info) {
-  if (head_dim != Sm90Cfg::D || m_tile != Sm90Cfg::M || (dtype != HFC_BF16 && dtype != HFC_FP16))
+cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, bool fp8, hfc_prefix_info* info) {
+  using C = Sm90Cfg<false>;
+  if (head_dim != C::D || m_tile != C::M || (dtype != HFC_BF16 && dtype != HFC_FP16))
     return fail(cudaErrorInvalidValue, "the Hopper prefix kernel has no instantiation for dtype code %d, head_dim %d, "
                 "m_tile %d (compiled: bf16 = %d / fp16 = %d, head_dim %d, m_tile %d)", dtype, head_dim, m_tile,
-                HFC_BF16, HFC_FP16, Sm90Cfg::D, Sm90Cfg::M);
+                HFC_BF16, HFC_FP16, C::D, C::M);
   bool ok = false;
   cudaError_t err = sm90_available(&ok);
   if (err != cudaSuccess) return err;
   if (!ok) {  // no sm_90a code in this library for this GPU: "cannot run" (hf_cascade falls back)
-    if (info != nullptr) *info = hfc_prefix_info{0, Sm90Cfg::SMEM, Sm90Cfg::N};
+    if (info != nullptr) *info = hfc_prefix_info{0, fp8 ? Sm90Cfg<true>::SMEM : C::SMEM, C::N};
     return cudaSuccess;
   }
-  return dtype == HFC_BF16 ? setup_sm90_t<__nv_bfloat16>(info) : setup_sm90_t<__half>(info);
+  if (dtype == HFC_BF16) return fp8 ? setup_sm90_t<__nv_bfloat16, true>(info) : setup_sm90_t<__nv_bfloat16, false>(info);
+  return fp8 ? setup_sm90_t<__half, true>(info) : setup_sm90_t<__half, false>(info);
 }
 
 cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream) {
-  if (p.head_dim != Sm90Cfg::D || p.m_tile != Sm90Cfg::M || p.softcap != 0.0f || p.window != 0 ||
-      (p.block_size & (p.block_size - 1)) != 0 || (p.dtype != HFC_BF16 && p.dtype != HFC_FP16))
-    return fail(cudaErrorInvalidValue, "the Hopper prefix kernel has no instantiation for dtype code %d, head_dim %d, "
-                "m_tile %d, block_size %lld, softcap %g, window %d (compiled: bf16 / fp16, head_dim %d, m_tile %d, "
-                "a power-of-two block_size, no softcap / window)", (int)p.dtype, (int)p.head_dim, (int)p.m_tile,
-                (long long)p.block_size, (double)p.softcap, (int)p.window, Sm90Cfg::D, Sm90Cfg::M);
+  using C = Sm90Cfg<false>;
+  const bool fp8 = p.tune == HFC_PREFIX_KERNEL_SM90_FP8;
+  if (p.head_dim != C::D || p.m_tile != C::M || p.softcap != 0.0f || p.window != 0 ||
+      (p.block_size & (p.block_size - 1)) != 0 || (p.dtype != HFC_BF16 && p.dtype != HFC_FP16) ||
+      p.kv_dtype != (fp8 ? HFC_KV_FP8_E4M3 : HFC_KV_SAME) || (fp8 && p.kv_scale == nullptr))
+    return fail(cudaErrorInvalidValue, "the Hopper prefix kernel (code %d) has no instantiation for dtype code %d, "
+                "kv_dtype code %d, head_dim %d, m_tile %d, block_size %lld, softcap %g, window %d (compiled: bf16 / "
+                "fp16, head_dim %d, m_tile %d, a power-of-two block_size, no softcap / window; code %d: K/V in q's "
+                "dtype, code %d: float8_e4m3fn with kv_scale)", (int)p.tune, (int)p.dtype, (int)p.kv_dtype,
+                (int)p.head_dim, (int)p.m_tile, (long long)p.block_size, (double)p.softcap, (int)p.window, C::D, C::M,
+                HFC_PREFIX_KERNEL_SM90, HFC_PREFIX_KERNEL_SM90_FP8);
   const long long gx = (long long)p.row_tiles * p.max_chunks;
   if (!fits_int(gx) || p.Hkv > 65535 || p.G > 65535) return cudaErrorInvalidConfiguration;
   dim3 grid((unsigned)gx, (unsigned)p.Hkv, (unsigned)p.G);
   if (p.dtype == HFC_BF16)
-    prefix_sm90_kernel<__nv_bfloat16><<<grid, Sm90Cfg::THREADS, Sm90Cfg::SMEM, stream>>>(p);
+    fp8 ? launch_sm90_t<__nv_bfloat16, true>(p, grid, stream) : launch_sm90_t<__nv_bfloat16, false>(p, grid, stream);
   else
-    prefix_sm90_kernel<__half><<<grid, Sm90Cfg::THREADS, Sm90Cfg::SMEM, stream>>>(p);
+    fp8 ? launch_sm90_t<__half, true>(p, grid, stream) : launch_sm90_t<__half, false>(p, grid, stream);
   return cudaGetLastError();
 }
 

@@ -177,8 +177,9 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     """The launch state of ``plan`` for layers of ``q``'s shape: ``three``: the plan's middle level runs as one
     (layers with a window read two levels: see CudaBackend.forward); ``plain``: no softcap / window, which matters
     only where a tuning variant may run (it serves only those: bf16, head_dim 128 in production). An fp8 pool runs
-    the default prefix kernel, as a layer that is not plain does."""
-    plain = plain and not is_quantized(pool)
+    the portable default prefix kernel, as a layer that is not plain does, or the Hopper kernel's fp8 code where
+    cuda_tuning.hopper_fp8 is on."""
+    fp8 = is_quantized(pool)
     R, Lq, Hq, D = q.shape
     num_blocks, _, bs, Hkv, _ = pool.shape
     dev = q.device
@@ -197,10 +198,10 @@ def _step_state(lib: _Lib, q: torch.Tensor, pool: torch.Tensor, plan, three: boo
     # for a later call's sources: seq2seq/cross_kv.py)
     pre = _prefix_level(lib, plan.group_rows, _lengths_for_launch(plan, plan.group_rows, plan.prefix_len,
                                                                   plan.prefix_table, bs),
-                        plan.prefix_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain)
+                        plan.prefix_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain, fp8)
     mid = (_prefix_level(lib, plan.mid_group_rows, _lengths_for_launch(plan, plan.mid_group_rows, plan.mid_len,
                                                                       plan.mid_table, bs),
-                         plan.mid_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain)
+                         plan.mid_table.shape[1], R, Lq, grp, Hkv, D, q.dtype, bs, sms, tune, plain, fp8)
            if three else None)
     suffix_table, q_limit = (plan.inner_suffix_table, plan.inner_q_limit) if three else (plan.suffix_table, plan.q_limit)
     nqb = -(-(Lq * grp) // SUFFIX_QB)

@@ -358,7 +358,7 @@ def _operator(name: str, args_type, run, check, mutates_args: tuple):
 def _run_prefix(a: PrefixArgs) -> None:
     """Level 0 (or the middle level): writes partial slots [slot0, slot0 + max_chunks) of every row in a group
     (csrc/prefix.cu; ``tune``: the prefix kernel's code, hf_cascade.kernels.cuda_tuning: a tuning variant's or
-    HOPPER_KERNEL, 0 by default; an fp8 pool: 0, with ``kv_scale``)."""
+    HOPPER_KERNEL, 0 by default; an fp8 pool: 0 or HOPPER_FP8_KERNEL, with ``kv_scale``)."""
     check_prefix(a)
     _aligned(q=a.q, pool=a.pool, part_o=a.part_o)      # 16-byte vector loads and stores
     with torch.cuda.device(a.q.device):

@@ -34,8 +34,8 @@ NEG = -np.inf
 
 # PrefixTune<V> of csrc/prefix.cu: (tokens per K/V tile, warps per CTA) of each tuning variant, 0: the default's
 # code -> (tokens per K/V tile, warps) of csrc/prefix.cu's PrefixTune<code>; 6 is csrc/prefix_sm90.cu's kernel (64-token
-# tiles, one warpgroup over all 64 rows: 4 warps along the rows, one along the tokens)
-PREFIX_TUNES = {0: (0, 0), 1: (64, 0), 2: (64, 8), 3: (32, 8), 4: (32, 0), 5: (32, 0), 6: (64, 4)}
+# tiles, one warpgroup over all 64 rows: 4 warps along the rows, one along the tokens), 7 the same over an fp8 pool
+PREFIX_TUNES = {0: (0, 0), 1: (64, 0), 2: (64, 8), 3: (32, 8), 4: (32, 0), 5: (32, 0), 6: (64, 4), 7: (64, 4)}
 
 
 def prefix_cfg(D, M, tune=0):
@@ -297,7 +297,7 @@ class _FakeLib:
         return 2, 0, prefix_cfg(D, m_tile, tune)[2]
 
     def prefix_runs(self, dtype_code, D, m_tile, tune):
-        return self.sm90 or tune != cuda_tuning.HOPPER_KERNEL
+        return self.sm90 or tune not in (cuda_tuning.HOPPER_KERNEL, cuda_tuning.HOPPER_FP8_KERNEL)
 
 
 @pytest.fixture(autouse=True)

@@ -68,17 +68,19 @@ class _H200:
         return (2 if m_tile == 64 else 3), 0, prefix_cfg(D, m_tile)[2]
 
     def prefix_runs(self, dtype_code, D, m_tile, tune):
-        return self.sm90 or tune != SM90_CODE
+        return self.sm90 or tune not in (SM90_CODE, SM90_FP8_CODE)
 
 
 SM90_CODE = cuda_tuning.HOPPER_KERNEL
+SM90_FP8_CODE = cuda_tuning.HOPPER_FP8_KERNEL
 
 
-def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True, sm90=False):
+def level(groups, beams, prefix, tune=cuda_backend.PrefixTune(), dtype=torch.bfloat16, D=128, plain=True, sm90=False,
+          fp8=False):
     lib = _H200(sm90)
     gr = np.arange(groups * beams, dtype=np.int32).reshape(groups, beams)
     lv = cuda_backend._prefix_level(lib, gr, np.full(groups, prefix), prefix // 16, groups * beams, 1, 4, 8, D, dtype,
-                                    16, 132, tune, plain)
+                                    16, 132, tune, plain, fp8)
     return (lv.m_tile, lv.row_tiles, lv.chunk_tokens, lv.max_chunks, lv.tune), lib.codes
 
 
@@ -124,6 +126,24 @@ def test_hopper_kernel_only_where_it_runs():
     assert level(8, 8, 16384, D=64, sm90=True)[0][4] == 0
 
 
+def test_fp8_pools_take_the_hopper_kernel_only_where_switched_on_and_it_runs(monkeypatch):
+    # off (until its GPU tests pass): an fp8 pool runs the portable default kernel, never a tuning variant
+    assert level(8, 8, 16384, fp8=True, sm90=True) == level(8, 8, 16384, parse("default"), fp8=True)
+    assert level(8, 8, 16384, fp8=True)[0][4] == 0
+    monkeypatch.setattr(cuda_tuning, "hopper_fp8", True)
+    got, codes = level(8, 8, 16384, fp8=True, sm90=True)
+    assert got == (*level(8, 8, 16384, sm90=True)[0][:4], SM90_FP8_CODE) and codes == [SM90_FP8_CODE]
+    assert level(8, 8, 16384, dtype=torch.float16, fp8=True, sm90=True)[0][4] == SM90_FP8_CODE
+    assert level(8, 8, 16384, fp8=True, sm90=True)[0][4] == SM90_FP8_CODE
+    # where it does not run or fit: the portable default kernel (as before), not a tuning variant
+    assert level(8, 8, 16384, fp8=True) == level(8, 8, 16384, parse("default"), fp8=True)
+    assert level(8, 8, 16384, fp8=True, plain=False, sm90=True)[0][4] == 0
+    assert level(8, 8, 16384, fp8=True, D=64, sm90=True)[0][4] == 0
+    assert level(8, 8, 16384, parse("m=32"), fp8=True, sm90=True)[0][4] == 0
+    # a 16-bit pool is unchanged by the switch
+    assert level(8, 8, 16384, sm90=True)[0][4] == SM90_CODE
+
+
 def test_production_tuning_only_where_it_was_measured():
     auto = cuda_backend.PrefixTune()
     assert level(8, 8, 16384, auto, dtype=torch.float16)[0] == level(8, 8, 16384, parse("default"),
@@ -160,10 +180,11 @@ def test_variant_tables_match_the_kernel_source():
     sm90 = (ROOT / "csrc" / "prefix_sm90.cu").read_text()
     d, m, n = map(int, re.search(r"static constexpr int D = (\d+), M = (\d+), N = (\d+);", sm90).groups())
     consumers = int(re.search(r"static constexpr int CONSUMERS = (\d+)", sm90).group(1))
-    code = int(re.search(r"HFC_PREFIX_KERNEL_SM90 = (\d+)", (ROOT / "csrc" / "include" / "hfc" /
-                                                              "params.h").read_text()).group(1))
-    assert (d, code) == (128, SM90_CODE)
-    tunes[code] = (n, consumers // 32)
+    params = (ROOT / "csrc" / "include" / "hfc" / "params.h").read_text()
+    code = int(re.search(r"HFC_PREFIX_KERNEL_SM90 = (\d+)", params).group(1))
+    fp8_code = int(re.search(r"HFC_PREFIX_KERNEL_SM90_FP8 = (\d+)", params).group(1))
+    assert (d, code, fp8_code) == (128, SM90_CODE, SM90_FP8_CODE)
+    tunes[code] = tunes[fp8_code] = (n, consumers // 32)
     assert tunes == {k: v for k, v in PREFIX_TUNES.items() if k}
     cases = {(int(c) // 100, int(c) % 100) for c in re.findall(r"case (\d{3}): return f\(I", src)} | {(code, m)}
     assert cases == {(c, m) for c, ms in cuda_backend.PREFIX_VARIANTS.values() if c for m in ms} | \

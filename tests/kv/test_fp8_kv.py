@@ -331,13 +331,15 @@ def test_kernel_operators_check_an_fp8_pool_and_its_scales():
 
 
 # ---- the cuda backend's launches on an fp8 pool, with the kernels emulated on the CPU --------------------------------
+@pytest.mark.parametrize("hopper_fp8", [False, True], ids=["portable", "hopper-fp8"])
 @pytest.mark.parametrize("three,window,softcap", [(False, None, None), (False, 40, 20.0), (True, None, None),
                                                   (True, None, 10.0)])
-def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap):
+def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap, hopper_fp8):
     """hf_cascade.kernels.cuda._launch for real on an fp8 pool, with tests/decode/test_cuda_emulation.py's numpy kernels in
     place of the CUDA ones, fed the pool dequantized by its scales: every prefix and suffix launch gets the pool's own
     scales (the argument checks run on the fp8 pool), the prefix runs the default kernel even where the Hopper kernel
-    would run for bf16, and the result equals the float64 reference over the fp8 pool."""
+    would run for bf16 (unless cuda_tuning.hopper_fp8 is on: then plain layers run the Hopper kernel's fp8 code, its
+    64-row tiles and 64-token chunks), and the result equals the float64 reference over the fp8 pool."""
     import test_cuda_emulation as emulation
     from hf_cascade.kernels import cuda as cuda_backend
     from hf_cascade.kernels import cuda_tuning, ops
@@ -349,6 +351,7 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
     monkeypatch.setattr(cuda_backend, "choose_suffix_split",
                         lambda tmax, ctas, slots, min_tokens=None: (100, max(1, -(-tmax // 100))))
     monkeypatch.setattr(emulation._FakeLib, "sm90", True)     # where bf16 head_dim 128 runs the Hopper kernel
+    monkeypatch.setattr(cuda_tuning, "hopper_fp8", hopper_fp8)
     monkeypatch.setattr(ops, "check_prefix", lambda *a, **k: None)        # run below on the fp8 pool instead
     monkeypatch.setattr(ops, "check_suffix", lambda *a, **k: None)
 
@@ -385,7 +388,8 @@ def test_cuda_launches_on_fp8_pool_emulated(monkeypatch, three, window, softcap)
     cuda_backend._launch(emulation._FakeLib(), 0, q, pool8, emu.state, params, out, kernels=emu)
     ref = reference.attend(q.double(), pool8, plan, params)
     emulation.check(out, ref, emu)
-    assert emu.state.three == three and emu.state.tune == 0 and set(emu.tunes) == {0}
+    code = cuda_tuning.HOPPER_FP8_KERNEL if hopper_fp8 and softcap is None and window is None else 0
+    assert emu.state.three == three and emu.state.tune == code and set(emu.tunes) == {code}
     assert len(emu.scales) == (3 if three else 2) and all(s is kv_scale(pool8) for s in emu.scales)
     # the same layout in bf16 would take the Hopper kernel here (what an fp8 pool must not)
     assert cuda_backend.BACKEND.build(plan, q, lay.pool.to(torch.bfloat16), lib=emulation._FakeLib()).tune == \

@@ -162,7 +162,7 @@ cudaError_t topk_launch(const float* x, int64_t rows, int64_t n, int64_t k, uint
 
 // csrc/prefix_sm90.cu: the Hopper prefix kernel, code HFC_PREFIX_KERNEL_SM90 (params.h), reached through prefix_setup
 // and prefix_launch (same params); its setup reports 0 CTAs per SM where the library has no sm_90a code for the GPU
-cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, hfc_prefix_info* info);  // not capture safe
+cudaError_t prefix_sm90_setup(int dtype, int head_dim, int m_tile, bool fp8, hfc_prefix_info* info);  // not capture safe
 cudaError_t prefix_sm90_launch(const hfc_prefix_params& p, cudaStream_t stream);
 
 }  // namespace hfc

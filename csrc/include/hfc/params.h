@@ -25,13 +25,15 @@ enum { HFC_BF16 = 0, HFC_FP16 = 1 };  /* dtype codes */
  * kernels convert the fp8 values to q's dtype in registers (exact: e4m3 fits in bf16 and fp16; the prefix kernel
  * stages the bytes as they are and converts them straight into its MMA operands), apply K's scale to the scores and
  * V's to the output (one scalar per CTA: a CTA serves one KV head). The prefix kernel reads fp8 with its default
- * configuration only (tune 0: not the tuning variants, not the Hopper kernel). */
+ * configuration (tune 0, not the tuning variants) or with the Hopper kernel's fp8 code (HFC_PREFIX_KERNEL_SM90_FP8,
+ * whose producer warps convert the staged bytes into the 16-bit tiles its wgmma reads). */
 enum { HFC_KV_SAME = 0, HFC_KV_FP8_E4M3 = 1 };
 
 /* prefix kernel codes (hfc_prefix_params.tune, hfc_prefix_setup's tune): 0 the mma.sync kernel of csrc/prefix.cu,
  * 1-5 its tuning variants (PrefixTune<V> there; for a sweep), HFC_PREFIX_KERNEL_SM90 the Hopper kernel of
- * csrc/prefix_sm90.cu, which Python picks by architecture where the library's sm_90a code runs on the GPU */
-enum { HFC_PREFIX_KERNEL_SM90 = 6 };
+ * csrc/prefix_sm90.cu, which Python picks by architecture where the library's sm_90a code runs on the GPU, and
+ * HFC_PREFIX_KERNEL_SM90_FP8 the same kernel for a float8_e4m3fn pool (kv_dtype HFC_KV_FP8_E4M3 with kv_scale) */
+enum { HFC_PREFIX_KERNEL_SM90 = 6, HFC_PREFIX_KERNEL_SM90_FP8 = 7 };
 
 /* level 0: one CTA per (prefix chunk x row tile, KV head, group); writes slots [0, max_chunks) */
 typedef struct {
