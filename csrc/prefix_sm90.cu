@@ -24,6 +24,7 @@
 // csrc/tests/wgmma_layout_check.cu checks these descriptors and fragments on the GPU against a host product.
 
 #include "hfc/dispatch.h"
+#include "hfc/fp8_stage.cuh"
 #include "hfc/launch.h"
 #include "hfc/sm90.cuh"
 
@@ -41,14 +42,10 @@ struct Sm90Cfg {
   static constexpr int SLOT_BYTES = 4 * HALF_BYTES;          // K and V: 32 KB
   static constexpr int RING_BYTES = STAGES * SLOT_BYTES;
   static constexpr int F8_STAGES = 2;                        // fp8 tiles in flight per producer warp
-  static constexpr int F8_TILE_BYTES = N * D;                // 64 tokens of K (or V) in fp8: 8 KB
+  static constexpr int F8_TILE_BYTES = fp8_stage::kTileBytes;  // 64 tokens of K (or V) in fp8: 8 KB
   static constexpr int STAGING_BYTES = F8 ? 2 * F8_STAGES * F8_TILE_BYTES : 0;
   static constexpr int BARRIER_BYTES = 128;                  // full and empty, STAGES x 8 bytes each (padded)
   static constexpr int SMEM = 1024 + RING_BYTES + BARRIER_BYTES + STAGING_BYTES;  // + alignment slack
-
-  // fp8: the byte offset of 16-byte chunk c (16 dims) of token n in a producer warp's staging tile [64 tokens][128
-  // bytes], swizzled as the 16-bit tiles are, so that 8 lanes reading chunk c of 8 tokens hit 8 different bank groups
-  static __device__ __forceinline__ int staging_offset(int n, int c) { return n * 128 + ((c ^ (n & 7)) << 4); }
 };
 static_assert(2 * (Sm90Cfg<false>::SMEM + 1024) <= 228 * 1024, "two CTAs per SM");
 static_assert(2 * (Sm90Cfg<true>::SMEM + 1024) <= 228 * 1024, "two CTAs per SM (fp8)");
@@ -56,6 +53,8 @@ static_assert(2 * Sm90Cfg<true>::STAGES * 8 <= Sm90Cfg<true>::BARRIER_BYTES &&
               2 * Sm90Cfg<false>::STAGES * 8 <= Sm90Cfg<false>::BARRIER_BYTES, "the barriers fit their bytes");
 static_assert(Sm90Cfg<true>::D == Sm90Cfg<false>::D && Sm90Cfg<true>::M == Sm90Cfg<false>::M &&
               Sm90Cfg<true>::N == Sm90Cfg<false>::N, "one tile geometry: the setup reports Sm90Cfg<false>'s");
+static_assert(fp8_stage::kTokens == Sm90Cfg<true>::N && fp8_stage::kDims == Sm90Cfg<true>::D &&
+              fp8_stage::kHalfBytes == Sm90Cfg<true>::HALF_BYTES, "the staging helpers' tile is the kernel's");
 
 template <typename T, bool F8>
 __global__ void __launch_bounds__(Sm90Cfg<F8>::THREADS, 2)
@@ -154,13 +153,13 @@ __global__ void __launch_bounds__(Sm90Cfg<F8>::THREADS, 2)
                          : -1;
           lookup(i + 1);
           const uint32_t dst = staging_addr + (i % C::F8_STAGES) * C::F8_TILE_BYTES;
-          const int c = lane & 7;
 #pragma unroll
-          for (int pass = 0; pass < C::N / 4; ++pass) {
-            const int n = 4 * pass + (lane >> 3);                 // 8 lanes a token, 16 bytes (16 dims) each
-            const int64_t r = __shfl_sync(kFull, row[pass >= C::N / 8], n & 31);
+          for (int pass = 0; pass < fp8_stage::kCopyPasses; ++pass) {
+            int n, c;
+            fp8_stage::copy_item(pass, lane, n, c);                 // 8 lanes a token, 16 bytes (16 dims) each
+            const int64_t r = __shfl_sync(kFull, row[pass >= fp8_stage::kCopyPasses / 2], n & 31);
             const uint8_t* src = r >= 0 ? pool_h + r + kv_off + c * 16 : pool_h;
-            cp_async16(dst + C::staging_offset(n, c), src, r >= 0 ? 16 : 0);
+            cp_async16(dst + fp8_stage::staging_offset(n, c), src, r >= 0 ? 16 : 0);
           }
         }
         cp_async_commit();
@@ -175,25 +174,7 @@ __global__ void __launch_bounds__(Sm90Cfg<F8>::THREADS, 2)
         if (i >= C::STAGES) mbar_wait(empty_bar + 8 * s, ((i / C::STAGES) - 1) & 1);
         const unsigned char* src_tile = staging + (i % C::F8_STAGES) * C::F8_TILE_BYTES;
         unsigned char* dst_kv = ring_ptr + s * C::SLOT_BYTES + kv * 2 * C::HALF_BYTES;
-        // item it: chunk c of token n; the 8 lanes of a shared-memory phase take one chunk of 8 consecutive tokens,
-        // so both the staging reads and the 16-bit writes (chunk (2c | 1) ^ (n & 7)) fall in 8 different bank groups
-#pragma unroll 4
-        for (int it = 0; it < 16; ++it) {
-          const int n = 8 * (it >> 1) + (lane & 7);
-          const int c = 4 * (it & 1) + (lane >> 3);
-          const uint4 w = *reinterpret_cast<const uint4*>(src_tile + C::staging_offset(n, c));
-          const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-          uint32_t o16[8];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            o16[2 * q] = fp8x2_to<T>(words[q] & 0xffffu);
-            o16[2 * q + 1] = fp8x2_to<T>(words[q] >> 16);
-          }
-          unsigned char* row_dst = dst_kv + (c >> 2) * C::HALF_BYTES + n * 128;
-          const int cc = 2 * (c & 3);
-          *reinterpret_cast<uint4*>(row_dst + ((cc ^ (n & 7)) << 4)) = make_uint4(o16[0], o16[1], o16[2], o16[3]);
-          *reinterpret_cast<uint4*>(row_dst + (((cc + 1) ^ (n & 7)) << 4)) = make_uint4(o16[4], o16[5], o16[6], o16[7]);
-        }
+        fp8_stage::convert_tile(src_tile, dst_kv, lane, [](uint32_t pair) { return fp8x2_to<T>(pair); });
         fence_proxy_async();  // these generic-proxy stores before the consumers' wgmma reads them
         mbar_arrive(full_bar + 8 * s);
         __syncwarp();  // every lane is done reading staging slot i before it is refilled
