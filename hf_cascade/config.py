@@ -125,7 +125,7 @@ class CascadeConfig:
             whole step replayed) 8B 16k x 8 beams 8.70 -> 6.93 ms a step, greedy 4k 7.22 -> 5.80, with no compile
             (norms and rotary; the activation kernel: 231 -> 70 us of the 8B beam step). The decoder layers whose
             ``forward`` is ``LlamaDecoderLayer``'s can run their first residual add and the norm after it as one
-            kernel too (``fused_ops.add_norm_kernel``, off until its GPU tests pass). ``False``: the model's own
+            kernel too (``fused_ops.add_norm_kernel``, on). ``False``: the model's own
             norm, rotary and MLP ops.
 
     Removed settings are refused with what to do instead (:data:`REMOVED`): ``static_decode=False``,

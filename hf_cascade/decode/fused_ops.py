@@ -77,9 +77,9 @@ _add_norm_kernel = cuda_library.add_rms_norm
 act_kernel = True
 
 # a decoder layer's first residual add and post-attention norm as one kernel (csrc/elementwise.cu hfc_add_rms_norm) in
-# the calls that take the elementwise kernels. Off until its GPU tests pass (tests/decode/test_gpu_fused_ops.py -k
-# add_norm). False: no decoder layer class is wrapped or changed
-add_norm_kernel = False
+# the calls that take the elementwise kernels. Its GPU tests passed on an H100 (2026-12-05,
+# tests/decode/test_gpu_fused_ops.py -k add_norm). False: no decoder layer class is wrapped or changed
+add_norm_kernel = True
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

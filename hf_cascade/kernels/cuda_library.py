@@ -45,9 +45,9 @@ write_kernel = os.environ.get(WRITE_KERNEL_ENV, "1").strip().lower() not in ("0"
 strided_write = True
 # On: a static step that copies blocks (beam search) launches the copy-on-write copies of every layer's pool at once,
 # before the forward (hfc_copy_blocks_layers, from hf_cascade.kv.cache.CascadeCache), and the layers' writes launch
-# none: 32 launches a beam step at 8B, 101 us of the 6.4 ms step on the H200. Off until its GPU tests
-# (tests/kernels/test_gpu_kernels.py, tests/decode/test_gpu_whole_step.py) have passed (it has not run on a GPU yet).
-layer_copies = False
+# none: 32 launches a beam step at 8B, 101 us of the 6.4 ms step on the H200. Its GPU tests passed on an H100
+# (2026-12-05, tests/kernels/test_gpu_kernels.py and tests/decode/test_gpu_whole_step.py -k all_layer).
+layer_copies = True
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)

@@ -93,7 +93,9 @@ def test_fp8_long_prefix_is_chunked(plen, bs):
     check(q, pool, plan, scale)
     st = list(step_context_of(plan).metadata.values())[0]
     assert st.max_chunks > 1
-    assert st.tune == 0          # an fp8 pool runs the default prefix kernel (never the Hopper kernel or a variant)
+    # an fp8 pool runs the Hopper kernel's fp8 code where it runs (cuda_tuning.hopper_fp8), else the portable default
+    # kernel (never a tuning variant)
+    assert st.tune == (cuda_tuning.HOPPER_FP8_KERNEL if cuda_tuning.hopper_fp8 and _hopper_fp8_runs() else 0)
 
 
 def test_fp8_long_suffix_is_split():
@@ -164,10 +166,9 @@ def test_hopper_fp8_leaves_variants_to_the_portable_kernel(hopper_fp8, softcap, 
 def test_fp8_scales_are_applied_per_head(sm90, monkeypatch):
     """Doubling one KV head's V scale doubles exactly that head's query heads' outputs (and nothing else); doubling
     its K scale changes only them (the portable prefix kernel's fp8 path, and the Hopper kernel's)."""
-    if sm90:
-        if not _hopper_fp8_runs():
-            pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
-        monkeypatch.setattr(cuda_tuning, "hopper_fp8", True)
+    if sm90 and not _hopper_fp8_runs():
+        pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
+    monkeypatch.setattr(cuda_tuning, "hopper_fp8", sm90)
     q, pool, plan, scale = case(11, D=128, Hkv=2, ratio=4, groups=((3, 500),), suffix=(1, 50))
     base = cuda_attend(q, pool, plan, scale).float()
     kv = kv_scale(pool)
