@@ -58,8 +58,9 @@ hopper_fp8 = True
 # Rows that share no prefix (every group of one row: greedy search, one sample per prompt) in one launch of
 # csrc/solo.cu instead of the prefix, suffix and merge kernels: a decode step's layer reads a few MB there, and the
 # three dependent launches took ~20 us a layer of 8B greedy at 4k on the H200 (prefix 9.5, suffix 8, merge 3.1 us).
-# Off until its GPU tests pass (tests/kernels/test_gpu_kernels.py -k solo; not yet run on a GPU). False: the three
-# kernels everywhere
+# Its GPU tests passed on an H100 (2026-12-05, tests/kernels/test_gpu_kernels.py -k solo), but it was slower there:
+# 704 us a step of 8B greedy at 4k against 310 + 251 + ~100 us for the three kernels (benchmarks/RESULTS.md,
+# "Twentieth session"), so it stays off. False: the three kernels everywhere
 solo_kernel = False
 SOLO_QB = 4                # query vectors per solo CTA (kQB in csrc/solo.cu)
 SOLO_MAX_SPLIT = 512       # tokens per split at most (kMaxSplit there: its staged pool rows)
