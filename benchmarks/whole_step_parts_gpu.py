@@ -13,7 +13,8 @@ Triton cache directories for compile seconds that no earlier compile served); ``
 one whole-step replay (torch.profiler over the replays): GPU time per category and the largest kernels, and the
 replay's time outside kernels (the gaps between the graph's kernels). ``--quant int4wo`` (or another of
 quantized_gpu.py's) quantizes the decoder's linear layers first: what limits a quantized step (issue 33 item 4; needs
-``source .device/quant/setup.sh``). ``--set decode.whole_step.select_kernel=true`` (any module switch of hf_cascade)
+``source .device/quant/setup.sh``). ``--kv-dtype float8_e4m3fn`` stores the KV cache in fp8 (``CascadeConfig(kv_dtype=...)``):
+where an fp8 step's time goes against bf16's (run both in one process: ``--kv-dtype model float8_e4m3fn``). ``--set decode.whole_step.select_kernel=true`` (any module switch of hf_cascade)
 and ``--blas cublaslt`` (torch's preferred BLAS library) hold for the whole process: run one process per setting,
 each model's graphs being captured under it.
 
@@ -175,6 +176,9 @@ def main():
                              "rotary on the library's kernels, the default; --elementwise alone: true), one row each "
                              "on the same model")
     parser.add_argument("--profile", action="store_true", help="also the kernels of one whole-step replay")
+    parser.add_argument("--kv-dtype", nargs="*", default=None, metavar="DTYPE",
+                        help="CascadeConfig(kv_dtype=...) of each variant: model (the model's dtype) and/or "
+                             "float8_e4m3fn (--kv-dtype alone: float8_e4m3fn)")
     parser.add_argument("--quant", default=None, help="quantize the decoder's linears first (quantized_gpu.py's names)")
     parser.add_argument("--blas", default=None, choices=["cublas", "cublaslt"],
                         help="torch.backends.cuda.preferred_blas_library for this process (which GEMM path the "
@@ -192,8 +196,11 @@ def main():
     compiles = [False] if args.compile is None else [_compile_mode(m) for m in args.compile or ["true"]]
     elementwise = ([hf_cascade.CascadeConfig().fuse_elementwise] if args.elementwise is None
                    else [_on(m) for m in args.elementwise or ["true"]])
-    for entry, compile, fuse_elementwise in ((entry, compile, on) for entry in args.configs for compile in compiles
-                                             for on in elementwise):
+    kv_dtypes = ([None] if args.kv_dtype is None
+                 else [None if d == "model" else d for d in args.kv_dtype or ["float8_e4m3fn"]])
+    for entry, compile, fuse_elementwise, kv_dtype in ((entry, compile, on, kv) for entry in args.configs
+                                                       for compile in compiles for on in elementwise
+                                                       for kv in kv_dtypes):
         shape, prompt, mode = entry.split(":")
         model, ids = _model_and_prompt(models, shape, prompt, torch.bfloat16)
         if args.quant and not getattr(model, "_parts_quantized", False):
@@ -213,7 +220,8 @@ def main():
             return done
 
         config = hf_cascade.CascadeConfig(backend="cuda", cuda_graphs=True, compile=compile,
-                                          fuse_projections=not args.no_fuse, fuse_elementwise=fuse_elementwise)
+                                          fuse_projections=not args.no_fuse, fuse_elementwise=fuse_elementwise,
+                                          kv_dtype=kv_dtype)
         kw = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, **_mode_kwargs(mode))
         whole_step.WholeStepLoop._chunk = timed_chunk
         try:
@@ -236,6 +244,7 @@ def main():
         _stopped_call(model, ids, config, kw, lambda loop: found.update(time_parts(loop, args.reps)))
         results.append({"shape": shape, "prompt": prompt, "mode": mode, "compile": str(compile).lower(),
                         "fuse": not args.no_fuse, "elementwise": fuse_elementwise, "quant": args.quant,
+                        "kv_dtype": kv_dtype or "model",
                         "blas": str(torch.backends.cuda.preferred_blas_library()), "set": args.set, **found})
         print(json.dumps(results[-1], default=str), flush=True)     # (each row as it is done: a run cut short keeps it)
         calls.append((entry, model, ids, config, kw, results[-1]))     # (the row itself: its profile joins it)

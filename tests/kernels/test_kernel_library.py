@@ -370,8 +370,8 @@ def test_the_all_layer_copy_is_called_with_the_addresses_and_pairs_it_names(tmp_
     passes the address array, the layers, the pairs, their count, the block bytes and the stream;
     cuda_library.copy_blocks_layers launches it only for a library that has it and int64 contiguous tensors on the
     pools' device with whole 16-byte vectors per block (False otherwise: the layers copy their own blocks), and
-    layer_copies stays off until its GPU tests have passed."""
-    assert cuda_library.layer_copies is False
+    layer_copies is on (its GPU tests passed on an H100, 2026-12-05)."""
+    assert cuda_library.layer_copies is True
     assert not cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION)).has_layer_copies
     lib = cuda_binding._Lib(stub_library(tmp_path, cuda_binding.ABI_VERSION, "WITH_LAYER_COPIES"))
     assert lib.has_layer_copies
