@@ -1,7 +1,7 @@
 """The Hopper prefix kernel's fp8 staging (csrc/include/hfc/fp8_stage.cuh, used by csrc/prefix_sm90.cu's fp8 producer
 warps) run on the CPU: the header as it is, compiled with the system C++ compiler over a shim of the CUDA qualifiers
-and uint4, with a host e4m3 -> 16-bit conversion in place of fp8x2_to (which the portable kernel's fp8 path shares and
-the GPU tests check).
+and uint4 (conftest.RUNTIME_SHIM's), with a host e4m3 -> 16-bit conversion in place of fp8x2_to (which the portable
+kernel's fp8 path shares and the GPU tests check).
 
 A random fp8 tile of 64 tokens x 128 dims is copied into a staging tile as the warp's cp.async passes address it (every
 lane, every pass), then converted lane by lane as the producer does; the result must be, byte for byte, the 16-bit
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import host_library
+from conftest import RUNTIME_SHIM, host_library
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 
@@ -34,7 +34,7 @@ SHIM = r"""
 #define __host__
 #define __device__
 #define __forceinline__ inline
-struct uint4 { uint32_t x, y, z, w; };
+""" + RUNTIME_SHIM + r"""
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 """
 

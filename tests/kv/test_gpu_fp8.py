@@ -131,12 +131,17 @@ def _hopper_fp8_runs() -> bool:
             and lib.prefix_runs(cuda_backend.DTYPE_CODES[BF], 128, 64, cuda_tuning.HOPPER_FP8_KERNEL))
 
 
+def _use_hopper_fp8(monkeypatch, on: bool = True) -> None:
+    """cuda_tuning.hopper_fp8 set to ``on``; on, the test is skipped where this GPU and library do not run the code."""
+    if on and not _hopper_fp8_runs():
+        pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
+    monkeypatch.setattr(cuda_tuning, "hopper_fp8", on)
+
+
 @pytest.fixture
 def hopper_fp8(monkeypatch):
     """The Hopper prefix kernel's fp8 code on (cuda_tuning.hopper_fp8), where this GPU and library run it."""
-    if not _hopper_fp8_runs():
-        pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
-    monkeypatch.setattr(cuda_tuning, "hopper_fp8", True)
+    _use_hopper_fp8(monkeypatch)
 
 
 @pytest.mark.parametrize("bs", [16, 64])
@@ -166,9 +171,7 @@ def test_hopper_fp8_leaves_variants_to_the_portable_kernel(hopper_fp8, softcap, 
 def test_fp8_scales_are_applied_per_head(sm90, monkeypatch):
     """Doubling one KV head's V scale doubles exactly that head's query heads' outputs (and nothing else); doubling
     its K scale changes only them (the portable prefix kernel's fp8 path, and the Hopper kernel's)."""
-    if sm90 and not _hopper_fp8_runs():
-        pytest.skip("the Hopper prefix kernel needs a compute-capability-9.0 GPU and the library's sm_90a code")
-    monkeypatch.setattr(cuda_tuning, "hopper_fp8", sm90)
+    _use_hopper_fp8(monkeypatch, sm90)
     q, pool, plan, scale = case(11, D=128, Hkv=2, ratio=4, groups=((3, 500),), suffix=(1, 50))
     base = cuda_attend(q, pool, plan, scale).float()
     kv = kv_scale(pool)
