@@ -101,6 +101,17 @@ HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, in
                                 reinterpret_cast<cudaStream_t>(stream));
 }
 
+HFC_API int hfc_write_fp8(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                          int64_t value_stride_bytes, const float* scale, const int64_t* write_block,
+                          const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                          int64_t copies, int64_t block_size, int64_t heads, int64_t head_dim, int32_t dtype,
+                          uintptr_t stream) {
+  hfc::clear_error();
+  return (int)hfc::write_fp8_launch(pool, key, value, key_stride_bytes, value_stride_bytes, scale, write_block,
+                                    write_offset, tokens, copy_src, copy_dst, copies, block_size, heads, head_dim,
+                                    dtype, reinterpret_cast<cudaStream_t>(stream));
+}
+
 HFC_API int hfc_copy_blocks_layers(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
                                    const int64_t* copy_dst, int64_t copies, int64_t block_bytes, uintptr_t stream) {
   hfc::clear_error();

@@ -228,6 +228,12 @@ class _Lib:
             lib.hfc_write_strided.restype = ctypes.c_int
             lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
                                               ctypes.c_size_t]
+        # (likewise: a library without it leaves an fp8 pool's encoding to torch ops before hfc_write)
+        self.has_fp8_write = hasattr(lib, "hfc_write_fp8")
+        if self.has_fp8_write:
+            lib.hfc_write_fp8.restype = ctypes.c_int
+            lib.hfc_write_fp8.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
+                                          _i64, ctypes.c_int32, ctypes.c_size_t]
         # (likewise: a library without it leaves a static step's copy-on-write copies to each layer's write)
         self.has_layer_copies = hasattr(lib, "hfc_copy_blocks_layers")
         if self.has_layer_copies:
@@ -531,6 +537,21 @@ class _Lib:
                                               value_stride, write_block.data_ptr(), write_offset.data_ptr(), tokens,
                                               copy_src.data_ptr(), copy_dst.data_ptr(), n_copies, pool.shape[2],
                                               token_bytes, stream), "write_strided")
+
+    def write_fp8(self, pool, key, value, scale, write_block, write_offset, copy_src, copy_dst, copies: bool,
+                  stream: int) -> None:
+        """:meth:`write_strided` into a float8_e4m3fn ``pool`` from bf16 / fp16 ``key``, ``value`` ``[tokens, Hkv, D]``,
+        encoded on the way (``hfc_write_fp8``): divided by ``scale`` ``[2, Hkv]`` float32 (K's, V's) and saturated,
+        as ``BlockStorage.encode`` does (``cuda_library.write_fp8_fits`` checks the tensors)."""
+        tokens, heads, dim = key.shape
+        token_bytes = heads * dim * key.element_size()
+        key_stride, value_stride = (t.stride(0) * t.element_size() if tokens > 1 else token_bytes
+                                    for t in (key, value))
+        n_copies = copy_src.shape[0] if copies else 0
+        self.check(self.lib.hfc_write_fp8(pool.data_ptr(), key.data_ptr(), value.data_ptr(), key_stride, value_stride,
+                                          scale.data_ptr(), write_block.data_ptr(), write_offset.data_ptr(), tokens,
+                                          copy_src.data_ptr(), copy_dst.data_ptr(), n_copies, pool.shape[2], heads,
+                                          dim, DTYPE_CODES[key.dtype], stream), "write_fp8")
 
     def copy_blocks_layers(self, pool_addresses, copy_src, copy_dst, block_bytes: int, stream: int) -> None:
         """A static step's copy-on-write copies ``pool[copy_dst[i]] = pool[copy_src[i]]`` in every layer's pool in one

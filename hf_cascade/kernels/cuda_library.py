@@ -13,7 +13,8 @@ does a static step's copy-on-write copies of every layer at once (:func:`copy_bl
 :data:`layer_copies`).
 
 Mutable state: ``_libs`` (arch -> the loaded library or the reason it failed), filled under ``_lock``; ``_arch_of``;
-``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests); ``strided_write`` and ``layer_copies`` (set by tests).
+``write_kernel`` (``$HF_CASCADE_WRITE_KERNEL``, set by tests); ``strided_write``, ``layer_copies`` and ``fp8_write``
+(set by tests).
 """
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ strided_write = True
 # none: 32 launches a beam step at 8B, 101 us of the 6.4 ms step on the H200. Its GPU tests passed on an H100
 # (2026-12-05, tests/kernels/test_gpu_kernels.py and tests/decode/test_gpu_whole_step.py -k all_layer).
 layer_copies = True
+# On: a float8_e4m3fn pool's new tokens are encoded inside the write (hfc_write_fp8) instead of by the four torch ops per
+# tensor of BlockStorage.encode (to float32, divide, clamp, to float8) before it: 256 launches and ~455 us of the 8B
+# 16k x 8 fp8 beam step on an H100 (benchmarks/RESULTS.md). Bit for bit the same bytes (tests/kv/test_gpu_fp8.py).
+fp8_write = True
 
 _lock = threading.Lock()
 _libs: dict[str, "_Lib | str"] = {}          # arch -> loaded library, or the reason it failed (never retried)
@@ -199,6 +204,30 @@ def write_slots(pool, key, value, write_block, write_offset, copy_src, copy_dst,
         lib.write_strided(pool, key, value, write_block, write_offset, copy_src, copy_dst, copies, stream)
     else:
         return False
+    return True
+
+
+def write_slots_fp8(pool, key, value, scale, write_block, write_offset, copy_src, copy_dst, copies: bool) -> bool:
+    """:func:`write_slots` into a float8_e4m3fn ``pool`` from the model's bf16 / fp16 ``key``, ``value``
+    ``[tokens, Hkv, D]``, encoded by the kernel as ``BlockStorage.encode`` encodes them (``scale`` ``[2, Hkv]`` float32,
+    fixed) where the library has ``hfc_write_fp8`` and the tensors fit (:data:`fp8_write` on, each token's ``Hkv x D``
+    contiguous and 16-byte aligned, contiguous or strided, ``D`` a multiple of 8); False where it did not write (the caller encodes with torch ops
+    and writes the bytes)."""
+    lib = loaded(pool.device) if write_kernel and fp8_write else None
+    if lib is None or not getattr(lib, "has_fp8_write", False) or pool.dtype != torch.float8_e4m3fn:
+        return False
+    tokens, heads, dim = key.shape
+    if (key.dtype not in DTYPE_CODES or value.dtype != key.dtype or value.shape != key.shape or dim % 8
+            or (heads * dim) % 16 or key.device != pool.device or value.device != pool.device):
+        return False
+    if (scale.dtype != torch.float32 or scale.shape != (2, heads) or scale.device != pool.device
+            or not all(t.is_contiguous() for t in (pool, scale, write_block, write_offset, copy_src, copy_dst))
+            or any(t.dtype != torch.int64 for t in (write_block, write_offset, copy_src, copy_dst))):
+        return False
+    if not (_tokens_fit(key) and _tokens_fit(value)):     # (contiguous or strided: read where they lie)
+        return False
+    lib.write_fp8(pool, key, value, scale, write_block, write_offset, copy_src, copy_dst, copies,
+                  torch.cuda.current_stream(pool.device).cuda_stream)
     return True
 
 

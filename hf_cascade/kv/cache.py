@@ -204,12 +204,17 @@ class CascadeLayer(CacheLayerMixin):
         for states in (key_states, value_states):
             rows = states.transpose(1, 2).reshape(-1, num_heads, head_dim)      # [R*q, H, D], row-major
             flat.append(rows if dp.src_index is None else rows.index_select(0, dp.src_index))
-        key, value = (stored.to(pool.device) for stored in self.storage.encode(*flat))
         # (a static step's copy pairs are padded to its rows: always copied, unless its plan says it copies no block;
         # others only where there are some)
         copies = plan.copies and (plan.static or bool(dp.copy_src.numel()))
-        args = (pool, key, value, dp.write_block, dp.write_offset, dp.copy_src, dp.copy_dst, copies)
-        if _is_compiling():      # one opaque operator: inductor neither re-generates nor autotunes a write into the pool
+        indices = (dp.write_block, dp.write_offset, dp.copy_src, dp.copy_dst, copies)
+        compiling = _is_compiling()
+        if (self.storage.scale_fixed and pool.is_cuda and not compiling
+                and cuda_library.write_slots_fp8(pool, *flat, self.storage.scale, *indices)):
+            return      # an fp8 pool's K/V encoded inside the write's kernel (compiled, inductor fuses the encode)
+        key, value = (stored.to(pool.device) for stored in self.storage.encode(*flat))
+        args = (pool, key, value, *indices)
+        if compiling:      # one opaque operator: inductor neither re-generates nor autotunes a write into the pool
             torch.ops.hf_cascade.write_slots(*args)
         else:
             _write_slots(*args)

@@ -1,7 +1,8 @@
 """The cache write kernel's source (csrc/write.cu) run on the CPU (no GPU needed).
 
-write.cu as it is (its kernels and its launchers, write_launch and copy_blocks_layers_launch, with their argument
-checks) and csrc/api.cu's hfc_write, hfc_write_strided and hfc_copy_blocks_layers, compiled with the system C++
+write.cu as it is (its kernels and its launchers, write_launch, write_fp8_launch and copy_blocks_layers_launch, with
+their argument checks) and csrc/api.cu's hfc_write, hfc_write_strided, hfc_write_fp8 and hfc_copy_blocks_layers,
+compiled with the system C++
 compiler over a shim of the CUDA built-ins they use (``blockIdx``, ``blockDim``, ``threadIdx``, ``gridDim``,
 ``__ldg``, ``uint4``, ``dim3``); each ``kernel<<<grid, threads, smem, stream>>>(...)`` launch becomes a host loop
 calling the kernel once per (CTA, thread) of its grid, one after another (the write's CTAs share nothing: no barriers,
@@ -46,6 +47,60 @@ template <class T> T __ldg(const T* p) { return *p; }
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 
+// the fp8 write's device types and conversions (csrc/include/hfc/common.cuh's Cvt<T>::unpack8, cuda_fp8.h's
+// saturating e4m3 pair conversion) on the host: e4m3 by search for the nearest value, ties to the even code
+#include <cmath>
+#include <cstring>
+struct uint2 { unsigned x, y; };
+struct float2 { float x, y; };
+static uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+static float2 make_float2(float x, float y) { return {x, y}; }
+struct __nv_bfloat16 { uint16_t bits; };
+struct __half { uint16_t bits; };
+static float __fdiv_rn(float a, float b) { return a / b; }
+enum __nv_saturation_t { __NV_NOSAT, __NV_SATFINITE };
+enum __nv_fp8_interpretation_t { __NV_E4M3, __NV_E5M2 };
+static double e4m3_value(int code) {     // codes 0 .. 0x7e: the finite non-negative values
+  const int exponent = code >> 3, mantissa = code & 7;
+  return exponent ? std::ldexp(1.0 + mantissa / 8.0, exponent - 7) : std::ldexp(mantissa, -9);
+}
+static unsigned e4m3(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const unsigned sign = (bits >> 24) & 0x80;
+  if (std::isnan(x)) return sign | 0x7f;
+  const double a = std::fabs((double)x);
+  int best = 0;
+  for (int code = 1; code <= 0x7e; ++code) {
+    const double d = std::fabs(e4m3_value(code) - a), best_d = std::fabs(e4m3_value(best) - a);
+    if (d < best_d || (d == best_d && code % 2 == 0)) best = code;
+  }
+  return sign | (unsigned)best;
+}
+static unsigned short __nv_cvt_float2_to_fp8x2(float2 v, __nv_saturation_t, __nv_fp8_interpretation_t) {
+  return (unsigned short)(e4m3(v.x) | (e4m3(v.y) << 8));
+}
+static float from_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static float from_fp16(uint16_t h) {
+  const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  const double m = exponent == 31 ? (mantissa ? NAN : INFINITY)
+                   : exponent ? std::ldexp(1.0 + mantissa / 1024.0, exponent - 15) : std::ldexp(mantissa, -24);
+  return (float)((h & 0x8000) ? -m : m);
+}
+template <typename T> struct Cvt;
+template <> struct Cvt<__nv_bfloat16> {
+  static void unpack8(const uint4& u, float* f) {
+    uint16_t h[8]; std::memcpy(h, &u, 16);
+    for (int i = 0; i < 8; ++i) f[i] = from_bf16(h[i]);
+  }
+};
+template <> struct Cvt<__half> {
+  static void unpack8(const uint4& u, float* f) {
+    uint16_t h[8]; std::memcpy(h, &u, 16);
+    for (int i = 0; i < 8; ++i) f[i] = from_fp16(h[i]);
+  }
+};
+
 // a launch: every CTA of the grid, every thread of the CTA, one after another
 template <class Kernel, class... Args>
 void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
@@ -65,24 +120,31 @@ void emu_launch(dim3 grid, unsigned threads, Kernel kernel, Args... args) {
 def _source() -> str:
     """The shim, write.cu with its launches turned into emu_launch, and api.cu's write and all-layer copy entries."""
     cu = (CSRC / "write.cu").read_text(encoding="utf-8")
-    cu = re.sub(r'#include "hfc/[a-z]+\.h"\n', "", cu)
-    cu, launches = re.subn(r"(\w+)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ", cu)
-    assert launches == 3, "write.cu's three launches (the block copies, the tokens, the all-layer copies) not found"
-    error_functions, entries = emulated_api(("hfc_write", "hfc_write_strided", "hfc_copy_blocks_layers"))
-    return f"{SHIM}\n{error_functions}\n{cu}\n{entries}"
+    cu = re.sub(r'#include "hfc/[a-z_]+\.(?:h|cuh)"\n', "", cu)
+    cu, launches = re.subn(r"(\w+(?:<\w+>)?)<<<([^,]+),\s*([^,]+),\s*[^,]+,\s*[^>]+>>>\(", r"emu_launch(\2, \3, \1, ",
+                           cu)
+    assert launches == 5, ("write.cu's five launches (the block copies, the tokens, the fp8 tokens from bf16 and from "
+                           "fp16, the all-layer copies) not found")
+    params = (CSRC / "include" / "hfc" / "params.h").read_text(encoding="utf-8").replace("#pragma once", "")  # dtypes
+    error_functions, entries = emulated_api(("hfc_write", "hfc_write_strided", "hfc_write_fp8",
+                                             "hfc_copy_blocks_layers"))
+    return f"{params}\n{SHIM}\n{error_functions}\n{cu}\n{entries}"
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    """The binding (cuda_binding._Lib's own write / write_strided / copy_blocks_layers and error check) on the
+    """The binding (cuda_binding._Lib's own write / write_strided / write_fp8 / copy_blocks_layers and error check) on the
     emulated library."""
     lib = host_library(tmp_path_factory.mktemp("write"), "write", _source(),
-                       ["-std=c++17", "-Wall", "-Werror", "-Wno-unused-function"])
+                       ["-std=c++17", "-Wall", "-Werror", "-Wno-unused-function", "-Wno-unknown-pragmas"])
     _vp, _i64 = ctypes.c_void_p, ctypes.c_int64
     lib.hfc_write.restype = lib.hfc_write_strided.restype = ctypes.c_int
     lib.hfc_write.argtypes = [_vp, _vp, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, ctypes.c_size_t]
     lib.hfc_write_strided.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64,
                                       ctypes.c_size_t]
+    lib.hfc_write_fp8.restype = ctypes.c_int
+    lib.hfc_write_fp8.argtypes = [_vp, _vp, _vp, _i64, _i64, _vp, _vp, _vp, _i64, _vp, _vp, _i64, _i64, _i64, _i64,
+                                  ctypes.c_int32, ctypes.c_size_t]
     lib.hfc_copy_blocks_layers.restype = ctypes.c_int
     lib.hfc_copy_blocks_layers.argtypes = [_vp, _i64, _vp, _vp, _i64, _i64, ctypes.c_size_t]
     return emulated_binding(lib)
@@ -161,6 +223,61 @@ def test_the_old_entry_reads_tokens_packed(emulated):
     emulated.write(got, key, value, *rest, 0)
     got_v, want_v = got[:, 1].view(torch.uint8), want[:, 1].view(torch.uint8)
     assert torch.equal(got[:, 0], want[:, 0]) and not torch.equal(got_v, want_v)
+
+
+def _wide(t: torch.Tensor, generator) -> None:
+    """Fill ``t`` in place with values over 10 decades (e4m3's subnormals to beyond any scale's saturation point),
+    exact zeros of both signs and infinities among them."""
+    x = torch.randn(t.shape, generator=generator) * 10.0 ** (torch.rand(t.shape, generator=generator) * 10 - 6)
+    flat = x.view(-1)
+    picks = torch.randperm(flat.numel(), generator=generator)[:8]
+    flat[picks[:2]], flat[picks[2:4]], flat[picks[4:6]], flat[picks[6:]] = 0.0, -0.0, float("inf"), float("-inf")
+    t.copy_(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["contiguous", "fused_v", "fused_kv"])
+@pytest.mark.parametrize("tokens, copies", [(5, 4), (1, 1), (6, 0)])
+def test_the_fp8_write_kernel_source_encodes_as_the_storage_does(emulated, dtype, layout, tokens, copies):
+    """hfc_write_fp8 (an fp8 pool fed the model's 16-bit K/V) leaves the pool byte for byte as BlockStorage.encode
+    (divide by the head's scale, saturate, round to e4m3) followed by the torch write: per-head scales of K and V
+    apart, values over 10 decades with zeros of both signs and infinities, K/V contiguous or column slices of the
+    fused product, with and without block copies."""
+    from hf_cascade.kv.memory import BlockStorage
+    g = torch.Generator().manual_seed(tokens * 11 + copies)
+    _, key, value, *rest = _case(tokens, copies, 16, dtype, layout, seed=tokens * 5 + copies)
+    for t in {key.data_ptr(): key, value.data_ptr(): value}.values():
+        _wide(t, g)
+    pool = _aligned(BLOCKS, 2 * 16 * HKV * D, torch.float8_e4m3fn, g).view(BLOCKS, 2, 16, HKV, D)
+    storage = BlockStorage((2, 16, HKV, D), torch.float8_e4m3fn, "cpu")
+    storage.scale.copy_(10.0 ** (torch.rand(2, HKV, generator=g) * 3 - 2))
+    storage.scale_fixed = True
+    want, got = pool.clone(), pool.clone()
+    cache_module._write_slots_torch(want, *storage.encode(key, value), *rest)
+    emulated.write_fp8(got, key, value, storage.scale, *rest, 0)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    written = want.view(torch.uint8)[rest[0], :, rest[1]]
+    assert ((written & 0x7f) == 0x7e).any() and ((written & 0x7f) == 0).any()     # saturated and flushed values
+
+
+def test_the_fp8_write_refuses_what_it_cannot_encode(emulated):
+    """A dtype code other than bf16 / fp16, a head_dim not a multiple of 8, K/V tokens closer than a token's bytes:
+    refused with a message naming them, the pool left as it was."""
+    g = torch.Generator().manual_seed(4)
+    pool = _aligned(BLOCKS, 2 * 16 * HKV * D, torch.float8_e4m3fn, g).view(BLOCKS, 2, 16, HKV, D)
+    key = _aligned(3, HKV * D, torch.bfloat16, g).view(3, HKV, D)
+    scale, index = torch.ones(2, HKV), torch.arange(3)
+    before = pool.clone()
+    lib = emulated.lib
+    args = (index.data_ptr(), index.data_ptr(), 3, index.data_ptr(), index.data_ptr(), 0, 16)
+
+    def call(k_stride, heads, dim, dtype_code):
+        return lib.hfc_write_fp8(pool.data_ptr(), key.data_ptr(), key.data_ptr(), k_stride, 2 * HKV * D,
+                                 scale.data_ptr(), *args, heads, dim, dtype_code, 0)
+    assert call(2 * HKV * D, HKV, D, 2) != 0 and b"dtype code 2" in lib.hfc_last_error()
+    assert call(2 * HKV * D, 4, 12, 0) != 0 and b"head_dim 12" in lib.hfc_last_error()
+    assert call(HKV * D, HKV, D, 0) != 0 and b"key_stride_bytes 32" in lib.hfc_last_error()
+    assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_the_strided_entry_refuses_strides_it_cannot_read(emulated):

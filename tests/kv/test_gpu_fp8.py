@@ -305,6 +305,74 @@ def test_fp8_prefix_kernel_time_report(monkeypatch):
     assert math.isfinite(times["fp8", "prefix"])
 
 
+# ---- the encoded write -----------------------------------------------------------------------------------------------
+def _wide_values(shape, dtype, g) -> torch.Tensor:
+    """K/V values over 10 decades (fp8's subnormals to beyond the saturation point of every scale below), with exact
+    zeros, negative zeros and infinities among them."""
+    x = torch.randn(shape, generator=g) * 10.0 ** (torch.rand(shape, generator=g) * 10 - 6)
+    flat = x.view(-1)
+    picks = torch.randperm(flat.numel(), generator=g)[:40]
+    flat[picks[:10]], flat[picks[10:20]] = 0.0, -0.0
+    flat[picks[20:30]], flat[picks[30:]] = float("inf"), float("-inf")
+    return x.to(dtype).cuda()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv-slices"])
+@pytest.mark.parametrize("D,Hkv", [(128, 8), (64, 2), (256, 1)])
+@pytest.mark.parametrize("dtype", [BF, FP], ids=["bf16", "fp16"])
+def test_fp8_write_kernel_encodes_as_the_storage_does(dtype, D, Hkv, strided):
+    """hfc_write_fp8 (the copies, then K/V divided by their heads' scales and saturated into the fp8 slots) leaves the
+    pool byte for byte as BlockStorage.encode followed by the raw torch write: every value of a 10-decade spread,
+    zeros of both signs and infinities (saturated to +-448), K/V contiguous or read as column slices of one wide
+    product, blocks copied first."""
+    from hf_cascade.kv.cache import _write_slots_torch
+    from hf_cascade.kv.memory import BlockStorage
+    from hf_cascade.kernels import cuda_library
+    cuda_backend.library(torch.device("cuda"))          # loaded, as the cuda backend loads it
+    g = torch.Generator().manual_seed(D + Hkv + strided)
+    bs, blocks, tokens = 16, 24, 37
+    storage = BlockStorage((2, bs, Hkv, D), FP8, "cuda")
+    storage.scale.copy_(10.0 ** (torch.rand(2, Hkv, generator=g) * 3 - 2))     # 0.01 .. 10
+    storage.scale_fixed = True
+    if strided:         # q | k | v of one product per token, as fused projections give them
+        wide = _wide_values((tokens, 3 * Hkv * D), dtype, g)
+        key, value = (wide[:, (1 + i) * Hkv * D:(2 + i) * Hkv * D].view(tokens, Hkv, D) for i in range(2))
+        assert not key.is_contiguous()
+    else:
+        key, value = (_wide_values((tokens, Hkv, D), dtype, g) for _ in range(2))
+    pool = torch.randint(0, 0x7f, (blocks, 2, bs, Hkv, D), generator=g, dtype=torch.uint8).cuda().view(FP8)
+    slots = torch.randperm(12 * bs, generator=g)[:tokens] + 12 * bs       # slots in blocks 12..23
+    write_block, write_offset = (slots // bs).cuda(), (slots % bs).cuda()
+    copy_src, copy_dst = torch.tensor([0, 3, 5]).cuda(), torch.tensor([7, 9, 11]).cuda()
+    expected = pool.clone()
+    _write_slots_torch(expected, *storage.encode(key, value), write_block, write_offset, copy_src, copy_dst, True)
+    assert cuda_library.write_slots_fp8(pool, key, value, storage.scale, write_block, write_offset, copy_src,
+                                        copy_dst, True)
+    torch.cuda.synchronize()
+    got, want = pool.view(torch.uint8), expected.view(torch.uint8)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} bytes differ"
+    assert (want[12:].view(-1) == 0x7e).any() and (want[12:].view(-1) == 0x00).any()   # saturated and flushed values
+
+
+def test_fp8_write_refuses_what_it_cannot_encode():
+    """Where the kernel does not apply it says so (False: the caller encodes with torch ops): K/V in float32, a head
+    dim not a multiple of 8, scales of the wrong shape, a pool in the model's dtype."""
+    from hf_cascade.kernels import cuda_library
+    cuda_backend.library(torch.device("cuda"))
+    idx = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pool = torch.zeros(2, 2, 16, 2, 64, dtype=FP8, device="cuda")
+    kv = torch.ones(1, 2, 64, dtype=BF, device="cuda")
+    scale = torch.ones(2, 2, device="cuda")
+    assert cuda_library.write_slots_fp8(pool, kv, kv, scale, idx, idx, idx, idx, False)
+    assert not cuda_library.write_slots_fp8(pool, kv.float(), kv.float(), scale, idx, idx, idx, idx, False)
+    assert not cuda_library.write_slots_fp8(pool, kv, kv, torch.ones(2, 3, device="cuda"), idx, idx, idx, idx, False)
+    assert not cuda_library.write_slots_fp8(pool.view(torch.uint8).to(BF), kv, kv, scale, idx, idx, idx, idx, False)
+    odd_pool = torch.zeros(2, 2, 16, 4, 12, dtype=FP8, device="cuda")
+    odd = torch.ones(1, 4, 12, dtype=BF, device="cuda")
+    assert not cuda_library.write_slots_fp8(odd_pool, odd, odd, torch.ones(2, 4, device="cuda"), idx, idx, idx, idx,
+                                            False)
+
+
 # ---- generate --------------------------------------------------------------------------------------------------------
 def _model():
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -339,6 +407,35 @@ def test_generate_with_fp8_cache_on_cuda_backend():
                  full_stats.blocks_in_use)
     assert per_block[0] * 2 == per_block[1]
     assert gap < 0.25 and agree >= 0.5
+
+
+@pytest.mark.parametrize("whole_step", [False, True], ids=["eager-host-loop", "whole-step"])
+def test_fp8_write_kernel_generates_what_the_torch_encode_does(monkeypatch, whole_step):
+    """An fp8 cache's beam search with the encoding inside the write kernel (cuda_library.fp8_write, the default) and
+    with torch's encode before the raw write: the same bytes in the pool, so the same sequences (and, eager in
+    transformers' loop, bitwise-equal scores); the whole step captured."""
+    from hf_cascade.kernels import cuda_library
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 512, (2, 280), generator=g).cuda()
+    kw = dict(attention_mask=torch.ones_like(ids), num_beams=4, max_new_tokens=24, pad_token_id=0)
+    if not whole_step:
+        kw.update(return_dict_in_generate=True, output_scores=True, **host_loop())
+    outs, encoded = [], []
+    real = cuda_library.write_slots_fp8
+    monkeypatch.setattr(cuda_library, "write_slots_fp8", lambda *a: encoded.append(real(*a)) or encoded[-1])
+    for on in (True, False):
+        monkeypatch.setattr(cuda_library, "fp8_write", on)
+        config = CascadeConfig(kv_dtype="float8_e4m3fn", backend="cuda", cuda_graphs=True if whole_step else "eager")
+        outs.append(model.generate(input_ids=ids, hf_cascade_config=config, **kw))
+        assert any(encoded) == on       # the kernel wrote (its decode steps) only where on
+        encoded.clear()
+    if whole_step:
+        assert torch.equal(outs[0], outs[1])
+        return
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    for a, b in zip(outs[0].scores, outs[1].scores):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("whole_step", [False, True], ids=["runner", "whole-step"])

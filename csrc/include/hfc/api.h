@@ -7,7 +7,7 @@
  *
  *   hfc_prefix_setup  once per (dtype, head_dim, m_tile, tune) and device, before the first hfc_prefix launch of that
  *                     variant: raises the kernel's shared-memory limit and reports its occupancy. Not capture safe
- *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write, hfc_write_strided,
+ *                     (a non-stream CUDA call); hfc_prefix, hfc_suffix, hfc_merge, hfc_write(_strided, _fp8),
  *                     hfc_copy_blocks_layers are: they only launch on `stream` (a cudaStream_t as an integer),
  *                     with grids computed from the params alone.
  */
@@ -55,6 +55,16 @@ HFC_API int hfc_write_strided(void* pool, const void* key, const void* value, in
                               int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
                               int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
                               int64_t block_size, int64_t token_bytes, uintptr_t stream);
+/* hfc_write_strided into a float8_e4m3fn pool [num_blocks, 2, block_size, heads, head_dim] from K/V in bf16 or fp16
+   (dtype: HFC_BF16, HFC_FP16; strides in their bytes), encoded on the way: each value divided by its head's scale
+   (scale [2, heads] float32 on the device: K's, then V's) and saturated to +-448, rounded to nearest even, as
+   hf_cascade.kv.memory.BlockStorage.encode does in torch. head_dim a multiple of 8, heads x head_dim of 16. Capture
+   safe; added as hfc_write_strided was. */
+HFC_API int hfc_write_fp8(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                          int64_t value_stride_bytes, const float* scale, const int64_t* write_block,
+                          const int64_t* write_offset, int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst,
+                          int64_t copies, int64_t block_size, int64_t heads, int64_t head_dim, int32_t dtype,
+                          uintptr_t stream);
 /* A static step's copy-on-write copies pool[copy_dst[i]] = pool[copy_src[i]] in every layer's pool at once
    (csrc/write.cu), before the forward, so that the layers' writes pass no copies: pools [layers] a device array of the
    pools' base addresses (16-byte aligned; any element type, blocks of block_bytes each, a multiple of 16), copy_src,

@@ -24,6 +24,13 @@ cudaError_t write_launch(void* pool, const void* key, const void* value, int64_t
                          int64_t value_stride_bytes, const int64_t* write_block, const int64_t* write_offset,
                          int64_t tokens, const int64_t* copy_src, const int64_t* copy_dst, int64_t copies,
                          int64_t block_size, int64_t token_bytes, cudaStream_t stream);
+// csrc/write.cu: write_launch for an fp8 (e4m3) pool fed 16-bit K/V (dtype HFC_BF16 / HFC_FP16) [tokens, heads,
+// head_dim], each head's values divided by scale[kv * heads + head] and saturated on the way (strides in K/V's bytes)
+cudaError_t write_fp8_launch(void* pool, const void* key, const void* value, int64_t key_stride_bytes,
+                             int64_t value_stride_bytes, const float* scale, const int64_t* write_block,
+                             const int64_t* write_offset, int64_t tokens, const int64_t* copy_src,
+                             const int64_t* copy_dst, int64_t copies, int64_t block_size, int64_t heads,
+                             int64_t head_dim, int dtype, cudaStream_t stream);
 // csrc/write.cu: a static step's copy-on-write copies in every layer's pool at once: pools[layers] (device) holds each
 // pool's base address (16-byte aligned), every pool has blocks of block_bytes (a multiple of 16)
 cudaError_t copy_blocks_layers_launch(const uint64_t* pools, int64_t layers, const int64_t* copy_src,
