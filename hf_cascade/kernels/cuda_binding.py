@@ -542,7 +542,7 @@ class _Lib:
                   stream: int) -> None:
         """:meth:`write_strided` into a float8_e4m3fn ``pool`` from bf16 / fp16 ``key``, ``value`` ``[tokens, Hkv, D]``,
         encoded on the way (``hfc_write_fp8``): divided by ``scale`` ``[2, Hkv]`` float32 (K's, V's) and saturated,
-        as ``BlockStorage.encode`` does (``cuda_library.write_fp8_fits`` checks the tensors)."""
+        as ``BlockStorage.encode`` does (``cuda_library.write_slots_fp8`` checks the tensors)."""
         tokens, heads, dim = key.shape
         token_bytes = heads * dim * key.element_size()
         key_stride, value_stride = (t.stride(0) * t.element_size() if tokens > 1 else token_bytes

@@ -226,6 +226,8 @@ def write_slots_fp8(pool, key, value, scale, write_block, write_offset, copy_src
         return False
     if not (_tokens_fit(key) and _tokens_fit(value)):     # (contiguous or strided: read where they lie)
         return False
+    if not tokens and not (copies and copy_src.numel()):
+        return True     # nothing to move (the pool may hold no block yet: no pointer to pass)
     lib.write_fp8(pool, key, value, scale, write_block, write_offset, copy_src, copy_dst, copies,
                   torch.cuda.current_stream(pool.device).cuda_stream)
     return True

@@ -196,7 +196,8 @@ class CascadeLayer(CacheLayerMixin):
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan) -> None:
         """Copy-on-write copies, then this step's new tokens into their slots of the ready pool (tensor work only;
-        quantized first for a quantized pool: :meth:`hf_cascade.memory.BlockStorage.encode`)."""
+        quantized first for a quantized pool: :meth:`hf_cascade.memory.BlockStorage.encode`, or by the write's kernel
+        once the scales are fixed, :func:`hf_cascade.kernels.cuda_library.write_slots_fp8`)."""
         pool = self.step_pool
         dp = plan.on(pool.device)
         _, num_heads, _, head_dim = key_states.shape
