@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import threading
+import time
 
 import torch
 from rich.console import Console
@@ -252,12 +254,25 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
             return ctx
         return prepare
 
+    caller, maps = threading.current_thread(), []    # (seconds, bytes) of each KV mapping the call waited for
+
+    def spy_map(real_map):
+        def map_(vrange, size):     # (a vmm pool maps physical memory: on the call's thread, or ahead in a worker)
+            start = time.perf_counter()
+            try:
+                return real_map(vrange, size)
+            finally:
+                if threading.current_thread() is caller:
+                    maps.append((time.perf_counter() - start, size))
+        return map_
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
         # (every host-planned step, the one-loop's first decode step included, begins in _begin_step_shape)
-        with collecting_runners(runners), _spying(hf_cascade.CascadeCache, "_begin_step_shape", spy_prepare):
+        with (collecting_runners(runners), _spying(hf_cascade.CascadeCache, "_begin_step_shape", spy_prepare),
+              _spying(getattr(hf_cascade.memory, "_VirtualRange", None), "_map", spy_map)):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
@@ -267,7 +282,7 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
         info.update(captures=getattr(runner, "captures", None), capture_s=getattr(runner, "capture_seconds", None),
                     replays=getattr(runner, "replays", None), graph_disabled=getattr(runner, "disabled", None),
                     device_steps=getattr(runner, "device_steps", None))
-    return {"wall": wall, "peak": peak}
+    return {"wall": wall, "peak": peak, "map_s": sum(t for t, _ in maps), "map_mib": sum(b for _, b in maps) / 2**20}
 
 
 def _step_weight_bytes(model) -> int:
@@ -295,7 +310,8 @@ def whole_step(args, dtype, console):
                 return {"error": r1.get("error") or rn.get("error")}
             if rnd == 0:
                 info[v]["first_call_wall_s"] = rn["wall"]
-            return {"t1": r1["wall"], "tn": rn["wall"], "peak": rn["peak"]}
+            return {"t1": r1["wall"], "tn": rn["wall"], "peak": rn["peak"], "t2_map_s": r1["map_s"],
+                    "t2_map_mib": r1["map_mib"]}
 
         # round 0 warms each variant up at this very shape
         runs = harness.interleave(args.variants, one_round, args.rounds, warmup=1, failed=lambda r: "error" in r)
@@ -317,7 +333,10 @@ def whole_step(args, dtype, console):
             row = {"shape": shape, "prompt": prompt, "mode": mode, "variant": v,
                    "attention": model.stock_attention if v in STOCK_KWARGS else "cascade",
                    "step_ms": median(steps), "step_ms_all": [round(x, 2) for x in steps],
-                   "t2_s": median(r["t1"] for r in runs[v]), "peak_gib": max(r["peak"] for r in runs[v]), **info[v]}
+                   "t2_s": median(r["t1"] for r in runs[v]), "peak_gib": max(r["peak"] for r in runs[v]),
+                   # the KV mappings the t(2) call waited for (a vmm pool's cuMemCreate/Map/SetAccess on its thread)
+                   "t2_map_s": median(r["t2_map_s"] for r in runs[v]),
+                   "t2_map_mib": median(r["t2_map_mib"] for r in runs[v]), **info[v]}
             if "kv_reads" in row:       # bytes of K/V the step's attention reads, all layers
                 config = model.config
                 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -340,7 +359,7 @@ def whole_step(args, dtype, console):
         _write(args, results)       # after every shape: a command stopped at its time limit keeps the shapes done
     harness.table(f"whole-generate step, {args.dtype}, {args.new_tokens} new tokens, median of {args.rounds}",
                   ["shape", "prompt", "mode", "variant", "attention", "step_ms", "step_vs_stock", "step_vs_stock_static", "t2_s",
-                   "t2_vs_stock",
+                   "t2_vs_stock", "t2_map_s",
                    "peak_gib", "kv_read_gib", "kv_read_gib_per_row", "floor_ms", "step_vs_floor", "captures",
                    "capture_s", "second_call_captures",
                    "first_call_wall_s", "graph_disabled", "error"], results, console, left=LEFT)
