@@ -28,7 +28,7 @@ VARIANTS = {
     "cascade": dict(),                                  # the defaults: whole step on the device, graphs on a GPU
     "cascade-compile": dict(compile=True),
     "graph": dict(),                                    # transformers' loop around the replayed forward (below)
-    "cascade-keep": dict(keep_kv_bytes=1 << 40),        # the pools keep what a call mapped for the next one
+    "cascade-keep": dict(keep_kv_bytes="auto"),         # the pools keep what a call mapped for the next one
 }
 LENGTHS = (3600, 900, 2700, 1400, 4000, 600, 2100, 3100)    # the order a dataset would give them: mixed
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

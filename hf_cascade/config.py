@@ -68,7 +68,10 @@ class CascadeConfig:
             beyond device memory). Required for ``memory="static"``. Running out of it raises
             :class:`~hf_cascade.PoolExhausted`.
         keep_kv_bytes: bytes of all layers together that a ``"vmm"`` pool keeps mapped when the
-            cache is reset, for the next call (0: everything goes back to the device).
+            cache is reset, for the next call (0: everything goes back to the device), or ``"auto"``: what
+            the call mapped, up to 1/16 of the device's memory (a later call of that size maps nothing: the
+            driver clears new memory at about 0.25 ms per MiB), as torch's caching allocator keeps a
+            finished call's memory; ``hf_cascade.release(model)`` gives it back.
         min_group_rows: rows that must share a prefix before it is read once for all of them
             (level 0 of the cascade); smaller groups read their whole table as a suffix.
         min_prefix_tokens: a shared prefix shorter than this is not read as its own level: its rows
@@ -136,7 +139,7 @@ class CascadeConfig:
     block_size: int = 16
     memory: str = "auto"
     max_kv_bytes: int | None = None
-    keep_kv_bytes: int = 0
+    keep_kv_bytes: int | str = 0
     min_group_rows: int = 2
     min_prefix_tokens: int = 0
     min_saved_tokens: int | None = None
@@ -168,7 +171,8 @@ class CascadeConfig:
                              "a block is the unit every row and shared prefix is rounded up to (16-256 are usual).")
         if self.max_kv_bytes is not None:
             self.max_kv_bytes = _byte_count("max_kv_bytes", self.max_kv_bytes, low=1, or_none=True)
-        self.keep_kv_bytes = _byte_count("keep_kv_bytes", self.keep_kv_bytes, low=0)
+        if not (isinstance(self.keep_kv_bytes, str) and self.keep_kv_bytes == "auto"):
+            self.keep_kv_bytes = _byte_count("keep_kv_bytes", self.keep_kv_bytes, low=0, or_auto=True)
         if self.memory == "static" and self.max_kv_bytes is None:
             raise ValueError('CascadeConfig(memory="static") needs max_kv_bytes: the size of the fixed pool.')
         self.min_group_rows = _integer("min_group_rows", self.min_group_rows, low=2)
@@ -283,9 +287,9 @@ def _integer(name: str, value, *, low: int, note: str = "") -> int:
     return int(value)
 
 
-def _byte_count(name: str, value, *, low: int, or_none: bool = False) -> int:
+def _byte_count(name: str, value, *, low: int, or_none: bool = False, or_auto: bool = False) -> int:
     """A number of bytes: an int, or a float such as 4e9 (rounded down)."""
-    what = f"a number of bytes >= {low}" + (" or None" if or_none else "")
+    what = f"a number of bytes >= {low}" + (" or None" if or_none else "") + (' or "auto"' if or_auto else "")
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ConfigTypeError(f"CascadeConfig.{name} must be {what}, got {type(value).__name__} {value!r}.")
     if not math.isfinite(value) or value < low:

@@ -30,7 +30,7 @@ from .context import STEP_KWARG, UPDATE_PASSES_KWARGS, StepContext, reset_contex
 from ..kernels import cuda_library
 from ..kernels.base import with_kv_scale
 from ..kernels.capture import capture_underway
-from .memory import make_storage
+from .memory import keep_bytes_of, make_storage
 from ..precision import as_computed
 from .plan import DecodeLayout, LayoutOutgrown, StepPlan, build_step_plan, decode_room
 
@@ -161,7 +161,7 @@ class CascadeLayer(CacheLayerMixin):
         self.cache._set_block_cap(block_shape, pool_dtype)
         kept = self.storage
         if kept is None or (kept.block_shape, kept.dtype, kept.device) != (block_shape, pool_dtype, key_states.device):
-            keep = config.keep_kv_bytes // max(1, len(self.cache.layers))
+            keep = keep_bytes_of(config.keep_kv_bytes, key_states.device, len(self.cache.layers))
             self.storage = make_storage(block_shape, pool_dtype, key_states.device, config.memory,
                                         self.cache.blocks.max_blocks, keep_bytes=keep)
         self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True

@@ -50,6 +50,9 @@ logger = logging.getLogger("hf_cascade")
 
 # a quantized pool's scale per layer, K/V and KV head: the first write's amax x SCALE_MARGIN / the dtype's largest value
 SCALE_MARGIN = 4.0
+# CascadeConfig(keep_kv_bytes="auto"): the vmm pools of a cache keep what a call mapped, up to 1/KEEP_AUTO_FRACTION of
+# the device's memory over all layers, for the next call
+KEEP_AUTO_FRACTION = 16
 
 
 class PoolAllocationError(torch.OutOfMemoryError):
@@ -678,6 +681,17 @@ def _grow_storage_of(block_shape, dtype, device, max_blocks, tensor, scale=None,
     if scale is not None:
         storage.scale, storage.scale_fixed = scale, scale_fixed
     return storage
+
+
+def keep_bytes_of(setting: int | str, device, layers: int) -> int:
+    """What one of ``layers`` layers' pools keeps mapped on release for ``CascadeConfig.keep_kv_bytes``: its share of a
+    byte count, or of ``"auto"``'s cap (1/KEEP_AUTO_FRACTION of a CUDA device's memory; 0 elsewhere, where no pool maps
+    anything)."""
+    if setting == "auto":
+        device = torch.device(device)
+        setting = (torch.cuda.get_device_properties(_device_index(device)).total_memory // KEEP_AUTO_FRACTION
+                   if device.type == "cuda" else 0)
+    return int(setting) // max(1, layers)
 
 
 # ---- the factory --------------------------------------------------------------------------------------

@@ -139,6 +139,7 @@ def test_vmm_on_cpu_is_refused_with_the_reason():
     (dict(max_kv_bytes=True), "max_kv_bytes"),
     (dict(keep_kv_bytes=-1), "keep_kv_bytes"),
     (dict(keep_kv_bytes=None), "keep_kv_bytes"),
+    (dict(keep_kv_bytes="all"), 'keep_kv_bytes must be a number of bytes >= 0 or "auto"'),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -150,6 +151,14 @@ def test_config_accepts_every_policy():
         assert CascadeConfig(memory=policy).memory == policy
     c = CascadeConfig(memory="static", max_kv_bytes=2e6, keep_kv_bytes=1 << 20)
     assert c.max_kv_bytes == 2_000_000 and isinstance(c.max_kv_bytes, int) and c.keep_kv_bytes == 1 << 20
+    assert CascadeConfig(keep_kv_bytes="auto").keep_kv_bytes == "auto"
+
+
+def test_keep_bytes_per_layer():
+    """A byte count is shared out over the layers; "auto" is 1/KEEP_AUTO_FRACTION of a CUDA device's memory, and
+    nothing on the CPU (whose pools map nothing)."""
+    assert memory.keep_bytes_of(1000, "cpu", 3) == 333 and memory.keep_bytes_of(0, "cpu", 4) == 0
+    assert memory.keep_bytes_of("auto", "cpu", 4) == 0
 
 
 # ---- generate with a capped pool ---------------------------------------------------------------------
@@ -350,6 +359,36 @@ def test_vmm_release_keeps_keep_bytes_and_frees_on_collection(fake):
     del s
     gc.collect()
     assert fake.used == 0 and not fake.ranges
+
+
+def test_vmm_keep_auto_keeps_a_calls_mapping_up_to_its_share_of_the_device(fake):
+    """keep_kv_bytes="auto": a layer's pool keeps what it mapped (the next call of that size maps nothing) up to its
+    share of 1/KEEP_AUTO_FRACTION of the device's memory; past it, whole segments from the end go back."""
+    assert memory.keep_bytes_of("auto", "cuda:0", 2) == (64 << 20) // memory.KEEP_AUTO_FRACTION // 2
+    keep = memory.keep_bytes_of("auto", "cuda:0", 1)
+    assert keep == 2 * GRANULE
+    small = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0", keep_bytes=keep)
+    small.ensure(10)
+    small._settle(wait=True)
+    mapped = small.nbytes
+    assert 0 < mapped <= keep
+    small.release()
+    assert small.nbytes == mapped and fake.used == mapped        # within its share: all of it stays mapped
+    handles = len(fake.handles)
+    small.ensure(10)
+    small._settle(wait=True)
+    assert len(fake.handles) == handles                          # the next call of that size maps nothing
+    big = memory.VMMStorage(VMM_SHAPE, torch.bfloat16, "cuda:0", keep_bytes=keep)
+    for n in (10, 400, 900):
+        big.ensure(n)
+    big._settle(wait=True)
+    first = big.vrange.segments[0][1]
+    assert first <= keep < big.nbytes
+    big.release()
+    assert big.nbytes == first                                   # the segments past the share went back
+    small.release(0)
+    big.release(0)
+    assert fake.used == 0
 
 
 def test_auto_picks_vmm_where_the_driver_supports_it(fake, monkeypatch):
