@@ -147,8 +147,8 @@ class KeptCall:
     extra_key: object = None
 
     def release(self) -> None:
-        self.cache.reset()
-        self.runner.release()
+        self.runner.release()           # (the graphs first: they point at the pools)
+        self.cache.free_memory()        # what keep_kv_bytes keeps mapped too: release gives it back
         if self.extra is not None:
             self.extra.release()
 

@@ -250,6 +250,14 @@ class CascadeLayer(CacheLayerMixin):
                 self.storage = None
         self.is_initialized = False
 
+    def free_storage(self) -> None:
+        """Drop the pool's storage and all its memory now, what ``keep_kv_bytes`` keeps included (a vmm pool's
+        reserved range too): the next K/V makes a new one."""
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
+        self.is_initialized = False
+
     def reorder_cache(self, beam_idx):
         raise RuntimeError("CascadeLayer is reordered by its CascadeCache (cache.reorder_cache), never alone.")
 
@@ -460,6 +468,13 @@ class CascadeCache(Cache):
     def reset(self) -> None:
         """Return every block to the pool and the pools' memory to the device; the cache becomes empty."""
         self._reset(keep=False)
+
+    def free_memory(self) -> None:
+        """:meth:`reset`, then every pool's storage dropped with all its memory, what ``keep_kv_bytes`` keeps and a vmm
+        pool's reserved address range included (:func:`hf_cascade.release` does this to what generate kept)."""
+        self._reset(keep=False)
+        for layer in self.layers:
+            layer.free_storage()
 
     def reset_for_reuse(self) -> None:
         """Like :meth:`reset`, but keep what a captured decode graph points at for a next call of the same

@@ -158,6 +158,11 @@ class BlockStorage:
         """Give the pool's memory back (what each policy can give)."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Give everything back now, whatever the policy keeps on :meth:`release` (the storage is not used again)."""
+        self.tensor = self._empty(0)
+        self._forget_scale()
+
 
 class GrowStorage(BlockStorage):
     """Amortised doubling: a bigger tensor and one copy when the pool runs out."""

@@ -124,6 +124,24 @@ def test_stats_and_reset(pair):
     assert cache.get_seq_length() == 0 and cache.blocks.num_rows == 0
 
 
+def test_free_memory_drops_the_storages_and_the_cache_is_reusable(pair):
+    """free_memory (what hf_cascade.release does to a kept cache): every block back, every layer's storage dropped
+    (what keep_kv_bytes would keep included); the cache then serves a new prefill as a fresh one does."""
+    _, _, cache, dense = _prefilled(pair, n=4)
+    assert all(layer.storage is not None for layer in cache.layers)
+    cache.free_memory()
+    assert all(layer.storage is None and not layer.is_initialized for layer in cache.layers)
+    assert cache.stats().kv_bytes_reserved == 0 and cache.get_seq_length() == 0
+    ids, mask = padded_batch(seed=1)
+    hf_cascade.prefill(pair[1], cache, ids, mask)              # the freed cache, filled again
+    cache.batch_repeat_interleave(4)
+    ids_n, mask_n, _, dense = _prefilled(pair, n=4)
+    token = torch.full((ids_n.shape[0], 1), 7)
+    mask_n = torch.cat([mask_n, torch.ones_like(token)], 1)
+    got, ref = _step(pair, token, mask_n, cache, dense)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
 def test_dense_fallback_without_cascade_cache(pair):
     """Trainer's loss pass, use_cache=False, or a DynamicCache: plain sdpa, bit for bit."""
     stock, cascade = pair
