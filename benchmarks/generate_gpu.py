@@ -181,8 +181,8 @@ WHOLE_VARIANTS = {
     "whole-uncompiled-unfused": dict(backend="cuda", cuda_graphs=True, fuse_projections=False),
     # an fp8 KV cache (e4m3 with per-head scales): half the K/V bytes (long context: issue 34)
     "whole-fp8": dict(backend="cuda", cuda_graphs=True, kv_dtype="float8_e4m3fn"),
-    # the pools keep what a call mapped for the next one (CascadeConfig.keep_kv_bytes="auto"; the default, 0, unmaps it,
-    # the next call maps and clears it again, ~0.25 ms per MiB: hf_cascade/kv/memory.py VMMStorage)
+    # the pools keep what a call mapped for the next one (CascadeConfig.keep_kv_bytes="auto"; the default, 0, unmaps it
+    # and the next call maps it again: what that costs a call, t2_map_s says)
     "whole-keep": dict(backend="cuda", cuda_graphs=True, keep_kv_bytes="auto"),
 }
 # the memory floor of a decode step: every weight but the embedding table (a step gathers a few of its rows) and the

@@ -69,9 +69,9 @@ class CascadeConfig:
             :class:`~hf_cascade.PoolExhausted`.
         keep_kv_bytes: bytes of all layers together that a ``"vmm"`` pool keeps mapped when the
             cache is reset, for the next call (0: everything goes back to the device), or ``"auto"``: what
-            the call mapped, up to 1/16 of the device's memory (a later call of that size maps nothing: the
-            driver clears new memory at about 0.25 ms per MiB), as torch's caching allocator keeps a
-            finished call's memory; ``hf_cascade.release(model)`` gives it back.
+            the call mapped, up to 1/16 of the device's memory (a later call of that size maps no new
+            memory), as torch's caching allocator keeps a finished call's memory;
+            ``hf_cascade.release(model)`` gives it back.
         min_group_rows: rows that must share a prefix before it is read once for all of them
             (level 0 of the cascade); smaller groups read their whole table as a suffix.
         min_prefix_tokens: a shared prefix shorter than this is not read as its own level: its rows

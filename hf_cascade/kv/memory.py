@@ -553,11 +553,12 @@ class VMMStorage(BlockStorage):
     """A pool that grows in place in CUDA virtual memory (vAttention / dAttention).
 
     One virtual range is reserved up front for ``max_blocks`` blocks (without a cap, for the device's
-    total memory); ``ensure`` maps physical memory at its end. Mapping costs about 0.25 ms per MiB
-    (the driver allocates and clears it), so the pool maps ahead of need in a background thread, as
-    dAttention does: when less than ``ahead`` bytes of headroom remain (1/64 of the pool, at least one
-    granule), the next ``ahead`` bytes are mapped off the critical path; a step maps synchronously only
-    when it outruns that (the first prefill, a burst). The tensor object is re-created with more blocks
+    total memory); ``ensure`` maps physical memory at its end. Mapping is a few driver calls (on the H200,
+    vmm_probe.py: 0.09-0.14 ms for 2-128 MiB; the first GPU session read about 0.25 ms per MiB from whole
+    prefills, benchmarks/RESULTS.md), so the pool maps ahead of need in a background thread, as dAttention
+    does: when less than ``ahead`` bytes of headroom remain (1/64 of the pool, at least one granule), the
+    next ``ahead`` bytes are mapped off the critical path; a step maps synchronously only when it outruns
+    that (the first prefill, a burst). The tensor object is re-created with more blocks
     over the same base: no copy, and ``data_ptr()`` never changes. ``release``/``shrink_to`` unmap from the
     end (tensors taken before then must not read the unmapped blocks).
 
