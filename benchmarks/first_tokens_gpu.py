@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import threading
 import time
 
 import torch
@@ -27,7 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import harness
 import hf_cascade
 from hf_cascade.decode import session, whole_step
-from generate_gpu import _mode_kwargs, _model_of, _spying
+from generate_gpu import _mode_kwargs, _model_of, _spying, collecting_maps
 
 # the variant -> generate_gpu's (its model choice: stock keeps unfused projections) and the cascade config
 VARIANTS = {"stock": ("stock", None), "cascade": ("whole", {}),
@@ -72,18 +71,6 @@ def _marking(model, variant: str, line: Timeline, maps: list):
     """Points: the prefill's start and end, the first decode forward's start and end (stock: its model forwards;
     hf_cascade: its own prefill forwards and the whole step's first host step); ``maps``: (seconds, bytes) of the
     vmm mappings made on this thread."""
-    caller = threading.current_thread()
-
-    def spy_map(real_map):
-        def map_(vrange, size):
-            start = time.perf_counter()
-            try:
-                return real_map(vrange, size)
-            finally:
-                if threading.current_thread() is caller:
-                    maps.append((time.perf_counter() - start, size))
-        return map_
-
     def spy_host_step(real):
         def host_step(loop, first: bool = False):
             if first:
@@ -112,8 +99,7 @@ def _marking(model, variant: str, line: Timeline, maps: list):
         handles = [session.register_prefill_hook(pre=lambda m, kw: line.mark("prefill"),
                                                  post=lambda m, kw, out: line.mark("between"))]
     try:
-        with (_spying(getattr(hf_cascade.memory, "_VirtualRange", None), "_map", spy_map),
-              _spying(whole_step.WholeStepLoop, "_host_step", spy_host_step)):
+        with collecting_maps(maps), _spying(whole_step.WholeStepLoop, "_host_step", spy_host_step):
             yield
     finally:
         for handle in handles:

@@ -234,6 +234,26 @@ def collecting_runners(runners: list):
         yield runners
 
 
+@contextlib.contextmanager
+def collecting_maps(maps: list):
+    """Inside the block, ``(seconds, bytes)`` of every KV mapping a vmm pool makes on this thread (the call waits for
+    it) is appended to ``maps``; the worker's mappings ahead of need are left out."""
+    caller = threading.current_thread()
+
+    def spy_map(real_map):
+        def map_(vrange, size):
+            start = time.perf_counter()
+            try:
+                return real_map(vrange, size)
+            finally:
+                if threading.current_thread() is caller:
+                    maps.append((time.perf_counter() - start, size))
+        return map_
+
+    with _spying(getattr(hf_cascade.memory, "_VirtualRange", None), "_map", spy_map):
+        yield maps
+
+
 def _timed_generate(model, ids, new_tokens, mode, variant, info):
     model.set_attn_implementation(model.stock_attention if variant in STOCK_KWARGS else "cascade")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0, **_mode_kwargs(mode),
@@ -254,25 +274,14 @@ def _timed_generate(model, ids, new_tokens, mode, variant, info):
             return ctx
         return prepare
 
-    caller, maps = threading.current_thread(), []    # (seconds, bytes) of each KV mapping the call waited for
-
-    def spy_map(real_map):
-        def map_(vrange, size):     # (a vmm pool maps physical memory: on the call's thread, or ahead in a worker)
-            start = time.perf_counter()
-            try:
-                return real_map(vrange, size)
-            finally:
-                if threading.current_thread() is caller:
-                    maps.append((time.perf_counter() - start, size))
-        return map_
-
+    maps = []           # (seconds, bytes) of each KV mapping the call waited for
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     try:
         # (every host-planned step, the one-loop's first decode step included, begins in _begin_step_shape)
         with (collecting_runners(runners), _spying(hf_cascade.CascadeCache, "_begin_step_shape", spy_prepare),
-              _spying(getattr(hf_cascade.memory, "_VirtualRange", None), "_map", spy_map)):
+              collecting_maps(maps)):
             wall, _ = harness.timed(lambda: model.generate(input_ids=ids, **kw), "cuda")
     except torch.cuda.OutOfMemoryError as err:
         return {"error": f"OOM: {str(err).splitlines()[0][:100]}"}
