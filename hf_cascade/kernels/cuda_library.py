@@ -211,8 +211,8 @@ def write_slots_fp8(pool, key, value, scale, write_block, write_offset, copy_src
     """:func:`write_slots` into a float8_e4m3fn ``pool`` from the model's bf16 / fp16 ``key``, ``value``
     ``[tokens, Hkv, D]``, encoded by the kernel as ``BlockStorage.encode`` encodes them (``scale`` ``[2, Hkv]`` float32,
     fixed) where the library has ``hfc_write_fp8`` and the tensors fit (:data:`fp8_write` on, each token's ``Hkv x D``
-    contiguous and 16-byte aligned, contiguous or strided, ``D`` a multiple of 8); False where it did not write (the caller encodes with torch ops
-    and writes the bytes)."""
+    contiguous and 16-byte aligned, tokens contiguous or strided, ``D`` a multiple of 8); False where it did not write
+    (the caller encodes with torch ops and writes the bytes)."""
     lib = loaded(pool.device) if write_kernel and fp8_write else None
     if lib is None or not getattr(lib, "has_fp8_write", False) or pool.dtype != torch.float8_e4m3fn:
         return False
