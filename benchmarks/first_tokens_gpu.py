@@ -120,7 +120,7 @@ def one_call(model, ids, variant: str, new_tokens: int, mode: str, device: str) 
         line.mark("setup")
         model.generate(input_ids=ids, **kw)
         line.mark("end")
-    spans = line.spans(("setup", *PHASES[1:], "end"))
+    spans = line.spans((*PHASES, "end"))
     (t0, _), (t1, _) = line.points["setup"], line.points["end"]
     return {"wall_s": t1 - t0, "map_s": sum(s for s, _ in maps), "map_mib": sum(b for _, b in maps) / 2**20, **spans}
 

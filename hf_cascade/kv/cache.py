@@ -472,9 +472,9 @@ class CascadeCache(Cache):
     def free_memory(self) -> None:
         """:meth:`reset`, then every pool's storage dropped with all its memory, what ``keep_kv_bytes`` keeps and a vmm
         pool's reserved address range included (:func:`hf_cascade.release` does this to what generate kept)."""
-        self._reset(keep=False)
-        for layer in self.layers:
+        for layer in self.layers:       # (first: the reset then has no pool to shrink to keep_kv_bytes)
             layer.free_storage()
+        self._reset(keep=False)
 
     def reset_for_reuse(self) -> None:
         """Like :meth:`reset`, but keep what a captured decode graph points at for a next call of the same

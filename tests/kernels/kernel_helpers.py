@@ -238,3 +238,14 @@ def padded_pairs(generator: torch.Generator, blocks: int, real: int, copies: int
         src = torch.cat([src, src[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
         dst = torch.cat([dst, dst[:1].expand(pad - 1), ids[-1:]]) if real else ids[-1:].expand(pad)
     return src.contiguous(), dst.contiguous()
+
+
+def wide_values(shape, generator: torch.Generator, specials: int = 40) -> torch.Tensor:
+    """float32 values over 10 decades (e4m3's subnormals to beyond any fp8 scale's saturation point), ``specials / 4``
+    each of exact zeros, negative zeros, +inf and -inf among them: K/V that exercise an fp8 encoding's every case."""
+    x = torch.randn(shape, generator=generator) * 10.0 ** (torch.rand(shape, generator=generator) * 10 - 6)
+    flat = x.view(-1)
+    picks = torch.randperm(flat.numel(), generator=generator)[:specials].view(4, -1)
+    for row, value in zip(picks, (0.0, -0.0, float("inf"), float("-inf"))):
+        flat[row] = value
+    return x

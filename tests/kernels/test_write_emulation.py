@@ -28,7 +28,7 @@ from hf_cascade.kernels import cuda_library
 from hf_cascade.kv import cache as cache_module
 
 from conftest import RUNTIME_SHIM, emulated_api, emulated_binding, host_library
-from kernel_helpers import padded_pairs
+from kernel_helpers import padded_pairs, wide_values
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++17 compiler (g++)")
 
@@ -225,16 +225,6 @@ def test_the_old_entry_reads_tokens_packed(emulated):
     assert torch.equal(got[:, 0], want[:, 0]) and not torch.equal(got_v, want_v)
 
 
-def _wide(t: torch.Tensor, generator) -> None:
-    """Fill ``t`` in place with values over 10 decades (e4m3's subnormals to beyond any scale's saturation point),
-    exact zeros of both signs and infinities among them."""
-    x = torch.randn(t.shape, generator=generator) * 10.0 ** (torch.rand(t.shape, generator=generator) * 10 - 6)
-    flat = x.view(-1)
-    picks = torch.randperm(flat.numel(), generator=generator)[:8]
-    flat[picks[:2]], flat[picks[2:4]], flat[picks[4:6]], flat[picks[6:]] = 0.0, -0.0, float("inf"), float("-inf")
-    t.copy_(x)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["contiguous", "fused_v", "fused_kv"])
 @pytest.mark.parametrize("tokens, copies", [(5, 4), (1, 1), (6, 0)])
@@ -247,7 +237,7 @@ def test_the_fp8_write_kernel_source_encodes_as_the_storage_does(emulated, dtype
     g = torch.Generator().manual_seed(tokens * 11 + copies)
     _, key, value, *rest = _case(tokens, copies, 16, dtype, layout, seed=tokens * 5 + copies)
     for t in {key.data_ptr(): key, value.data_ptr(): value}.values():
-        _wide(t, g)
+        t.copy_(wide_values(t.shape, g, specials=8))
     pool = _aligned(BLOCKS, 2 * 16 * HKV * D, torch.float8_e4m3fn, g).view(BLOCKS, 2, 16, HKV, D)
     storage = BlockStorage((2, 16, HKV, D), torch.float8_e4m3fn, "cpu")
     storage.scale.copy_(10.0 ** (torch.rand(2, HKV, generator=g) * 3 - 2))

@@ -26,7 +26,7 @@ from hf_cascade.kernels import cuda as cuda_backend
 from hf_cascade.kernels import cuda_binding, cuda_tuning, ops, reference
 from hf_cascade.kernels.base import AttentionParams, as_params, kv_scale, with_kv_scale
 from conftest import RunnerSpy, cache_kw, host_loop
-from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan
+from kernel_helpers import random_layout, random_three_level, step_context_of, step_plan, wide_values
 from test_gpu_kernels import compare
 
 pytestmark = pytest.mark.gpu
@@ -307,14 +307,7 @@ def test_fp8_prefix_kernel_time_report(monkeypatch):
 
 # ---- the encoded write -----------------------------------------------------------------------------------------------
 def _wide_values(shape, dtype, g) -> torch.Tensor:
-    """K/V values over 10 decades (fp8's subnormals to beyond the saturation point of every scale below), with exact
-    zeros, negative zeros and infinities among them."""
-    x = torch.randn(shape, generator=g) * 10.0 ** (torch.rand(shape, generator=g) * 10 - 6)
-    flat = x.view(-1)
-    picks = torch.randperm(flat.numel(), generator=g)[:40]
-    flat[picks[:10]], flat[picks[10:20]] = 0.0, -0.0
-    flat[picks[20:30]], flat[picks[30:]] = float("inf"), float("-inf")
-    return x.to(dtype).cuda()
+    return wide_values(shape, g).to(dtype).cuda()
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv-slices"])
